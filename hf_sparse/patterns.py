@@ -1,0 +1,189 @@
+"""Sparsity patterns as small value objects.
+
+A pattern says which weights of a ``(rows, cols)`` matrix may be non-zero. Everything in hf_sparse works on the
+*logical* weight: ``(out_features, in_features)``, groups running along the input dimension, which is the reduction
+dimension of ``Y = X @ W.T`` and the one Sparse Tensor Cores compress. GPT-2's ``Conv1D`` stores its weight
+transposed; :mod:`hf_sparse.modeling` hands its transpose to everything below.
+
+Patterns are parsed from the strings users write (``"2:4"``, ``"64:2:8"``, ``"unstructured:0.9"``) and are
+hashable, so they can key caches and appear in configs.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+__all__ = ["NM", "VNM", "Pattern", "PatternError", "Unstructured", "parse_pattern"]
+
+#: The largest group size we accept: column offsets inside a group are stored as ``uint8`` on disk.
+MAX_M = 256
+#: Sparse Tensor Cores keep 2 of every 4 (``mma.sp``); VENOM blocks pick 4 columns, rows keep 2 of those.
+SPTC_GROUP = 4
+
+
+class PatternError(ValueError):
+    """A pattern string or value that hf_sparse cannot use; the message says what is allowed."""
+
+
+@dataclass(frozen=True)
+class NM:
+    """Keep ``n`` of every ``m`` consecutive weights of each row (``2:4`` is what Sparse Tensor Cores run)."""
+
+    n: int
+    m: int
+
+    def __post_init__(self) -> None:
+        if not (1 <= self.m <= MAX_M):
+            raise PatternError(f"N:M pattern '{self}': m={self.m} must be in [1, {MAX_M}]")
+        if not (1 <= self.n <= self.m):
+            raise PatternError(f"N:M pattern '{self}': n={self.n} must be in [1, m={self.m}]")
+
+    def __str__(self) -> str:
+        return f"{self.n}:{self.m}"
+
+    @property
+    def sparsity(self) -> float:
+        return 1.0 - self.n / self.m
+
+    @property
+    def sptc_runnable(self) -> bool:
+        """True when Sparse Tensor Cores can run it directly: exactly 2:4."""
+        return self.m == SPTC_GROUP and self.n == 2
+
+    def fits(self, rows: int, cols: int) -> bool:
+        return cols % self.m == 0
+
+    def fit_error(self, rows: int, cols: int) -> str | None:
+        if cols % self.m:
+            return f"in_features={cols} is not a multiple of m={self.m}"
+        return None
+
+    def at_level(self, keep: int) -> NM:
+        """The pattern of a gradual ramp that keeps ``keep`` of every ``m`` (see :mod:`hf_sparse.schedules`)."""
+        return NM(keep, self.m)
+
+    @property
+    def levels(self) -> list[int]:
+        """Kept-per-group counts a gradual ramp passes through, densest first: ``m-1, …, n``."""
+        return list(range(self.m - 1, self.n - 1, -1))
+
+
+@dataclass(frozen=True)
+class VNM:
+    """VENOM ``V:N:M``: blocks of ``v`` rows × ``m`` columns share 4 kept columns; each row keeps ``n`` of those 4.
+
+    With ``n=2`` the 4-column sub-block is a 2:4 pattern, so Sparse Tensor Cores run it after the kernels gather
+    the 4 columns; sparsity is ``1 - n/m``. ``keep_cols`` is an internal generalisation used by gradual ramps:
+    a block may keep more than 4 columns (every row keeping all of them) on the way down to 4.
+    """
+
+    v: int
+    n: int
+    m: int
+    keep_cols: int = SPTC_GROUP
+
+    def __post_init__(self) -> None:
+        if self.v < 1:
+            raise PatternError(f"V:N:M pattern '{self}': v={self.v} must be >= 1 (64 or 128 for the kernels)")
+        if not (SPTC_GROUP <= self.m <= MAX_M):
+            raise PatternError(f"V:N:M pattern '{self}': m={self.m} must be in [{SPTC_GROUP}, {MAX_M}]")
+        if not (SPTC_GROUP <= self.keep_cols <= self.m):
+            raise PatternError(f"V:N:M pattern '{self}': keep_cols={self.keep_cols} must be in [4, m={self.m}]")
+        if not (1 <= self.n <= SPTC_GROUP) and self.n != self.keep_cols:
+            raise PatternError(
+                f"V:N:M pattern '{self}': n={self.n} must be in [1, 4] (each row keeps n of the block's 4 columns)"
+            )
+
+    def __str__(self) -> str:
+        if self.keep_cols != SPTC_GROUP:
+            return f"{self.v}:{self.n}:{self.m}(cols={self.keep_cols})"
+        return f"{self.v}:{self.n}:{self.m}"
+
+    @property
+    def sparsity(self) -> float:
+        return 1.0 - self.n / self.m
+
+    @property
+    def sptc_runnable(self) -> bool:
+        return self.n == 2 and self.keep_cols == SPTC_GROUP and self.v in (64, 128)
+
+    def fits(self, rows: int, cols: int) -> bool:
+        return self.fit_error(rows, cols) is None
+
+    def fit_error(self, rows: int, cols: int) -> str | None:
+        problems = []
+        if rows % self.v:
+            problems.append(f"out_features={rows} is not a multiple of v={self.v}")
+        if cols % self.m:
+            problems.append(f"in_features={cols} is not a multiple of m={self.m}")
+        return "; ".join(problems) or None
+
+    def at_level(self, keep: int) -> VNM:
+        """The ramp pattern keeping ``keep`` of every ``m`` per row.
+
+        ``keep >= 4``: each block keeps ``keep`` whole columns (column pruning shared by the block's rows);
+        ``keep < 4``: the block keeps 4 columns and each row ``keep`` of them. Every step is a subset of the last.
+        """
+        if keep >= SPTC_GROUP:
+            return VNM(self.v, keep, self.m, keep_cols=keep)
+        return VNM(self.v, keep, self.m)
+
+    @property
+    def levels(self) -> list[int]:
+        return list(range(self.m - 1, self.n - 1, -1))
+
+
+@dataclass(frozen=True)
+class Unstructured:
+    """Keep the largest ``1 - sparsity`` fraction of weights, anywhere (per layer, or globally across layers)."""
+
+    sparsity: float
+
+    def __post_init__(self) -> None:
+        if not (0.0 <= self.sparsity < 1.0) or math.isnan(self.sparsity):
+            raise PatternError(f"unstructured sparsity {self.sparsity!r} must be in [0, 1)")
+
+    def __str__(self) -> str:
+        return f"unstructured:{self.sparsity:g}"
+
+    @property
+    def sptc_runnable(self) -> bool:
+        return False
+
+    def fits(self, rows: int, cols: int) -> bool:
+        return True
+
+    def fit_error(self, rows: int, cols: int) -> str | None:
+        return None
+
+
+Pattern = NM | VNM | Unstructured
+
+_ALLOWED = "'N:M' (e.g. '2:4', '2:8'), 'V:N:M' (e.g. '64:2:8', '128:2:16') or 'unstructured:S' with 0 <= S < 1"
+
+
+def parse_pattern(spec: str | Pattern) -> Pattern:
+    """Parse ``"2:4"``, ``"64:2:8"`` or ``"unstructured:0.9"`` into a pattern object.
+
+    >>> parse_pattern("64:2:8")
+    VNM(v=64, n=2, m=8, keep_cols=4)
+    """
+    if isinstance(spec, NM | VNM | Unstructured):
+        return spec
+    if not isinstance(spec, str):
+        raise PatternError(f"pattern must be a string, got {type(spec).__name__} {spec!r}; use {_ALLOWED}")
+    text = spec.strip().lower()
+    if text.startswith("unstructured"):
+        match = re.fullmatch(r"unstructured:([0-9]*\.?[0-9]+(?:e-?[0-9]+)?)", text)
+        if not match:
+            raise PatternError(f"pattern {spec!r} is not valid; use {_ALLOWED}")
+        return Unstructured(float(match.group(1)))
+    parts = text.split(":")
+    if not all(p.isdigit() for p in parts) or len(parts) not in (2, 3):
+        raise PatternError(f"pattern {spec!r} is not valid; use {_ALLOWED}")
+    numbers = [int(p) for p in parts]
+    if len(numbers) == 2:
+        return NM(*numbers)
+    return VNM(*numbers)
