@@ -28,11 +28,21 @@ def main() -> None:
     torch.manual_seed(0)
     weights = [torch.randn(shape, device=args.device) for shape in SHAPES]  # one block; reused for every layer
     total = sum(w.numel() for w in weights) * args.layers
-    print(f"{args.layers} layers, {total / 1e6:.0f}M weights on {args.device} "
-          f"({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)")
+    print(
+        f"{args.layers} layers, {total / 1e6:.0f}M weights on {args.device} "
+        f"({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+    )
     rows = []
-    cases = [("2:4", False), ("2:4", True), ("2:8", False), ("64:2:8", False), ("64:2:16", False),
-             ("128:2:32", False), ("unstructured:0.9", False), ("unstructured:0.9 (global)", False)]
+    cases = [
+        ("2:4", False),
+        ("2:4", True),
+        ("2:8", False),
+        ("64:2:8", False),
+        ("64:2:16", False),
+        ("128:2:32", False),
+        ("unstructured:0.9", False),
+        ("unstructured:0.9 (global)", False),
+    ]
     for spec, transposable in cases:
         pattern = parse_pattern(spec.split(" ")[0])
         sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
@@ -49,7 +59,9 @@ def main() -> None:
         seconds = time.perf_counter() - start
         name = spec + (" transposable" if transposable else "")
         rows.append({"pattern": name, "seconds": round(seconds, 2), "weights_per_s": round(total / seconds / 1e6, 1)})
-        print(f"{name:>28}: {seconds:6.2f} s  ({total / seconds / 1e6:6.1f} M weights/s)  kept {float(masks[0].float().mean()):.3f}")
+        print(
+            f"{name:>28}: {seconds:6.2f} s  ({total / seconds / 1e6:6.1f} M weights/s)  kept {float(masks[0].float().mean()):.3f}"
+        )
     if args.csv:
         with open(args.csv, "w", newline="") as fh:
             writer = csv.DictWriter(fh, fieldnames=list(rows[0]))

@@ -12,7 +12,6 @@ from __future__ import annotations
 import csv
 import json
 import logging
-import os
 import random
 import tempfile
 import time
@@ -130,10 +129,16 @@ def run_demo(
     seed: int = 0,
 ) -> DemoReport:
     """Train, prune, save, reload and check; returns the report (also printed by the CLI)."""
-    from transformers import AutoModelForSequenceClassification, BertConfig, BertForSequenceClassification
-    from transformers import AutoTokenizer, TrainingArguments, set_seed
+    from transformers import (
+        AutoModelForSequenceClassification,
+        AutoTokenizer,
+        BertConfig,
+        BertForSequenceClassification,
+        TrainingArguments,
+        set_seed,
+    )
 
-    from . import SparsityConfig, SparseTrainer
+    from . import SparseTrainer, SparsityConfig
 
     started = time.time()
     set_seed(seed)
@@ -148,23 +153,34 @@ def run_demo(
     else:
         tokenizer = _word_tokenizer([s for s, _ in rows], out / "tokenizer")
         config = BertConfig(
-            vocab_size=len(tokenizer), hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
-            intermediate_size=512, max_position_embeddings=64, num_labels=2,
+            vocab_size=len(tokenizer),
+            hidden_size=128,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            intermediate_size=512,
+            max_position_embeddings=64,
+            num_labels=2,
         )
         model = BertForSequenceClassification(config)
     train, evaluation = _Encoded(tokenizer, train_rows), _Encoded(tokenizer, eval_rows)
     args = TrainingArguments(
-        output_dir=str(out / "trainer"), max_steps=max_steps, per_device_train_batch_size=32,
-        learning_rate=1e-3 if not model_name_or_path else 5e-5, warmup_steps=max_steps // 10, weight_decay=0.01,
-        logging_steps=max(1, max_steps // 8), save_strategy="no", report_to=[], seed=seed, use_cpu=True,
+        output_dir=str(out / "trainer"),
+        max_steps=max_steps,
+        per_device_train_batch_size=32,
+        learning_rate=1e-3 if not model_name_or_path else 5e-5,
+        warmup_steps=max_steps // 10,
+        weight_decay=0.01,
+        logging_steps=max(1, max_steps // 8),
+        save_strategy="no",
+        report_to=[],
+        seed=seed,
+        use_cpu=True,
         disable_tqdm=False,
     )
     # Dense for the first third, cubic ramp to the pattern by two thirds, then recover at the final pattern.
     sparsity = SparsityConfig(pattern=pattern, schedule="cubic", start=1 / 3, end=2 / 3, update_every=10)
     probe = _DenseProbe(evaluation)
-    trainer = SparseTrainer(
-        model=model, args=args, train_dataset=train, sparsity_config=sparsity, callbacks=[probe]
-    )
+    trainer = SparseTrainer(model=model, args=args, train_dataset=train, sparsity_config=sparsity, callbacks=[probe])
     probe.start_step = trainer.pruner.bind(max_steps).start_step
     trainer.train()
     sparse_acc, logits = _accuracy(model, evaluation)

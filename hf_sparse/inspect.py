@@ -12,7 +12,18 @@ from .patterns import Unstructured, parse_pattern
 
 __all__ = ["format_inspection", "inspect_checkpoint"]
 
-_DTYPE_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "U8": 1, "I8": 1, "I32": 4, "I64": 8}
+_DTYPE_BYTES = {
+    "F64": 8,
+    "F32": 4,
+    "BF16": 2,
+    "F16": 2,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "U8": 1,
+    "I8": 1,
+    "I32": 4,
+    "I64": 8,
+}
 
 
 def _tensor_bytes(entry: dict[str, Any]) -> int:

@@ -25,21 +25,46 @@ def pytest_collection_modifyitems(config, items):
 # hidden 64 / FFN 128: every targeted layer tiles 2:4, 2:8, 64:2:8 and transposable 2:4.
 TINY_CONFIGS = {
     "bert": lambda: BertConfig(
-        vocab_size=99, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128,
-        max_position_embeddings=64, num_labels=3,
+        vocab_size=99,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=128,
+        max_position_embeddings=64,
+        num_labels=3,
     ),
     "roberta": lambda: RobertaConfig(
-        vocab_size=99, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128,
-        max_position_embeddings=70, num_labels=3, pad_token_id=1,
+        vocab_size=99,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=128,
+        max_position_embeddings=70,
+        num_labels=3,
+        pad_token_id=1,
     ),
     "distilbert": lambda: DistilBertConfig(
-        vocab_size=99, dim=64, n_layers=2, n_heads=2, hidden_dim=128, max_position_embeddings=64, num_labels=3,
+        vocab_size=99,
+        dim=64,
+        n_layers=2,
+        n_heads=2,
+        hidden_dim=128,
+        max_position_embeddings=64,
+        num_labels=3,
     ),
-    "gpt2": lambda: GPT2Config(vocab_size=99, n_embd=64, n_layer=2, n_head=2, n_positions=64, num_labels=3,
-                               pad_token_id=0),
+    "gpt2": lambda: GPT2Config(
+        vocab_size=99, n_embd=64, n_layer=2, n_head=2, n_positions=64, num_labels=3, pad_token_id=0
+    ),
     "llama": lambda: LlamaConfig(
-        vocab_size=99, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
-        intermediate_size=128, max_position_embeddings=64, num_labels=3, pad_token_id=0,
+        vocab_size=99,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        max_position_embeddings=64,
+        num_labels=3,
+        pad_token_id=0,
     ),
 }
 

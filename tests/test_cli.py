@@ -50,9 +50,21 @@ def test_inspect_missing_folder(tmp_path, capsys):
 def test_demo_end_to_end(tmp_path):
     """The README's main command, shortened: trains, prunes, saves, reloads and checks the logits."""
     result = subprocess.run(
-        [sys.executable, "-m", "hf_sparse.cli", "demo", "--output_dir", str(tmp_path), "--max_steps", "45",
-         "--pattern", "2:4"],
-        capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "hf_sparse.cli",
+            "demo",
+            "--output_dir",
+            str(tmp_path),
+            "--max_steps",
+            "45",
+            "--pattern",
+            "2:4",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert result.returncode == 0, result.stderr[-2000:]
     assert "max |logit difference| after reload:    0" in result.stdout

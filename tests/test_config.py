@@ -6,8 +6,9 @@ from hf_sparse import SparsityConfig
 
 
 def test_json_round_trip(tmp_path):
-    cfg = SparsityConfig(pattern="64:2:8", schedule="linear", start=0.1, end=200, update_every=7,
-                         targets=["encoder"], ignore=["pooler"])
+    cfg = SparsityConfig(
+        pattern="64:2:8", schedule="linear", start=0.1, end=200, update_every=7, targets=["encoder"], ignore=["pooler"]
+    )
     path = tmp_path / "cfg.json"
     cfg.to_json_file(path)
     again = SparsityConfig.from_json_file(path)

@@ -60,8 +60,12 @@ def test_readable_vnm_layout():
 
 @settings(max_examples=40, deadline=None)
 @given(
-    spec=st.sampled_from(["2:4", "1:4", "2:8", "3:8", "4:16", "8:4:8", "8:2:8", "4:2:16", "8:6:8", "unstructured:0.7"]),
-    row_blocks=st.integers(1, 3), groups=st.integers(1, 3), seed=st.integers(0, 9999),
+    spec=st.sampled_from(
+        ["2:4", "1:4", "2:8", "3:8", "4:16", "8:4:8", "8:2:8", "4:2:16", "8:6:8", "unstructured:0.7"]
+    ),
+    row_blocks=st.integers(1, 3),
+    groups=st.integers(1, 3),
+    seed=st.integers(0, 9999),
     dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
 )
 def test_round_trip_bit_exact(spec, row_blocks, groups, seed, dtype):

@@ -42,7 +42,9 @@ def _saved(tmp_path, family, auto_class, pattern, **kwargs):
     return model, pruner, tmp_path / "sparse"
 
 
-@pytest.mark.parametrize("family, auto_class, pattern", CASES, ids=[f"{c[0]}-{c[1].__name__[12:]}-{c[2]}" for c in CASES])
+@pytest.mark.parametrize(
+    "family, auto_class, pattern", CASES, ids=[f"{c[0]}-{c[1].__name__[12:]}-{c[2]}" for c in CASES]
+)
 def test_round_trip_bit_exact(tmp_path, family, auto_class, pattern):
     model, pruner, folder = _saved(tmp_path, family, auto_class, pattern)
     ids = random_ids()

@@ -25,10 +25,7 @@ def test_ties_go_to_the_lower_index():
 
 def test_vnm_readable():
     # v=2 rows, m=8: column sums are 1, 10, 2, 9, 3, 8, 4, 7 -> block keeps columns 1, 3, 5, 7
-    score = torch.tensor(
-        [[0.0, 9.0, 1.0, 1.0, 2.0, 7.0, 3.0, 2.0],
-         [1.0, 1.0, 1.0, 8.0, 1.0, 1.0, 1.0, 5.0]]
-    )
+    score = torch.tensor([[0.0, 9.0, 1.0, 1.0, 2.0, 7.0, 3.0, 2.0], [1.0, 1.0, 1.0, 8.0, 1.0, 1.0, 1.0, 5.0]])
     mask = vnm_mask(score, v=2, n=2, m=8)
     # row 0 keeps its 2 largest of columns {1,3,5,7}: 9 (col 1) and 7 (col 5); row 1: 8 (col 3), 5 (col 7)
     assert mask.tolist() == [[F, T, F, F, F, T, F, F], [F, F, F, T, F, F, F, T]]
@@ -95,7 +92,9 @@ def test_bad_shapes_raise():
 
 @settings(max_examples=40, deadline=None)
 @given(
-    rows=st.integers(1, 6), groups=st.integers(1, 5), nm=st.sampled_from([(1, 4), (2, 4), (3, 4), (2, 8), (5, 8)]),
+    rows=st.integers(1, 6),
+    groups=st.integers(1, 5),
+    nm=st.sampled_from([(1, 4), (2, 4), (3, 4), (2, 8), (5, 8)]),
     seed=st.integers(0, 2**16),
 )
 def test_nm_property(rows, groups, nm, seed):
@@ -111,8 +110,11 @@ def test_nm_property(rows, groups, nm, seed):
 
 @settings(max_examples=30, deadline=None)
 @given(
-    blocks=st.integers(1, 3), v=st.sampled_from([1, 2, 4]), groups=st.integers(1, 3),
-    nm=st.sampled_from([(2, 8), (1, 4), (2, 16), (3, 8)]), seed=st.integers(0, 2**16),
+    blocks=st.integers(1, 3),
+    v=st.sampled_from([1, 2, 4]),
+    groups=st.integers(1, 3),
+    nm=st.sampled_from([(2, 8), (1, 4), (2, 16), (3, 8)]),
+    seed=st.integers(0, 2**16),
 )
 def test_vnm_property(blocks, v, groups, nm, seed):
     n, m = nm

@@ -5,15 +5,22 @@ from hf_sparse.patterns import NM, VNM, PatternError, Unstructured, parse_patter
 
 @pytest.mark.parametrize(
     "text, expected",
-    [("2:4", NM(2, 4)), (" 2:8 ", NM(2, 8)), ("64:2:8", VNM(64, 2, 8)), ("128:2:16", VNM(128, 2, 16)),
-     ("unstructured:0.9", Unstructured(0.9)), ("UNSTRUCTURED:.5", Unstructured(0.5))],
+    [
+        ("2:4", NM(2, 4)),
+        (" 2:8 ", NM(2, 8)),
+        ("64:2:8", VNM(64, 2, 8)),
+        ("128:2:16", VNM(128, 2, 16)),
+        ("unstructured:0.9", Unstructured(0.9)),
+        ("UNSTRUCTURED:.5", Unstructured(0.5)),
+    ],
 )
 def test_parse(text, expected):
     assert parse_pattern(text) == expected
 
 
-@pytest.mark.parametrize("text", ["", "2", "2:4:8:16", "a:b", "5:4", "0:4", "64:2:2", "unstructured:1.5", "unstructured:x",
-                                  "2:-4", "0:2:8"])
+@pytest.mark.parametrize(
+    "text", ["", "2", "2:4:8:16", "a:b", "5:4", "0:4", "64:2:2", "unstructured:1.5", "unstructured:x", "2:-4", "0:2:8"]
+)
 def test_parse_rejects(text):
     with pytest.raises(PatternError):
         parse_pattern(text)

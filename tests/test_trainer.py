@@ -16,8 +16,16 @@ from hf_sparse.formats.compressed import compress
 
 def _args(tmp_path, **kwargs):
     defaults = dict(
-        output_dir=str(tmp_path), max_steps=12, per_device_train_batch_size=8, learning_rate=1e-3,
-        weight_decay=0.1, logging_steps=4, save_strategy="no", report_to=[], use_cpu=True, seed=0,
+        output_dir=str(tmp_path),
+        max_steps=12,
+        per_device_train_batch_size=8,
+        learning_rate=1e-3,
+        weight_decay=0.1,
+        logging_steps=4,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        seed=0,
         disable_tqdm=True,
     )
     defaults.update(kwargs)
@@ -42,13 +50,20 @@ def _check_final_masks(pruner):
 
 @pytest.mark.parametrize(
     "pattern, extra",
-    [("2:4", {}), ("2:4", {"transposable": True}), ("64:2:8", {}), ("unstructured:0.6", {}),
-     ("unstructured:0.6", {"global_unstructured": True})],
+    [
+        ("2:4", {}),
+        ("2:4", {"transposable": True}),
+        ("64:2:8", {}),
+        ("unstructured:0.6", {}),
+        ("unstructured:0.6", {"global_unstructured": True}),
+    ],
 )
 def test_sparse_trainer_reaches_the_pattern(tmp_path, pattern, extra):
     model = _model()
     config = SparsityConfig(pattern=pattern, schedule="cubic", start=0, end=0.5, update_every=2, **extra)
-    trainer = SparseTrainer(model=model, args=_args(tmp_path), train_dataset=ToyClassification(), sparsity_config=config)
+    trainer = SparseTrainer(
+        model=model, args=_args(tmp_path), train_dataset=ToyClassification(), sparsity_config=config
+    )
     before = {layer.name: layer.weight.detach().clone() for layer in trainer.pruner.layers}
     trainer.train()
     _check_final_masks(trainer.pruner)
@@ -60,7 +75,7 @@ def test_sparse_trainer_reaches_the_pattern(tmp_path, pattern, extra):
         assert zeros / total == pytest.approx(target, abs=1e-3)
     else:
         assert all(value == pytest.approx(target, abs=1e-3) for value in sparsity.values())
-    assert any(not torch.equal(before[n], layer.weight.detach()) for n, layer in [(l.name, l) for l in trainer.pruner.layers])
+    assert any(not torch.equal(before[layer.name], layer.weight.detach()) for layer in trainer.pruner.layers)
     logs = [h for h in trainer.state.log_history if "loss" in h]
     assert logs and all("sparsity" in h for h in logs)
     assert logs[-1]["sparsity"] == pytest.approx(target, abs=1e-3)
@@ -71,8 +86,12 @@ def test_sparse_trainer_reaches_the_pattern(tmp_path, pattern, extra):
 
 def test_gradual_levels_and_flip_rate_logged(tmp_path):
     config = SparsityConfig(pattern="2:8", schedule="linear", start=0, end=12, update_every=2)
-    trainer = SparseTrainer(model=_model(), args=_args(tmp_path, max_steps=14, logging_steps=1),
-                            train_dataset=ToyClassification(), sparsity_config=config)
+    trainer = SparseTrainer(
+        model=_model(),
+        args=_args(tmp_path, max_steps=14, logging_steps=1),
+        train_dataset=ToyClassification(),
+        sparsity_config=config,
+    )
     trainer.train()
     targets = [h["sparsity_target"] for h in trainer.state.log_history if "sparsity_target" in h]
     assert targets == sorted(targets) and targets[-1] == 0.75
@@ -89,8 +108,13 @@ def test_gradient_accumulation_and_clipping(tmp_path):
             layer = model.bert.encoder.layer[0].intermediate.dense
             seen.append(bool((layer.weight.grad[layer.weight == 0] == 0).all()))
 
-    trainer = SparseTrainer(model=_model(), args=_args(tmp_path, gradient_accumulation_steps=2, max_grad_norm=0.5),
-                            train_dataset=ToyClassification(), sparsity_config=config, callbacks=[Probe()])
+    trainer = SparseTrainer(
+        model=_model(),
+        args=_args(tmp_path, gradient_accumulation_steps=2, max_grad_norm=0.5),
+        train_dataset=ToyClassification(),
+        sparsity_config=config,
+        callbacks=[Probe()],
+    )
     trainer.train()
     assert seen and all(seen)  # gradients at pruned positions are zero before the optimizer (and clipping) sees them
     _check_final_masks(trainer.pruner)
@@ -99,8 +123,12 @@ def test_gradient_accumulation_and_clipping(tmp_path):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_low_precision_weights(tmp_path, dtype):
     config = SparsityConfig(pattern="2:4", schedule="oneshot", start=0)
-    trainer = SparseTrainer(model=_model(dtype=dtype), args=_args(tmp_path, max_steps=4),
-                            train_dataset=ToyClassification(), sparsity_config=config)
+    trainer = SparseTrainer(
+        model=_model(dtype=dtype),
+        args=_args(tmp_path, max_steps=4),
+        train_dataset=ToyClassification(),
+        sparsity_config=config,
+    )
     trainer.train()
     _check_final_masks(trainer.pruner)
     trainer.save_model(str(tmp_path / "out"))
@@ -110,8 +138,12 @@ def test_low_precision_weights(tmp_path, dtype):
 
 def test_bf16_autocast(tmp_path):
     config = SparsityConfig(pattern="2:4", schedule="oneshot", start=0)
-    trainer = SparseTrainer(model=_model(), args=_args(tmp_path, max_steps=4, bf16=True),
-                            train_dataset=ToyClassification(), sparsity_config=config)
+    trainer = SparseTrainer(
+        model=_model(),
+        args=_args(tmp_path, max_steps=4, bf16=True),
+        train_dataset=ToyClassification(),
+        sparsity_config=config,
+    )
     trainer.train()
     _check_final_masks(trainer.pruner)
 
@@ -138,12 +170,15 @@ def _resume_run(tmp_path, trainer_cls, stop_at=None, resume=None):
     args = _args(tmp_path, max_steps=18, save_strategy="steps", save_steps=7, dataloader_drop_last=True)
     callbacks = [_StopAt(stop_at)] if stop_at else []
     if trainer_cls is SparseTrainer:
-        trainer = SparseTrainer(model=_model(), args=args, train_dataset=ToyClassification(), sparsity_config=config,
-                                callbacks=callbacks)
+        trainer = SparseTrainer(
+            model=_model(), args=args, train_dataset=ToyClassification(), sparsity_config=config, callbacks=callbacks
+        )
         pruner = lambda: trainer.pruner  # noqa: E731
     else:
         callback = SparsityCallback(config)
-        trainer = Trainer(model=_model(), args=args, train_dataset=ToyClassification(), callbacks=[*callbacks, callback])
+        trainer = Trainer(
+            model=_model(), args=args, train_dataset=ToyClassification(), callbacks=[*callbacks, callback]
+        )
         pruner = lambda: callback.pruner  # noqa: E731
     trainer.train(resume_from_checkpoint=resume)
     return trainer, pruner()
@@ -158,7 +193,9 @@ def test_resume_is_exact(tmp_path, trainer_cls):
     # the masks at step 7 are an intermediate level: resuming must restore them, not recompute them
     resumed, resumed_pruner = _resume_run(tmp_path / "cut", trainer_cls, resume=str(checkpoint))
     assert resumed.state.global_step == whole.state.global_step == 18
-    assert resumed_pruner.level == whole_pruner.level and resumed_pruner.last_update_step == whole_pruner.last_update_step
+    assert (
+        resumed_pruner.level == whole_pruner.level and resumed_pruner.last_update_step == whole_pruner.last_update_step
+    )
     for a, b in zip(whole_pruner.layers, resumed_pruner.layers, strict=True):
         assert torch.equal(whole_pruner.masks[a.name], resumed_pruner.masks[b.name]), a.name
     for (name, p), (_, q) in zip(whole.model.named_parameters(), resumed.model.named_parameters(), strict=True):
@@ -184,9 +221,15 @@ def test_untileable_layer_is_left_dense_with_one_warning(tmp_path):
     config.intermediate_size = 96  # 96 rows: not a multiple of v=64
     torch.manual_seed(0)
     model = AutoModelForSequenceClassification.from_config(config)
-    with pytest.warns(UserWarning, match=r"cannot tile 2 layer\(s\).*layer\.0\.intermediate\.dense.*out_features=96") as record:
-        trainer = SparseTrainer(model=model, args=_args(tmp_path), train_dataset=ToyClassification(),
-                                sparsity_config=SparsityConfig(pattern="64:2:8"))
+    with pytest.warns(
+        UserWarning, match=r"cannot tile 2 layer\(s\).*layer\.0\.intermediate\.dense.*out_features=96"
+    ) as record:
+        trainer = SparseTrainer(
+            model=model,
+            args=_args(tmp_path),
+            train_dataset=ToyClassification(),
+            sparsity_config=SparsityConfig(pattern="64:2:8"),
+        )
     assert len([r for r in record if "cannot tile" in str(r.message)]) == 1
     names = {layer.name for layer in trainer.pruner.layers}
     assert "bert.encoder.layer.0.intermediate.dense" not in names and "bert.encoder.layer.0.output.dense" in names
@@ -197,14 +240,22 @@ def test_untileable_layer_targeted_explicitly_raises(tmp_path):
     config.intermediate_size = 96
     model = AutoModelForSequenceClassification.from_config(config)
     with pytest.raises(ValueError, match=r"layer\.0\.intermediate\.dense.*targeted explicitly"):
-        SparseTrainer(model=model, args=_args(tmp_path), train_dataset=ToyClassification(),
-                      sparsity_config=SparsityConfig(pattern="64:2:8", targets=[r"intermediate\.dense"]))
+        SparseTrainer(
+            model=model,
+            args=_args(tmp_path),
+            train_dataset=ToyClassification(),
+            sparsity_config=SparsityConfig(pattern="64:2:8", targets=[r"intermediate\.dense"]),
+        )
 
 
 def test_no_matching_layer_raises(tmp_path):
     with pytest.raises(ValueError, match="no layer matched"):
-        SparseTrainer(model=_model(), args=_args(tmp_path), train_dataset=ToyClassification(),
-                      sparsity_config=SparsityConfig(pattern="2:4", targets=["nothing_is_called_this"]))
+        SparseTrainer(
+            model=_model(),
+            args=_args(tmp_path),
+            train_dataset=ToyClassification(),
+            sparsity_config=SparsityConfig(pattern="2:4", targets=["nothing_is_called_this"]),
+        )
 
 
 def test_wrong_sparsity_config_type(tmp_path):

@@ -9,18 +9,77 @@ import csv
 import random
 from pathlib import Path
 
-POSITIVE = ["great", "wonderful", "excellent", "delightful", "superb", "charming", "brilliant", "lovely", "moving",
-            "clever", "gripping", "fantastic", "solid", "pleasant", "memorable"]
-NEGATIVE = ["awful", "terrible", "boring", "dull", "clumsy", "tedious", "bland", "disappointing", "weak", "messy",
-            "forgettable", "painful", "poor", "annoying", "flat"]
-SUBJECTS = ["the film", "this movie", "the plot", "the acting", "the soundtrack", "the ending", "the camera",
-            "the story", "the phone", "this laptop", "the battery", "the screen", "the service", "the meal",
-            "the book", "the sequel", "the dialogue", "the cast", "the design", "the hotel"]
-TEMPLATES = ["{s} was {n}{a}", "{s} is {n}{a}", "honestly {s} felt {n}{a}", "i thought {s} was {n}{a}",
-             "{s} turned out {n}{a}", "overall {s} seemed {n}{a} to me", "{s} was {n}{a} and i said so"]
+POSITIVE = [
+    "great",
+    "wonderful",
+    "excellent",
+    "delightful",
+    "superb",
+    "charming",
+    "brilliant",
+    "lovely",
+    "moving",
+    "clever",
+    "gripping",
+    "fantastic",
+    "solid",
+    "pleasant",
+    "memorable",
+]
+NEGATIVE = [
+    "awful",
+    "terrible",
+    "boring",
+    "dull",
+    "clumsy",
+    "tedious",
+    "bland",
+    "disappointing",
+    "weak",
+    "messy",
+    "forgettable",
+    "painful",
+    "poor",
+    "annoying",
+    "flat",
+]
+SUBJECTS = [
+    "the film",
+    "this movie",
+    "the plot",
+    "the acting",
+    "the soundtrack",
+    "the ending",
+    "the camera",
+    "the story",
+    "the phone",
+    "this laptop",
+    "the battery",
+    "the screen",
+    "the service",
+    "the meal",
+    "the book",
+    "the sequel",
+    "the dialogue",
+    "the cast",
+    "the design",
+    "the hotel",
+]
+TEMPLATES = [
+    "{s} was {n}{a}",
+    "{s} is {n}{a}",
+    "honestly {s} felt {n}{a}",
+    "i thought {s} was {n}{a}",
+    "{s} turned out {n}{a}",
+    "overall {s} seemed {n}{a} to me",
+    "{s} was {n}{a} and i said so",
+]
 
 
-def main(path: Path = Path(__file__).with_name("demo_sentiment.csv"), rows: int = 1200, seed: int = 0) -> None:
+DEFAULT_PATH = Path(__file__).with_name("demo_sentiment.csv")
+
+
+def main(path: Path = DEFAULT_PATH, rows: int = 1200, seed: int = 0) -> None:
     rng = random.Random(seed)
     with open(path, "w", newline="") as fh:
         writer = csv.writer(fh)
