@@ -63,6 +63,13 @@ class SparseTrainer(Trainer):
         if self.sparsity_callback is not None and not self.sparsity_callback.load_state(resume_from_checkpoint):
             logger.warning("hf_sparse: %s has no pruner state", resume_from_checkpoint)
 
+    def _load_best_model(self) -> None:
+        """The best checkpoint may predate the final masks: restore the masks saved with it too."""
+        super()._load_best_model()
+        best = self.state.best_model_checkpoint
+        if self.sparsity_callback is not None and best and not self.sparsity_callback.load_state(best):
+            logger.warning("hf_sparse: best checkpoint %s has no pruner state; keeping the final masks", best)
+
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """Compressed checkpoint (``quantization_config`` in ``config.json``) once the model has been pruned.
 

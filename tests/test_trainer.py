@@ -261,3 +261,38 @@ def test_no_matching_layer_raises(tmp_path):
 def test_wrong_sparsity_config_type(tmp_path):
     with pytest.raises(TypeError, match="SparsityConfig"):
         SparseTrainer(model=_model(), args=_args(tmp_path), train_dataset=ToyClassification(), sparsity_config="2:4")
+
+
+def test_load_best_model_restores_its_masks(tmp_path):
+    """With load_best_model_at_end, the best checkpoint can be from mid-ramp: its masks must come back with it."""
+    config = SparsityConfig(pattern="2:8", schedule="linear", start=0, end=12, update_every=2)
+    args = _args(
+        tmp_path,
+        max_steps=12,
+        eval_strategy="steps",
+        eval_steps=4,
+        save_strategy="steps",
+        save_steps=4,
+        load_best_model_at_end=True,
+        metric_for_best_model="eval_sparsity_probe",
+        greater_is_better=False,
+    )
+
+    class Probe(TrainerCallback):  # makes step 4 the "best" checkpoint: the lowest value is logged there
+        def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+            metrics["eval_sparsity_probe"] = abs(state.global_step - 4)
+
+    trainer = SparseTrainer(
+        model=_model(),
+        args=args,
+        train_dataset=ToyClassification(),
+        eval_dataset=ToyClassification(16),
+        sparsity_config=config,
+        callbacks=[Probe()],
+    )
+    trainer.train()
+    assert trainer.state.best_model_checkpoint.endswith("checkpoint-4")
+    assert trainer.pruner.level > 2  # the mid-ramp level of step 4, not the final 2:8
+    trainer.save_model(str(tmp_path / "out"))
+    loaded = AutoModelForSequenceClassification.from_pretrained(tmp_path / "out")
+    assert str(loaded.bert.encoder.layer[0].output.dense.pattern) == f"{trainer.pruner.level}:8"
