@@ -72,34 +72,32 @@ class NM:
 
 @dataclass(frozen=True)
 class VNM:
-    """VENOM ``V:N:M``: blocks of ``v`` rows × ``m`` columns share 4 kept columns; each row keeps ``n`` of those 4.
+    """VENOM ``V:N:M``: blocks of ``v`` rows x ``m`` columns share 4 kept columns; each row keeps ``n`` of those 4.
 
     With ``n=2`` the 4-column sub-block is a 2:4 pattern, so Sparse Tensor Cores run it after the kernels gather
-    the 4 columns; sparsity is ``1 - n/m``. ``keep_cols`` is an internal generalisation used by gradual ramps:
-    a block may keep more than 4 columns (every row keeping all of them) on the way down to 4.
+    the 4 columns; sparsity is ``1 - n/m``. ``n > 4`` (used by gradual ramps, see :mod:`hf_sparse.schedules`) means
+    each block keeps ``n`` whole columns and every row keeps all of them: :attr:`keep_cols` is ``max(n, 4)``.
     """
 
     v: int
     n: int
     m: int
-    keep_cols: int = SPTC_GROUP
 
     def __post_init__(self) -> None:
         if self.v < 1:
             raise PatternError(f"V:N:M pattern '{self}': v={self.v} must be >= 1 (64 or 128 for the kernels)")
         if not (SPTC_GROUP <= self.m <= MAX_M):
             raise PatternError(f"V:N:M pattern '{self}': m={self.m} must be in [{SPTC_GROUP}, {MAX_M}]")
-        if not (SPTC_GROUP <= self.keep_cols <= self.m):
-            raise PatternError(f"V:N:M pattern '{self}': keep_cols={self.keep_cols} must be in [4, m={self.m}]")
-        if not (1 <= self.n <= SPTC_GROUP) and self.n != self.keep_cols:
-            raise PatternError(
-                f"V:N:M pattern '{self}': n={self.n} must be in [1, 4] (each row keeps n of the block's 4 columns)"
-            )
+        if not (1 <= self.n <= self.m):
+            raise PatternError(f"V:N:M pattern '{self}': n={self.n} must be in [1, m={self.m}] (2 for the kernels)")
 
     def __str__(self) -> str:
-        if self.keep_cols != SPTC_GROUP:
-            return f"{self.v}:{self.n}:{self.m}(cols={self.keep_cols})"
         return f"{self.v}:{self.n}:{self.m}"
+
+    @property
+    def keep_cols(self) -> int:
+        """Columns each block keeps: 4 (rows pick ``n`` of them), or ``n`` when ``n > 4`` (rows keep all)."""
+        return max(self.n, SPTC_GROUP)
 
     @property
     def sparsity(self) -> float:
@@ -107,7 +105,7 @@ class VNM:
 
     @property
     def sptc_runnable(self) -> bool:
-        return self.n == 2 and self.keep_cols == SPTC_GROUP and self.v in (64, 128)
+        return self.n == 2 and self.v in (64, 128)
 
     def fits(self, rows: int, cols: int) -> bool:
         return self.fit_error(rows, cols) is None
@@ -121,13 +119,7 @@ class VNM:
         return "; ".join(problems) or None
 
     def at_level(self, keep: int) -> VNM:
-        """The ramp pattern keeping ``keep`` of every ``m`` per row.
-
-        ``keep >= 4``: each block keeps ``keep`` whole columns (column pruning shared by the block's rows);
-        ``keep < 4``: the block keeps 4 columns and each row ``keep`` of them. Every step is a subset of the last.
-        """
-        if keep >= SPTC_GROUP:
-            return VNM(self.v, keep, self.m, keep_cols=keep)
+        """The ramp pattern keeping ``keep`` of every ``m`` per row (every level is a subset of the one before)."""
         return VNM(self.v, keep, self.m)
 
     @property
@@ -168,7 +160,7 @@ def parse_pattern(spec: str | Pattern) -> Pattern:
     """Parse ``"2:4"``, ``"64:2:8"`` or ``"unstructured:0.9"`` into a pattern object.
 
     >>> parse_pattern("64:2:8")
-    VNM(v=64, n=2, m=8, keep_cols=4)
+    VNM(v=64, n=2, m=8)
     """
     if isinstance(spec, NM | VNM | Unstructured):
         return spec

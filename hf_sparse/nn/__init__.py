@@ -1,0 +1,3 @@
+from .sparse_linear import SparseLinear
+
+__all__ = ["SparseLinear"]

@@ -1,0 +1,154 @@
+"""``SparsityCallback``: gradual pruning for any ``transformers.Trainer``.
+
+Event by event:
+
+* ``on_train_begin``: find the targeted layers, bind the schedule to ``state.max_steps`` and, when resuming,
+  restore the masks saved with the checkpoint (see :meth:`SparsityCallback.load_state`).
+* ``on_step_begin``: update the masks if this optimizer step is an update step of the schedule.
+* during backward: each targeted weight's gradient is masked as it is accumulated (a hook installed by the
+  pruner), so clipping and the optimizer see zeros at pruned positions.
+* ``on_optimizer_step``: re-apply the masks, so pruned weights stay exactly ``+0.0`` under momentum and decay.
+* ``on_log``: add overall sparsity, target and flip rate to the logs (per-layer sparsity after each mask update).
+* ``on_save``: write the pruner state (bit-packed masks, level, schedule position) into the checkpoint folder.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+from safetensors.torch import load_file, save_file
+from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+from .config import SparsityConfig
+from .pruner import Pruner
+
+__all__ = ["PRUNER_STATE_NAME", "SparsityCallback"]
+
+logger = logging.getLogger(__name__)
+
+#: File written next to every Trainer checkpoint.
+PRUNER_STATE_NAME = "hf_sparse_pruner.safetensors"
+
+
+class SparsityCallback(TrainerCallback):
+    """Prunes the model a ``Trainer`` trains according to ``config``.
+
+    Args:
+        config: what to prune and when.
+        resume_from: a checkpoint folder to restore the pruner state from; by default, when ``Trainer`` resumes,
+            the state is read from ``output_dir/checkpoint-<global_step>``.
+    """
+
+    def __init__(self, config: SparsityConfig, resume_from: str | os.PathLike | None = None) -> None:
+        if not isinstance(config, SparsityConfig):
+            raise TypeError(f"SparsityCallback needs a SparsityConfig, got {type(config).__name__}")
+        self.config = config
+        self.pruner: Pruner | None = None
+        self.resume_from = resume_from
+        self._pending_state: str | None = None
+        self._log_per_layer = False
+        #: set by SparseTrainer, which merges metrics in Trainer.log itself
+        self.adds_metrics_to_logs = True
+
+    # ------------------------------------------------------------------ setup
+    def setup(self, model, max_steps: int) -> Pruner:
+        """Build the pruner for ``model`` (idempotent) and bind its schedule to ``max_steps``."""
+        if self.pruner is None:
+            self.pruner = Pruner(model, self.config)
+        if max_steps <= 0:
+            raise ValueError("SparsityCallback: Trainer did not report max_steps; set max_steps or num_train_epochs")
+        self.pruner.bind(max_steps)
+        return self.pruner
+
+    def load_state(self, checkpoint_dir: str | os.PathLike) -> bool:
+        """Queue the pruner state of ``checkpoint_dir`` for restoring; returns whether it exists there."""
+        path = os.path.join(checkpoint_dir, PRUNER_STATE_NAME)
+        if not os.path.isfile(path):
+            return False
+        self._pending_state = path
+        if self.pruner is not None and self.pruner.plan is not None:
+            self._restore()
+        return True
+
+    def _restore(self) -> None:
+        assert self.pruner is not None and self._pending_state is not None
+        from safetensors import safe_open
+
+        with safe_open(self._pending_state, framework="pt") as fh:
+            meta = fh.metadata() or {}
+        self.pruner.load_state_dict(load_file(self._pending_state), meta)
+        logger.info("hf_sparse: restored pruner state from %s", self._pending_state)
+        self._pending_state = None
+
+    # ------------------------------------------------------------------ events
+    def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs):
+        self.setup(kwargs["model"], state.max_steps)
+        if self.resume_from is not None:
+            if not self.load_state(self.resume_from):
+                raise FileNotFoundError(f"SparsityCallback: no {PRUNER_STATE_NAME} in {self.resume_from}")
+        elif self._pending_state is None and state.global_step > 0:
+            self.load_state(os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"))
+        if self._pending_state is not None:
+            self._restore()
+        elif state.global_step > 0 and self.pruner.last_update_step is None:
+            self._rebuild_from_weights(state.global_step)
+
+    def _rebuild_from_weights(self, step: int) -> None:
+        """Resuming without a saved pruner state: masks are the non-zeros of the resumed weights, at the level the
+        schedule gives. Exact unless a kept weight happens to be exactly zero."""
+        pruner = self.pruner
+        assert pruner is not None and pruner.plan is not None
+        level = pruner.plan.level(step)
+        if level is None:
+            return
+        logger.warning(
+            "hf_sparse: resuming at step %d without %s; rebuilding masks from the weights' non-zeros", step,
+            PRUNER_STATE_NAME,
+        )
+        for layer in pruner.layers:
+            pruner.masks[layer.name] = layer.weight.detach() != 0
+        pruner.level = level
+        pruner.last_update_step = pruner.plan.last_update_step(step)
+
+    def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs):
+        if self.pruner is not None and self.pruner.update(state.global_step):
+            self._log_per_layer = True
+
+    def on_optimizer_step(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs):
+        if self.pruner is not None:
+            self.pruner.apply()
+
+    def metrics_for_log(self) -> dict[str, float]:
+        """Metrics to merge into the next log call (per-layer values only after a mask update)."""
+        if self.pruner is None:
+            return {}
+        metrics = self.pruner.metrics(per_layer=self._log_per_layer)
+        self._log_per_layer = False
+        return metrics
+
+    def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, logs=None, **kwargs):
+        if not self.adds_metrics_to_logs or logs is None or self.pruner is None:
+            return
+        if "loss" not in logs and "train_loss" not in logs:
+            return  # only training logs, not evaluation ones
+        metrics = self.metrics_for_log()
+        logs.update(metrics)
+        if state.log_history:
+            state.log_history[-1].update(metrics)
+
+    def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs):
+        if self.pruner is None or not args.should_save:
+            return
+        folder = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+        if not os.path.isdir(folder):
+            logger.warning("hf_sparse: checkpoint folder %s not found; pruner state not saved", folder)
+            return
+        tensors, meta = self.pruner.state_dict()
+        tmp = os.path.join(folder, PRUNER_STATE_NAME + ".tmp")
+        save_file(tensors, tmp, metadata=meta)
+        os.replace(tmp, os.path.join(folder, PRUNER_STATE_NAME))  # atomic: never a half-written state
+        with open(os.path.join(folder, "hf_sparse_config.json"), "w") as fh:
+            json.dump(self.config.to_dict(), fh, indent=2)

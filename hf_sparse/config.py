@@ -1,0 +1,149 @@
+"""``SparsityConfig``: what to prune, to which pattern, on which schedule.
+
+A plain dataclass that validates in ``__post_init__`` (every error names the field, the value received and what is
+allowed), round-trips through JSON, and carries the library version so a saved recipe says what wrote it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import warnings
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any, Literal
+
+from .patterns import NM, Pattern, PatternError, Unstructured, parse_pattern
+
+__all__ = ["DEFAULT_IGNORE", "DEFAULT_TARGETS", "SparsityConfig"]
+
+#: Linear / Conv1D layers inside the repeated transformer blocks of BERT, RoBERTa, DistilBERT, GPT-2 and Llama.
+DEFAULT_TARGETS: tuple[str, ...] = (r"(^|\.)(layer|layers|h|blocks?)\.\d+\.",)
+#: Never pruned by default even when inside a block: gates of mixture-of-experts routers.
+DEFAULT_IGNORE: tuple[str, ...] = (r"(^|\.)(router|gate)$",)
+
+ScheduleName = Literal["oneshot", "linear", "cubic"]
+
+
+def _check_step_or_fraction(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"SparsityConfig.{name}={value!r}: give a fraction of training (float in [0, 1]) or a step (int)")
+    if isinstance(value, float) and not (0.0 <= value <= 1.0):
+        raise ValueError(
+            f"SparsityConfig.{name}={value!r}: a float is a fraction of training and must be in [0, 1]; "
+            f"for an absolute step pass an int (e.g. {int(value)})"
+        )
+    if isinstance(value, int) and value < 0:
+        raise ValueError(f"SparsityConfig.{name}={value!r}: a step must be >= 0")
+
+
+@dataclass
+class SparsityConfig:
+    """How :class:`~hf_sparse.SparseTrainer` / :class:`~hf_sparse.SparsityCallback` prune a model.
+
+    Args:
+        pattern: ``"N:M"`` (``"2:4"``), VENOM ``"V:N:M"`` (``"64:2:8"``) or ``"unstructured:S"``.
+        schedule: ``"cubic"`` (Zhu & Gupta), ``"linear"`` or ``"oneshot"`` (prune once at ``start``).
+        start, end: when the ramp begins and reaches the final pattern: a float in ``[0, 1]`` is a fraction of
+            the training steps, an int an absolute optimizer step.
+        update_every: optimizer steps between mask updates during the ramp.
+        targets: module-name regexes (``re.search``) of layers to prune; ``None`` means the Linear/Conv1D layers
+            of the transformer blocks (embeddings, poolers and classifier/QA/LM heads stay dense).
+        ignore: module-name regexes never pruned, applied after ``targets``.
+        score: importance used to rank weights; ``"magnitude"`` (|w|), or any name registered with
+            :func:`hf_sparse.scoring.register_score`.
+        transposable: make 2:4 masks valid for ``W`` and ``W.T`` (exact search over the 90 patterns per 4x4 block).
+        global_unstructured: rank unstructured importance across all targeted layers instead of per layer.
+    """
+
+    pattern: str = "2:4"
+    schedule: ScheduleName = "cubic"
+    start: float | int = 0.0
+    end: float | int = 0.5
+    update_every: int = 100
+    targets: list[str] | None = None
+    ignore: list[str] | None = None
+    score: str = "magnitude"
+    transposable: bool = False
+    global_unstructured: bool = False
+    hf_sparse_version: str = field(default="", compare=False)
+
+    def __post_init__(self) -> None:
+        from . import __version__
+        from .schedules import available_schedules
+        from .scoring import available_scores
+
+        try:
+            parsed = parse_pattern(self.pattern)
+        except PatternError as err:
+            raise ValueError(f"SparsityConfig.pattern={self.pattern!r}: {err}") from None
+        self.pattern = str(parsed)
+        if self.schedule not in available_schedules():
+            raise ValueError(f"SparsityConfig.schedule={self.schedule!r}: allowed {sorted(available_schedules())}")
+        _check_step_or_fraction("start", self.start)
+        _check_step_or_fraction("end", self.end)
+        if type(self.start) is type(self.end) and self.end < self.start:
+            raise ValueError(f"SparsityConfig.end={self.end!r} is before start={self.start!r}")
+        if isinstance(self.update_every, bool) or not isinstance(self.update_every, int) or self.update_every < 1:
+            raise ValueError(f"SparsityConfig.update_every={self.update_every!r}: must be an int >= 1")
+        for name in ("targets", "ignore"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if isinstance(value, str):
+                value = [value]
+                setattr(self, name, value)
+            for regex in value:
+                try:
+                    re.compile(regex)
+                except re.error as err:
+                    raise ValueError(f"SparsityConfig.{name}: {regex!r} is not a valid regex ({err})") from None
+        if self.score not in available_scores():
+            raise ValueError(f"SparsityConfig.score={self.score!r}: allowed {sorted(available_scores())}")
+        if self.transposable and not (isinstance(parsed, NM) and (parsed.n, parsed.m) == (2, 4)):
+            raise ValueError(
+                f"SparsityConfig.transposable=True needs pattern '2:4' (got {self.pattern!r}): transposable masks "
+                "are defined for 2:4 only"
+            )
+        if self.global_unstructured and not isinstance(parsed, Unstructured):
+            raise ValueError(f"SparsityConfig.global_unstructured=True needs an 'unstructured:S' pattern, got {self.pattern!r}")
+        if not self.hf_sparse_version:
+            self.hf_sparse_version = __version__
+
+    @property
+    def parsed_pattern(self) -> Pattern:
+        return parse_pattern(self.pattern)
+
+    @property
+    def target_regexes(self) -> list[str]:
+        return list(self.targets) if self.targets is not None else list(DEFAULT_TARGETS)
+
+    @property
+    def ignore_regexes(self) -> list[str]:
+        return list(self.ignore) if self.ignore is not None else list(DEFAULT_IGNORE)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> SparsityConfig:
+        """Build from a dict; unknown keys (from a newer hf_sparse) are dropped with a warning that says so."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            warnings.warn(
+                f"SparsityConfig: ignoring unknown keys {unknown} (written by hf_sparse "
+                f"{data.get('hf_sparse_version', '?')}); upgrade hf_sparse to use them",
+                stacklevel=2,
+            )
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+    def to_json_string(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
+
+    def to_json_file(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_json_string())
+
+    @classmethod
+    def from_json_file(cls, path: str | Path) -> SparsityConfig:
+        return cls.from_dict(json.loads(Path(path).read_text()))

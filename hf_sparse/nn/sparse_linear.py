@@ -1,0 +1,152 @@
+"""``SparseLinear``: a linear layer whose weight lives in the compressed hf_sparse format.
+
+This is the module ``from_pretrained`` builds for every pruned layer of an hf_sparse checkpoint. Its parameters and
+buffers carry the on-disk names (``weight`` holds the kept values, ``weight_indices`` / ``weight_columns`` /
+``weight_selectors`` / ``weight_bitmap`` the positions), so loading and saving are plain state-dict copies and a
+save after a load writes the same bytes.
+
+``weight`` is a trainable Parameter: fine-tuning a loaded model updates the kept values and can never revive a
+pruned one, because pruned positions are not represented at all.
+
+The forward pass runs on the dense weight rebuilt from the compressed tensors (cached while the values do not
+change) with ``F.linear``, which is bit-exact with the model that was saved. When the CUDA kernels of
+:mod:`hf_sparse.ops` are available, CUDA inputs use them instead.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..formats.compressed import compressed_shapes, decompress, mask_from_compressed, validate
+from ..patterns import Pattern, Unstructured, parse_pattern
+
+__all__ = ["SparseLinear"]
+
+
+class SparseLinear(nn.Module):
+    """``y = x @ W.T + b`` with ``W`` (``out_features x in_features``) stored compressed under ``pattern``.
+
+    Args:
+        in_features, out_features: as ``nn.Linear``.
+        pattern: the pattern the weight follows (``"2:4"``, ``"64:2:8"``, ``"unstructured:0.9"`` or an object).
+        bias: whether the layer has a bias.
+        nnz: number of kept weights (unstructured patterns only: it fixes the values' length).
+        dense_class: what :func:`hf_sparse.to_dense` turns it back into: ``"Linear"``, or ``"Conv1D"`` for GPT-2
+            layers whose dense weight is stored transposed.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        pattern: str | Pattern,
+        bias: bool = True,
+        *,
+        nnz: int | None = None,
+        dense_class: Literal["Linear", "Conv1D"] = "Linear",
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.pattern = parse_pattern(pattern)
+        self.dense_class = dense_class
+        if isinstance(self.pattern, Unstructured) and nnz is None:
+            raise ValueError("SparseLinear: an unstructured pattern needs nnz (the number of kept weights)")
+        shapes = compressed_shapes(self.pattern, out_features, in_features, nnz)
+        self.weight = nn.Parameter(torch.empty(shapes.pop("weight"), dtype=dtype, device=device))
+        for key, shape in shapes.items():
+            self.register_buffer(key, torch.zeros(shape, dtype=torch.uint8, device=device))
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device)) if bias else None
+        self._dense_cache: tuple[tuple, Tensor] | None = None
+
+    @classmethod
+    def from_dense(
+        cls, weight: Tensor, mask: Tensor, pattern: str | Pattern, bias: Tensor | None = None, **kwargs
+    ) -> SparseLinear:
+        """Compress a logical ``(out, in)`` weight under ``mask``."""
+        from ..formats.compressed import compress
+
+        pattern = parse_pattern(pattern)
+        tensors = compress(weight.detach(), mask, pattern)
+        rows, cols = weight.shape
+        nnz = tensors["weight"].shape[0] if isinstance(pattern, Unstructured) else None
+        layer = cls(cols, rows, pattern, bias is not None, nnz=nnz, dtype=weight.dtype, device=weight.device, **kwargs)
+        layer.load_compressed(tensors)
+        if bias is not None:
+            layer.bias.data.copy_(bias.detach())
+        return layer
+
+    # ------------------------------------------------------------------ compressed tensors
+    def compressed_tensors(self) -> dict[str, Tensor]:
+        out = {"weight": self.weight}
+        out.update({key: buf for key, buf in self._buffers.items() if key.startswith("weight_") and buf is not None})
+        return out
+
+    @torch.no_grad()
+    def load_compressed(self, tensors: dict[str, Tensor]) -> None:
+        validate(tensors, self.pattern, self.logical_shape)
+        self.weight.data.copy_(tensors["weight"])
+        for key, value in tensors.items():
+            if key != "weight":
+                getattr(self, key).copy_(value)
+        self._dense_cache = None
+
+    def validate(self, prefix: str = "") -> None:
+        """Check the tensors against the pattern; raises :class:`CompressedFormatError` naming the bad tensor."""
+        validate(self.compressed_tensors(), self.pattern, self.logical_shape, prefix)
+
+    @property
+    def logical_shape(self) -> tuple[int, int]:
+        return (self.out_features, self.in_features)
+
+    def mask(self) -> Tensor:
+        return mask_from_compressed(self.compressed_tensors(), self.pattern, self.logical_shape)
+
+    def dense_weight(self) -> Tensor:
+        """The ``(out, in)`` dense weight, differentiable with respect to the kept values."""
+        if torch.is_grad_enabled() and self.weight.requires_grad:
+            return decompress(self.compressed_tensors(), self.pattern, self.logical_shape)
+        key = (self.weight._version, self.weight.data_ptr(), self.weight.dtype, self.weight.device)
+        if self._dense_cache is None or self._dense_cache[0] != key:
+            with torch.no_grad():
+                dense = decompress(self.compressed_tensors(), self.pattern, self.logical_shape)
+            self._dense_cache = (key, dense)
+        return self._dense_cache[1]
+
+    def _apply(self, fn, recurse=True):  # .to()/.half() invalidate the cached dense weight
+        self._dense_cache = None
+        return super()._apply(fn, recurse)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(x, self.dense_weight(), self.bias)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, pattern={self.pattern}, "
+            f"bias={self.bias is not None}"
+        )
+
+    def to_dense_module(self) -> nn.Module:
+        """A plain ``nn.Linear`` (or GPT-2 ``Conv1D``) holding the decompressed weight."""
+        with torch.no_grad():
+            dense = decompress(self.compressed_tensors(), self.pattern, self.logical_shape)
+        device, dtype = self.weight.device, self.weight.dtype
+        if self.dense_class == "Conv1D":
+            from transformers.pytorch_utils import Conv1D
+
+            module = Conv1D(self.out_features, self.in_features).to(device=device, dtype=dtype)
+            module.weight.data.copy_(dense.T)
+        else:
+            module = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device=device, dtype=dtype)
+            module.weight.data.copy_(dense)
+        if self.bias is not None:
+            module.bias.data.copy_(self.bias.detach())
+        elif self.dense_class == "Conv1D":
+            module.bias.data.zero_()
+        return module

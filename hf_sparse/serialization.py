@@ -1,0 +1,123 @@
+"""Saving pruned models in the compressed format, and turning loaded ones back into plain dense models."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from .formats.compressed import compress
+from .integrations.quantizer import HfSparseConfig, HfSparseQuantizer
+from .modeling import unwrap_model
+from .nn.sparse_linear import SparseLinear
+from .patterns import Unstructured
+from .pruner import Pruner
+
+__all__ = ["compressed_state_dict", "save_pretrained", "to_dense"]
+
+logger = logging.getLogger(__name__)
+
+
+def compressed_state_dict(model: nn.Module, pruner: Pruner) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
+    """The model's state dict with every pruned layer's ``weight`` replaced by its compressed tensors.
+
+    Returns ``(state_dict, layers)`` where ``layers`` is the ``quantization_config.layers`` entry. Raises if a
+    weight is non-zero where its mask says pruned (the masks were not applied): nothing is written then.
+    """
+    pattern = pruner.current_pattern()
+    if pattern is None:
+        raise ValueError("compressed_state_dict: the pruner has not pruned yet (no masks); save the model dense")
+    transposable = pruner.config.transposable and pruner.is_final
+    state = dict(unwrap_model(model).state_dict())
+    layers: dict[str, dict[str, Any]] = {}
+    for layer in pruner.layers:
+        mask = pruner.masks[layer.name]
+        weight = layer.weight.detach()
+        stray = int(weight.masked_select(~mask).ne(0).sum())
+        if stray:
+            raise ValueError(f"{layer.name}: {stray} weights are non-zero at pruned positions; call pruner.apply()")
+        tensors = compress(weight, mask, pattern)
+        del state[f"{layer.name}.weight"]
+        for key, value in tensors.items():
+            state[f"{layer.name}.{key}"] = value.contiguous()
+        spec: dict[str, Any] = {
+            "pattern": str(pattern),
+            "shape": list(layer.shape),
+            "module": "Conv1D" if layer.transposed else "Linear",
+        }
+        if transposable:
+            spec["transposable"] = True
+        if isinstance(pattern, Unstructured):
+            spec["nnz"] = int(tensors["weight"].shape[0])
+        layers[layer.name] = spec
+    return state, layers
+
+
+@contextlib.contextmanager
+def _attached_quantizer(model: nn.Module, config: HfSparseConfig, state: dict[str, torch.Tensor]) -> Iterator[None]:
+    """Temporarily give ``model`` the quantizer and config ``save_pretrained`` consults, then restore both."""
+    quantizer = HfSparseQuantizer(config)
+    quantizer.export_state_dict = state
+    missing = object()
+    old_quantizer = getattr(model, "hf_quantizer", missing)
+    old_config = getattr(model.config, "quantization_config", missing)
+    model.hf_quantizer = quantizer
+    model.config.quantization_config = config
+    try:
+        yield
+    finally:
+        if old_quantizer is missing:
+            del model.hf_quantizer
+        else:
+            model.hf_quantizer = old_quantizer
+        if old_config is missing:
+            del model.config.quantization_config
+        else:
+            model.config.quantization_config = old_config
+
+
+def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, pruner: Pruner, **kwargs: Any) -> None:
+    """``model.save_pretrained`` with the pruned layers compressed and ``quantization_config`` in ``config.json``.
+
+    The compressed state dict is built completely before anything is written, so a layer that cannot be
+    compressed raises with the directory untouched. Extra ``kwargs`` go to ``save_pretrained``.
+    """
+    model = unwrap_model(model)
+    if pruner.current_pattern() is None:
+        warnings.warn("hf_sparse: nothing pruned yet; saving a dense checkpoint", stacklevel=2)
+        model.save_pretrained(save_directory, **kwargs)
+        return
+    state, layers = compressed_state_dict(model, pruner)
+    config = HfSparseConfig(layers=layers, sparsity_config=pruner.config.to_dict())
+    kwargs.pop("state_dict", None)
+    with _attached_quantizer(model, config, state):
+        model.save_pretrained(save_directory, **kwargs)
+
+
+def to_dense(model: nn.Module) -> nn.Module:
+    """Replace every :class:`SparseLinear` by a plain ``nn.Linear`` (GPT-2: ``Conv1D``) in place; returns ``model``.
+
+    The result has no ``quantization_config`` and saves as an ordinary Transformers checkpoint, for tools that do
+    not know the hf_sparse format.
+    """
+    root = unwrap_model(model)
+    for name, module in list(root.named_modules()):
+        if isinstance(module, SparseLinear):
+            parent_name, _, child = name.rpartition(".")
+            parent = root.get_submodule(parent_name) if parent_name else root
+            setattr(parent, child, module.to_dense_module())
+    for attr in ("hf_quantizer", "quantization_method"):
+        if hasattr(root, attr):
+            delattr(root, attr)
+    config = getattr(root, "config", None)
+    if config is not None and hasattr(config, "quantization_config"):
+        del config.quantization_config
+    if hasattr(root, "is_quantized"):
+        root.is_quantized = False
+    return model
