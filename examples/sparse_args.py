@@ -158,7 +158,9 @@ def trainer_class(sparse: bool):
     return hf_sparse.SparseTrainer
 
 
-def write_card(trainer, output_dir: str, *, sparse: bool, dense_bytes: int | None, **card_kwargs) -> None:
+def write_card(
+    trainer, output_dir: str, *, sparse: bool, dense_bytes: int | None, model_name: str | None = None, **card_kwargs
+) -> None:
     """Write the hf_sparse model card next to a sparse checkpoint (a dense run keeps Transformers' own card)."""
     if not sparse or not trainer.is_world_process_zero():
         return
@@ -166,7 +168,7 @@ def write_card(trainer, output_dir: str, *, sparse: bool, dense_bytes: int | Non
 
     kwargs = model_card_kwargs_from_trainer(trainer, dense_bytes=dense_bytes, **card_kwargs)
     try:
-        path = write_model_card(output_dir, **kwargs)
+        path = write_model_card(output_dir, model_name=model_name or Path(output_dir).resolve().name, **kwargs)
     except Exception as exc:  # a card is documentation: never lose a finished training run over it
         logger.warning("could not write the model card: %s", exc)
         return

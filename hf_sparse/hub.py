@@ -348,7 +348,7 @@ def render_model_card(
         hf_sparse_version=__version__,
         title=model_name,
         base_model_text=base_model if base_model else None,
-        base_model_link=f"https://huggingface.co/{base_model}" if base_is_repo else base_model,
+        base_model_link=f"https://huggingface.co/{base_model}" if base_is_repo else None,
         task=task,
         dataset=dataset,
         pattern=pattern,
@@ -501,7 +501,10 @@ def _auto_card(model, folder: Path, repo_id: str) -> str:
     config = getattr(model, "config", None)
     qconfig = getattr(config, "quantization_config", None)
     qdict = qconfig.to_dict() if hasattr(qconfig, "to_dict") else (dict(qconfig) if isinstance(qconfig, Mapping) else {})
-    pattern = qdict.get("pattern") if qdict.get("quant_method", "hf_sparse") == "hf_sparse" else None
+    is_ours = qdict.get("quant_method", "hf_sparse") == "hf_sparse"
+    patterns = (qdict.get("patterns") or [qdict.get("pattern")]) if is_ours else []
+    pattern = ", ".join(str(p) for p in patterns if p) or None
+    schedule = qdict.get("sparsity_config") if isinstance(qdict.get("sparsity_config"), Mapping) else None
     architectures = list(getattr(config, "architectures", None) or [])
     task = next((t for t, (_, cls) in _TASK_PIPELINES.items() if any(a.endswith(cls[len("AutoModelFor"):]) for a in architectures)), None)  # fmt: skip
     return render_model_card(
@@ -509,7 +512,7 @@ def _auto_card(model, folder: Path, repo_id: str) -> str:
         task=task,
         dataset=None,
         pattern=str(pattern) if pattern else None,
-        schedule={k: v for k, v in qdict.items() if k in {"schedule", "start", "end", "update_every", "score"}} or None,
+        schedule=schedule,
         layer_table=layer_table_from_model(model, pattern=str(pattern) if pattern else None),
         checkpoint_bytes=directory_weight_bytes(folder) or None,
         dense_bytes=dense_weight_bytes(model),
