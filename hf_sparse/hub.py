@@ -64,30 +64,50 @@ def directory_weight_bytes(path: str | os.PathLike) -> int:
     return sum(p.stat().st_size for p in Path(path).iterdir() if p.suffix in {".safetensors", ".bin"} and p.is_file())
 
 
-def dense_weight_bytes(model) -> int:
-    """Bytes a dense checkpoint of ``model`` would take: every parameter and buffer of its state dict, unshared.
+def _logical_shape(module) -> tuple[int, ...] | None:
+    """The dense ``(out, in)`` shape of a compressed layer (``SparseLinear``), ``None`` for any other module."""
+    shape = getattr(module, "logical_shape", None)
+    shape = shape() if callable(shape) else shape
+    return tuple(shape) if shape is not None and hasattr(module, "compressed_tensors") else None
 
-    Take it before pruning (or from masked dense master weights, which keep the logical shape): it is the
-    denominator of the card's "size against dense".
+
+def dense_weight_bytes(model) -> int:
+    """Bytes a dense checkpoint of ``model`` would take: its state dict, unshared, compressed layers at full size.
+
+    It is the denominator of the card's "size against dense". A compressed layer (one with ``logical_shape`` and
+    ``compressed_tensors``) counts as a dense ``(out, in)`` weight of its values' dtype, not as what it stores.
     """
+    compressed = {name: module for name, module in model.named_modules() if _logical_shape(module) is not None}
     seen: set[int] = set()
     total = 0
+    for name, module in compressed.items():
+        total += math.prod(_logical_shape(module)) * module.compressed_tensors()["weight"].element_size()
+        seen.update(t.data_ptr() for t in module.compressed_tensors().values())
     for tensor in model.state_dict().values():
         key = tensor.data_ptr() if tensor.numel() else id(tensor)
         if key in seen:
-            continue  # tied weights are written once
+            continue  # tied weights are written once; compressed tensors were counted above
         seen.add(key)
         total += tensor.numel() * tensor.element_size()
     return total
 
 
-def layer_table_from_model(model, *, pattern: str | None = None, min_sparsity: float = 0.01) -> dict[str, dict]:
-    """Per-layer sparsity measured on a model's 2-D weights: ``name -> {"pattern", "sparsity", "shape"}``.
+def layer_table_from_model(model, *, pattern: str | None = None, min_sparsity: float = 0.2) -> dict[str, dict]:
+    """Per-layer sparsity measured on a model: ``name -> {"pattern", "sparsity", "shape"}``.
 
-    The same shape as ``Pruner.sparsity_report()``, for a model that was loaded rather than trained here. Layers
-    with fewer than ``min_sparsity`` zeros (embeddings, heads that were not pruned) are left out.
+    The same shape as ``Pruner.sparsity_report()``, for a model that was loaded rather than trained here. If the
+    model has compressed layers, they are the table (with their mask's sparsity and pattern). Otherwise (a dense
+    model with masked weights) every 2-D weight with at least ``min_sparsity`` zeros is listed; the threshold
+    keeps out embeddings whose only zeros are a padding row.
     """
     table = {}
+    for name, module in model.named_modules():
+        shape = _logical_shape(module)
+        if shape is not None:
+            table[name] = {"pattern": str(getattr(module, "pattern", pattern) or "?"),
+                           "sparsity": 1.0 - float(module.mask().float().mean()), "shape": list(shape)}  # fmt: skip
+    if table:
+        return table
     for name, module in model.named_modules():
         weight = getattr(module, "weight", None)
         if weight is None or not hasattr(weight, "dim") or weight.dim() != 2 or weight.is_meta:
@@ -508,7 +528,7 @@ def _auto_card(model, folder: Path, repo_id: str) -> str:
     architectures = list(getattr(config, "architectures", None) or [])
     task = next((t for t, (_, cls) in _TASK_PIPELINES.items() if any(a.endswith(cls[len("AutoModelFor"):]) for a in architectures)), None)  # fmt: skip
     return render_model_card(
-        base_model=getattr(config, "_name_or_path", None) or None,
+        base_model=None,  # a loaded model's _name_or_path is where it was loaded from, not what it was tuned from
         task=task,
         dataset=None,
         pattern=str(pattern) if pattern else None,
