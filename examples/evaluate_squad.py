@@ -55,7 +55,9 @@ def evaluate(dataset_path: str, predictions_path: str, *, warn=lambda msg: print
     if not isinstance(predictions, dict):
         raise SystemExit(f"{predictions_path}: expected a JSON object mapping question ids to answer texts")
 
-    version_2 = any(qa.get("is_impossible", False) for a in document["data"] for p in a["paragraphs"] for qa in p["qas"])
+    version_2 = any(
+        qa.get("is_impossible", False) for a in document["data"] for p in a["paragraphs"] for qa in p["qas"]
+    )
     version = str(document.get("version", ""))
     if not version_2 and version != EXPECTED_VERSION:
         warn(f"Evaluation expects v-{EXPECTED_VERSION}, but got dataset with v-{version}")

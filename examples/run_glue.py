@@ -110,8 +110,12 @@ class DataTrainingArguments:
             if self.task_name is None:
                 raise ValueError("--data_dir needs --task_name (it says how to read the GLUE files)")
             train, dev, dev_mm, test = GLUE_FILES.get(self.task_name, ("train.tsv", "dev.tsv", None, "test.tsv"))
-            for attr, name in (("train_file", train), ("validation_file", dev),
-                               ("validation_mismatched_file", dev_mm), ("test_file", test)):  # fmt: skip
+            for attr, name in (
+                ("train_file", train),
+                ("validation_file", dev),
+                ("validation_mismatched_file", dev_mm),
+                ("test_file", test),
+            ):
                 if getattr(self, attr) is None and name and os.path.isfile(os.path.join(self.data_dir, name)):
                     setattr(self, attr, os.path.join(self.data_dir, name))
         if self.task_name == "mnli" and self.validation_file and self.validation_mismatched_file is None:
@@ -119,9 +123,11 @@ class DataTrainingArguments:
             if Path(self.validation_file).name == "dev_matched.tsv" and sibling.is_file():
                 self.validation_mismatched_file = str(sibling)
         if not (self.train_file or self.validation_file or self.test_file):
-            raise ValueError("no data: give --data_dir with --task_name, or --train_file/--validation_file/--test_file")
+            raise ValueError(
+                "no data: give --data_dir with --task_name, or --train_file/--validation_file/--test_file"
+            )
         for f in (self.train_file, self.validation_file, self.validation_mismatched_file, self.test_file):
-            if f is not None and not Path(f).suffix.lower() in {".tsv", ".csv", ".json", ".jsonl"}:
+            if f is not None and Path(f).suffix.lower() not in {".tsv", ".csv", ".json", ".jsonl"}:
                 raise ValueError(f"{f}: expected a .tsv, .csv, .json or .jsonl file")
 
 
@@ -169,7 +175,9 @@ def load_glue_tsv(path: str, task: str, cache_dir: str | None = None):
                 out["label"] = [lookup[v] for v in raw]
         return out
 
-    return ds.map(convert, batched=True, with_indices=True, remove_columns=ds.column_names, desc=f"reading {Path(path).name}")
+    return ds.map(
+        convert, batched=True, with_indices=True, remove_columns=ds.column_names, desc=f"reading {Path(path).name}"
+    )
 
 
 def load_split(path: str, task: str | None, cache_dir: str | None):
@@ -218,7 +226,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     else:
         model_args, data_args, training_args, sparse_args = parser.parse_args_into_dataclasses(args=argv)
 
-    logging.basicConfig(format="%(asctime)s - %(levelname)s - %(name)s - %(message)s", handlers=[logging.StreamHandler(sys.stdout)])  # fmt: skip
+    logging.basicConfig(
+        format="%(asctime)s - %(levelname)s - %(name)s - %(message)s", handlers=[logging.StreamHandler(sys.stdout)]
+    )
     log_level = training_args.get_process_log_level()
     logger.setLevel(log_level)
     datasets.utils.logging.set_verbosity(log_level)
@@ -230,8 +240,12 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     set_seed(training_args.seed)
 
     task = data_args.task_name
-    files = {"train": data_args.train_file, "validation": data_args.validation_file,
-             "validation_mismatched": data_args.validation_mismatched_file, "test": data_args.test_file}  # fmt: skip
+    files = {
+        "train": data_args.train_file,
+        "validation": data_args.validation_file,
+        "validation_mismatched": data_args.validation_mismatched_file,
+        "test": data_args.test_file,
+    }
     raw = {split: load_split(path, task, model_args.cache_dir) for split, path in files.items() if path}
     reference = raw.get("train") or raw.get("validation") or raw["test"]
 
@@ -240,41 +254,61 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         is_regression = label_list is None
         raw = {s: _labels_as_ids(d, label_list) if label_list else d for s, d in raw.items()}
     else:
-        is_regression = "label" in reference.column_names and reference.features["label"].dtype in {"float32", "float64"}
+        is_regression = "label" in reference.column_names and reference.features["label"].dtype in {
+            "float32",
+            "float64",
+        }
         label_list = None
         if not is_regression:
             if "label" not in reference.column_names:
                 raise ValueError("without --task_name the data needs a 'label' column")
             label_list = sorted({v for d in raw.values() if "label" in d.column_names for v in d.unique("label")})
         non_label = [c for c in reference.column_names if c not in {"label", "idx", "id"}]
-        text_keys = ("sentence1", "sentence2") if {"sentence1", "sentence2"} <= set(non_label) else tuple(non_label[:2])
+        text_keys = (
+            ("sentence1", "sentence2") if {"sentence1", "sentence2"} <= set(non_label) else tuple(non_label[:2])
+        )
     num_labels = 1 if is_regression else len(label_list)
 
     config = AutoConfig.from_pretrained(
-        model_args.config_name or model_args.model_name_or_path, num_labels=num_labels, finetuning_task=task,
-        cache_dir=model_args.cache_dir, revision=model_args.model_revision, token=model_args.token,
+        model_args.config_name or model_args.model_name_or_path,
+        num_labels=num_labels,
+        finetuning_task=task,
+        cache_dir=model_args.cache_dir,
+        revision=model_args.model_revision,
+        token=model_args.token,
         trust_remote_code=model_args.trust_remote_code,
-    )  # fmt: skip
+    )
     tokenizer = AutoTokenizer.from_pretrained(
-        model_args.tokenizer_name or model_args.model_name_or_path, cache_dir=model_args.cache_dir,
-        use_fast=model_args.use_fast_tokenizer, revision=model_args.model_revision, token=model_args.token,
+        model_args.tokenizer_name or model_args.model_name_or_path,
+        cache_dir=model_args.cache_dir,
+        use_fast=model_args.use_fast_tokenizer,
+        revision=model_args.model_revision,
+        token=model_args.token,
         trust_remote_code=model_args.trust_remote_code,
-    )  # fmt: skip
+    )
     if not is_regression:
         config.label2id = {str(name): i for i, name in enumerate(label_list)}
         config.id2label = {i: str(name) for i, name in enumerate(label_list)}
     model = AutoModelForSequenceClassification.from_pretrained(
-        model_args.model_name_or_path, config=config, cache_dir=model_args.cache_dir,
-        revision=model_args.model_revision, token=model_args.token, trust_remote_code=model_args.trust_remote_code,
+        model_args.model_name_or_path,
+        config=config,
+        cache_dir=model_args.cache_dir,
+        revision=model_args.model_revision,
+        token=model_args.token,
+        trust_remote_code=model_args.trust_remote_code,
         ignore_mismatched_sizes=model_args.ignore_mismatched_sizes,
-    )  # fmt: skip
+    )
     dense_bytes = dense_weight_bytes(model)
     label_to_id = None
     if task is None and not is_regression:
         label_to_id = {v: i for i, v in enumerate(label_list)}
 
     if data_args.max_seq_length > tokenizer.model_max_length:
-        logger.warning("max_seq_length %d > the model's %d: using the latter", data_args.max_seq_length, tokenizer.model_max_length)  # fmt: skip
+        logger.warning(
+            "max_seq_length %d > the model's %d: using the latter",
+            data_args.max_seq_length,
+            tokenizer.model_max_length,
+        )
     max_seq_length = min(data_args.max_seq_length, tokenizer.model_max_length)
     padding = "max_length" if data_args.pad_to_max_length else False
 
@@ -285,17 +319,29 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             result["label"] = [label_to_id[v] if v != -1 else -1 for v in batch["label"]]
         return result
 
-    limits = {"train": data_args.max_train_samples, "validation": data_args.max_eval_samples,
-              "validation_mismatched": data_args.max_eval_samples, "test": data_args.max_predict_samples}  # fmt: skip
+    limits = {
+        "train": data_args.max_train_samples,
+        "validation": data_args.max_eval_samples,
+        "validation_mismatched": data_args.max_eval_samples,
+        "test": data_args.max_predict_samples,
+    }
     processed = {}
     with training_args.main_process_first(desc="dataset map pre-processing"):
         for split, ds in raw.items():
             if limits[split] is not None:
                 ds = ds.select(range(min(limits[split], len(ds))))
-            processed[split] = ds.map(preprocess, batched=True, num_proc=data_args.preprocessing_num_workers,
-                                      load_from_cache_file=not data_args.overwrite_cache, desc=f"tokenizing {split}")  # fmt: skip
-    for split, need in (("train", training_args.do_train), ("validation", training_args.do_eval),
-                        ("test", training_args.do_predict)):  # fmt: skip
+            processed[split] = ds.map(
+                preprocess,
+                batched=True,
+                num_proc=data_args.preprocessing_num_workers,
+                load_from_cache_file=not data_args.overwrite_cache,
+                desc=f"tokenizing {split}",
+            )
+    for split, need in (
+        ("train", training_args.do_train),
+        ("validation", training_args.do_eval),
+        ("test", training_args.do_predict),
+    ):
         if need and split not in processed:
             raise ValueError(f"--do_{'predict' if split == 'test' else split[:5]} needs a {split} file")
 
@@ -317,14 +363,21 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     if data_args.pad_to_max_length:
         collator = default_data_collator
     else:
-        collator = DataCollatorWithPadding(tokenizer, pad_to_multiple_of=8 if training_args.fp16 or training_args.bf16 else None)  # fmt: skip
+        collator = DataCollatorWithPadding(
+            tokenizer, pad_to_multiple_of=8 if training_args.fp16 or training_args.bf16 else None
+        )
 
     trainer_kwargs = {"sparsity_config": sparsity_config} if sparse else {}
     trainer = trainer_class(sparse)(
-        model=model, args=training_args, train_dataset=processed.get("train") if training_args.do_train else None,
-        eval_dataset=processed.get("validation") if training_args.do_eval else None, processing_class=tokenizer,
-        compute_metrics=compute_metrics, data_collator=collator, **trainer_kwargs,
-    )  # fmt: skip
+        model=model,
+        args=training_args,
+        train_dataset=processed.get("train") if training_args.do_train else None,
+        eval_dataset=processed.get("validation") if training_args.do_eval else None,
+        processing_class=tokenizer,
+        compute_metrics=compute_metrics,
+        data_collator=collator,
+        **trainer_kwargs,
+    )
 
     all_metrics: dict[str, float] = {}
     if training_args.do_train:
@@ -366,14 +419,28 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         with open(Path(training_args.output_dir) / "all_results.json", "w", encoding="utf-8") as f:
             json.dump(all_metrics, f, indent=4, sort_keys=True)
 
-    card = {"base_model": model_args.model_name_or_path, "task": "text-classification",
-            "dataset": f"GLUE {task.upper()}" if task else None, "dataset_id": "nyu-mll/glue" if task else None}  # fmt: skip
+    card = {
+        "base_model": model_args.model_name_or_path,
+        "task": "text-classification",
+        "dataset": f"GLUE {task.upper()}" if task else None,
+        "dataset_id": "nyu-mll/glue" if task else None,
+    }
     if training_args.do_train:
-        write_card(trainer, training_args.output_dir, sparse=sparse, dense_bytes=dense_bytes,
-                   metrics={k: v for k, v in all_metrics.items() if k.startswith("eval_")} or None, **card)  # fmt: skip
+        write_card(
+            trainer,
+            training_args.output_dir,
+            sparse=sparse,
+            dense_bytes=dense_bytes,
+            metrics={k: v for k, v in all_metrics.items() if k.startswith("eval_")} or None,
+            **card,
+        )
     if training_args.push_to_hub:
-        trainer.push_to_hub(finetuned_from=model_args.model_name_or_path, tasks="text-classification",
-                            dataset_tags="glue" if task else None, dataset=card["dataset"])  # fmt: skip
+        trainer.push_to_hub(
+            finetuned_from=model_args.model_name_or_path,
+            tasks="text-classification",
+            dataset_tags="glue" if task else None,
+            dataset=card["dataset"],
+        )
     return all_metrics
 
 

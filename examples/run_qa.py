@@ -84,9 +84,14 @@ def load_qa_split(path: str, cache_dir: str | None = None):
     from datasets import Dataset, Features, List, Value, load_dataset
 
     features = Features(
-        {"id": Value("string"), "title": Value("string"), "context": Value("string"), "question": Value("string"),
-         "answers": {"text": List(Value("string")), "answer_start": List(Value("int32"))}}
-    )  # fmt: skip
+        {
+            "id": Value("string"),
+            "title": Value("string"),
+            "context": Value("string"),
+            "question": Value("string"),
+            "answers": {"text": List(Value("string")), "answer_start": List(Value("int32"))},
+        }
+    )
     if path.lower().endswith(".csv"):
         ds = load_dataset("csv", data_files=path, split="train", cache_dir=cache_dir)
         if "answers" in ds.column_names and ds.features["answers"].dtype == "string":
@@ -96,10 +101,20 @@ def load_qa_split(path: str, cache_dir: str | None = None):
         records = load_squad_file(path)
     missing = {"id", "context", "question"} - set(records[0] if records else {})
     if missing:
-        raise ValueError(f"{path}: records lack {sorted(missing)}; expected SQuAD fields id, question, context, answers")
+        raise ValueError(
+            f"{path}: records lack {sorted(missing)}; expected SQuAD fields id, question, context, answers"
+        )
     empty = {"text": [], "answer_start": []}
-    rows = [{"id": str(r["id"]), "title": r.get("title") or "", "context": r["context"], "question": r["question"],
-             "answers": r.get("answers") or empty} for r in records]  # fmt: skip
+    rows = [
+        {
+            "id": str(r["id"]),
+            "title": r.get("title") or "",
+            "context": r["context"],
+            "question": r["question"],
+            "answers": r.get("answers") or empty,
+        }
+        for r in records
+    ]
     return Dataset.from_list(rows, features=features)
 
 
@@ -119,8 +134,9 @@ class QuestionAnsweringMixin:
         self._qa_current = None
         self.last_answers: dict[str, str] | None = None
 
-    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix="eval", *, eval_examples=None,
-                 eval_features=None):  # fmt: skip
+    def evaluate(
+        self, eval_dataset=None, ignore_keys=None, metric_key_prefix="eval", *, eval_examples=None, eval_features=None
+    ):
         self._qa_current = (eval_examples or self.eval_examples, eval_features or self.eval_features)
         try:
             return super().evaluate(eval_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
@@ -134,13 +150,16 @@ class QuestionAnsweringMixin:
         finally:
             self._qa_current = None
 
-    def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
-                        metric_key_prefix="eval"):  # fmt: skip
+    def evaluation_loop(
+        self, dataloader, description, prediction_loss_only=None, ignore_keys=None, metric_key_prefix="eval"
+    ):
         from transformers.trainer_utils import EvalLoopOutput
 
         examples, features = self._qa_current or (None, None)
         if examples is None or self.post_process_function is None:
-            return super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix)
+            return super().evaluation_loop(
+                dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix
+            )
         compute_metrics, self.compute_metrics = self.compute_metrics, None
         try:
             output = super().evaluation_loop(dataloader, description, False, ignore_keys, metric_key_prefix)
@@ -165,10 +184,15 @@ def prepare_train_features(batch, tokenizer, args: DataTrainingArguments, paddin
     pad_on_right = tokenizer.padding_side == "right"
     questions = [q.lstrip() for q in batch["question"]]  # leading spaces waste window budget
     enc = tokenizer(
-        questions if pad_on_right else batch["context"], batch["context"] if pad_on_right else questions,
-        truncation="only_second" if pad_on_right else "only_first", max_length=max_seq_length,
-        stride=args.doc_stride, return_overflowing_tokens=True, return_offsets_mapping=True, padding=padding,
-    )  # fmt: skip
+        questions if pad_on_right else batch["context"],
+        batch["context"] if pad_on_right else questions,
+        truncation="only_second" if pad_on_right else "only_first",
+        max_length=max_seq_length,
+        stride=args.doc_stride,
+        return_overflowing_tokens=True,
+        return_offsets_mapping=True,
+        padding=padding,
+    )
     sample_map = enc.pop("overflow_to_sample_mapping")
     offsets_all = enc.pop("offset_mapping")
     context_seq = 1 if pad_on_right else 0
@@ -196,17 +220,24 @@ def prepare_validation_features(batch, tokenizer, args: DataTrainingArguments, p
     pad_on_right = tokenizer.padding_side == "right"
     questions = [q.lstrip() for q in batch["question"]]
     enc = tokenizer(
-        questions if pad_on_right else batch["context"], batch["context"] if pad_on_right else questions,
-        truncation="only_second" if pad_on_right else "only_first", max_length=max_seq_length,
-        stride=args.doc_stride, return_overflowing_tokens=True, return_offsets_mapping=True, padding=padding,
-    )  # fmt: skip
+        questions if pad_on_right else batch["context"],
+        batch["context"] if pad_on_right else questions,
+        truncation="only_second" if pad_on_right else "only_first",
+        max_length=max_seq_length,
+        stride=args.doc_stride,
+        return_overflowing_tokens=True,
+        return_offsets_mapping=True,
+        padding=padding,
+    )
     sample_map = enc.pop("overflow_to_sample_mapping")
     context_seq = 1 if pad_on_right else 0
     enc["example_id"] = []
     for i in range(len(enc["input_ids"])):
         seq = enc.sequence_ids(i)
         enc["example_id"].append(batch["id"][sample_map[i]])
-        enc["offset_mapping"][i] = [o if seq[k] == context_seq else None for k, o in enumerate(enc["offset_mapping"][i])]
+        enc["offset_mapping"][i] = [
+            o if seq[k] == context_seq else None for k, o in enumerate(enc["offset_mapping"][i])
+        ]
     return enc
 
 
@@ -235,7 +266,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     else:
         model_args, data_args, training_args, sparse_args = parser.parse_args_into_dataclasses(args=argv)
 
-    logging.basicConfig(format="%(asctime)s - %(levelname)s - %(name)s - %(message)s", handlers=[logging.StreamHandler(sys.stdout)])  # fmt: skip
+    logging.basicConfig(
+        format="%(asctime)s - %(levelname)s - %(name)s - %(message)s", handlers=[logging.StreamHandler(sys.stdout)]
+    )
     log_level = training_args.get_process_log_level()
     logger.setLevel(log_level)
     datasets.utils.logging.set_verbosity(log_level)
@@ -246,30 +279,47 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     logger.info("sparsity: %s", sparsity_kwargs or "none (dense run)")
     set_seed(training_args.seed)
 
-    for split, need, path in (("train", training_args.do_train, data_args.train_file),
-                              ("validation", training_args.do_eval, data_args.validation_file),
-                              ("test", training_args.do_predict, data_args.test_file)):  # fmt: skip
+    for split, need, path in (
+        ("train", training_args.do_train, data_args.train_file),
+        ("validation", training_args.do_eval, data_args.validation_file),
+        ("test", training_args.do_predict, data_args.test_file),
+    ):
         if need and not path:
             raise ValueError(f"--do_{'predict' if split == 'test' else split[:5]} needs --{split}_file")
 
     config = AutoConfig.from_pretrained(
-        model_args.config_name or model_args.model_name_or_path, cache_dir=model_args.cache_dir,
-        revision=model_args.model_revision, token=model_args.token, trust_remote_code=model_args.trust_remote_code,
-    )  # fmt: skip
+        model_args.config_name or model_args.model_name_or_path,
+        cache_dir=model_args.cache_dir,
+        revision=model_args.model_revision,
+        token=model_args.token,
+        trust_remote_code=model_args.trust_remote_code,
+    )
     tokenizer = AutoTokenizer.from_pretrained(
-        model_args.tokenizer_name or model_args.model_name_or_path, cache_dir=model_args.cache_dir, use_fast=True,
-        revision=model_args.model_revision, token=model_args.token, trust_remote_code=model_args.trust_remote_code,
-    )  # fmt: skip
+        model_args.tokenizer_name or model_args.model_name_or_path,
+        cache_dir=model_args.cache_dir,
+        use_fast=True,
+        revision=model_args.model_revision,
+        token=model_args.token,
+        trust_remote_code=model_args.trust_remote_code,
+    )
     if not getattr(tokenizer, "is_fast", False):
         raise TypeError("run_qa.py needs a fast tokenizer (offset mappings map answers back to characters)")
     model = AutoModelForQuestionAnswering.from_pretrained(
-        model_args.model_name_or_path, config=config, cache_dir=model_args.cache_dir,
-        revision=model_args.model_revision, token=model_args.token, trust_remote_code=model_args.trust_remote_code,
-    )  # fmt: skip
+        model_args.model_name_or_path,
+        config=config,
+        cache_dir=model_args.cache_dir,
+        revision=model_args.model_revision,
+        token=model_args.token,
+        trust_remote_code=model_args.trust_remote_code,
+    )
     dense_bytes = dense_weight_bytes(model)
 
     if data_args.max_seq_length > tokenizer.model_max_length:
-        logger.warning("max_seq_length %d > the model's %d: using the latter", data_args.max_seq_length, tokenizer.model_max_length)  # fmt: skip
+        logger.warning(
+            "max_seq_length %d > the model's %d: using the latter",
+            data_args.max_seq_length,
+            tokenizer.model_max_length,
+        )
     max_seq_length = min(data_args.max_seq_length, tokenizer.model_max_length)
     if data_args.doc_stride >= max_seq_length:
         raise ValueError(f"--doc_stride {data_args.doc_stride} must be smaller than --max_seq_length {max_seq_length}")
@@ -281,48 +331,78 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         if limit is not None:
             examples = examples.select(range(min(limit, len(examples))))
         with training_args.main_process_first(desc=desc):
-            feats = examples.map(prepare, batched=True, remove_columns=examples.column_names, fn_kwargs=fn_kwargs,
-                                 num_proc=data_args.preprocessing_num_workers,
-                                 load_from_cache_file=not data_args.overwrite_cache, desc=desc)  # fmt: skip
+            feats = examples.map(
+                prepare,
+                batched=True,
+                remove_columns=examples.column_names,
+                fn_kwargs=fn_kwargs,
+                num_proc=data_args.preprocessing_num_workers,
+                load_from_cache_file=not data_args.overwrite_cache,
+                desc=desc,
+            )
         return examples, feats
 
     train_features = eval_examples = eval_features = predict_examples = predict_features = None
     if training_args.do_train:
-        _, train_features = featurize(data_args.train_file, data_args.max_train_samples, prepare_train_features, "train windows")  # fmt: skip
+        _, train_features = featurize(
+            data_args.train_file, data_args.max_train_samples, prepare_train_features, "train windows"
+        )
     if training_args.do_eval:
-        eval_examples, eval_features = featurize(data_args.validation_file, data_args.max_eval_samples, prepare_validation_features, "eval windows")  # fmt: skip
+        eval_examples, eval_features = featurize(
+            data_args.validation_file, data_args.max_eval_samples, prepare_validation_features, "eval windows"
+        )
     if training_args.do_predict:
-        predict_examples, predict_features = featurize(data_args.test_file, data_args.max_predict_samples, prepare_validation_features, "predict windows")  # fmt: skip
+        predict_examples, predict_features = featurize(
+            data_args.test_file, data_args.max_predict_samples, prepare_validation_features, "predict windows"
+        )
 
     def for_model(features):
         return None if features is None else features.remove_columns(["example_id", "offset_mapping"])
 
     def post_process(examples, features, predictions, stage="eval"):
         return postprocess_qa_predictions(
-            examples, features, predictions, version_2_with_negative=data_args.version_2_with_negative,
-            n_best_size=data_args.n_best_size, max_answer_length=data_args.max_answer_length,
+            examples,
+            features,
+            predictions,
+            version_2_with_negative=data_args.version_2_with_negative,
+            n_best_size=data_args.n_best_size,
+            max_answer_length=data_args.max_answer_length,
             null_score_diff_threshold=data_args.null_score_diff_threshold,
-            output_dir=training_args.output_dir if training_args.should_save else None, prefix=stage,
-        )  # fmt: skip
+            output_dir=training_args.output_dir if training_args.should_save else None,
+            prefix=stage,
+        )
 
     def compute_metrics(answers, examples):
         references = {e["id"]: e["answers"] for e in examples}
-        return squad_v2_metrics(answers, references) if data_args.version_2_with_negative else squad_metrics(answers, references)  # fmt: skip
+        return (
+            squad_v2_metrics(answers, references)
+            if data_args.version_2_with_negative
+            else squad_metrics(answers, references)
+        )
 
     if data_args.pad_to_max_length:
         collator = default_data_collator
     else:
-        collator = DataCollatorWithPadding(tokenizer, pad_to_multiple_of=8 if training_args.fp16 or training_args.bf16 else None)  # fmt: skip
+        collator = DataCollatorWithPadding(
+            tokenizer, pad_to_multiple_of=8 if training_args.fp16 or training_args.bf16 else None
+        )
 
     base = trainer_class(sparse)
     qa_trainer_cls = type(f"QuestionAnswering{base.__name__}", (QuestionAnsweringMixin, base), {})
     trainer_kwargs = {"sparsity_config": sparsity_config} if sparse else {}
     trainer = qa_trainer_cls(
-        model=model, args=training_args, train_dataset=train_features, eval_dataset=for_model(eval_features),
-        eval_examples=eval_examples, eval_features=eval_features, processing_class=tokenizer,
-        data_collator=collator, post_process_function=post_process, compute_metrics=compute_metrics,
+        model=model,
+        args=training_args,
+        train_dataset=train_features,
+        eval_dataset=for_model(eval_features),
+        eval_examples=eval_examples,
+        eval_features=eval_features,
+        processing_class=tokenizer,
+        data_collator=collator,
+        post_process_function=post_process,
+        compute_metrics=compute_metrics,
         **trainer_kwargs,
-    )  # fmt: skip
+    )
 
     all_metrics: dict[str, float] = {}
     if training_args.do_train:
@@ -361,13 +441,25 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     dataset_name = "SQuAD v2" if data_args.version_2_with_negative else "SQuAD v1.1"
     dataset_id = "rajpurkar/squad_v2" if data_args.version_2_with_negative else "rajpurkar/squad"
     if training_args.do_train:
-        write_card(trainer, training_args.output_dir, sparse=sparse, dense_bytes=dense_bytes,
-                   base_model=model_args.model_name_or_path, task="question-answering", dataset=dataset_name,
-                   dataset_id=dataset_id, model_name=Path(training_args.output_dir).name,
-                   metrics={k: v for k, v in all_metrics.items() if k.startswith("eval_")} or None)  # fmt: skip
+        write_card(
+            trainer,
+            training_args.output_dir,
+            sparse=sparse,
+            dense_bytes=dense_bytes,
+            base_model=model_args.model_name_or_path,
+            task="question-answering",
+            dataset=dataset_name,
+            dataset_id=dataset_id,
+            model_name=Path(training_args.output_dir).name,
+            metrics={k: v for k, v in all_metrics.items() if k.startswith("eval_")} or None,
+        )
     if training_args.push_to_hub:
-        trainer.push_to_hub(finetuned_from=model_args.model_name_or_path, tasks="question-answering",
-                            dataset_tags="squad", dataset=dataset_name)  # fmt: skip
+        trainer.push_to_hub(
+            finetuned_from=model_args.model_name_or_path,
+            tasks="question-answering",
+            dataset_tags="squad",
+            dataset=dataset_name,
+        )
     return all_metrics
 
 

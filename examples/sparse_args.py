@@ -73,7 +73,9 @@ class SparsityArguments:
     )
     recipe: str | None = field(
         default=None,
-        metadata={"help": "JSON or YAML file setting the sparsity fields at once; flags given on the command line win."},
+        metadata={
+            "help": "JSON or YAML file setting the sparsity fields at once; flags given on the command line win."
+        },
     )
 
 

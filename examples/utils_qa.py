@@ -122,11 +122,14 @@ def postprocess_qa_predictions(
     ``prefix`` (e.g. ``eval_predictions.json``).
     """
     all_start, all_end = predictions
-    if len(all_start) != len(features):
-        raise ValueError(f"got {len(all_start)} predictions for {len(features)} features: they must match one to one")
+    example_ids = features["example_id"]
+    if len(all_start) != len(example_ids):
+        raise ValueError(
+            f"got {len(all_start)} predictions for {len(example_ids)} features: they must match one to one"
+        )
 
     features_by_example: dict[str, list[int]] = collections.defaultdict(list)
-    for i, example_id in enumerate(features["example_id"]):
+    for i, example_id in enumerate(example_ids):
         features_by_example[example_id].append(i)
     offsets_column = features["offset_mapping"]
 

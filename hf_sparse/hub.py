@@ -77,10 +77,10 @@ def dense_weight_bytes(model) -> int:
     It is the denominator of the card's "size against dense". A compressed layer (one with ``logical_shape`` and
     ``compressed_tensors``) counts as a dense ``(out, in)`` weight of its values' dtype, not as what it stores.
     """
-    compressed = {name: module for name, module in model.named_modules() if _logical_shape(module) is not None}
+    compressed = [module for module in model.modules() if _logical_shape(module) is not None]
     seen: set[int] = set()
     total = 0
-    for name, module in compressed.items():
+    for module in compressed:
         total += math.prod(_logical_shape(module)) * module.compressed_tensors()["weight"].element_size()
         seen.update(t.data_ptr() for t in module.compressed_tensors().values())
     for tensor in model.state_dict().values():
@@ -104,8 +104,11 @@ def layer_table_from_model(model, *, pattern: str | None = None, min_sparsity: f
     for name, module in model.named_modules():
         shape = _logical_shape(module)
         if shape is not None:
-            table[name] = {"pattern": str(getattr(module, "pattern", pattern) or "?"),
-                           "sparsity": 1.0 - float(module.mask().float().mean()), "shape": list(shape)}  # fmt: skip
+            table[name] = {
+                "pattern": str(getattr(module, "pattern", pattern) or "?"),
+                "sparsity": 1.0 - float(module.mask().float().mean()),
+                "shape": list(shape),
+            }
     if table:
         return table
     for name, module in model.named_modules():
@@ -263,8 +266,14 @@ def _schedule_rows(schedule: str | Mapping | None) -> list[tuple[str, str]]:
         return []
     if isinstance(schedule, str):
         return [("Schedule", schedule)]
-    names = {"schedule": "Schedule", "start": "Start", "end": "End", "update_every": "Update every (steps)",
-             "score": "Score", "transposable": "Transposable masks"}  # fmt: skip
+    names = {
+        "schedule": "Schedule",
+        "start": "Start",
+        "end": "End",
+        "update_every": "Update every (steps)",
+        "score": "Score",
+        "transposable": "Transposable masks",
+    }
     return [(label, str(schedule[key])) for key, label in names.items() if schedule.get(key) is not None]
 
 
@@ -279,8 +288,14 @@ def _layer_rows(layer_table: Mapping[str, Mapping] | Sequence[Mapping] | None) -
         sparsity = float(info.get("sparsity", 0.0))
         numel = math.prod(shape) if shape else 0
         zeros, total = zeros + sparsity * numel, total + numel
-        rows.append({"name": info["name"], "shape": " × ".join(map(str, shape)) or "?",
-                     "pattern": info.get("pattern", "?"), "sparsity": f"{sparsity:.2%}"})  # fmt: skip
+        rows.append(
+            {
+                "name": info["name"],
+                "shape": " × ".join(map(str, shape)) or "?",
+                "pattern": info.get("pattern", "?"),
+                "sparsity": f"{sparsity:.2%}",
+            }
+        )
     if total:
         overall = f"{zeros / total:.2%}"
     else:
@@ -342,8 +357,13 @@ def render_model_card(
     eval_results = None
     if dataset_id and metric_items and pipeline_tag:
         eval_results = [
-            EvalResult(task_type=pipeline_tag, dataset_type=dataset_id, dataset_name=dataset or dataset_id,
-                       metric_type=key.removeprefix("eval_"), metric_value=value)  # fmt: skip
+            EvalResult(
+                task_type=pipeline_tag,
+                dataset_type=dataset_id,
+                dataset_name=dataset or dataset_id,
+                metric_type=key.removeprefix("eval_"),
+                metric_value=value,
+            )
             for key, value in metric_items
             if not key.endswith("loss")  # a loss is not a benchmark result
         ] or None
@@ -386,7 +406,9 @@ def render_model_card(
         plot_filename=plot_filename,
         metric_label=metric_label,
         metric_rows=[(k, _fmt_metric(v)) for k, v in metric_items],
-        sparsity_config_json=json.dumps(schedule_dict, indent=2, sort_keys=True, default=str) if schedule_dict else None,
+        sparsity_config_json=json.dumps(schedule_dict, indent=2, sort_keys=True, default=str)
+        if schedule_dict
+        else None,
     )
     return str(card)
 
@@ -520,13 +542,22 @@ def _auto_card(model, folder: Path, repo_id: str) -> str:
     """A card for a model with no training record: pattern from its config, sparsity measured on its weights."""
     config = getattr(model, "config", None)
     qconfig = getattr(config, "quantization_config", None)
-    qdict = qconfig.to_dict() if hasattr(qconfig, "to_dict") else (dict(qconfig) if isinstance(qconfig, Mapping) else {})
+    qdict = (
+        qconfig.to_dict() if hasattr(qconfig, "to_dict") else (dict(qconfig) if isinstance(qconfig, Mapping) else {})
+    )
     is_ours = qdict.get("quant_method", "hf_sparse") == "hf_sparse"
     patterns = (qdict.get("patterns") or [qdict.get("pattern")]) if is_ours else []
     pattern = ", ".join(str(p) for p in patterns if p) or None
     schedule = qdict.get("sparsity_config") if isinstance(qdict.get("sparsity_config"), Mapping) else None
     architectures = list(getattr(config, "architectures", None) or [])
-    task = next((t for t, (_, cls) in _TASK_PIPELINES.items() if any(a.endswith(cls[len("AutoModelFor"):]) for a in architectures)), None)  # fmt: skip
+    task = next(
+        (
+            t
+            for t, (_, cls) in _TASK_PIPELINES.items()
+            if any(a.endswith(cls[len("AutoModelFor") :]) for a in architectures)
+        ),
+        None,
+    )
     return render_model_card(
         base_model=None,  # a loaded model's _name_or_path is where it was loaded from, not what it was tuned from
         task=task,

@@ -36,9 +36,14 @@ def build_tokenizer(words, out_dir: str | Path):
         special_tokens=[("[CLS]", vocab["[CLS]"]), ("[SEP]", vocab["[SEP]"])],
     )
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]", cls_token="[CLS]", sep_token="[SEP]",
-        mask_token="[MASK]", model_max_length=128,
-    )  # fmt: skip
+        tokenizer_object=tok,
+        unk_token="[UNK]",
+        pad_token="[PAD]",
+        cls_token="[CLS]",
+        sep_token="[SEP]",
+        mask_token="[MASK]",
+        model_max_length=128,
+    )
     fast.save_pretrained(out_dir)
     return fast
 
@@ -52,8 +57,12 @@ def build_tiny_bert(out_dir: str | Path, texts, *, seed: int = 0) -> Path:
     tokenizer = build_tokenizer(words_of(texts), out_dir)
     torch.manual_seed(seed)
     config = BertConfig(
-        vocab_size=len(tokenizer), hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
-        intermediate_size=128, max_position_embeddings=128,
-    )  # fmt: skip
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=128,
+        max_position_embeddings=128,
+    )
     BertModel(config).save_pretrained(out_dir)
     return out_dir

@@ -17,12 +17,19 @@ SHARED_DEV = ROOT.parent / "shared" / "data" / "squad" / "dev-v1.1.json"
 
 def _dataset(version="1.1", impossible=False):
     qas = [
-        {"id": "q1", "question": "Where?", "answers": [{"text": "on the mat", "answer_start": 8}, {"text": "the mat", "answer_start": 11}]},  # noqa: E501
+        {
+            "id": "q1",
+            "question": "Where?",
+            "answers": [{"text": "on the mat", "answer_start": 8}, {"text": "the mat", "answer_start": 11}],
+        },
         {"id": "q2", "question": "Who?", "answers": [{"text": "The cat", "answer_start": 0}]},
     ]
     if impossible:
         qas.append({"id": "q3", "question": "Why?", "answers": [], "is_impossible": True})
-    return {"version": version, "data": [{"title": "t", "paragraphs": [{"context": "The cat on the mat.", "qas": qas}]}]}
+    return {
+        "version": version,
+        "data": [{"title": "t", "paragraphs": [{"context": "The cat on the mat.", "qas": qas}]}],
+    }
 
 
 def _run(tmp_path, dataset, predictions):
@@ -30,7 +37,9 @@ def _run(tmp_path, dataset, predictions):
     data.write_text(json.dumps(dataset))
     preds.write_text(json.dumps(predictions))
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    proc = subprocess.run([sys.executable, str(SCRIPT), str(data), str(preds)], capture_output=True, text=True, env=env)
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), str(data), str(preds)], capture_output=True, text=True, env=env
+    )
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout), proc.stderr
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _tiny_models import build_tiny_bert
 from huggingface_hub import HfApi, ModelCard
 
 import hf_sparse
@@ -19,8 +20,6 @@ from hf_sparse.hub import (
     save_training_plot,
     write_model_card,
 )
-
-from _tiny_models import build_tiny_bert
 
 LAYERS = {
     "bert.encoder.layer.0.attention.self.query": {"pattern": "2:4", "sparsity": 0.5, "shape": [64, 64]},
@@ -36,11 +35,20 @@ LOG_HISTORY = [
 
 
 def _card(**overrides):
-    kwargs = dict(base_model="sentence-transformers/all-MiniLM-L6-v2", task="text-classification", dataset="GLUE SST-2",
-                  dataset_id="nyu-mll/glue", pattern="2:4", schedule={"pattern": "2:4", "schedule": "cubic", "start": 0.1,
-                  "end": 0.6, "update_every": 100}, layer_table=LAYERS, checkpoint_bytes=600_000, dense_bytes=1_000_000,
-                  metrics={"eval_accuracy": 0.8, "eval_loss": 0.5, "eval_runtime": 1.0}, speedup={"H200 bf16": 1.3},
-                  repo_id="me/tiny-2of4")  # fmt: skip
+    kwargs = dict(
+        base_model="sentence-transformers/all-MiniLM-L6-v2",
+        task="text-classification",
+        dataset="GLUE SST-2",
+        dataset_id="nyu-mll/glue",
+        pattern="2:4",
+        schedule={"pattern": "2:4", "schedule": "cubic", "start": 0.1, "end": 0.6, "update_every": 100},
+        layer_table=LAYERS,
+        checkpoint_bytes=600_000,
+        dense_bytes=1_000_000,
+        metrics={"eval_accuracy": 0.8, "eval_loss": 0.5, "eval_runtime": 1.0},
+        speedup={"H200 bf16": 1.3},
+        repo_id="me/tiny-2of4",
+    )
     kwargs.update(overrides)
     return render_model_card(**kwargs)
 
@@ -55,7 +63,10 @@ def test_card_metadata_parses_and_says_how_to_load():
     result = data["model-index"][0]["results"][0]
     assert result["dataset"]["type"] == "nyu-mll/glue"
     assert result["metrics"] == [{"type": "accuracy", "value": 0.8}]  # no loss, no runtime in model-index
-    assert "import hf_sparse" in card.text and 'AutoModelForSequenceClassification.from_pretrained("me/tiny-2of4")' in card.text
+    assert (
+        "import hf_sparse" in card.text
+        and 'AutoModelForSequenceClassification.from_pretrained("me/tiny-2of4")' in card.text
+    )
     assert "| `bert.encoder.layer.0.intermediate.dense` | 128 × 64 | 2:4 | 50.00% |" in card.text
     assert "| Sparsity of the pruned layers | 50.00% |" in card.text
     assert "| Size against dense | 0.60× |" in card.text
@@ -64,8 +75,17 @@ def test_card_metadata_parses_and_says_how_to_load():
 
 
 def test_card_without_records_still_parses():
-    text = render_model_card(base_model="/local/path", task=None, dataset=None, pattern="unstructured:0.75",
-                             schedule=None, layer_table=None, checkpoint_bytes=None, dense_bytes=None, metrics=None)  # fmt: skip
+    text = render_model_card(
+        base_model="/local/path",
+        task=None,
+        dataset=None,
+        pattern="unstructured:0.75",
+        schedule=None,
+        layer_table=None,
+        checkpoint_bytes=None,
+        dense_bytes=None,
+        metrics=None,
+    )
     data = ModelCard(text).data.to_dict()
     assert "base_model" not in data and "model-index" not in data  # a local path is no Hub id
     assert "unstructured-sparsity" in data["tags"] and "n:m" not in data["tags"]
@@ -74,7 +94,11 @@ def test_card_without_records_still_parses():
 
 def test_history_from_log_history():
     history = history_from_log_history(LOG_HISTORY)
-    assert history == {"sparsity": [[10, 0.0], [20, 0.5]], "metric": [[10, 0.6], [20, 0.8]], "metric_name": "eval_accuracy"}
+    assert history == {
+        "sparsity": [[10, 0.0], [20, 0.5]],
+        "metric": [[10, 0.6], [20, 0.8]],
+        "metric_name": "eval_accuracy",
+    }
     assert history_from_log_history(LOG_HISTORY, metric_key="loss")["metric"] == [[10, 0.9], [20, 0.5]]
 
 
@@ -93,9 +117,18 @@ def test_plot_written_or_skipped_with_a_note(tmp_path, caplog):
 
 def test_write_model_card(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"x" * 1234)
-    readme = write_model_card(tmp_path, history=history_from_log_history(LOG_HISTORY), base_model=None, task=None,
-                              dataset=None, pattern="2:4", schedule="cubic", layer_table=LAYERS, dense_bytes=None,
-                              metrics=None)  # fmt: skip
+    readme = write_model_card(
+        tmp_path,
+        history=history_from_log_history(LOG_HISTORY),
+        base_model=None,
+        task=None,
+        dataset=None,
+        pattern="2:4",
+        schedule="cubic",
+        layer_table=LAYERS,
+        dense_bytes=None,
+        metrics=None,
+    )
     text = readme.read_text()
     assert "| Checkpoint size | 1.2 kB |" in text
     assert ("sparsity_history.png" in text) == (tmp_path / "sparsity_history.png").exists()
@@ -148,12 +181,25 @@ def test_push_dense_model_commit(tiny, tmp_path, monkeypatch):
     tok = AutoTokenizer.from_pretrained(tiny)
     api = HfApi(token="hf_fake")
     api.repos, api.commits = [], []
-    assert push_to_hub(model, "me/dense", tokenizer=tok, card="# hi", private=True, api=api,
-                       extra_files={"notes/plot.png": b"png"}, commit_message="msg") == "commit-info"  # fmt: skip
+    assert (
+        push_to_hub(
+            model,
+            "me/dense",
+            tokenizer=tok,
+            card="# hi",
+            private=True,
+            api=api,
+            extra_files={"notes/plot.png": b"png"},
+            commit_message="msg",
+        )
+        == "commit-info"
+    )
     assert api.repos == [("me/dense", {"token": None, "private": True, "exist_ok": True})]
     (commit,) = api.commits
     assert commit["commit_message"] == "msg" and commit["repo_id"] == "me/dense"
-    assert {"README.md", "config.json", "model.safetensors", "tokenizer.json", "notes/plot.png"} <= set(commit["files"])
+    assert {"README.md", "config.json", "model.safetensors", "tokenizer.json", "notes/plot.png"} <= set(
+        commit["files"]
+    )
     assert commit["files"]["README.md"] == b"# hi"
 
 
