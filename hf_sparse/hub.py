@@ -481,6 +481,7 @@ def push_to_hub(
     *,
     tokenizer=None,
     card: str | Any | None = "auto",
+    pruner=None,
     commit_message: str | None = None,
     commit_description: str | None = None,
     token: str | bool | None = None,
@@ -491,12 +492,15 @@ def push_to_hub(
     max_shard_size: str | int = "5GB",
     api=None,
 ):
-    """Upload an already-loaded (sparse) model to ``repo_id`` in one commit; returns the ``CommitInfo``.
+    """Upload a (sparse) model to ``repo_id`` in one commit; returns the ``CommitInfo``.
 
-    The model is written with ``model.save_pretrained`` (compressed weights and ``config.json`` with its
-    ``quantization_config`` for an hf_sparse model), the tokenizer (or any processor) with its own
-    ``save_pretrained``, and ``README.md`` from ``card``: a string or ``ModelCard``, ``"auto"`` for a card built
-    from the model itself (pattern from its ``quantization_config``, sparsity measured on its weights), or
+    The model is written with ``model.save_pretrained``: for a model loaded from an hf_sparse checkpoint that
+    gives the compressed weights and ``config.json`` with its ``quantization_config``. A model pruned in place
+    (plain ``nn.Linear`` layers with masks, as during training) needs its ``pruner``: it is then written with
+    ``hf_sparse.save_pretrained(model, folder, pruner)``, else it would go up dense. The tokenizer (or any
+    processor) is written with its own ``save_pretrained``, and ``README.md`` from ``card``: a string or
+    ``ModelCard``; ``"auto"`` for a card built from what was saved (pattern and schedule from the saved
+    ``quantization_config``, per-layer sparsity from ``pruner.sparsity_report()`` or measured on the model); or
     ``None`` for none. ``extra_files`` maps paths in the repo to local files or bytes (e.g. the training plot).
     The repo is created if missing. ``api`` defaults to ``HfApi(token=token)``; the upload itself is one
     ``api.create_commit`` call.
@@ -504,11 +508,15 @@ def push_to_hub(
     from huggingface_hub import CommitOperationAdd, HfApi
 
     api = api or HfApi(token=token)
-    if not create_pr or revision is None:
-        api.create_repo(repo_id, token=token, private=private, exist_ok=True)
+    api.create_repo(repo_id, token=token, private=private, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="hf_sparse_push_") as tmp:
         folder = Path(tmp)
-        model.save_pretrained(folder, max_shard_size=max_shard_size)
+        if pruner is not None:
+            from hf_sparse.serialization import save_pretrained
+
+            save_pretrained(model, folder, pruner, max_shard_size=max_shard_size)
+        else:
+            model.save_pretrained(folder, max_shard_size=max_shard_size)
         if tokenizer is not None:
             tokenizer.save_pretrained(folder)
         for path_in_repo, source in (extra_files or {}).items():
@@ -519,7 +527,7 @@ def push_to_hub(
             else:
                 shutil.copyfile(source, target)
         if isinstance(card, str) and card == "auto":
-            card = _auto_card(model, folder, repo_id)
+            card = _auto_card(model, folder, repo_id, pruner)
         if card is not None:
             (folder / "README.md").write_text(str(card), encoding="utf-8")  # str(ModelCard) is its file text
         operations = [
@@ -538,33 +546,28 @@ def push_to_hub(
         )
 
 
-def _auto_card(model, folder: Path, repo_id: str) -> str:
-    """A card for a model with no training record: pattern from its config, sparsity measured on its weights."""
-    config = getattr(model, "config", None)
-    qconfig = getattr(config, "quantization_config", None)
-    qdict = (
-        qconfig.to_dict() if hasattr(qconfig, "to_dict") else (dict(qconfig) if isinstance(qconfig, Mapping) else {})
-    )
-    is_ours = qdict.get("quant_method", "hf_sparse") == "hf_sparse"
+def _auto_card(model, folder: Path, repo_id: str, pruner=None) -> str:
+    """A card for a model with no training record: what the saved ``config.json`` and the weights say."""
+    saved = json.loads((folder / "config.json").read_text()) if (folder / "config.json").is_file() else {}
+    qdict = saved.get("quantization_config") or {}
+    is_ours = qdict.get("quant_method") == "hf_sparse"
     patterns = (qdict.get("patterns") or [qdict.get("pattern")]) if is_ours else []
     pattern = ", ".join(str(p) for p in patterns if p) or None
     schedule = qdict.get("sparsity_config") if isinstance(qdict.get("sparsity_config"), Mapping) else None
-    architectures = list(getattr(config, "architectures", None) or [])
-    task = next(
-        (
-            t
-            for t, (_, cls) in _TASK_PIPELINES.items()
-            if any(a.endswith(cls[len("AutoModelFor") :]) for a in architectures)
-        ),
-        None,
-    )
+    architectures = list(saved.get("architectures") or [])
+    suffixes = {task: cls.removeprefix("AutoModel") for task, (_, cls) in _TASK_PIPELINES.items()}
+    task = next((t for t, sfx in suffixes.items() if any(a.endswith(sfx) for a in architectures)), None)
+    if pruner is not None and hasattr(pruner, "sparsity_report"):
+        layer_table = pruner.sparsity_report()
+    else:
+        layer_table = layer_table_from_model(model, pattern=pattern)
     return render_model_card(
         base_model=None,  # a loaded model's _name_or_path is where it was loaded from, not what it was tuned from
         task=task,
         dataset=None,
-        pattern=str(pattern) if pattern else None,
+        pattern=pattern,
         schedule=schedule,
-        layer_table=layer_table_from_model(model, pattern=str(pattern) if pattern else None),
+        layer_table=layer_table,
         checkpoint_bytes=directory_weight_bytes(folder) or None,
         dense_bytes=dense_weight_bytes(model),
         metrics=None,

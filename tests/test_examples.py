@@ -449,3 +449,39 @@ def test_run_qa_sparse_and_evaluator_agree(files, tmp_path, run_qa):
     assert scores["exact_match"] == pytest.approx(metrics["eval_exact_match"])
     assert scores["f1"] == pytest.approx(metrics["eval_f1"])
     assert json.loads((out / "config.json").read_text())["quantization_config"]["quant_method"] == "hf_sparse"
+
+
+def test_oracle_logits_recover_gold_answers_on_squad_dev(run_qa, tmp_path):
+    """Windows + offsets + post-processing on real data: logits peaked at the labelled span give back the answer."""
+    dev = ROOT.parent / "shared" / "data" / "squad" / "dev-v1.1.json"
+    tokenizer_dir = ROOT.parent / "minilm"
+    if not dev.is_file() or not (tokenizer_dir / "tokenizer.json").is_file():
+        pytest.skip("needs ../shared/data/squad/dev-v1.1.json and ../minilm (shared/tools/get_minilm.sh)")
+    from transformers import AutoTokenizer
+    from utils_qa import postprocess_qa_predictions
+
+    from hf_sparse.metrics import squad_metrics
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    examples = run_qa.load_qa_split(str(dev)).select(range(400))
+
+    def on_word_boundaries(e):
+        # this dev copy's answer_start is the answer's first occurrence, sometimes inside a word ("8" in "18")
+        s, text, context = e["answers"]["answer_start"][0], e["answers"]["text"][0], e["context"]
+        end = s + len(text)
+        return (s == 0 or not context[s - 1].isalnum()) and (end == len(context) or not context[end].isalnum())
+
+    examples = examples.filter(on_word_boundaries)
+    args = run_qa.DataTrainingArguments(validation_file="x.json", doc_stride=64)
+    kwargs = {"tokenizer": tok, "args": args, "padding": "max_length", "max_seq_length": 128}
+    labelled = run_qa.prepare_train_features(examples[:], **kwargs)  # same windows, with gold positions
+    features = run_qa.prepare_validation_features(examples[:], **kwargs)
+    assert len(labelled["input_ids"]) > len(examples)  # long contexts were cut into several windows
+    start = np.full((len(labelled["input_ids"]), 128), -5.0)
+    end = start.copy()
+    rows = np.arange(len(start))
+    start[rows, labelled["start_positions"]] = 5.0
+    end[rows, labelled["end_positions"]] = 5.0
+    answers = postprocess_qa_predictions(examples, features, (start, end))
+    scores = squad_metrics(answers, {e["id"]: e["answers"] for e in examples})
+    assert scores["exact_match"] == 100.0, scores

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
@@ -195,6 +196,7 @@ def test_push_dense_model_commit(tiny, tmp_path, monkeypatch):
         == "commit-info"
     )
     assert api.repos == [("me/dense", {"token": None, "private": True, "exist_ok": True})]
+    assert "quantization_config" not in json.loads(api.commits[0]["files"]["config.json"])  # a dense model stays dense
     (commit,) = api.commits
     assert commit["commit_message"] == "msg" and commit["repo_id"] == "me/dense"
     assert {"README.md", "config.json", "model.safetensors", "tokenizer.json", "notes/plot.png"} <= set(
@@ -244,3 +246,21 @@ def test_push_sparse_model_loads_back(tiny, tmp_path):
         torch.testing.assert_close(reloaded(**batch).logits, model(**batch).logits, rtol=0, atol=0)
     assert dense_weight_bytes(loaded) == dense_weight_bytes(model)  # compressed layers count at their dense size
     assert directory_weight_bytes(pushed) < dense_weight_bytes(model)
+
+
+def test_push_model_pruned_in_place_goes_up_compressed(tiny, tmp_path):
+    from transformers import AutoModelForSequenceClassification
+
+    model, pruner = _sparse_model(tiny, pattern="64:2:8")
+    api = CapturingApi()
+    push_to_hub(model, "me/in-place", pruner=pruner, api=api)
+    files = api.commits[0]["files"]
+    card = ModelCard(files["README.md"].decode())
+    assert "v:n:m" in card.data.tags and "| Sparsity of the pruned layers | 75.00% |" in card.text
+    assert card.data.pipeline_tag == "text-classification"
+    reloaded = AutoModelForSequenceClassification.from_pretrained(_materialise(files, tmp_path / "pushed"))
+    assert any(isinstance(m, hf_sparse.SparseLinear) for m in reloaded.modules())
+    ids = torch.tensor([[2, 5, 6, 3]])
+    model.eval(), reloaded.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(input_ids=ids).logits, model(input_ids=ids).logits)
