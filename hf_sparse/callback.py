@@ -105,7 +105,8 @@ class SparsityCallback(TrainerCallback):
         if level is None:
             return
         logger.warning(
-            "hf_sparse: resuming at step %d without %s; rebuilding masks from the weights' non-zeros", step,
+            "hf_sparse: resuming at step %d without %s; rebuilding masks from the weights' non-zeros",
+            step,
             PRUNER_STATE_NAME,
         )
         for layer in pruner.layers:

@@ -27,7 +27,9 @@ ScheduleName = Literal["oneshot", "linear", "cubic"]
 
 def _check_step_or_fraction(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ValueError(f"SparsityConfig.{name}={value!r}: give a fraction of training (float in [0, 1]) or a step (int)")
+        raise ValueError(
+            f"SparsityConfig.{name}={value!r}: give a fraction of training (float in [0, 1]) or a step (int)"
+        )
     if isinstance(value, float) and not (0.0 <= value <= 1.0):
         raise ValueError(
             f"SparsityConfig.{name}={value!r}: a float is a fraction of training and must be in [0, 1]; "
@@ -106,7 +108,9 @@ class SparsityConfig:
                 "are defined for 2:4 only"
             )
         if self.global_unstructured and not isinstance(parsed, Unstructured):
-            raise ValueError(f"SparsityConfig.global_unstructured=True needs an 'unstructured:S' pattern, got {self.pattern!r}")
+            raise ValueError(
+                f"SparsityConfig.global_unstructured=True needs an 'unstructured:S' pattern, got {self.pattern!r}"
+            )
         if not self.hf_sparse_version:
             self.hf_sparse_version = __version__
 

@@ -11,7 +11,9 @@ It knows nothing of ``Trainer``: :mod:`hf_sparse.callback` drives it. What it gu
 
 from __future__ import annotations
 
+import json
 import logging
+from ast import literal_eval
 from typing import Any
 
 import torch
@@ -71,7 +73,11 @@ class Pruner:
     @property
     def is_final(self) -> bool:
         """True once the masks are at the final pattern (and, with a static schedule, will not change)."""
-        return self.plan is not None and self.level is not None and self.plan.quantise(self.pattern.sparsity) == self.level
+        return (
+            self.plan is not None
+            and self.level is not None
+            and self.plan.quantise(self.pattern.sparsity) == self.level
+        )
 
     def pattern_for_level(self, level: int | float) -> Pattern:
         assert self.plan is not None
@@ -191,10 +197,6 @@ class Pruner:
 
     def load_state_dict(self, tensors: dict[str, Tensor], meta: dict[str, str]) -> None:
         """Restore masks (checked against each layer's shape) and schedule position, then re-apply the masks."""
-        from ast import literal_eval
-
-        import json
-
         saved = json.loads(meta.get("config", "{}"))
         if saved.get("pattern") != self.config.pattern:
             raise ValueError(

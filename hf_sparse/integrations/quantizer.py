@@ -120,7 +120,9 @@ class HfSparseQuantizer(HfQuantizer):
     def validate_environment(self, *args: Any, **kwargs: Any) -> None:
         """Nothing to check: the format loads on any device; CUDA kernels are optional."""
 
-    def _process_model_before_weight_loading(self, model: nn.Module, checkpoint_files=None, **kwargs: Any) -> nn.Module:
+    def _process_model_before_weight_loading(
+        self, model: nn.Module, checkpoint_files=None, **kwargs: Any
+    ) -> nn.Module:
         layers = self.quantization_config.layers
         header: dict[str, Any] = {}
         for path in checkpoint_files or []:

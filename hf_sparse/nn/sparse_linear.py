@@ -143,7 +143,9 @@ class SparseLinear(nn.Module):
             module = Conv1D(self.out_features, self.in_features).to(device=device, dtype=dtype)
             module.weight.data.copy_(dense.T)
         else:
-            module = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device=device, dtype=dtype)
+            module = nn.Linear(
+                self.in_features, self.out_features, bias=self.bias is not None, device=device, dtype=dtype
+            )
             module.weight.data.copy_(dense)
         if self.bias is not None:
             module.bias.data.copy_(self.bias.detach())

@@ -1,0 +1,263 @@
+"""A real Trainer loop on tiny models: masks on schedule, exact zeros, metrics, resume, accumulation, dtypes."""
+
+import json
+import os
+
+import pytest
+import torch
+from conftest import ToyClassification, tiny_config
+from transformers import AutoModelForSequenceClassification, Trainer, TrainerCallback, TrainingArguments
+
+import hf_sparse
+from hf_sparse import SparseTrainer, SparsityCallback, SparsityConfig
+from hf_sparse.callback import PRUNER_STATE_NAME
+from hf_sparse.formats.compressed import compress
+
+
+def _args(tmp_path, **kwargs):
+    defaults = dict(
+        output_dir=str(tmp_path),
+        max_steps=12,
+        per_device_train_batch_size=8,
+        learning_rate=1e-3,
+        weight_decay=0.1,
+        logging_steps=4,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        seed=0,
+        disable_tqdm=True,
+    )
+    defaults.update(kwargs)
+    return TrainingArguments(**defaults)
+
+
+def _model(family="bert", dtype=torch.float32):
+    torch.manual_seed(0)
+    return AutoModelForSequenceClassification.from_config(tiny_config(family)).to(dtype)
+
+
+def _check_final_masks(pruner):
+    pattern = pruner.current_pattern()
+    assert pruner.is_final
+    for layer in pruner.layers:
+        weight = layer.weight.detach()
+        mask = pruner.masks[layer.name]
+        pruned = weight[~mask]
+        assert (pruned == 0).all() and not torch.signbit(pruned).any(), layer.name
+        compress(weight, mask, pattern)  # raises unless the mask follows the pattern exactly
+
+
+@pytest.mark.parametrize(
+    "pattern, extra",
+    [
+        ("2:4", {}),
+        ("2:4", {"transposable": True}),
+        ("64:2:8", {}),
+        ("unstructured:0.6", {}),
+        ("unstructured:0.6", {"global_unstructured": True}),
+    ],
+)
+def test_sparse_trainer_reaches_the_pattern(tmp_path, pattern, extra):
+    model = _model()
+    config = SparsityConfig(pattern=pattern, schedule="cubic", start=0, end=0.5, update_every=2, **extra)
+    trainer = SparseTrainer(
+        model=model, args=_args(tmp_path), train_dataset=ToyClassification(), sparsity_config=config
+    )
+    before = {layer.name: layer.weight.detach().clone() for layer in trainer.pruner.layers}
+    trainer.train()
+    _check_final_masks(trainer.pruner)
+    sparsity = trainer.pruner.layer_sparsity()
+    target = hf_sparse.parse_pattern(pattern).sparsity
+    if extra.get("global_unstructured"):
+        total = sum(layer.weight.numel() for layer in trainer.pruner.layers)
+        zeros = sum(int((layer.weight == 0).sum()) for layer in trainer.pruner.layers)
+        assert zeros / total == pytest.approx(target, abs=1e-3)
+    else:
+        assert all(value == pytest.approx(target, abs=1e-3) for value in sparsity.values())
+    assert any(not torch.equal(before[layer.name], layer.weight.detach()) for layer in trainer.pruner.layers)
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert logs and all("sparsity" in h for h in logs)
+    assert logs[-1]["sparsity"] == pytest.approx(target, abs=1e-3)
+    assert any(k.startswith("sparsity/bert.encoder.layer.0") for h in logs for k in h)
+    # the classifier head and embeddings stay dense
+    assert (model.classifier.weight != 0).all() and (model.bert.embeddings.word_embeddings.weight[1:] != 0).all()
+
+
+def test_gradual_levels_and_flip_rate_logged(tmp_path):
+    config = SparsityConfig(pattern="2:8", schedule="linear", start=0, end=12, update_every=2)
+    trainer = SparseTrainer(
+        model=_model(),
+        args=_args(tmp_path, max_steps=14, logging_steps=1),
+        train_dataset=ToyClassification(),
+        sparsity_config=config,
+    )
+    trainer.train()
+    targets = [h["sparsity_target"] for h in trainer.state.log_history if "sparsity_target" in h]
+    assert targets == sorted(targets) and targets[-1] == 0.75
+    assert set(targets) <= {1 - k / 8 for k in range(2, 8)}
+    assert any("sparsity_flip_rate" in h for h in trainer.state.log_history)
+
+
+def test_gradient_accumulation_and_clipping(tmp_path):
+    config = SparsityConfig(pattern="64:2:8", schedule="oneshot", start=0)
+    seen = []
+
+    class Probe(TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+            layer = model.bert.encoder.layer[0].intermediate.dense
+            seen.append(bool((layer.weight.grad[layer.weight == 0] == 0).all()))
+
+    trainer = SparseTrainer(
+        model=_model(),
+        args=_args(tmp_path, gradient_accumulation_steps=2, max_grad_norm=0.5),
+        train_dataset=ToyClassification(),
+        sparsity_config=config,
+        callbacks=[Probe()],
+    )
+    trainer.train()
+    assert seen and all(seen)  # gradients at pruned positions are zero before the optimizer (and clipping) sees them
+    _check_final_masks(trainer.pruner)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_weights(tmp_path, dtype):
+    config = SparsityConfig(pattern="2:4", schedule="oneshot", start=0)
+    trainer = SparseTrainer(
+        model=_model(dtype=dtype),
+        args=_args(tmp_path, max_steps=4),
+        train_dataset=ToyClassification(),
+        sparsity_config=config,
+    )
+    trainer.train()
+    _check_final_masks(trainer.pruner)
+    trainer.save_model(str(tmp_path / "out"))
+    loaded = AutoModelForSequenceClassification.from_pretrained(tmp_path / "out")
+    assert loaded.bert.encoder.layer[0].output.dense.weight.dtype == dtype
+
+
+def test_bf16_autocast(tmp_path):
+    config = SparsityConfig(pattern="2:4", schedule="oneshot", start=0)
+    trainer = SparseTrainer(
+        model=_model(),
+        args=_args(tmp_path, max_steps=4, bf16=True),
+        train_dataset=ToyClassification(),
+        sparsity_config=config,
+    )
+    trainer.train()
+    _check_final_masks(trainer.pruner)
+
+
+def test_torch_compile(tmp_path):
+    config = SparsityConfig(pattern="2:4", schedule="linear", start=0, end=4, update_every=2)
+    args = _args(tmp_path, max_steps=6, torch_compile=True, torch_compile_backend="aot_eager")
+    trainer = SparseTrainer(model=_model(), args=args, train_dataset=ToyClassification(), sparsity_config=config)
+    trainer.train()
+    _check_final_masks(trainer.pruner)
+
+
+class _StopAt(TrainerCallback):
+    def __init__(self, step):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            control.should_training_stop = True
+
+
+def _resume_run(tmp_path, trainer_cls, stop_at=None, resume=None):
+    config = SparsityConfig(pattern="2:8", schedule="cubic", start=2, end=14, update_every=3)
+    args = _args(tmp_path, max_steps=18, save_strategy="steps", save_steps=7, dataloader_drop_last=True)
+    callbacks = [_StopAt(stop_at)] if stop_at else []
+    if trainer_cls is SparseTrainer:
+        trainer = SparseTrainer(
+            model=_model(), args=args, train_dataset=ToyClassification(), sparsity_config=config, callbacks=callbacks
+        )
+        pruner = lambda: trainer.pruner  # noqa: E731
+    else:
+        callback = SparsityCallback(config)
+        trainer = Trainer(
+            model=_model(), args=args, train_dataset=ToyClassification(), callbacks=[*callbacks, callback]
+        )
+        pruner = lambda: callback.pruner  # noqa: E731
+    trainer.train(resume_from_checkpoint=resume)
+    return trainer, pruner()
+
+
+@pytest.mark.parametrize("trainer_cls", [SparseTrainer, Trainer], ids=["SparseTrainer", "Trainer+callback"])
+def test_resume_is_exact(tmp_path, trainer_cls):
+    whole, whole_pruner = _resume_run(tmp_path / "whole", trainer_cls)
+    _resume_run(tmp_path / "cut", trainer_cls, stop_at=7)
+    checkpoint = tmp_path / "cut" / "checkpoint-7"
+    assert (checkpoint / PRUNER_STATE_NAME).is_file()
+    # the masks at step 7 are an intermediate level: resuming must restore them, not recompute them
+    resumed, resumed_pruner = _resume_run(tmp_path / "cut", trainer_cls, resume=str(checkpoint))
+    assert resumed.state.global_step == whole.state.global_step == 18
+    assert (
+        resumed_pruner.level == whole_pruner.level and resumed_pruner.last_update_step == whole_pruner.last_update_step
+    )
+    for a, b in zip(whole_pruner.layers, resumed_pruner.layers, strict=True):
+        assert torch.equal(whole_pruner.masks[a.name], resumed_pruner.masks[b.name]), a.name
+    for (name, p), (_, q) in zip(whole.model.named_parameters(), resumed.model.named_parameters(), strict=True):
+        assert torch.equal(p, q), name
+
+
+def test_plain_trainer_callback_logs_and_saves_state(tmp_path):
+    config = SparsityConfig(pattern="64:2:8", schedule="oneshot", start=0)
+    callback = SparsityCallback(config)
+    args = _args(tmp_path, max_steps=4, save_strategy="steps", save_steps=4)
+    trainer = Trainer(model=_model(), args=args, train_dataset=ToyClassification(), callbacks=[callback])
+    trainer.train()
+    assert any("sparsity" in h for h in trainer.state.log_history if "loss" in h)
+    assert os.path.isfile(tmp_path / "checkpoint-4" / PRUNER_STATE_NAME)
+    saved = json.loads((tmp_path / "checkpoint-4" / "hf_sparse_config.json").read_text())
+    assert saved["pattern"] == "64:2:8"
+    hf_sparse.save_pretrained(trainer.model, tmp_path / "out", callback.pruner)
+    assert AutoModelForSequenceClassification.from_pretrained(tmp_path / "out") is not None
+
+
+def test_untileable_layer_is_left_dense_with_one_warning(tmp_path):
+    config = tiny_config("bert")
+    config.intermediate_size = 96  # 96 rows: not a multiple of v=64
+    torch.manual_seed(0)
+    model = AutoModelForSequenceClassification.from_config(config)
+    with pytest.warns(
+        UserWarning, match=r"cannot tile 2 layer\(s\).*layer\.0\.intermediate\.dense.*out_features=96"
+    ) as record:
+        trainer = SparseTrainer(
+            model=model,
+            args=_args(tmp_path),
+            train_dataset=ToyClassification(),
+            sparsity_config=SparsityConfig(pattern="64:2:8"),
+        )
+    assert len([r for r in record if "cannot tile" in str(r.message)]) == 1
+    names = {layer.name for layer in trainer.pruner.layers}
+    assert "bert.encoder.layer.0.intermediate.dense" not in names and "bert.encoder.layer.0.output.dense" in names
+
+
+def test_untileable_layer_targeted_explicitly_raises(tmp_path):
+    config = tiny_config("bert")
+    config.intermediate_size = 96
+    model = AutoModelForSequenceClassification.from_config(config)
+    with pytest.raises(ValueError, match=r"layer\.0\.intermediate\.dense.*targeted explicitly"):
+        SparseTrainer(
+            model=model,
+            args=_args(tmp_path),
+            train_dataset=ToyClassification(),
+            sparsity_config=SparsityConfig(pattern="64:2:8", targets=[r"intermediate\.dense"]),
+        )
+
+
+def test_no_matching_layer_raises(tmp_path):
+    with pytest.raises(ValueError, match="no layer matched"):
+        SparseTrainer(
+            model=_model(),
+            args=_args(tmp_path),
+            train_dataset=ToyClassification(),
+            sparsity_config=SparsityConfig(pattern="2:4", targets=["nothing_is_called_this"]),
+        )
+
+
+def test_wrong_sparsity_config_type(tmp_path):
+    with pytest.raises(TypeError, match="SparsityConfig"):
+        SparseTrainer(model=_model(), args=_args(tmp_path), train_dataset=ToyClassification(), sparsity_config="2:4")
