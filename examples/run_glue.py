@@ -154,6 +154,7 @@ def load_glue_tsv(path: str, task: str, cache_dir: str | None = None):
         column_names=None if has_header else COLA_COLUMNS,
         keep_default_na=False,
         na_filter=False,
+        on_bad_lines="warn",  # a few QQP rows carry extra tabs: skip them loudly, as the GLUE readers do
         features=Features({c: Value("string") for c in columns}),
         cache_dir=cache_dir,
     )
