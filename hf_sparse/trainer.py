@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 from typing import Any
 
 from transformers import Trainer
@@ -91,3 +92,70 @@ class SparseTrainer(Trainer):
 
         torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
         self.sparsity_callback.config.to_json_file(os.path.join(output_dir, "hf_sparse_config.json"))
+        self._write_model_card(output_dir)
+
+    def _write_model_card(self, output_dir: str) -> None:
+        """README.md (+ the sparsity/metric plot when matplotlib is installed) rendered from model_cards/."""
+        from .hub import model_card_kwargs_from_trainer, write_model_card
+
+        try:
+            write_model_card(output_dir, **model_card_kwargs_from_trainer(self))
+        except Exception as err:  # the weights are already saved: a card problem must not lose them
+            warnings.warn(f"hf_sparse: model card not written to {output_dir}: {err}", stacklevel=3)
+
+    def push_to_hub(
+        self,
+        commit_message: str | None = "End of training",
+        blocking: bool = True,
+        token: str | None = None,
+        revision: str | None = None,
+        private: bool | None = None,
+        **kwargs: Any,
+    ):
+        """Upload the compressed model, ``config.json`` with its ``quantization_config``, the tokenizer and a
+        generated model card in one commit to ``args.hub_model_id`` (or the output folder's name).
+
+        Without a sparsity config this is ``Trainer.push_to_hub``. Extra ``kwargs`` (``task``, ``dataset``,
+        ``dataset_id``, ``speedup``, ``base_model``) go into the card.
+        """
+        if self.pruner is None or self.pruner.current_pattern() is None:
+            return super().push_to_hub(commit_message, blocking, token, revision, private, **kwargs)
+        import tempfile
+        from pathlib import Path
+
+        from .hub import (
+            PLOT_FILENAME,
+            dense_weight_bytes,
+            model_card_kwargs_from_trainer,
+            push_to_hub,
+            render_model_card,
+            save_training_plot,
+        )
+        from .serialization import compressed_state_dict
+
+        if not self.is_world_process_zero():
+            return None
+        repo_id = self.args.hub_model_id or Path(self.args.output_dir).absolute().name
+        card_keys = ("task", "dataset", "dataset_id", "speedup", "base_model")
+        card_kwargs = model_card_kwargs_from_trainer(self, **{k: kwargs.pop(k) for k in card_keys if k in kwargs})
+        history = card_kwargs.pop("history")
+        state, _ = compressed_state_dict(self.model, self.pruner)
+        card_kwargs["checkpoint_bytes"] = sum(t.numel() * t.element_size() for t in state.values())
+        card_kwargs["dense_bytes"] = card_kwargs.get("dense_bytes") or dense_weight_bytes(self.model)
+        with tempfile.TemporaryDirectory(prefix="hf_sparse_plot_") as tmp:
+            plot = save_training_plot(history, Path(tmp) / PLOT_FILENAME) if history else None
+            card = render_model_card(
+                **card_kwargs, history=history, plot_filename=plot.name if plot else None, repo_id=repo_id
+            )
+            return push_to_hub(
+                self.model,
+                repo_id,
+                tokenizer=self.processing_class,
+                pruner=self.pruner,
+                card=card,
+                extra_files={PLOT_FILENAME: plot} if plot else None,
+                token=token if token is not None else self.args.hub_token,
+                private=private if private is not None else self.args.hub_private_repo,
+                commit_message=commit_message,
+                revision=revision,
+            )
