@@ -1,0 +1,213 @@
+// SpMM for V:2:M weights: Y (N x R) = X (N x K) * W^T (+ bias), W in the packed layout of hf_sparse/ops/_layout.py.
+//
+// mma.sp takes the sparse operand as A, so each warp computes a tile of Y^T = W * X^T: A = 64 weight rows
+// (4 m16 tiles, fragments read straight from global memory in fragment order, one 16-byte load per lane),
+// B = X^T gathered through the block's column offsets. X arrives as PyTorch stores it (tokens x K, row-major):
+// a cp.async pipeline copies dense chunks of BN tokens x 8*M columns into shared memory and each lane builds its
+// B fragments from the 4 kept columns of each group (one 32-bit load per register for plain 2:4, two 16-bit
+// loads otherwise). The epilogue writes Y[n, r] directly (plus bias), so no transposes or copies surround it.
+#include "common.cuh"
+#include "kernels.h"
+#include "tile_config.h"
+
+namespace hf_sparse {
+namespace {
+
+template <typename T, int M>
+__global__ void __launch_bounds__(32 * SpmmTile<M>::WR * SpmmTile<M>::WN, 1)
+spmm_kernel(const T* __restrict__ x, const uint4* __restrict__ values, const uint32_t* __restrict__ meta,
+            const uint8_t* __restrict__ columns, const T* __restrict__ bias, T* __restrict__ y, int n_tokens,
+            int rows, int rows_padded, int k, int steps) {
+  using Cfg = SpmmTile<M>;
+  constexpr int BN = Cfg::BN, WR = Cfg::WR, WN = Cfg::WN, STAGES = Cfg::STAGES;
+  constexpr int THREADS = 32 * WR * WN;
+  constexpr int NT = BN / WN / 8;       // n8 tiles per warp
+  constexpr int SCOLS = 8 * M;          // real columns per stage
+  constexpr int PITCH = SCOLS + 8;      // elements; 4M+4 words per row keeps the 2:4 loads conflict-free
+  static_assert(NT >= 1, "BN / WN must be a multiple of 8");
+
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* xs = reinterpret_cast<T*>(smem_raw);
+
+  const int tid = threadIdx.x;
+  const int lane = tid & 31, warp = tid >> 5;
+  const int wr = warp % WR, wn = warp / WR;
+  const int g = lane >> 2, t = lane & 3, h = t & 1;
+  const int n_base = blockIdx.x * BN;
+  const int row0 = blockIdx.y * (64 * WR) + 64 * wr;
+  const bool warp_active = row0 < rows_padded;
+  const int groups_padded = steps * 8;
+
+  auto load_stage = [&](int stage, int s) {
+    T* dst = xs + stage * BN * PITCH;
+    const int col0 = s * SCOLS;
+#pragma unroll 4
+    for (int i = tid; i < BN * M; i += THREADS) {
+      const int r = i / M, c = (i % M) * 8;
+      const int tok = n_base + r, col = col0 + c;
+      const bool ok = tok < n_tokens && col < k;
+      const T* src = ok ? x + (size_t)tok * k + col : x;
+      cp_async_16(dst + r * PITCH + c, src, ok);
+    }
+  };
+
+  float acc[4][NT][4];
+#pragma unroll
+  for (int a = 0; a < 4; ++a)
+#pragma unroll
+    for (int b = 0; b < NT; ++b)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) acc[a][b][c] = 0.f;
+
+  // Per-step operands of this warp, double-buffered in registers to hide global latency.
+  const int mt0 = row0 >> 4;
+  const int slab = row0 >> 6;
+  uint4 a_cur[4], a_nxt[4];
+  uint32_t e_cur[4], e_nxt[4];
+  uint32_t off_cur[4], off_nxt[4];  // two 8-bit offsets (positions 2h, 2h+1) of group (t>>1)+2i
+  auto load_operands = [&](int s, uint4 (&a)[4], uint32_t (&e)[4], uint32_t (&off)[4]) {
+    if (!warp_active || s >= steps) return;
+#pragma unroll
+    for (int mt = 0; mt < 4; ++mt) {
+      const size_t base = (size_t)(mt0 + mt) * steps + s;
+      a[mt] = __ldg(values + base * 32 + lane);
+      e[mt] = __ldg(meta + base * 16 + g * 2 + h);
+    }
+    if constexpr (M == 4) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) off[i] = (uint32_t)(2 * h) | ((uint32_t)(2 * h + 1) << 8);
+    } else {
+      const uint16_t* c16 = reinterpret_cast<const uint16_t*>(columns);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int grp = s * 8 + (t >> 1) + 2 * i;
+        off[i] = __ldg(c16 + ((size_t)slab * groups_padded + grp) * 2 + h);
+      }
+    }
+  };
+
+#pragma unroll
+  for (int st = 0; st < STAGES - 1; ++st) {
+    if (st < steps) load_stage(st, st);
+    cp_async_commit();
+  }
+  load_operands(0, a_cur, e_cur, off_cur);
+
+  for (int s = 0; s < steps; ++s) {
+    cp_async_wait<STAGES - 2>();
+    __syncthreads();
+    {
+      const int nxt = s + STAGES - 1;
+      if (nxt < steps) load_stage(nxt % STAGES, nxt);
+      cp_async_commit();
+    }
+    load_operands(s + 1, a_nxt, e_nxt, off_nxt);
+    if (warp_active) {
+      const T* xs_stage = xs + (s % STAGES) * BN * PITCH;
+      int cidx[4][2];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int gl = (t >> 1) + 2 * i;
+        cidx[i][0] = gl * M + (int)(off_cur[i] & 0xff);
+        cidx[i][1] = gl * M + (int)((off_cur[i] >> 8) & 0xff);
+      }
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        const T* xrow = xs_stage + (wn * (BN / WN) + nt * 8 + g) * PITCH;
+        uint32_t b[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          if constexpr (M == 4) {
+            b[i] = *reinterpret_cast<const uint32_t*>(xrow + cidx[i][0]);
+          } else {
+            b[i] = MmaType<T>::pack(xrow[cidx[i][0]], xrow[cidx[i][1]]);
+          }
+        }
+#pragma unroll
+        for (int mt = 0; mt < 4; ++mt) mma_sp_16832<T>(acc[mt][nt], a_cur[mt], b, e_cur[mt]);
+      }
+    }
+#pragma unroll
+    for (int mt = 0; mt < 4; ++mt) {
+      a_cur[mt] = a_nxt[mt];
+      e_cur[mt] = e_nxt[mt];
+      off_cur[mt] = off_nxt[mt];
+    }
+  }
+  cp_async_wait<0>();
+
+  if (!warp_active) return;
+  // Epilogue: acc[mt][nt] = {(r, n), (r, n+1), (r+8, n), (r+8, n+1)} with r = row0+16mt+g, n = 8nt+2t.
+  // Lanes g and g^1 swap halves so each lane holds two adjacent rows of one token: 32-bit stores.
+  const bool odd = g & 1;
+#pragma unroll
+  for (int mt = 0; mt < 4; ++mt) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int r_even = row0 + 16 * mt + 8 * half + (g & ~1);
+      float b0 = 0.f, b1 = 0.f;
+      if (bias != nullptr) {
+        if (r_even < rows) b0 = MmaType<T>::to_float(bias[r_even]);
+        if (r_even + 1 < rows) b1 = MmaType<T>::to_float(bias[r_even + 1]);
+      }
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        const float v0 = acc[mt][nt][2 * half], v1 = acc[mt][nt][2 * half + 1];  // tokens n, n+1 at my row
+        // even lane keeps token n and receives the odd lane's token n; odd lane keeps token n+1.
+        const float send = odd ? v0 : v1;
+        const float recv = __shfl_xor_sync(0xffffffffu, send, 4);
+        const float lo = odd ? recv : v0;  // row r_even
+        const float hi = odd ? v1 : recv;  // row r_even + 1
+        const int n = n_base + wn * (BN / WN) + nt * 8 + 2 * t + (odd ? 1 : 0);
+        if (n >= n_tokens) continue;
+        T* dst = y + (size_t)n * rows + r_even;
+        const T o0 = MmaType<T>::from_float(lo + b0), o1 = MmaType<T>::from_float(hi + b1);
+        if (r_even + 1 < rows && (rows & 1) == 0) {
+          *reinterpret_cast<uint32_t*>(dst) = MmaType<T>::pack(o0, o1);
+        } else {
+          if (r_even < rows) dst[0] = o0;
+          if (r_even + 1 < rows) dst[1] = o1;
+        }
+      }
+    }
+  }
+}
+
+template <typename T, int M>
+cudaError_t launch(const SpmmArgs& a, cudaStream_t stream) {
+  using Cfg = SpmmTile<M>;
+  constexpr int THREADS = 32 * Cfg::WR * Cfg::WN;
+  constexpr size_t SMEM = (size_t)Cfg::STAGES * Cfg::BN * (8 * M + 8) * sizeof(T);
+  auto kernel = spmm_kernel<T, M>;
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)SMEM);
+  if (err != cudaSuccess) return err;
+  dim3 grid((a.n_tokens + Cfg::BN - 1) / Cfg::BN, (a.rows_padded + 64 * Cfg::WR - 1) / (64 * Cfg::WR));
+  if (grid.y > 65535) return cudaErrorInvalidConfiguration;
+  kernel<<<grid, THREADS, SMEM, stream>>>(static_cast<const T*>(a.x), static_cast<const uint4*>(a.values),
+                                          static_cast<const uint32_t*>(a.meta), a.columns,
+                                          static_cast<const T*>(a.bias), static_cast<T*>(a.y), a.n_tokens, a.rows,
+                                          a.rows_padded, a.k, a.steps);
+  return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t dispatch_m(const SpmmArgs& a, cudaStream_t stream) {
+  switch (a.m) {
+    case 4: return launch<T, 4>(a, stream);
+    case 8: return launch<T, 8>(a, stream);
+    case 16: return launch<T, 16>(a, stream);
+    case 32: return launch<T, 32>(a, stream);
+    case 64: return launch<T, 64>(a, stream);
+    case 128: return launch<T, 128>(a, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+}  // namespace
+
+cudaError_t spmm(const SpmmArgs& a, cudaStream_t stream) {
+  if (a.n_tokens == 0) return cudaSuccess;
+  return a.is_bf16 ? dispatch_m<__nv_bfloat16>(a, stream) : dispatch_m<__half>(a, stream);
+}
+
+}  // namespace hf_sparse
