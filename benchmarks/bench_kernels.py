@@ -6,6 +6,7 @@ Times are medians of ``triton.testing.do_bench`` (CUDA events) on fresh random b
 ``baseline time / our time`` (> 1 means we are faster). Each SpMM result is also checked against the dense
 product before it is reported.
 """
+# ruff: noqa: B023  (every benchmarked lambda is called at once, inside its own loop iteration)
 
 from __future__ import annotations
 
@@ -60,10 +61,14 @@ def main() -> int:
     ap.add_argument("--no-sddmm", action="store_true")
     args = ap.parse_args()
     dev = torch.cuda.get_device_name()
-    print(f"# {dev}, torch {torch.__version__}, {datetime.date.today()}, bf16; times in ms (median); ratio = base/ours")
+    print(
+        f"# {dev}, torch {torch.__version__}, {datetime.date.today()}, bf16; times in ms (median); ratio = base/ours"
+    )
     rows_out = []
-    hdr = (f"{'tokens':>6} {'in->out':>12} {'pattern':>8} {'dense':>7} {'cslt':>7} {'csltT':>7} {'ours':>7} "
-           f"{'xDense':>6} {'xCslt':>6} {'xCsltT':>6} | {'dWgemm':>7} {'sddmm':>7} {'xDW':>5} | {'pack':>6} {'%gemm':>5}")
+    hdr = (
+        f"{'tokens':>6} {'in->out':>12} {'pattern':>8} {'dense':>7} {'cslt':>7} {'csltT':>7} {'ours':>7} "
+        f"{'xDense':>6} {'xCslt':>6} {'xCsltT':>6} | {'dWgemm':>7} {'sddmm':>7} {'xDW':>5} | {'pack':>6} {'%gemm':>5}"
+    )
     print(hdr)
     for tokens in args.tokens:
         for k, r in SHAPES:
@@ -87,14 +92,32 @@ def main() -> int:
                 t_c0, t_c1 = cslt_times(wm.bfloat16(), x) if m == 4 else (float("nan"), float("nan"))
                 t_sd = float("nan") if args.no_sddmm else bench(lambda: sddmm(dy, x, p))
                 t_pack = bench(lambda: pack(wm, mask, v, m, torch.bfloat16, validate=False))
-                row = dict(tokens=tokens, k=k, r=r, pattern=pat, dense=t_dense, cslt=t_c0, cslt_tuned=t_c1,
-                           ours=t_ours, x_dense=t_dense / t_ours, x_cslt=t_c0 / t_ours, x_cslt_tuned=t_c1 / t_ours,
-                           dw_gemm=t_dw, sddmm=t_sd, x_dw=t_dw / t_sd, pack=t_pack, pack_pct=100 * t_pack / t_dense,
-                           err=err)
+                row = dict(
+                    tokens=tokens,
+                    k=k,
+                    r=r,
+                    pattern=pat,
+                    dense=t_dense,
+                    cslt=t_c0,
+                    cslt_tuned=t_c1,
+                    ours=t_ours,
+                    x_dense=t_dense / t_ours,
+                    x_cslt=t_c0 / t_ours,
+                    x_cslt_tuned=t_c1 / t_ours,
+                    dw_gemm=t_dw,
+                    sddmm=t_sd,
+                    x_dw=t_dw / t_sd,
+                    pack=t_pack,
+                    pack_pct=100 * t_pack / t_dense,
+                    err=err,
+                )
                 rows_out.append(row)
-                print(f"{tokens:>6} {f'{k}->{r}':>12} {pat:>8} {t_dense:7.4f} {t_c0:7.4f} {t_c1:7.4f} {t_ours:7.4f} "
-                      f"{row['x_dense']:6.2f} {row['x_cslt']:6.2f} {row['x_cslt_tuned']:6.2f} | {t_dw:7.4f} "
-                      f"{t_sd:7.4f} {row['x_dw']:5.2f} | {t_pack:6.4f} {row['pack_pct']:5.1f}", flush=True)
+                print(
+                    f"{tokens:>6} {f'{k}->{r}':>12} {pat:>8} {t_dense:7.4f} {t_c0:7.4f} {t_c1:7.4f} {t_ours:7.4f} "
+                    f"{row['x_dense']:6.2f} {row['x_cslt']:6.2f} {row['x_cslt_tuned']:6.2f} | {t_dw:7.4f} "
+                    f"{t_sd:7.4f} {row['x_dw']:5.2f} | {t_pack:6.4f} {row['pack_pct']:5.1f}",
+                    flush=True,
+                )
     if args.csv:
         with open(args.csv, "w", newline="") as f:
             wr = csv.DictWriter(f, fieldnames=list(rows_out[0]))

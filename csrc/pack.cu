@@ -110,7 +110,7 @@ __global__ void __launch_bounds__(128) pack_kernel(PackArgs a) {
         const bool kept = (kept4 >> sel[e]) & 1;
         const int col = grp * M + cols[sel[e]];
         v[e] = (kept && row < a.rows) ? load_f<W>(weight + (size_t)row * a.k + col) : 0.f;
-        if (v[e] == 0.f) v[e] = 0.f;  // +0.0, never -0.0
+        v[e] = __fadd_rn(v[e], 0.0f);  // -0.0 + 0.0 = +0.0: pruned and zero slots are never -0.0
         if (row < a.rows && grp < m_groups) a.valid[(size_t)row * (2 * m_groups) + 2 * grp + e] = kept;
       }
       (void)n_kept;

@@ -85,7 +85,10 @@ def load_extension() -> ModuleType:
         )
     from torch.utils import cpp_extension
 
-    if cpp_extension.CUDA_HOME is None or shutil.which("nvcc", path=os.path.join(cpp_extension.CUDA_HOME, "bin")) is None:
+    if (
+        cpp_extension.CUDA_HOME is None
+        or shutil.which("nvcc", path=os.path.join(cpp_extension.CUDA_HOME, "bin")) is None
+    ):
         raise KernelUnavailableError(
             "hf_sparse: nvcc was not found, so the CUDA kernels cannot be built; install the CUDA toolkit matching "
             f"torch.version.cuda={torch.version.cuda} and set CUDA_HOME, or build ahead of time with "
@@ -95,7 +98,7 @@ def load_extension() -> ModuleType:
     build_dir = os.environ.get("HF_SPARSE_BUILD_DIR")
     if build_dir:
         os.makedirs(build_dir, exist_ok=True)
-    flags = ["-O3", "-std=c++17", "--use_fast_math", "-lineinfo", *arch_flags()]
+    flags = ["-O3", "-std=c++17", "-lineinfo", *arch_flags()]
     try:
         return cpp_extension.load(
             name=EXTENSION_NAME,

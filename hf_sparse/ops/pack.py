@@ -25,8 +25,10 @@ def _pack_op(
 
         out = load_extension().pack(weight.contiguous(), mask.contiguous(), v, m, dtype == torch.bfloat16)
         if validate and int(out[4].item()) != 0:
-            raise ValueError(f"hf_sparse.pack: the mask is not {v}:2:{m} (a block uses more than 4 columns or a row "
-                             "keeps more than 2 per group); recompute it with hf_sparse.masks")
+            raise ValueError(
+                f"hf_sparse.pack: the mask is not {v}:2:{m} (a block uses more than 4 columns or a row "
+                "keeps more than 2 per group); recompute it with hf_sparse.masks"
+            )
         return out[0], out[1], out[2], out[3]
     values, columns, selectors, valid = logical_from_dense(weight, mask, v, m)
     p = packed_from_logical(values, columns, selectors, v, m, dtype, valid)

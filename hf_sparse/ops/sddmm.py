@@ -59,8 +59,9 @@ def sddmm(dy: Tensor, x: Tensor, packed: PackedWeight) -> Tensor:
     x2 = x.reshape(-1, packed.cols).contiguous()
     if dy2.shape[0] != x2.shape[0]:
         raise ValueError(f"hf_sparse.sddmm: dy has {dy2.shape[0]} tokens but x has {x2.shape[0]}")
-    return _sddmm_op(dy2, x2, packed.values, packed.meta, packed.columns, packed.valid, packed.rows, packed.cols,
-                     packed.v, packed.m)
+    return _sddmm_op(
+        dy2, x2, packed.values, packed.meta, packed.columns, packed.valid, packed.rows, packed.cols, packed.v, packed.m
+    )
 
 
 def scatter_dense(grad_values: Tensor, packed: PackedWeight, dtype: torch.dtype | None = None) -> Tensor:

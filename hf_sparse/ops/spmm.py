@@ -75,6 +75,16 @@ def spmm(x: Tensor, packed: PackedWeight, bias: Tensor | None = None) -> Tensor:
     x2 = x.reshape(-1, packed.cols)
     if not x2.is_contiguous():
         x2 = x2.contiguous()
-    y = _spmm_op(x2, packed.values, packed.meta, packed.columns, packed.valid, bias, packed.rows, packed.cols,
-                 packed.v, packed.m)
+    y = _spmm_op(
+        x2,
+        packed.values,
+        packed.meta,
+        packed.columns,
+        packed.valid,
+        bias,
+        packed.rows,
+        packed.cols,
+        packed.v,
+        packed.m,
+    )
     return y.reshape(*lead, packed.rows)

@@ -43,7 +43,9 @@ def test_pack_kernel_matches_reference(v, m, dtype):
 
 @pytest.mark.parametrize(("v", "m"), PATTERNS)
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("tokens", "rows", "cols"), [(1, 128, 256), (7, 192, 512), (8191, 256, 1024), (300, 768, 3072)])
+@pytest.mark.parametrize(
+    ("tokens", "rows", "cols"), [(1, 128, 256), (7, 192, 512), (8191, 256, 1024), (300, 768, 3072)]
+)
 def test_spmm_kernel(v, m, dtype, tokens, rows, cols):
     if rows % v and m != 4:
         pytest.skip("rows not a multiple of v")

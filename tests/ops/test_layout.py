@@ -69,5 +69,6 @@ def test_pack_rejects_bad_masks():
     with pytest.raises(ValueError, match="m=5"):
         pack(w, mask, 64, 5)
     with pytest.raises(ValueError, match="selectors"):
-        pack_from_logical(torch.zeros(64, 4), torch.zeros(1, 2, 4, dtype=torch.uint8),
-                          torch.ones(64, 2, 2, dtype=torch.uint8), 64, 8)
+        pack_from_logical(
+            torch.zeros(64, 4), torch.zeros(1, 2, 4, dtype=torch.uint8), torch.ones(64, 2, 2, dtype=torch.uint8), 64, 8
+        )
