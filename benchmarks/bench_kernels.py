@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from hf_sparse.masks import nm_mask, vnm_mask
-from hf_sparse.ops import pack, sddmm, spmm
+from hf_sparse.ops import dispatch, pack, sddmm, spmm
 
 SHAPES = [(768, 3072), (3072, 768), (1024, 4096), (4096, 1024), (4096, 11008), (11008, 4096)]  # (in, out)
 PATTERNS = ["2:4", "64:2:8", "64:2:16", "64:2:32", "128:2:8"]
@@ -68,6 +68,7 @@ def main() -> int:
     hdr = (
         f"{'tokens':>6} {'in->out':>12} {'pattern':>8} {'dense':>7} {'cslt':>7} {'csltT':>7} {'ours':>7} "
         f"{'xDense':>6} {'xCslt':>6} {'xCsltT':>6} | {'dWgemm':>7} {'sddmm':>7} {'xDW':>5} | {'pack':>6} {'%gemm':>5}"
+        f" | {'xAuto':>5} choice"
     )
     print(hdr)
     for tokens in args.tokens:
@@ -92,6 +93,11 @@ def main() -> int:
                 t_c0, t_c1 = cslt_times(wm.bfloat16(), x) if m == 4 else (float("nan"), float("nan"))
                 t_sd = float("nan") if args.no_sddmm else bench(lambda: sddmm(dy, x, p))
                 t_pack = bench(lambda: pack(wm, mask, v, m, torch.bfloat16, validate=False))
+                dispatch.linear_forward(x, wm, p, None)  # measures once and caches the choice
+                t_auto = bench(lambda: dispatch.linear_forward(x, wm, p, None))
+                choice = dispatch.choices().get(
+                    ("fwd", dispatch._bucket(tokens), r, k, p.v, m, p.dtype, x.device.index)
+                )
                 row = dict(
                     tokens=tokens,
                     k=k,
@@ -110,12 +116,15 @@ def main() -> int:
                     pack=t_pack,
                     pack_pct=100 * t_pack / t_dense,
                     err=err,
+                    auto=t_auto,
+                    auto_choice=choice,
                 )
                 rows_out.append(row)
                 print(
                     f"{tokens:>6} {f'{k}->{r}':>12} {pat:>8} {t_dense:7.4f} {t_c0:7.4f} {t_c1:7.4f} {t_ours:7.4f} "
                     f"{row['x_dense']:6.2f} {row['x_cslt']:6.2f} {row['x_cslt_tuned']:6.2f} | {t_dw:7.4f} "
-                    f"{t_sd:7.4f} {row['x_dw']:5.2f} | {t_pack:6.4f} {row['pack_pct']:5.1f}",
+                    f"{t_sd:7.4f} {row['x_dw']:5.2f} | {t_pack:6.4f} {row['pack_pct']:5.1f} | "
+                    f"{t_dense / t_auto:5.2f} {choice}",
                     flush=True,
                 )
     if args.csv:

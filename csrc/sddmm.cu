@@ -14,15 +14,17 @@ namespace hf_sparse {
 namespace {
 
 template <typename T, int M>
-__global__ void __launch_bounds__(128)
+__global__ void __launch_bounds__(SddmmTile<M>::THREADS)
 sddmm_kernel(const T* __restrict__ dy, const T* __restrict__ x, const uint32_t* __restrict__ meta,
-             const uint8_t* __restrict__ columns, float* __restrict__ out, int n_tokens, int rows, int k, int m_groups,
+             const uint8_t* __restrict__ columns, float* __restrict__ out, int n_tokens, int rows, int rows_padded,
+             int k, int m_groups,
              int steps, int chunks_per_split) {
   using Cfg = SddmmTile<M>;
-  constexpr int G = Cfg::GROUPS, BT = Cfg::BT, STAGES = Cfg::STAGES;
+  constexpr int G = Cfg::GROUPS, BT = Cfg::BT, STAGES = Cfg::STAGES, SLABS = Cfg::SLABS, THREADS = Cfg::THREADS;
+  constexpr int ROWS = 64 * SLABS;
   constexpr int CC = 4 * G;                 // condensed columns per CTA
   constexpr int NT = CC / 8;                // n8 tiles per warp
-  constexpr int DY_PITCH = 64 + 8;          // elements
+  constexpr int DY_PITCH = ROWS + 8;        // elements
   constexpr int XS_COLS = G * M;
   constexpr int XS_PITCH = XS_COLS + 8;
   constexpr int XG_PITCH = BT + 8;
@@ -32,37 +34,40 @@ sddmm_kernel(const T* __restrict__ dy, const T* __restrict__ x, const uint32_t* 
   T* dys = reinterpret_cast<T*>(smem_raw);
   T* xs = dys + STAGES * DY_STAGE;
   T* xg = xs + STAGES * XS_STAGE;
-  int* soff = reinterpret_cast<int*>(xg + CC * XG_PITCH);
+  int* soff = reinterpret_cast<int*>(xg + SLABS * CC * XG_PITCH);
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
-  const int slab = blockIdx.y;
+  const int slab0 = blockIdx.y * SLABS;
+  const int my_slab = warp >> 2;  // warps 4j..4j+3 own slab slab0 + j
+  const int n_slabs = min(SLABS, rows_padded / 64 - slab0);
   const int grp0 = blockIdx.x * G;
   const int groups_padded = steps * 8;
-  const int row0 = slab * 64;
+  const int row0 = slab0 * 64;
   const int chunk_begin = blockIdx.z * chunks_per_split;
   const int n_chunks_total = (n_tokens + BT - 1) / BT;
   const int chunk_end = min(n_chunks_total, chunk_begin + chunks_per_split);
   const int n_chunks = max(0, chunk_end - chunk_begin);
 
-  for (int i = tid; i < CC; i += 128) {
-    const int grp = grp0 + i / 4;
-    const int off = grp < groups_padded ? (int)columns[((size_t)slab * groups_padded + grp) * 4 + (i & 3)] : 0;
-    soff[i] = (i / 4) * M + off;  // groups past the padded range only feed outputs that are never written
+  for (int i = tid; i < SLABS * CC; i += THREADS) {
+    const int sl = i / CC, c = i % CC, grp = grp0 + c / 4;
+    const bool ok = grp < groups_padded && sl < n_slabs;
+    const int off = ok ? (int)columns[((size_t)(slab0 + sl) * groups_padded + grp) * 4 + (c & 3)] : 0;
+    soff[i] = (c / 4) * M + off;  // groups past the padded range only feed outputs that are never written
   }
 
   auto load_stage = [&](int stage, int chunk) {
     const int tok0 = chunk * BT;
     T* d = dys + stage * DY_STAGE;
-    for (int i = tid; i < BT * 8; i += 128) {  // 64 rows = 8 x 16 B per token
-      const int r = i / 8, c = (i % 8) * 8;
+    for (int i = tid; i < BT * (ROWS / 8); i += THREADS) {  // ROWS rows = ROWS/8 x 16 B per token
+      const int r = i / (ROWS / 8), c = (i % (ROWS / 8)) * 8;
       const int tok = tok0 + r, row = row0 + c;
       const bool ok = tok < n_tokens && row < rows;
       cp_async_16(d + r * DY_PITCH + c, ok ? dy + (size_t)tok * rows + row : dy, ok);
     }
     T* xd = xs + stage * XS_STAGE;
     const int col0 = grp0 * M;
-    for (int i = tid; i < BT * (XS_COLS / 8); i += 128) {
+    for (int i = tid; i < BT * (XS_COLS / 8); i += THREADS) {
       const int r = i / (XS_COLS / 8), c = (i % (XS_COLS / 8)) * 8;
       const int tok = tok0 + r, col = col0 + c;
       const bool ok = tok < n_tokens && col < k;
@@ -92,9 +97,13 @@ sddmm_kernel(const T* __restrict__ dy, const T* __restrict__ x, const uint32_t* 
       cp_async_commit();
     }
     const T* xstage = xs + (it % STAGES) * XS_STAGE;
-    for (int i = tid; i < CC * BT; i += 128) {  // gather + transpose: xg[c][tok] = xs[tok][soff[c]]
-      const int c = i / BT, tok = i % BT;
-      xg[c * XG_PITCH + tok] = xstage[tok * XS_PITCH + soff[c]];
+    // gather + transpose: xg[slab][c][tok] = xs[tok][soff[slab][c]]; lanes run along c (distinct banks on the
+    // read side), each thread moves a pair of tokens as one 32-bit store.
+    for (int i = tid; i < SLABS * CC * (BT / 2); i += THREADS) {
+      const int sc = i % (SLABS * CC), tp = (i / (SLABS * CC)) * 2;
+      const int col = soff[sc];
+      const T lo = xstage[tp * XS_PITCH + col], hi = xstage[(tp + 1) * XS_PITCH + col];
+      *reinterpret_cast<uint32_t*>(xg + sc * XG_PITCH + tp) = MmaType<T>::pack(lo, hi);
     }
     __syncthreads();
     const T* dstage = dys + (it % STAGES) * DY_STAGE;
@@ -103,7 +112,7 @@ sddmm_kernel(const T* __restrict__ dy, const T* __restrict__ x, const uint32_t* 
       uint32_t a[4];
       {
         const int q = lane >> 3, rr = lane & 7;
-        const T* p = dstage + (kk + (q >> 1) * 8 + rr) * DY_PITCH + warp * 16 + (q & 1) * 8;
+        const T* p = dstage + (kk + (q >> 1) * 8 + rr) * DY_PITCH + warp * 16 + (q & 1) * 8;  // warp*16 = row
         ldmatrix_x4_trans(a, p);
       }
 #pragma unroll
@@ -111,7 +120,7 @@ sddmm_kernel(const T* __restrict__ dy, const T* __restrict__ x, const uint32_t* 
         uint32_t b[4];
         const int q = lane >> 3, rr = lane & 7;
         const int jj = (NT == 1) ? j : j + (q >> 1);
-        const T* p = xg + (jj * 8 + rr) * XG_PITCH + kk + (q & 1) * 8;
+        const T* p = xg + (my_slab * CC + jj * 8 + rr) * XG_PITCH + kk + (q & 1) * 8;
         ldmatrix_x4(b, p);
         const uint32_t b0[2] = {b[0], b[1]};
         mma_16816<T>(acc[j], a, b0);
@@ -156,26 +165,26 @@ template <typename T, int M>
 cudaError_t launch(const SddmmArgs& a, cudaStream_t stream) {
   using Cfg = SddmmTile<M>;
   constexpr int G = Cfg::GROUPS, CC = 4 * G;
-  constexpr size_t SMEM = (size_t)Cfg::STAGES * Cfg::BT * ((64 + 8) + (G * M + 8)) * sizeof(T) +
-                          (size_t)CC * (Cfg::BT + 8) * sizeof(T) + CC * sizeof(int);
+  constexpr size_t SMEM = (size_t)Cfg::STAGES * Cfg::BT * ((64 * Cfg::SLABS + 8) + (G * M + 8)) * sizeof(T) +
+                          (size_t)Cfg::SLABS * CC * (Cfg::BT + 8) * sizeof(T) + Cfg::SLABS * CC * sizeof(int);
   auto kernel = sddmm_kernel<T, M>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)SMEM);
   if (err != cudaSuccess) return err;
   const int m_groups = a.k / a.m;
-  dim3 grid((m_groups + G - 1) / G, a.rows_padded / 64, 1);
+  dim3 grid((m_groups + G - 1) / G, (a.rows_padded / 64 + Cfg::SLABS - 1) / Cfg::SLABS, 1);
   int device = 0, sms = 0;
   if ((err = cudaGetDevice(&device)) != cudaSuccess) return err;
   if ((err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device)) != cudaSuccess) return err;
   const int n_chunks = (a.n_tokens + Cfg::BT - 1) / Cfg::BT;
   const long ctas = (long)grid.x * grid.y;
-  int splits = (int)((3L * sms + ctas - 1) / ctas);  // aim for ~3 CTAs per SM
+  int splits = (int)((2L * sms + ctas - 1) / ctas);  // aim for ~2 CTAs per SM
   splits = max(1, min(splits, min(n_chunks, 64)));
   const int per = (n_chunks + splits - 1) / splits;
   grid.z = (n_chunks + per - 1) / per;
   if (grid.y > 65535) return cudaErrorInvalidConfiguration;
   kernel<<<grid, Cfg::THREADS, SMEM, stream>>>(static_cast<const T*>(a.dy), static_cast<const T*>(a.x),
                                                static_cast<const uint32_t*>(a.meta), a.columns, a.out, a.n_tokens,
-                                               a.rows, a.k, m_groups, a.steps, per);
+                                               a.rows, a.rows_padded, a.k, m_groups, a.steps, per);
   return cudaGetLastError();
 }
 

@@ -14,40 +14,78 @@ namespace hf_sparse {
 namespace {
 
 template <typename T, int M>
-__global__ void __launch_bounds__(32 * SpmmTile<M>::WR * SpmmTile<M>::WN, 1)
+struct SpmmSmem {
+  using Cfg = SpmmTile<M>;
+  static constexpr int PITCH = 8 * M + 8;                         // X row pitch, elements (4M+4 words)
+  static constexpr int X_BYTES = Cfg::BN * PITCH * (int)sizeof(T);
+  static constexpr int A_BYTES = Cfg::WR * 4 * 512;               // 4 m16 tiles per warp row, 512 B each
+  static constexpr int E_BYTES = Cfg::WR * 4 * 64;                // metadata: 16 words per m16 tile
+  static constexpr int C_BYTES = Cfg::WR * 32;                    // 8 groups x 4 offsets per 64-row slab
+  static constexpr int STAGE = X_BYTES + A_BYTES + E_BYTES + C_BYTES;
+  static constexpr int TOTAL = Cfg::STAGES * STAGE;
+};
+
+template <typename T, int M>
+__global__ void __launch_bounds__(32 * SpmmTile<M>::WR * SpmmTile<M>::WN, SpmmTile<M>::MIN_BLOCKS)
 spmm_kernel(const T* __restrict__ x, const uint4* __restrict__ values, const uint32_t* __restrict__ meta,
             const uint8_t* __restrict__ columns, const T* __restrict__ bias, T* __restrict__ y, int n_tokens,
             int rows, int rows_padded, int k, int steps) {
   using Cfg = SpmmTile<M>;
+  using Sm = SpmmSmem<T, M>;
   constexpr int BN = Cfg::BN, WR = Cfg::WR, WN = Cfg::WN, STAGES = Cfg::STAGES;
   constexpr int THREADS = 32 * WR * WN;
   constexpr int NT = BN / WN / 8;       // n8 tiles per warp
   constexpr int SCOLS = 8 * M;          // real columns per stage
-  constexpr int PITCH = SCOLS + 8;      // elements; 4M+4 words per row keeps the 2:4 loads conflict-free
+  constexpr int PITCH = Sm::PITCH;
   static_assert(NT >= 1, "BN / WN must be a multiple of 8");
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  T* xs = reinterpret_cast<T*>(smem_raw);
 
   const int tid = threadIdx.x;
   const int lane = tid & 31, warp = tid >> 5;
   const int wr = warp % WR, wn = warp / WR;
   const int g = lane >> 2, t = lane & 3, h = t & 1;
   const int n_base = blockIdx.x * BN;
-  const int row0 = blockIdx.y * (64 * WR) + 64 * wr;
+  const int cta_row0 = blockIdx.y * (64 * WR);
+  const int row0 = cta_row0 + 64 * wr;
   const bool warp_active = row0 < rows_padded;
   const int groups_padded = steps * 8;
+  const int mt_cta = cta_row0 >> 4;
+  const int slab_cta = cta_row0 >> 6;
+  const int mt_valid = (rows_padded - cta_row0) >> 4;  // m16 tiles of this CTA inside the packed weight
 
+  // One pipeline stage: X chunk (BN x 8M), A fragments, metadata and column offsets of k-step s.
   auto load_stage = [&](int stage, int s) {
-    T* dst = xs + stage * BN * PITCH;
+    unsigned char* base = smem_raw + stage * Sm::STAGE;
+    T* xd = reinterpret_cast<T*>(base);
     const int col0 = s * SCOLS;
 #pragma unroll 4
     for (int i = tid; i < BN * M; i += THREADS) {
       const int r = i / M, c = (i % M) * 8;
       const int tok = n_base + r, col = col0 + c;
       const bool ok = tok < n_tokens && col < k;
-      const T* src = ok ? x + (size_t)tok * k + col : x;
-      cp_async_16(dst + r * PITCH + c, src, ok);
+      cp_async_16(xd + r * PITCH + c, ok ? x + (size_t)tok * k + col : x, ok);
+    }
+    unsigned char* ad = base + Sm::X_BYTES;
+    for (int i = tid; i < WR * 4 * 32; i += THREADS) {  // 16 B per lane per m16 tile
+      const int mt = i >> 5, l = i & 31;
+      const bool ok = mt < mt_valid;
+      cp_async_16(ad + i * 16, ok ? values + ((size_t)(mt_cta + mt) * steps + s) * 32 + l : values, ok);
+    }
+    unsigned char* ed = ad + Sm::A_BYTES;
+    for (int i = tid; i < WR * 4 * 4; i += THREADS) {  // 64 B of metadata per m16 tile
+      const int mt = i >> 2, q = i & 3;
+      const bool ok = mt < mt_valid;
+      cp_async_16(ed + i * 16, ok ? meta + ((size_t)(mt_cta + mt) * steps + s) * 16 + q * 4 : meta, ok);
+    }
+    if constexpr (M != 4) {
+      unsigned char* cd = ed + Sm::E_BYTES;
+      for (int i = tid; i < WR * 2; i += THREADS) {  // 32 B of offsets per slab
+        const int sl = i >> 1, q = i & 1;
+        const bool ok = (sl * 4) < mt_valid;
+        cp_async_16(cd + i * 16, ok ? columns + ((size_t)(slab_cta + sl) * groups_padded + s * 8) * 4 + q * 16
+                                    : columns, ok);
+      }
     }
   };
 
@@ -59,39 +97,11 @@ spmm_kernel(const T* __restrict__ x, const uint4* __restrict__ values, const uin
 #pragma unroll
       for (int c = 0; c < 4; ++c) acc[a][b][c] = 0.f;
 
-  // Per-step operands of this warp, double-buffered in registers to hide global latency.
-  const int mt0 = row0 >> 4;
-  const int slab = row0 >> 6;
-  uint4 a_cur[4], a_nxt[4];
-  uint32_t e_cur[4], e_nxt[4];
-  uint32_t off_cur[4], off_nxt[4];  // two 8-bit offsets (positions 2h, 2h+1) of group (t>>1)+2i
-  auto load_operands = [&](int s, uint4 (&a)[4], uint32_t (&e)[4], uint32_t (&off)[4]) {
-    if (!warp_active || s >= steps) return;
-#pragma unroll
-    for (int mt = 0; mt < 4; ++mt) {
-      const size_t base = (size_t)(mt0 + mt) * steps + s;
-      a[mt] = __ldg(values + base * 32 + lane);
-      e[mt] = __ldg(meta + base * 16 + g * 2 + h);
-    }
-    if constexpr (M == 4) {
-#pragma unroll
-      for (int i = 0; i < 4; ++i) off[i] = (uint32_t)(2 * h) | ((uint32_t)(2 * h + 1) << 8);
-    } else {
-      const uint16_t* c16 = reinterpret_cast<const uint16_t*>(columns);
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int grp = s * 8 + (t >> 1) + 2 * i;
-        off[i] = __ldg(c16 + ((size_t)slab * groups_padded + grp) * 2 + h);
-      }
-    }
-  };
-
 #pragma unroll
   for (int st = 0; st < STAGES - 1; ++st) {
     if (st < steps) load_stage(st, st);
     cp_async_commit();
   }
-  load_operands(0, a_cur, e_cur, off_cur);
 
   for (int s = 0; s < steps; ++s) {
     cp_async_wait<STAGES - 2>();
@@ -101,37 +111,50 @@ spmm_kernel(const T* __restrict__ x, const uint4* __restrict__ values, const uin
       if (nxt < steps) load_stage(nxt % STAGES, nxt);
       cp_async_commit();
     }
-    load_operands(s + 1, a_nxt, e_nxt, off_nxt);
     if (warp_active) {
-      const T* xs_stage = xs + (s % STAGES) * BN * PITCH;
-      int cidx[4][2];
+      const unsigned char* base = smem_raw + (s % STAGES) * Sm::STAGE;
+      const T* xs = reinterpret_cast<const T*>(base);
+      const uint4* as = reinterpret_cast<const uint4*>(base + Sm::X_BYTES) + wr * 4 * 32 + lane;
+      const uint32_t* es = reinterpret_cast<const uint32_t*>(base + Sm::X_BYTES + Sm::A_BYTES) + wr * 4 * 16 + g * 2 + h;
+      uint4 a[4];
+      uint32_t e[4];
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int gl = (t >> 1) + 2 * i;
-        cidx[i][0] = gl * M + (int)(off_cur[i] & 0xff);
-        cidx[i][1] = gl * M + (int)((off_cur[i] >> 8) & 0xff);
+      for (int mt = 0; mt < 4; ++mt) {
+        a[mt] = as[mt * 32];
+        e[mt] = es[mt * 16];
       }
+      const T* xw = xs + (wn * (BN / WN)) * PITCH;
+      if constexpr (M == 4) {
+        // B fragment of one n8 tile = four 8x8 matrices (k = 8q..8q+7) of 8 token rows: one ldmatrix.x4.
+        const T* lp = xw + (lane & 7) * PITCH + (lane >> 3) * 8;
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-        const T* xrow = xs_stage + (wn * (BN / WN) + nt * 8 + g) * PITCH;
-        uint32_t b[4];
+        for (int nt = 0; nt < NT; ++nt) {
+          uint32_t b[4];
+          ldmatrix_x4(b, lp + nt * 8 * PITCH);
+#pragma unroll
+          for (int mt = 0; mt < 4; ++mt) mma_sp_16832<T>(acc[mt][nt], a[mt], b, e[mt]);
+        }
+      } else {
+        const uint16_t* cs =
+            reinterpret_cast<const uint16_t*>(base + Sm::X_BYTES + Sm::A_BYTES + Sm::E_BYTES) + wr * 16;
+        int cidx[4][2];
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-          if constexpr (M == 4) {
-            b[i] = *reinterpret_cast<const uint32_t*>(xrow + cidx[i][0]);
-          } else {
-            b[i] = MmaType<T>::pack(xrow[cidx[i][0]], xrow[cidx[i][1]]);
-          }
+          const int gl = (t >> 1) + 2 * i;
+          const uint32_t off = cs[gl * 2 + h];  // offsets of positions 2h, 2h+1 of group gl
+          cidx[i][0] = gl * M + (int)(off & 0xff);
+          cidx[i][1] = gl * M + (int)(off >> 8);
         }
 #pragma unroll
-        for (int mt = 0; mt < 4; ++mt) mma_sp_16832<T>(acc[mt][nt], a_cur[mt], b, e_cur[mt]);
-      }
-    }
+        for (int nt = 0; nt < NT; ++nt) {
+          const T* xrow = xw + (nt * 8 + g) * PITCH;
+          uint32_t b[4];
 #pragma unroll
-    for (int mt = 0; mt < 4; ++mt) {
-      a_cur[mt] = a_nxt[mt];
-      e_cur[mt] = e_nxt[mt];
-      off_cur[mt] = off_nxt[mt];
+          for (int i = 0; i < 4; ++i) b[i] = MmaType<T>::pack(xrow[cidx[i][0]], xrow[cidx[i][1]]);
+#pragma unroll
+          for (int mt = 0; mt < 4; ++mt) mma_sp_16832<T>(acc[mt][nt], a[mt], b, e[mt]);
+        }
+      }
     }
   }
   cp_async_wait<0>();
@@ -177,7 +200,7 @@ template <typename T, int M>
 cudaError_t launch(const SpmmArgs& a, cudaStream_t stream) {
   using Cfg = SpmmTile<M>;
   constexpr int THREADS = 32 * Cfg::WR * Cfg::WN;
-  constexpr size_t SMEM = (size_t)Cfg::STAGES * Cfg::BN * (8 * M + 8) * sizeof(T);
+  constexpr size_t SMEM = SpmmSmem<T, M>::TOTAL;
   auto kernel = spmm_kernel<T, M>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)SMEM);
   if (err != cudaSuccess) return err;

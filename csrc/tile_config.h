@@ -8,19 +8,23 @@ namespace hf_sparse {
 // (one mma.sp k-step = 8 groups), so the stage size grows with M: BN shrinks to keep a stage near 16 KB and
 // the whole pipeline under the 99 KB that sm_86/sm_89 allow.
 template <int M> struct SpmmTile;
-template <> struct SpmmTile<4>   { static constexpr int BN = 128, WR = 4, WN = 2, STAGES = 4; };
-template <> struct SpmmTile<8>   { static constexpr int BN = 128, WR = 4, WN = 2, STAGES = 4; };
-template <> struct SpmmTile<16>  { static constexpr int BN = 64,  WR = 4, WN = 2, STAGES = 4; };
-template <> struct SpmmTile<32>  { static constexpr int BN = 32,  WR = 4, WN = 2, STAGES = 4; };
-template <> struct SpmmTile<64>  { static constexpr int BN = 16,  WR = 4, WN = 2, STAGES = 4; };
-template <> struct SpmmTile<128> { static constexpr int BN = 16,  WR = 4, WN = 2, STAGES = 2; };
+// A stage also holds the CTA's A fragments (8 KB), metadata (1 KB) and offsets: 3 stages keep every config
+// under 99 KB. MIN_BLOCKS = 2 where the accumulators are small enough for two CTAs per SM.
+template <> struct SpmmTile<4>   { static constexpr int BN = 128, WR = 4, WN = 2, STAGES = 3, MIN_BLOCKS = 1; };
+template <> struct SpmmTile<8>   { static constexpr int BN = 128, WR = 4, WN = 2, STAGES = 3, MIN_BLOCKS = 1; };
+template <> struct SpmmTile<16>  { static constexpr int BN = 64,  WR = 4, WN = 2, STAGES = 3, MIN_BLOCKS = 1; };
+template <> struct SpmmTile<32>  { static constexpr int BN = 32,  WR = 4, WN = 2, STAGES = 3, MIN_BLOCKS = 2; };
+template <> struct SpmmTile<64>  { static constexpr int BN = 16,  WR = 4, WN = 2, STAGES = 3, MIN_BLOCKS = 2; };
+template <> struct SpmmTile<128> { static constexpr int BN = 16,  WR = 4, WN = 2, STAGES = 2, MIN_BLOCKS = 2; };
 
-// SDDMM dW = dY^T X at kept positions: a CTA owns one 64-row slab x G groups (4G condensed columns: all four
+// SDDMM dW = dY^T X at kept positions: a CTA owns SLABS 64-row slabs x G groups (4G condensed columns: all four
 // block columns of each group are computed, then each row keeps its two) and reduces over a range of tokens in
-// chunks of SD_BT; 4 warps of 16 rows each. G shrinks with M so the dense X chunk of a stage stays <= 16 KB.
+// chunks of BT; 4 warps of 16 rows per slab. G shrinks with M so the dense X chunk of a stage stays <= 16 KB.
+// L2 traffic ~ X * R/(64*SLABS) + dY * G_total/G: the larger the tile, the closer to the dense GEMM's.
 template <int M> struct SddmmTile {
-  static constexpr int GROUPS = (256 / M) < 16 ? (256 / M) : 16;
-  static constexpr int BT = 32, STAGES = 3, THREADS = 128;
+  static constexpr int GROUPS = (256 / M) < 32 ? (256 / M) : 32;
+  static constexpr int SLABS = 2;
+  static constexpr int BT = 32, STAGES = 3, THREADS = 128 * SLABS;
 };
 
 }  // namespace hf_sparse

@@ -7,6 +7,9 @@
   Parameter gradient;
 * bias gradient ``sum(dY)``.
 
+On CUDA, forward and weight gradient go through :mod:`hf_sparse.ops.dispatch`, which measures once per shape
+whether our kernel, dense cuBLAS on the masked master (or cuSPARSELt for 2:4) is fastest and uses that one.
+
 ``x`` is cast to the packed dtype (what autocast would do to a linear's input); ``dX`` is returned in x's dtype.
 """
 
@@ -15,7 +18,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..ops import PackedWeight, scatter_dense, sddmm, spmm
+from ..ops import PackedWeight
+from ..ops.dispatch import linear_forward, weight_grad
 
 __all__ = ["sparse_linear"]
 
@@ -24,7 +28,7 @@ class _SparseLinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, packed: PackedWeight, bias: Tensor | None) -> Tensor:
         xc = x.to(packed.dtype)
-        y = spmm(xc, packed, None if bias is None else bias.to(packed.dtype))
+        y = linear_forward(xc, weight, packed, bias)
         ctx.packed = packed
         ctx.x_dtype = x.dtype
         ctx.has_bias = bias is not None
@@ -41,8 +45,7 @@ class _SparseLinearFn(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             dx = (dy @ weight.to(dy.dtype)).to(ctx.x_dtype)
         if ctx.needs_input_grad[1]:
-            vals = sddmm(dy, xc, packed)
-            dw = scatter_dense(vals, packed, weight.dtype)
+            dw = weight_grad(dy, xc, packed, weight.dtype)
         if ctx.has_bias and ctx.needs_input_grad[3]:
             db = dy.reshape(-1, dy.shape[-1]).sum(0, dtype=torch.float32).to(ctx.bias_dtype)
         return dx, dw, None, db
