@@ -8,11 +8,14 @@ Environment:
                               current GPU's. ``9.0`` builds ``sm_90a`` machine code.
 ``HF_SPARSE_BUILD_DIR``       where the build is cached (default: torch's extension cache).
 ``HF_SPARSE_BUILD_VERBOSE``   ``1`` prints the compiler commands.
+``HF_SPARSE_NVCC_FLAGS``      extra nvcc flags (tuning runs, e.g. ``-DHF_SPARSE_SPMM_VARIANT=1``); the extension
+                              name gets a hash of them so differently built copies never share a cache entry.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 import shutil
@@ -98,10 +101,12 @@ def load_extension() -> ModuleType:
     build_dir = os.environ.get("HF_SPARSE_BUILD_DIR")
     if build_dir:
         os.makedirs(build_dir, exist_ok=True)
-    flags = ["-O3", "-std=c++17", "-lineinfo", *arch_flags()]
+    extra = os.environ.get("HF_SPARSE_NVCC_FLAGS", "").split()
+    flags = ["-O3", "-std=c++17", "-lineinfo", *arch_flags(), *extra]
+    name = EXTENSION_NAME + ("_" + hashlib.sha1(" ".join(extra).encode()).hexdigest()[:8] if extra else "")
     try:
         return cpp_extension.load(
-            name=EXTENSION_NAME,
+            name=name,
             sources=[str(src / s) for s in SOURCES],
             extra_cflags=["-O3", "-std=c++17"],
             extra_cuda_cflags=flags,
