@@ -56,22 +56,34 @@ sddmm_kernel(const T* __restrict__ dy, const T* __restrict__ x, const uint32_t* 
     soff[i] = (c / 4) * M + off;  // groups past the padded range only feed outputs that are never written
   }
 
+  // Each thread's share of a stage is fixed across chunks (same 16-byte column slot, rows advancing by a
+  // constant), so addresses and column guards are computed once; a chunk only adds its token offset.
+  constexpr int DY_CPR = ROWS / 8, DY_ITERS = BT * DY_CPR / THREADS, DY_ROW_STEP = THREADS / DY_CPR;
+  constexpr int X_CPR = XS_COLS / 8, X_ITERS = BT * X_CPR / THREADS, X_ROW_STEP = THREADS / X_CPR;
+  static_assert(BT * DY_CPR % THREADS == 0 && THREADS % DY_CPR == 0, "dY chunks must split evenly");
+  static_assert(BT * X_CPR % THREADS == 0 && THREADS % X_CPR == 0, "X chunks must split evenly");
+  const int dy_r0 = tid / DY_CPR, dy_c = (tid % DY_CPR) * 8;
+  const bool dy_col_ok = row0 + dy_c < rows;
+  const T* dy_src = dy + (size_t)dy_r0 * rows + row0 + dy_c;
+  const int x_r0 = tid / X_CPR, x_c = (tid % X_CPR) * 8;
+  const bool x_col_ok = grp0 * M + x_c < k;
+  const T* x_src = x + (size_t)x_r0 * k + grp0 * M + x_c;
+
   auto load_stage = [&](int stage, int chunk) {
     const int tok0 = chunk * BT;
-    T* d = dys + stage * DY_STAGE;
-    for (int i = tid; i < BT * (ROWS / 8); i += THREADS) {  // ROWS rows = ROWS/8 x 16 B per token
-      const int r = i / (ROWS / 8), c = (i % (ROWS / 8)) * 8;
-      const int tok = tok0 + r, row = row0 + c;
-      const bool ok = tok < n_tokens && row < rows;
-      cp_async_16(d + r * DY_PITCH + c, ok ? dy + (size_t)tok * rows + row : dy, ok);
+    T* d = dys + stage * DY_STAGE + dy_r0 * DY_PITCH + dy_c;
+#pragma unroll
+    for (int it = 0; it < DY_ITERS; ++it) {
+      const int tok = tok0 + dy_r0 + it * DY_ROW_STEP;
+      const bool ok = dy_col_ok && tok < n_tokens;
+      cp_async_16(d + it * DY_ROW_STEP * DY_PITCH, ok ? dy_src + (size_t)(tok0 + it * DY_ROW_STEP) * rows : dy, ok);
     }
-    T* xd = xs + stage * XS_STAGE;
-    const int col0 = grp0 * M;
-    for (int i = tid; i < BT * (XS_COLS / 8); i += THREADS) {
-      const int r = i / (XS_COLS / 8), c = (i % (XS_COLS / 8)) * 8;
-      const int tok = tok0 + r, col = col0 + c;
-      const bool ok = tok < n_tokens && col < k;
-      cp_async_16(xd + r * XS_PITCH + c, ok ? x + (size_t)tok * k + col : x, ok);
+    T* xd = xs + stage * XS_STAGE + x_r0 * XS_PITCH + x_c;
+#pragma unroll
+    for (int it = 0; it < X_ITERS; ++it) {
+      const int tok = tok0 + x_r0 + it * X_ROW_STEP;
+      const bool ok = x_col_ok && tok < n_tokens;
+      cp_async_16(xd + it * X_ROW_STEP * XS_PITCH, ok ? x_src + (size_t)(tok0 + it * X_ROW_STEP) * k : x, ok);
     }
   };
 
@@ -88,25 +100,35 @@ sddmm_kernel(const T* __restrict__ dy, const T* __restrict__ x, const uint32_t* 
   }
   __syncthreads();  // soff visible
 
+  int read_stage = 0, write_stage = STAGES - 1;
   for (int it = 0; it < n_chunks; ++it) {
     cp_async_wait<STAGES - 2>();
     __syncthreads();
     {
       const int nxt = it + STAGES - 1;
-      if (nxt < n_chunks) load_stage(nxt % STAGES, chunk_begin + nxt);
+      if (nxt < n_chunks) load_stage(write_stage, chunk_begin + nxt);
       cp_async_commit();
+      write_stage = write_stage == STAGES - 1 ? 0 : write_stage + 1;
     }
-    const T* xstage = xs + (it % STAGES) * XS_STAGE;
+    const int cur = read_stage;
+    read_stage = read_stage == STAGES - 1 ? 0 : read_stage + 1;
+    const T* xstage = xs + cur * XS_STAGE;
     // gather + transpose: xg[slab][c][tok] = xs[tok][soff[slab][c]]; lanes run along c (distinct banks on the
     // read side), each thread moves a pair of tokens as one 32-bit store.
-    for (int i = tid; i < SLABS * CC * (BT / 2); i += THREADS) {
-      const int sc = i % (SLABS * CC), tp = (i / (SLABS * CC)) * 2;
-      const int col = soff[sc];
-      const T lo = xstage[tp * XS_PITCH + col], hi = xstage[(tp + 1) * XS_PITCH + col];
-      *reinterpret_cast<uint32_t*>(xg + sc * XG_PITCH + tp) = MmaType<T>::pack(lo, hi);
+    {
+      constexpr int SC = SLABS * CC, G_ITERS = SC * (BT / 2) / THREADS, TP_STEP = 2 * (THREADS / SC);
+      static_assert(THREADS % SC == 0, "gather columns must split evenly over the threads");
+      const int sc = tid % SC, tp0 = 2 * (tid / SC);
+      const T* src = xstage + tp0 * XS_PITCH + soff[sc];
+      uint32_t* dst = reinterpret_cast<uint32_t*>(xg + sc * XG_PITCH + tp0);
+#pragma unroll
+      for (int it = 0; it < G_ITERS; ++it) {
+        const T lo = src[it * TP_STEP * XS_PITCH], hi = src[(it * TP_STEP + 1) * XS_PITCH];
+        dst[it * TP_STEP / 2] = MmaType<T>::pack(lo, hi);
+      }
     }
     __syncthreads();
-    const T* dstage = dys + (it % STAGES) * DY_STAGE;
+    const T* dstage = dys + cur * DY_STAGE;
 #pragma unroll
     for (int kk = 0; kk < BT; kk += 16) {
       uint32_t a[4];

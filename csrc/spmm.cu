@@ -54,38 +54,58 @@ spmm_kernel(const T* __restrict__ x, const uint4* __restrict__ values, const uin
   const int slab_cta = cta_row0 >> 6;
   const int mt_valid = (rows_padded - cta_row0) >> 4;  // m16 tiles of this CTA inside the packed weight
 
-  // One pipeline stage: X chunk (BN x 8M), A fragments, metadata and column offsets of k-step s.
+  // One pipeline stage: X chunk (BN x 8M), A fragments, metadata and column offsets of k-step s. Every thread's
+  // share is fixed across steps (same rows, same 16-byte column slot), so addresses and row guards are computed
+  // once here and each step only adds its offset: the main loop stays a few dozen instructions per warp.
+  constexpr int X_CHUNKS = BN * M, X_ITERS = X_CHUNKS / THREADS, X_ROW_STEP = THREADS / M;
+  static_assert(X_CHUNKS % THREADS == 0 && THREADS % M == 0, "X chunks must split evenly over the threads");
+  const int x_r0 = tid / M, x_c = (tid % M) * 8;
+  const T* x_src = x + (size_t)(n_base + x_r0) * k + x_c;
+  uint32_t x_tok_ok = 0;
+#pragma unroll
+  for (int it = 0; it < X_ITERS; ++it)
+    x_tok_ok |= (uint32_t)(n_base + x_r0 + it * X_ROW_STEP < n_tokens) << it;
+  const size_t x_row_step = (size_t)X_ROW_STEP * k;
+  const int x_dst = x_r0 * PITCH + x_c;
+
+  constexpr int A_ITERS = (WR * 4 * 32) / THREADS;
+  static_assert((WR * 4 * 32) % THREADS == 0, "A chunks must split evenly over the threads");
+  const uint4* a_src[A_ITERS];
+  bool a_ok[A_ITERS];
+#pragma unroll
+  for (int it = 0; it < A_ITERS; ++it) {
+    const int mt = (tid >> 5) + it * (THREADS / 32);
+    a_ok[it] = mt < mt_valid;
+    a_src[it] = values + (size_t)(mt_cta + (a_ok[it] ? mt : 0)) * steps * 32 + lane;
+  }
+  const bool e_thread = tid < WR * 16;
+  const int e_mt = tid >> 2, e_q = tid & 3;
+  const bool e_ok = e_thread && e_mt < mt_valid;
+  const uint32_t* e_src = meta + (size_t)(mt_cta + (e_ok ? e_mt : 0)) * steps * 16 + e_q * 4;
+  const int c_i = tid - WR * 16;
+  const bool c_thread = M != 4 && c_i >= 0 && c_i < WR * 2;
+  const int c_sl = c_i >> 1;
+  const bool c_ok = c_thread && c_sl * 4 < mt_valid;
+  const uint8_t* c_src = columns + ((size_t)(slab_cta + (c_ok ? c_sl : 0)) * groups_padded) * 4 + (c_i & 1) * 16;
+
   auto load_stage = [&](int stage, int s) {
     unsigned char* base = smem_raw + stage * Sm::STAGE;
-    T* xd = reinterpret_cast<T*>(base);
-    const int col0 = s * SCOLS;
-#pragma unroll 4
-    for (int i = tid; i < BN * M; i += THREADS) {
-      const int r = i / M, c = (i % M) * 8;
-      const int tok = n_base + r, col = col0 + c;
-      const bool ok = tok < n_tokens && col < k;
-      cp_async_16(xd + r * PITCH + c, ok ? x + (size_t)tok * k + col : x, ok);
+    T* xd = reinterpret_cast<T*>(base) + x_dst;
+    const int col = s * SCOLS + x_c;
+    const bool col_ok = col < k;
+#pragma unroll
+    for (int it = 0; it < X_ITERS; ++it) {
+      const bool ok = col_ok && ((x_tok_ok >> it) & 1u);
+      cp_async_16(xd + it * X_ROW_STEP * PITCH, ok ? x_src + it * x_row_step + s * SCOLS : x, ok);
     }
     unsigned char* ad = base + Sm::X_BYTES;
-    for (int i = tid; i < WR * 4 * 32; i += THREADS) {  // 16 B per lane per m16 tile
-      const int mt = i >> 5, l = i & 31;
-      const bool ok = mt < mt_valid;
-      cp_async_16(ad + i * 16, ok ? values + ((size_t)(mt_cta + mt) * steps + s) * 32 + l : values, ok);
-    }
+#pragma unroll
+    for (int it = 0; it < A_ITERS; ++it) cp_async_16(ad + (tid + it * THREADS) * 16, a_src[it] + s * 32, a_ok[it]);
     unsigned char* ed = ad + Sm::A_BYTES;
-    for (int i = tid; i < WR * 4 * 4; i += THREADS) {  // 64 B of metadata per m16 tile
-      const int mt = i >> 2, q = i & 3;
-      const bool ok = mt < mt_valid;
-      cp_async_16(ed + i * 16, ok ? meta + ((size_t)(mt_cta + mt) * steps + s) * 16 + q * 4 : meta, ok);
-    }
+    if (e_thread) cp_async_16(ed + tid * 16, e_src + s * 16, e_ok);
     if constexpr (M != 4) {
       unsigned char* cd = ed + Sm::E_BYTES;
-      for (int i = tid; i < WR * 2; i += THREADS) {  // 32 B of offsets per slab
-        const int sl = i >> 1, q = i & 1;
-        const bool ok = (sl * 4) < mt_valid;
-        cp_async_16(cd + i * 16, ok ? columns + ((size_t)(slab_cta + sl) * groups_padded + s * 8) * 4 + q * 16
-                                    : columns, ok);
-      }
+      if (c_thread) cp_async_16(cd + c_i * 16, c_src + s * 32, c_ok);
     }
   };
 
@@ -103,16 +123,20 @@ spmm_kernel(const T* __restrict__ x, const uint4* __restrict__ values, const uin
     cp_async_commit();
   }
 
+  int read_stage = 0, write_stage = STAGES - 1;
   for (int s = 0; s < steps; ++s) {
     cp_async_wait<STAGES - 2>();
     __syncthreads();
     {
       const int nxt = s + STAGES - 1;
-      if (nxt < steps) load_stage(nxt % STAGES, nxt);
+      if (nxt < steps) load_stage(write_stage, nxt);
       cp_async_commit();
+      write_stage = write_stage == STAGES - 1 ? 0 : write_stage + 1;
     }
+    const int cur = read_stage;
+    read_stage = read_stage == STAGES - 1 ? 0 : read_stage + 1;
     if (warp_active) {
-      const unsigned char* base = smem_raw + (s % STAGES) * Sm::STAGE;
+      const unsigned char* base = smem_raw + cur * Sm::STAGE;
       const T* xs = reinterpret_cast<const T*>(base);
       const uint4* as = reinterpret_cast<const uint4*>(base + Sm::X_BYTES) + wr * 4 * 32 + lane;
       const uint32_t* es = reinterpret_cast<const uint32_t*>(base + Sm::X_BYTES + Sm::A_BYTES) + wr * 4 * 16 + g * 2 + h;

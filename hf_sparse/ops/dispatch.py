@@ -29,8 +29,25 @@ Forward = Literal["sparse", "dense", "cslt"]
 WeightGrad = Literal["sparse", "dense"]
 
 _choices: dict[tuple, str] = {}
-_cslt: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # packed.values -> (compressed, alg_id)
-_masks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # packed.values -> dense bool mask
+
+
+class _PerTensorCache:
+    """Values attached to a live tensor (keyed by identity; tensors cannot be dict keys by value), dropped with it."""
+
+    def __init__(self) -> None:
+        self._data: dict[int, tuple[weakref.ref, object]] = {}
+
+    def get(self, t: Tensor):
+        hit = self._data.get(id(t))
+        return hit[1] if hit is not None and hit[0]() is t else None
+
+    def put(self, t: Tensor, value: object) -> None:
+        key = id(t)
+        self._data[key] = (weakref.ref(t, lambda _, key=key: self._data.pop(key, None)), value)
+
+
+_cslt = _PerTensorCache()  # packed.values -> (compressed weight, alg_id)
+_masks = _PerTensorCache()  # packed.values -> dense bool mask
 
 
 def clear_cache() -> None:
@@ -83,7 +100,7 @@ def _cslt_state(weight: Tensor, p: PackedWeight, x2: Tensor):
         comp = torch._cslt_compress(weight.to(p.dtype))
         alg = torch._cslt_sparse_mm_search(comp, x2.t())
         state = (comp, alg)
-        _cslt[p.values] = state
+        _cslt.put(p.values, state)
     return state
 
 
@@ -95,6 +112,8 @@ def _cslt_linear(x2: Tensor, weight: Tensor, p: PackedWeight, bias: Tensor | Non
 def linear_forward(x: Tensor, weight: Tensor, p: PackedWeight, bias: Tensor | None) -> Tensor:
     """``x @ weight^T + bias`` in ``p.dtype``; ``weight`` is the masked master (same values as ``p``)."""
     mode = _mode()
+    if mode == "dense":
+        return F.linear(x, weight.to(p.dtype), None if bias is None else bias.to(p.dtype))
     if not x.is_cuda or mode == "sparse":
         return spmm(x, p, bias)
     lead = x.shape[:-1]
@@ -106,23 +125,20 @@ def linear_forward(x: Tensor, weight: Tensor, p: PackedWeight, bias: Tensor | No
     }
     if p.m == 4 and hasattr(torch, "_cslt_compress") and x2.shape[0] % 8 == 0 and x2.is_contiguous():
         candidates["cslt"] = lambda: _cslt_linear(x2, weight, p, b)
-    if mode == "dense":
-        choice = "dense"
-    else:
-        key = _key("fwd", x2.shape[0], p, x.device)
-        choice = _choices.get(key)
-        if choice is None:
-            if not _can_measure():
-                choice = "sparse"
-            else:
-                times = {}
-                for name, fn in candidates.items():
-                    try:
-                        times[name] = _time(fn)
-                    except RuntimeError:  # e.g. cuSPARSELt refusing a shape: just not a candidate
-                        continue
-                choice = min(times, key=times.get)
-                _choices[key] = choice
+    key = _key("fwd", x2.shape[0], p, x.device)
+    choice = _choices.get(key)
+    if choice is None:
+        if not _can_measure():
+            choice = "sparse"
+        else:
+            times = {}
+            for name, fn in candidates.items():
+                try:
+                    times[name] = _time(fn)
+                except RuntimeError:  # e.g. cuSPARSELt refusing a shape: just not a candidate
+                    continue
+            choice = min(times, key=times.get)
+            _choices[key] = choice
     y = candidates.get(choice, candidates["sparse"])()
     return y.reshape(*lead, p.rows)
 
@@ -132,7 +148,7 @@ def _dense_mask(p: PackedWeight) -> Tensor:
     if mask is None:
         mask = torch.zeros(p.rows, p.cols, dtype=torch.bool, device=p.values.device)
         mask.scatter_(1, kept_columns(p), p.valid)
-        _masks[p.values] = mask
+        _masks.put(p.values, mask)
     return mask
 
 
@@ -145,10 +161,10 @@ def weight_grad(dy: Tensor, x: Tensor, p: PackedWeight, dtype: torch.dtype) -> T
         "sparse": lambda: scatter_dense(sddmm(dy2, x2, p), p, dtype),
         "dense": lambda: (dy2.t() @ x2).to(dtype).mul_(_dense_mask(p)),
     }
-    if not dy.is_cuda or mode == "sparse":
-        return candidates["sparse"]()
     if mode == "dense":
         return candidates["dense"]()
+    if not dy.is_cuda or mode == "sparse":
+        return candidates["sparse"]()
     key = _key("dw", x2.shape[0], p, x.device)
     choice = _choices.get(key)
     if choice is None:

@@ -58,7 +58,9 @@ def test_opcheck_all_ops():
     torch.library.opcheck(_pack_op, (w, mask, 64, 8, torch.bfloat16, True))
 
 
-def test_sparse_linear_grads_match_masked_dense():
+@pytest.mark.parametrize("backend", ["sparse", "dense"])
+def test_sparse_linear_grads_match_masked_dense(backend, monkeypatch):
+    monkeypatch.setenv("HF_SPARSE_BACKEND", backend)
     w, mask = random_masked(64, 128, 64, 16, seed=4)
     weight = torch.nn.Parameter(w.clone())
     bias = torch.nn.Parameter(torch.randn(64))
@@ -78,6 +80,15 @@ def test_sparse_linear_grads_match_masked_dense():
     assert rel_err(weight.grad, w2.grad * mask) < 1e-2
     assert torch.count_nonzero(weight.grad[~mask]) == 0
     assert rel_err(bias.grad, b2.grad) < 1e-2
+
+
+def test_backend_env_is_validated(monkeypatch):
+    from hf_sparse.ops.dispatch import linear_forward
+
+    monkeypatch.setenv("HF_SPARSE_BACKEND", "fast")
+    w, mask, p, x, dy = _op_args()
+    with pytest.raises(ValueError, match="HF_SPARSE_BACKEND"):
+        linear_forward(x, w, p, None)
 
 
 def test_import_touches_no_cuda():
