@@ -59,9 +59,17 @@ at::Tensor spmm(const at::Tensor& x, const at::Tensor& values, const at::Tensor&
     check_tensor(*bias, op, "bias", dtype, 1);
     TORCH_CHECK(bias->size(0) == rows, "hf_sparse.spmm: bias has ", bias->size(0), " entries, expected ", rows);
   }
-  TORCH_CHECK(x.size(0) < (1LL << 31), "hf_sparse.spmm: too many tokens (", x.size(0), ")");
   c10::cuda::CUDAGuard guard(x.device());
   auto y = at::empty({x.size(0), rows}, x.options());
+  // The kernel's grid holds at most 65535 token tiles of >= 16 tokens: larger inputs go in slices of 2^20 tokens.
+  constexpr int64_t kSlice = 1LL << 20;
+  if (x.size(0) > kSlice) {
+    for (int64_t start = 0; start < x.size(0); start += kSlice) {
+      const int64_t len = std::min(kSlice, x.size(0) - start);
+      y.narrow(0, start, len).copy_(spmm(x.narrow(0, start, len), values, meta, columns, bias, rows, k, m));
+    }
+    return y;
+  }
   hf_sparse::SpmmArgs a;
   a.x = x.data_ptr();
   a.values = values.data_ptr();

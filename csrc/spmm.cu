@@ -45,8 +45,10 @@ spmm_kernel(const T* __restrict__ x, const uint4* __restrict__ values, const uin
   const int lane = tid & 31, warp = tid >> 5;
   const int wr = warp % WR, wn = warp / WR;
   const int g = lane >> 2, t = lane & 3, h = t & 1;
-  const int n_base = blockIdx.x * BN;
-  const int cta_row0 = blockIdx.y * (64 * WR);
+  // Row blocks vary fastest: the CTAs resident at once share a few token tiles of X (read from L2 once per row
+  // block) and walk the whole packed weight, which is the smaller operand and stays in L2.
+  const int n_base = blockIdx.y * BN;
+  const int cta_row0 = blockIdx.x * (64 * WR);
   const int row0 = cta_row0 + 64 * wr;
   const bool warp_active = row0 < rows_padded;
   const int groups_padded = steps * 8;
@@ -228,8 +230,8 @@ cudaError_t launch(const SpmmArgs& a, cudaStream_t stream) {
   auto kernel = spmm_kernel<T, M>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)SMEM);
   if (err != cudaSuccess) return err;
-  dim3 grid((a.n_tokens + Cfg::BN - 1) / Cfg::BN, (a.rows_padded + 64 * Cfg::WR - 1) / (64 * Cfg::WR));
-  if (grid.y > 65535) return cudaErrorInvalidConfiguration;
+  dim3 grid((a.rows_padded + 64 * Cfg::WR - 1) / (64 * Cfg::WR), (a.n_tokens + Cfg::BN - 1) / Cfg::BN);
+  if (grid.y > 65535) return cudaErrorInvalidConfiguration;  // > 65535 token tiles: the binding splits the call
   kernel<<<grid, THREADS, SMEM, stream>>>(static_cast<const T*>(a.x), static_cast<const uint4*>(a.values),
                                           static_cast<const uint32_t*>(a.meta), a.columns,
                                           static_cast<const T*>(a.bias), static_cast<T*>(a.y), a.n_tokens, a.rows,
