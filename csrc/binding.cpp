@@ -146,6 +146,8 @@ std::vector<at::Tensor> pack(const at::Tensor& weight, const at::Tensor& mask, i
   auto columns = at::empty({rp / 64, steps * 8, 4}, opts.dtype(at::kByte));
   auto valid = at::empty({rows, 2 * (k / m)}, opts.dtype(at::kBool));
   auto error = at::zeros({1}, opts.dtype(at::kInt));
+  const int64_t vv = m == 4 ? 64 : v;
+  auto scratch = at::empty({m == 4 ? 1 : (rows / vv) * (k / m) * ((m + 31) / 32)}, opts.dtype(at::kInt));
   hf_sparse::PackArgs a;
   a.weight = weight.data_ptr();
   a.weight_dtype = wd == at::kFloat ? 0 : (wd == at::kBFloat16 ? 1 : 2);
@@ -155,6 +157,7 @@ std::vector<at::Tensor> pack(const at::Tensor& weight, const at::Tensor& mask, i
   a.columns = columns.data_ptr<uint8_t>();
   a.valid = valid.data_ptr<bool>();
   a.error = error.data_ptr<int>();
+  a.scratch = reinterpret_cast<uint32_t*>(scratch.data_ptr<int>());
   a.rows = (int)rows;
   a.rows_padded = (int)rp;
   a.k = (int)k;

@@ -39,6 +39,7 @@ struct PackArgs {
   uint8_t* columns;       // out: (rows_padded/64, steps*8, 4)
   bool* valid;            // out: (rows, 2 * groups)
   int* error;             // out: device flag, set non-zero if the mask is not V:2:M
+  uint32_t* scratch;      // (rows/v) * (k/m) * ceil(m/32) words, zeroed by pack() (M > 4 only)
   int rows, rows_padded, k, v, m, steps;
   bool out_bf16;
 };
