@@ -61,8 +61,8 @@ at::Tensor spmm(const at::Tensor& x, const at::Tensor& values, const at::Tensor&
   }
   c10::cuda::CUDAGuard guard(x.device());
   auto y = at::empty({x.size(0), rows}, x.options());
-  // The kernel's grid holds at most 65535 token tiles of >= 16 tokens: larger inputs go in slices of 2^20 tokens.
-  constexpr int64_t kSlice = 1LL << 20;
+  // The kernel's grid holds at most 65535 token tiles of >= 16 tokens: larger inputs go in slices of 2^19 tokens.
+  constexpr int64_t kSlice = 1LL << 19;
   if (x.size(0) > kSlice) {
     for (int64_t start = 0; start < x.size(0); start += kSlice) {
       const int64_t len = std::min(kSlice, x.size(0) - start);
