@@ -53,12 +53,51 @@ def cslt_times(w_sparse: torch.Tensor, x: torch.Tensor) -> tuple[float, float]:
         return float("nan"), float("nan")
 
 
+def train_section(tokens: int) -> None:
+    """One layer's training step (fwd + bwd, and the repack after the optimizer step) through sparse_linear with the
+    dispatcher, against dense F.linear under bf16 autocast; the master weight is fp32 in both."""
+    from hf_sparse.nn.sparse_matmul import sparse_linear
+
+    print(f"# layer fwd+bwd(+pack), {tokens} tokens, fp32 master, bf16 compute; ratio = dense / sparse path")
+    print(f"{'in->out':>12} {'pattern':>8} {'dense':>7} {'sparse':>7} {'+pack':>7} {'ratio':>6} {'ratio+pack':>10}")
+    for k, r in SHAPES:
+        x = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        g = torch.randn(tokens, r, device="cuda", dtype=torch.bfloat16)
+        w = torch.nn.Parameter(torch.randn(r, k, device="cuda"))
+
+        def dense_step():
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                y = F.linear(x, w)
+            y.backward(g)
+
+        t_dense = bench(dense_step)
+        for pat in ("2:4", "64:2:8", "64:2:16", "64:2:32"):
+            v, m = parse(pat)
+            mask = nm_mask(w.detach().abs(), 2, 4) if m == 4 else vnm_mask(w.detach().abs(), v, 2, m)
+            with torch.no_grad():
+                w.mul_(mask)
+            p = pack(w.detach(), mask, v, m, torch.bfloat16)
+
+            def sparse_step():
+                sparse_linear(x, w, p).backward(g)
+
+            sparse_step()  # lets the dispatcher measure once
+            t_sparse = bench(sparse_step)
+            t_pack = bench(lambda: pack(w.detach(), mask, v, m, torch.bfloat16, validate=False))
+            print(
+                f"{f'{k}->{r}':>12} {pat:>8} {t_dense:7.4f} {t_sparse:7.4f} {t_pack:7.4f} "
+                f"{t_dense / t_sparse:6.2f} {t_dense / (t_sparse + t_pack):10.2f}",
+                flush=True,
+            )
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, nargs="+", default=[8192, 16])
     ap.add_argument("--patterns", nargs="+", default=PATTERNS)
     ap.add_argument("--csv", default=None)
     ap.add_argument("--no-sddmm", action="store_true")
+    ap.add_argument("--no-train", action="store_true", help="skip the fwd+bwd (+pack) layer timing")
     args = ap.parse_args()
     dev = torch.cuda.get_device_name()
     print(
@@ -127,6 +166,8 @@ def main() -> int:
                     f"{t_dense / t_auto:5.2f} {choice}",
                     flush=True,
                 )
+    if not args.no_train:
+        train_section(args.tokens[0])
     if args.csv:
         with open(args.csv, "w", newline="") as f:
             wr = csv.DictWriter(f, fieldnames=list(rows_out[0]))
