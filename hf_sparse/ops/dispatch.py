@@ -97,7 +97,7 @@ def _key(kind: str, tokens: int, p: PackedWeight, device: torch.device) -> tuple
 def _cslt_state(weight: Tensor, p: PackedWeight, x2: Tensor):
     state = _cslt.get(p.values)
     if state is None:
-        comp = torch._cslt_compress(weight.to(p.dtype))
+        comp = torch._cslt_compress(weight.to(p.dtype).contiguous())
         alg = torch._cslt_sparse_mm_search(comp, x2.t())
         state = (comp, alg)
         _cslt.put(p.values, state)

@@ -82,6 +82,27 @@ def test_sparse_linear_grads_match_masked_dense(backend, monkeypatch):
     assert rel_err(bias.grad, b2.grad) < 1e-2
 
 
+def test_sparse_linear_transposable_input_grad():
+    from hf_sparse.masks import transposable_2to4_mask
+
+    torch.manual_seed(7)
+    w = torch.randn(64, 128)
+    mask = transposable_2to4_mask(w.abs())
+    w = torch.where(mask, w, 0.0)
+    weight = torch.nn.Parameter(w.clone())
+    p = pack(w, mask, 64, 4, torch.bfloat16)
+    pt = pack(w.t().contiguous(), mask.t().contiguous(), 64, 4, torch.bfloat16)
+    x = torch.randn(3, 5, 128, requires_grad=True)
+    y = sparse_linear(x, weight, p, None, pt)
+    g = torch.randn_like(y)
+    (y.float() * g.float()).sum().backward()
+    x2 = x.detach().bfloat16().float().requires_grad_(True)
+    (F.linear(x2, w.bfloat16().float()) * g.float()).sum().backward()
+    assert rel_err(x.grad, x2.grad) < 1e-2
+    with pytest.raises(ValueError, match="packed_t"):
+        sparse_linear(x, weight, p, None, p)
+
+
 def test_backend_env_is_validated(monkeypatch):
     from hf_sparse.ops.dispatch import linear_forward
 
