@@ -1,0 +1,180 @@
+"""Kernel benchmark: SpMM / SDDMM / pack of hf_sparse against dense cuBLAS and cuSPARSELt, ratios in one run.
+
+    python benchmarks/bench_kernels.py [--tokens 8192 16] [--csv out.csv] [--patterns 2:4 64:2:8 ...]
+
+Times are medians of ``triton.testing.do_bench`` (CUDA events) on fresh random bf16 data. Ratios are
+``baseline time / our time`` (> 1 means we are faster). Each SpMM result is also checked against the dense
+product before it is reported.
+"""
+# ruff: noqa: B023  (every benchmarked lambda is called at once, inside its own loop iteration)
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from hf_sparse.masks import nm_mask, vnm_mask
+from hf_sparse.ops import dispatch, pack, sddmm, spmm
+
+SHAPES = [(768, 3072), (3072, 768), (1024, 4096), (4096, 1024), (4096, 11008), (11008, 4096)]  # (in, out)
+PATTERNS = ["2:4", "64:2:8", "64:2:16", "64:2:32", "128:2:8"]
+
+
+def parse(p: str) -> tuple[int, int]:
+    parts = [int(s) for s in p.split(":")]
+    return (64, 4) if len(parts) == 2 else (parts[0], parts[2])
+
+
+def bench(fn) -> float:
+    from triton.testing import do_bench
+
+    return float(do_bench(fn, warmup=10, rep=40, return_mode="median"))
+
+
+def cslt_times(w_sparse: torch.Tensor, x: torch.Tensor) -> tuple[float, float]:
+    """(eager default algorithm, eager best algorithm from _cslt_sparse_mm_search) in ms; nan if unavailable."""
+    try:
+        cw = torch._cslt_compress(w_sparse)
+        xt = x.t()
+        out = torch._cslt_sparse_mm(cw, xt, transpose_result=True)
+        if out.shape != (x.shape[0], w_sparse.shape[0]):
+            raise RuntimeError(f"unexpected cuSPARSELt output shape {tuple(out.shape)}")
+        t0 = bench(lambda: torch._cslt_sparse_mm(cw, xt, transpose_result=True))
+        alg = torch._cslt_sparse_mm_search(cw, xt)
+        t1 = bench(lambda: torch._cslt_sparse_mm(cw, xt, alg_id=alg, transpose_result=True))
+        return t0, t1
+    except Exception as exc:  # report, never hide
+        print(f"  cuSPARSELt unavailable: {exc}", file=sys.stderr)
+        return float("nan"), float("nan")
+
+
+def train_section(tokens: int) -> None:
+    """One layer's training step (fwd + bwd, and the repack after the optimizer step) through sparse_linear with the
+    dispatcher, against dense F.linear under bf16 autocast; the master weight is fp32 in both."""
+    from hf_sparse.nn.sparse_matmul import sparse_linear
+
+    print(f"# layer fwd+bwd(+pack), {tokens} tokens, fp32 master, bf16 compute; ratio = dense / sparse path")
+    print(f"{'in->out':>12} {'pattern':>8} {'dense':>7} {'sparse':>7} {'+pack':>7} {'ratio':>6} {'ratio+pack':>10}")
+    for k, r in SHAPES:
+        x = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        g = torch.randn(tokens, r, device="cuda", dtype=torch.bfloat16)
+        w = torch.nn.Parameter(torch.randn(r, k, device="cuda"))
+
+        def dense_step():
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                y = F.linear(x, w)
+            y.backward(g)
+
+        t_dense = bench(dense_step)
+        for pat in ("2:4", "64:2:8", "64:2:16", "64:2:32"):
+            v, m = parse(pat)
+            mask = nm_mask(w.detach().abs(), 2, 4) if m == 4 else vnm_mask(w.detach().abs(), v, 2, m)
+            with torch.no_grad():
+                w.mul_(mask)
+            p = pack(w.detach(), mask, v, m, torch.bfloat16)
+
+            def sparse_step():
+                sparse_linear(x, w, p).backward(g)
+
+            sparse_step()  # lets the dispatcher measure once
+            t_sparse = bench(sparse_step)
+            t_pack = bench(lambda: pack(w.detach(), mask, v, m, torch.bfloat16, validate=False))
+            print(
+                f"{f'{k}->{r}':>12} {pat:>8} {t_dense:7.4f} {t_sparse:7.4f} {t_pack:7.4f} "
+                f"{t_dense / t_sparse:6.2f} {t_dense / (t_sparse + t_pack):10.2f}",
+                flush=True,
+            )
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, nargs="+", default=[8192, 16])
+    ap.add_argument("--patterns", nargs="+", default=PATTERNS)
+    ap.add_argument("--csv", default=None)
+    ap.add_argument("--no-sddmm", action="store_true")
+    ap.add_argument("--no-train", action="store_true", help="skip the fwd+bwd (+pack) layer timing")
+    args = ap.parse_args()
+    dev = torch.cuda.get_device_name()
+    print(
+        f"# {dev}, torch {torch.__version__}, {datetime.date.today()}, bf16; times in ms (median); ratio = base/ours"
+    )
+    rows_out = []
+    hdr = (
+        f"{'tokens':>6} {'in->out':>12} {'pattern':>8} {'dense':>7} {'cslt':>7} {'csltT':>7} {'ours':>7} "
+        f"{'xDense':>6} {'xCslt':>6} {'xCsltT':>6} | {'dWgemm':>7} {'sddmm':>7} {'xDW':>5} | {'pack':>6} {'%gemm':>5}"
+        f" | {'xAuto':>5} choice"
+    )
+    print(hdr)
+    for tokens in args.tokens:
+        for k, r in SHAPES:
+            x = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16)
+            dy = torch.randn(tokens, r, device="cuda", dtype=torch.bfloat16)
+            w = torch.randn(r, k, device="cuda")
+            wd = w.bfloat16()
+            t_dense = bench(lambda: F.linear(x, wd))
+            t_dw = bench(lambda: dy.t() @ x)
+            for pat in args.patterns:
+                v, m = parse(pat)
+                mask = nm_mask(w.abs(), 2, 4) if m == 4 else vnm_mask(w.abs(), v, 2, m)
+                wm = torch.where(mask, w, 0.0)
+                p = pack(wm, mask, v, m, torch.bfloat16)
+                y = spmm(x, p)
+                ref = F.linear(x.float(), wm.bfloat16().float())
+                err = float((y.float() - ref).norm() / ref.norm())
+                if not err < 2e-2:
+                    print(f"  WRONG RESULT {pat} {k}->{r} tokens={tokens}: rel err {err:.3g}", file=sys.stderr)
+                t_ours = bench(lambda: spmm(x, p))
+                t_c0, t_c1 = cslt_times(wm.bfloat16(), x) if m == 4 else (float("nan"), float("nan"))
+                t_sd = float("nan") if args.no_sddmm else bench(lambda: sddmm(dy, x, p))
+                t_pack = bench(lambda: pack(wm, mask, v, m, torch.bfloat16, validate=False))
+                dispatch.linear_forward(x, wm, p, None)  # measures once and caches the choice
+                t_auto = bench(lambda: dispatch.linear_forward(x, wm, p, None))
+                choice = dispatch.choices().get(
+                    ("fwd", dispatch._bucket(tokens), r, k, p.v, m, p.dtype, x.device.index)
+                )
+                row = dict(
+                    tokens=tokens,
+                    k=k,
+                    r=r,
+                    pattern=pat,
+                    dense=t_dense,
+                    cslt=t_c0,
+                    cslt_tuned=t_c1,
+                    ours=t_ours,
+                    x_dense=t_dense / t_ours,
+                    x_cslt=t_c0 / t_ours,
+                    x_cslt_tuned=t_c1 / t_ours,
+                    dw_gemm=t_dw,
+                    sddmm=t_sd,
+                    x_dw=t_dw / t_sd,
+                    pack=t_pack,
+                    pack_pct=100 * t_pack / t_dense,
+                    err=err,
+                    auto=t_auto,
+                    auto_choice=choice,
+                )
+                rows_out.append(row)
+                print(
+                    f"{tokens:>6} {f'{k}->{r}':>12} {pat:>8} {t_dense:7.4f} {t_c0:7.4f} {t_c1:7.4f} {t_ours:7.4f} "
+                    f"{row['x_dense']:6.2f} {row['x_cslt']:6.2f} {row['x_cslt_tuned']:6.2f} | {t_dw:7.4f} "
+                    f"{t_sd:7.4f} {row['x_dw']:5.2f} | {t_pack:6.4f} {row['pack_pct']:5.1f} | "
+                    f"{t_dense / t_auto:5.2f} {choice}",
+                    flush=True,
+                )
+    if not args.no_train:
+        train_section(args.tokens[0])
+    if args.csv:
+        with open(args.csv, "w", newline="") as f:
+            wr = csv.DictWriter(f, fieldnames=list(rows_out[0]))
+            wr.writeheader()
+            wr.writerows(rows_out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

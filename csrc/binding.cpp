@@ -1,0 +1,179 @@
+// Thin torch binding of the hf_sparse kernels: validates tensors (one check function per op, messages name the
+// op and the argument), allocates outputs through the caching allocator and launches on the current stream.
+#include <c10/cuda/CUDAStream.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/extension.h>
+
+#include "kernels.h"
+
+namespace {
+
+void check_cuda(cudaError_t err, const char* op) {
+  TORCH_CHECK(err == cudaSuccess, "hf_sparse.", op, ": CUDA error: ", cudaGetErrorString(err));
+}
+
+void check_tensor(const at::Tensor& t, const char* op, const char* name, at::ScalarType dtype, int64_t dim) {
+  TORCH_CHECK(t.is_cuda(), "hf_sparse.", op, ": ", name, " must be a CUDA tensor, got device ", t.device());
+  TORCH_CHECK(t.scalar_type() == dtype, "hf_sparse.", op, ": ", name, " must be ", dtype, ", got ", t.scalar_type());
+  TORCH_CHECK(t.dim() == dim, "hf_sparse.", op, ": ", name, " must have ", dim, " dims, got ", t.dim());
+  TORCH_CHECK(t.is_contiguous(), "hf_sparse.", op, ": ", name, " must be contiguous");
+}
+
+void check_packed(const char* op, const at::Tensor& values, const at::Tensor& meta, const at::Tensor& columns,
+                  int64_t rows, int64_t k, int64_t m, at::ScalarType dtype) {
+  check_tensor(values, op, "packed.values", dtype, 4);
+  check_tensor(meta, op, "packed.meta", at::kInt, 3);
+  check_tensor(columns, op, "packed.columns", at::kByte, 3);
+  TORCH_CHECK(m == 4 || m == 8 || m == 16 || m == 32 || m == 64 || m == 128, "hf_sparse.", op, ": m=", m,
+              " unsupported; use 4, 8, 16, 32, 64 or 128");
+  TORCH_CHECK(k % m == 0, "hf_sparse.", op, ": in_features=", k, " is not a multiple of m=", m);
+  const int64_t steps = (k / m + 7) / 8, rp = (rows + 63) / 64 * 64;
+  TORCH_CHECK(values.size(0) == rp / 16 && values.size(1) == steps && values.size(2) == 32 && values.size(3) == 8,
+              "hf_sparse.", op, ": packed.values has shape ", values.sizes(), ", expected (", rp / 16, ", ", steps,
+              ", 32, 8) for a ", rows, "x", k, " weight; rebuild it with hf_sparse.ops.pack");
+  TORCH_CHECK(meta.size(0) == rp / 16 && meta.size(1) == steps && meta.size(2) == 16, "hf_sparse.", op,
+              ": packed.meta has shape ", meta.sizes(), ", expected (", rp / 16, ", ", steps, ", 16)");
+  TORCH_CHECK(columns.size(0) == rp / 64 && columns.size(1) == steps * 8 && columns.size(2) == 4, "hf_sparse.", op,
+              ": packed.columns has shape ", columns.sizes(), ", expected (", rp / 64, ", ", steps * 8, ", 4)");
+}
+
+void check_activation(const char* op, const char* name, const at::Tensor& t, int64_t features, at::ScalarType dtype) {
+  check_tensor(t, op, name, dtype, 2);
+  TORCH_CHECK(t.size(1) == features, "hf_sparse.", op, ": ", name, " has ", t.size(1), " features, expected ",
+              features);
+  TORCH_CHECK(features % 8 == 0, "hf_sparse.", op, ": ", name, " feature size ", features,
+              " must be a multiple of 8 for the CUDA kernel (16-byte rows); pad the layer or use the dense path");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, "hf_sparse.", op, ": ", name,
+              " must be 16-byte aligned; pass a fresh contiguous tensor");
+}
+
+at::Tensor spmm(const at::Tensor& x, const at::Tensor& values, const at::Tensor& meta, const at::Tensor& columns,
+                const c10::optional<at::Tensor>& bias, int64_t rows, int64_t k, int64_t m) {
+  const char* op = "spmm";
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kHalf, "hf_sparse.spmm: x must be bfloat16 or float16, got ",
+              dtype);
+  check_activation(op, "x", x, k, dtype);
+  check_packed(op, values, meta, columns, rows, k, m, dtype);
+  if (bias.has_value()) {
+    check_tensor(*bias, op, "bias", dtype, 1);
+    TORCH_CHECK(bias->size(0) == rows, "hf_sparse.spmm: bias has ", bias->size(0), " entries, expected ", rows);
+  }
+  c10::cuda::CUDAGuard guard(x.device());
+  auto y = at::empty({x.size(0), rows}, x.options());
+  // The kernel's grid holds at most 65535 token tiles of >= 16 tokens: larger inputs go in slices of 2^19 tokens.
+  constexpr int64_t kSlice = 1LL << 19;
+  if (x.size(0) > kSlice) {
+    for (int64_t start = 0; start < x.size(0); start += kSlice) {
+      const int64_t len = std::min(kSlice, x.size(0) - start);
+      y.narrow(0, start, len).copy_(spmm(x.narrow(0, start, len), values, meta, columns, bias, rows, k, m));
+    }
+    return y;
+  }
+  hf_sparse::SpmmArgs a;
+  a.x = x.data_ptr();
+  a.values = values.data_ptr();
+  a.meta = meta.data_ptr();
+  a.columns = columns.data_ptr<uint8_t>();
+  a.bias = bias.has_value() ? bias->data_ptr() : nullptr;
+  a.y = y.data_ptr();
+  a.n_tokens = (int)x.size(0);
+  a.rows = (int)rows;
+  a.rows_padded = (int)values.size(0) * 16;
+  a.k = (int)k;
+  a.m = (int)m;
+  a.steps = (int)values.size(1);
+  a.is_bf16 = dtype == at::kBFloat16;
+  check_cuda(hf_sparse::spmm(a, c10::cuda::getCurrentCUDAStream().stream()), op);
+  return y;
+}
+
+at::Tensor sddmm(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& meta, const at::Tensor& columns,
+                 int64_t rows, int64_t k, int64_t m) {
+  const char* op = "sddmm";
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kHalf, "hf_sparse.sddmm: x must be bfloat16 or float16, got ",
+              dtype);
+  check_activation(op, "x", x, k, dtype);
+  check_activation(op, "dy", dy, rows, dtype);
+  TORCH_CHECK(dy.size(0) == x.size(0), "hf_sparse.sddmm: dy has ", dy.size(0), " tokens but x has ", x.size(0));
+  check_tensor(meta, op, "packed.meta", at::kInt, 3);
+  check_tensor(columns, op, "packed.columns", at::kByte, 3);
+  const int64_t steps = (k / m + 7) / 8, rp = (rows + 63) / 64 * 64;
+  TORCH_CHECK(k % m == 0 && meta.size(0) == rp / 16 && meta.size(1) == steps && columns.size(0) == rp / 64,
+              "hf_sparse.sddmm: packed tensors do not match a ", rows, "x", k, " weight with m=", m);
+  c10::cuda::CUDAGuard guard(x.device());
+  auto out = at::zeros({rows, 2 * (k / m)}, x.options().dtype(at::kFloat));
+  hf_sparse::SddmmArgs a;
+  a.dy = dy.data_ptr();
+  a.x = x.data_ptr();
+  a.meta = meta.data_ptr();
+  a.columns = columns.data_ptr<uint8_t>();
+  a.out = out.data_ptr<float>();
+  a.n_tokens = (int)x.size(0);
+  a.rows = (int)rows;
+  a.rows_padded = (int)rp;
+  a.k = (int)k;
+  a.m = (int)m;
+  a.steps = (int)steps;
+  a.is_bf16 = dtype == at::kBFloat16;
+  check_cuda(hf_sparse::sddmm(a, c10::cuda::getCurrentCUDAStream().stream()), op);
+  return out;
+}
+
+std::vector<at::Tensor> pack(const at::Tensor& weight, const at::Tensor& mask, int64_t v, int64_t m,
+                             bool out_bf16) {
+  const at::ScalarType out_dtype = out_bf16 ? at::kBFloat16 : at::kHalf;
+  const char* op = "pack";
+  const auto wd = weight.scalar_type();
+  TORCH_CHECK(wd == at::kFloat || wd == at::kBFloat16 || wd == at::kHalf,
+              "hf_sparse.pack: weight must be float32, bfloat16 or float16, got ", wd);
+  check_tensor(weight, op, "weight", wd, 2);
+  check_tensor(mask, op, "mask", at::kBool, 2);
+  TORCH_CHECK(mask.sizes() == weight.sizes(), "hf_sparse.pack: mask shape ", mask.sizes(), " != weight shape ",
+              weight.sizes());
+  const int64_t rows = weight.size(0), k = weight.size(1);
+  TORCH_CHECK(m == 4 || m == 8 || m == 16 || m == 32 || m == 64 || m == 128, "hf_sparse.pack: m=", m,
+              " unsupported");
+  TORCH_CHECK(k % m == 0, "hf_sparse.pack: in_features=", k, " is not a multiple of m=", m);
+  TORCH_CHECK(m == 4 || ((v == 64 || v == 128) && rows % v == 0), "hf_sparse.pack: v=", v,
+              " must be 64 or 128 and divide out_features=", rows);
+  c10::cuda::CUDAGuard guard(weight.device());
+  const int64_t steps = (k / m + 7) / 8, rp = (rows + 63) / 64 * 64;
+  auto opts = weight.options();
+  auto values = at::empty({rp / 16, steps, 32, 8}, opts.dtype(out_dtype));
+  auto meta = at::empty({rp / 16, steps, 16}, opts.dtype(at::kInt));
+  auto columns = at::empty({rp / 64, steps * 8, 4}, opts.dtype(at::kByte));
+  auto valid = at::empty({rows, 2 * (k / m)}, opts.dtype(at::kBool));
+  auto error = at::zeros({1}, opts.dtype(at::kInt));
+  const int64_t vv = m == 4 ? 64 : v;
+  auto scratch = at::empty({m == 4 ? 1 : (rows / vv) * (k / m) * ((m + 31) / 32)}, opts.dtype(at::kInt));
+  hf_sparse::PackArgs a;
+  a.weight = weight.data_ptr();
+  a.weight_dtype = wd == at::kFloat ? 0 : (wd == at::kBFloat16 ? 1 : 2);
+  a.mask = mask.data_ptr<bool>();
+  a.values = values.data_ptr();
+  a.meta = reinterpret_cast<uint32_t*>(meta.data_ptr<int>());
+  a.columns = columns.data_ptr<uint8_t>();
+  a.valid = valid.data_ptr<bool>();
+  a.error = error.data_ptr<int>();
+  a.scratch = reinterpret_cast<uint32_t*>(scratch.data_ptr<int>());
+  a.rows = (int)rows;
+  a.rows_padded = (int)rp;
+  a.k = (int)k;
+  a.v = (int)(m == 4 ? 64 : v);
+  a.m = (int)m;
+  a.steps = (int)steps;
+  a.out_bf16 = out_bf16;
+  check_cuda(hf_sparse::pack(a, c10::cuda::getCurrentCUDAStream().stream()), op);
+  return {values, meta, columns, valid, error};
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
+  mod.doc() = "hf_sparse CUDA kernels (SpMM, SDDMM, pack) for V:2:M sparse weights";
+  mod.def("spmm", &spmm, "Y = X W^T (+bias), W packed V:2:M");
+  mod.def("sddmm", &sddmm, "dW at kept positions, fp32, logical order (R, 2G)");
+  mod.def("pack", &pack, "dense masked weight + mask -> packed (values, meta, columns, valid, error flag)");
+}

@@ -1,0 +1,48 @@
+// Host entry points of the hf_sparse kernels: raw device pointers, no torch types, so the .cu files build with
+// plain nvcc. binding.cpp validates tensors and calls these on the current stream.
+#pragma once
+
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+namespace hf_sparse {
+
+struct SpmmArgs {
+  const void* x;          // (n_tokens, k) row-major, bf16 or fp16, 16-byte aligned, k % 8 == 0
+  const void* values;     // (rows_padded/16, steps, 32, 8) same dtype
+  const void* meta;       // (rows_padded/16, steps, 16) uint32
+  const uint8_t* columns; // (rows_padded/64, steps*8, 4)
+  const void* bias;       // (rows,) or nullptr
+  void* y;                // (n_tokens, rows) row-major
+  int n_tokens, rows, rows_padded, k, m, steps;
+  bool is_bf16;
+};
+cudaError_t spmm(const SpmmArgs& args, cudaStream_t stream);
+
+struct SddmmArgs {
+  const void* dy;         // (n_tokens, rows) row-major
+  const void* x;          // (n_tokens, k) row-major, k % 8 == 0
+  const void* meta;       // packed metadata, as for spmm
+  const uint8_t* columns; // packed columns, as for spmm
+  float* out;             // (rows, 2 * groups) fp32, logical order
+  int n_tokens, rows, rows_padded, k, m, steps;
+  bool is_bf16;
+};
+cudaError_t sddmm(const SddmmArgs& args, cudaStream_t stream);
+
+struct PackArgs {
+  const void* weight;     // (rows, k) dense masked master, fp32 / bf16 / fp16
+  int weight_dtype;       // 0 fp32, 1 bf16, 2 fp16
+  const bool* mask;       // (rows, k)
+  void* values;           // out: (rows_padded/16, steps, 32, 8) compute dtype
+  uint32_t* meta;         // out: (rows_padded/16, steps, 16)
+  uint8_t* columns;       // out: (rows_padded/64, steps*8, 4)
+  bool* valid;            // out: (rows, 2 * groups)
+  int* error;             // out: device flag, set non-zero if the mask is not V:2:M
+  uint32_t* scratch;      // (rows/v) * (k/m) * ceil(m/32) words, zeroed by pack() (M > 4 only)
+  int rows, rows_padded, k, v, m, steps;
+  bool out_bf16;
+};
+cudaError_t pack(const PackArgs& args, cudaStream_t stream);
+
+}  // namespace hf_sparse

@@ -1,0 +1,50 @@
+// Tile configurations of every hf_sparse kernel, in one place. Host- and device-visible, no CUDA types.
+#pragma once
+
+namespace hf_sparse {
+
+// SpMM Y = X W^T: a CTA computes BR = 64*WR weight rows x BN tokens; a warp owns 64 rows (one 64-row slab, so
+// one set of V:2:M block columns) x BN/WN tokens. A pipeline stage holds BN token rows x 8*M real columns of X
+// (one mma.sp k-step = 8 groups), so the stage size grows with M: BN shrinks to keep a stage near 16 KB and
+// the whole pipeline under the 99 KB that sm_86/sm_89 allow.
+template <int M> struct SpmmTile;
+// A stage also holds the CTA's A fragments (8 KB), metadata (1 KB) and offsets: 3 stages keep every config
+// under 99 KB. MIN_BLOCKS = 2 where the accumulators are small enough for two CTAs per SM.
+// HF_SPARSE_SPMM_VARIANT (build flag, for tuning runs only) selects alternative shapes.
+#ifndef HF_SPARSE_SPMM_VARIANT
+#define HF_SPARSE_SPMM_VARIANT 0
+#endif
+#if HF_SPARSE_SPMM_VARIANT == 1  // 4 warps, 128 rows, two CTAs per SM
+template <> struct SpmmTile<4>   { static constexpr int BN = 128, WR = 2, WN = 2, STAGES = 4, MIN_BLOCKS = 2; };
+template <> struct SpmmTile<8>   { static constexpr int BN = 128, WR = 2, WN = 2, STAGES = 4, MIN_BLOCKS = 2; };
+template <> struct SpmmTile<16>  { static constexpr int BN = 64,  WR = 2, WN = 2, STAGES = 4, MIN_BLOCKS = 2; };
+template <> struct SpmmTile<32>  { static constexpr int BN = 32,  WR = 2, WN = 2, STAGES = 4, MIN_BLOCKS = 3; };
+template <> struct SpmmTile<64>  { static constexpr int BN = 16,  WR = 2, WN = 2, STAGES = 4, MIN_BLOCKS = 3; };
+template <> struct SpmmTile<128> { static constexpr int BN = 16,  WR = 2, WN = 2, STAGES = 2, MIN_BLOCKS = 3; };
+#elif HF_SPARSE_SPMM_VARIANT == 2  // 8 warps, 128 rows x twice the tokens: more reuse of A
+template <> struct SpmmTile<4>   { static constexpr int BN = 256, WR = 2, WN = 4, STAGES = 3, MIN_BLOCKS = 1; };
+template <> struct SpmmTile<8>   { static constexpr int BN = 256, WR = 2, WN = 4, STAGES = 3, MIN_BLOCKS = 1; };
+template <> struct SpmmTile<16>  { static constexpr int BN = 128, WR = 2, WN = 4, STAGES = 3, MIN_BLOCKS = 1; };
+template <> struct SpmmTile<32>  { static constexpr int BN = 64,  WR = 2, WN = 4, STAGES = 3, MIN_BLOCKS = 1; };
+template <> struct SpmmTile<64>  { static constexpr int BN = 32,  WR = 2, WN = 4, STAGES = 3, MIN_BLOCKS = 2; };
+template <> struct SpmmTile<128> { static constexpr int BN = 32,  WR = 2, WN = 4, STAGES = 2, MIN_BLOCKS = 2; };
+#else
+template <> struct SpmmTile<4>   { static constexpr int BN = 128, WR = 4, WN = 2, STAGES = 3, MIN_BLOCKS = 1; };
+template <> struct SpmmTile<8>   { static constexpr int BN = 128, WR = 4, WN = 2, STAGES = 3, MIN_BLOCKS = 1; };
+template <> struct SpmmTile<16>  { static constexpr int BN = 64,  WR = 4, WN = 2, STAGES = 3, MIN_BLOCKS = 1; };
+template <> struct SpmmTile<32>  { static constexpr int BN = 32,  WR = 4, WN = 2, STAGES = 3, MIN_BLOCKS = 2; };
+template <> struct SpmmTile<64>  { static constexpr int BN = 16,  WR = 4, WN = 2, STAGES = 3, MIN_BLOCKS = 2; };
+template <> struct SpmmTile<128> { static constexpr int BN = 16,  WR = 4, WN = 2, STAGES = 2, MIN_BLOCKS = 2; };
+#endif
+
+// SDDMM dW = dY^T X at kept positions: a CTA owns SLABS 64-row slabs x G groups (4G condensed columns: all four
+// block columns of each group are computed, then each row keeps its two) and reduces over a range of tokens in
+// chunks of BT; 4 warps of 16 rows per slab. G shrinks with M so the dense X chunk of a stage stays <= 16 KB.
+// L2 traffic ~ X * R/(64*SLABS) + dY * G_total/G: the larger the tile, the closer to the dense GEMM's.
+template <int M> struct SddmmTile {
+  static constexpr int GROUPS = (256 / M) < 32 ? (256 / M) : 32;
+  static constexpr int SLABS = 2;
+  static constexpr int BT = 32, STAGES = 3, THREADS = 128 * SLABS;
+};
+
+}  // namespace hf_sparse

@@ -1,0 +1,85 @@
+"""``sparse_linear``: the autograd function behind ``SparseLinear`` (forward SpMM, weight gradient SDDMM).
+
+* forward  ``Y = X W^T + b`` by SpMM on ``packed`` (the compressed shadow of the master ``weight``);
+* input gradient ``dX = dY W`` by a dense GEMM on the master weight (cast to dY's dtype), or, when the mask is
+  transposable 2:4 and ``packed_t`` (the pack of ``W^T``) is given, through the same dispatcher as the forward
+  (SpMM on ``W^T``, cuSPARSELt or dense, whichever is fastest);
+* weight gradient by SDDMM at the kept positions only, scattered into a dense (R, K) gradient that is zero at
+  pruned positions, in the master weight's dtype, so the optimizer, DDP/FSDP and checkpoints see a plain
+  Parameter gradient;
+* bias gradient ``sum(dY)``.
+
+On CUDA, forward and weight gradient go through :mod:`hf_sparse.ops.dispatch`, which measures once per shape
+whether our kernel, dense cuBLAS on the masked master (or cuSPARSELt for 2:4) is fastest and uses that one.
+
+``x`` is cast to the packed dtype (what autocast would do to a linear's input); ``dX`` is returned in x's dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..ops import PackedWeight
+from ..ops.dispatch import linear_forward, weight_grad
+
+__all__ = ["sparse_linear"]
+
+
+class _SparseLinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx, x: Tensor, weight: Tensor, packed: PackedWeight, bias: Tensor | None, packed_t: PackedWeight | None
+    ) -> Tensor:
+        xc = x.to(packed.dtype)
+        y = linear_forward(xc, weight, packed, bias)
+        ctx.packed = packed
+        ctx.packed_t = packed_t
+        ctx.x_dtype = x.dtype
+        ctx.has_bias = bias is not None
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        ctx.save_for_backward(xc, weight)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy: Tensor):
+        xc, weight = ctx.saved_tensors
+        packed: PackedWeight = ctx.packed
+        dx = dw = db = None
+        dy = dy.to(packed.dtype)
+        if ctx.needs_input_grad[0]:
+            if ctx.packed_t is not None:
+                dx = linear_forward(dy, weight.t(), ctx.packed_t, None).to(ctx.x_dtype)
+            else:
+                dx = (dy @ weight.to(dy.dtype)).to(ctx.x_dtype)
+        if ctx.needs_input_grad[1]:
+            dw = weight_grad(dy, xc, packed, weight.dtype)
+        if ctx.has_bias and ctx.needs_input_grad[3]:
+            db = dy.reshape(-1, dy.shape[-1]).sum(0, dtype=torch.float32).to(ctx.bias_dtype)
+        return dx, dw, None, db, None
+
+
+def sparse_linear(
+    x: Tensor,
+    weight: Tensor,
+    packed: PackedWeight,
+    bias: Tensor | None = None,
+    packed_t: PackedWeight | None = None,
+) -> Tensor:
+    """``F.linear(x, weight * mask, bias)`` computed on Sparse Tensor Cores.
+
+    ``weight``: the dense masked master Parameter (R, K) the optimizer owns; ``packed``: ``hf_sparse.ops.pack``
+    of it (rebuild after every optimizer step); ``x``: (..., K). Returns (..., R) in ``packed.dtype``.
+    ``packed_t``: optional ``pack(weight.t(), mask.t(), 64, 4)`` when the mask is transposable 2:4, so the input
+    gradient can run sparse too.
+    """
+    if weight.shape != (packed.rows, packed.cols):
+        raise ValueError(
+            f"hf_sparse.sparse_linear: weight shape {tuple(weight.shape)} != packed shape {(packed.rows, packed.cols)}"
+        )
+    if packed_t is not None and (packed_t.rows, packed_t.cols, packed_t.m) != (packed.cols, packed.rows, 4):
+        raise ValueError(
+            f"hf_sparse.sparse_linear: packed_t must pack weight.t() ({packed.cols}, {packed.rows}) as 2:4, got "
+            f"({packed_t.rows}, {packed_t.cols}) with m={packed_t.m}"
+        )
+    return _SparseLinearFn.apply(x, weight, packed, bias, packed_t)

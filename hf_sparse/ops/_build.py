@@ -1,0 +1,121 @@
+"""Build-on-first-use of the CUDA extension (``csrc/``), cached by ``torch.utils.cpp_extension``.
+
+Nothing here runs at import time: :func:`load_extension` is called by an op the first time it needs the GPU.
+Without a CUDA device or ``nvcc`` it raises :class:`KernelUnavailableError`, which says what to do.
+
+Environment:
+``HF_SPARSE_CUDA_ARCH_LIST``  semicolon/space separated compute capabilities (``"8.0;8.6;9.0"``); default: the
+                              current GPU's. ``9.0`` builds ``sm_90a`` machine code.
+``HF_SPARSE_BUILD_DIR``       where the build is cached (default: torch's extension cache).
+``HF_SPARSE_BUILD_VERBOSE``   ``1`` prints the compiler commands.
+``HF_SPARSE_NVCC_FLAGS``      extra nvcc flags (tuning runs, e.g. ``-DHF_SPARSE_SPMM_VARIANT=1``); the extension
+                              name gets a hash of them so differently built copies never share a cache entry.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import shutil
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+__all__ = ["KernelUnavailableError", "arch_flags", "csrc_dir", "load_extension"]
+
+logger = logging.getLogger(__name__)
+
+EXTENSION_NAME = "hf_sparse_C"
+SOURCES = ("binding.cpp", "spmm.cu", "sddmm.cu", "pack.cu")
+
+
+class KernelUnavailableError(RuntimeError):
+    """The CUDA kernels cannot be used here (no GPU, no nvcc, or the build failed)."""
+
+
+def csrc_dir() -> Path:
+    """The folder holding the CUDA sources: ``<repo>/csrc`` (source checkout) or ``hf_sparse/csrc`` (wheel)."""
+    here = Path(__file__).resolve().parent
+    for cand in (here.parent.parent / "csrc", here.parent / "csrc"):
+        if (cand / "spmm.cu").is_file():
+            return cand
+    raise KernelUnavailableError(
+        "hf_sparse: the CUDA sources (csrc/spmm.cu) are not installed; install hf_sparse from a source checkout "
+        "or use the dense path"
+    )
+
+
+def _arch_list() -> list[str]:
+    env = os.environ.get("HF_SPARSE_CUDA_ARCH_LIST", "").replace(";", " ").replace(",", " ").split()
+    if env:
+        return env
+    major, minor = torch.cuda.get_device_capability()
+    return [f"{major}.{minor}"]
+
+
+def arch_flags(archs: list[str] | None = None) -> list[str]:
+    """nvcc ``-gencode`` flags for the arch list (sm_90 gets ``sm_90a``; PTX of the newest is embedded)."""
+    flags = []
+    archs = archs or _arch_list()
+    for arch in archs:
+        num = arch.replace(".", "").replace("+PTX", "")
+        if not num.isdigit() or int(num) < 80:
+            raise KernelUnavailableError(
+                f"hf_sparse: CUDA arch {arch!r} is not supported (need 8.0 or newer); fix HF_SPARSE_CUDA_ARCH_LIST"
+            )
+        suffix = "a" if num == "90" else ""
+        flags.append(f"-gencode=arch=compute_{num}{suffix},code=sm_{num}{suffix}")
+    newest = max(archs, key=lambda a: int(a.replace(".", "").replace("+PTX", ""))).replace(".", "").replace("+PTX", "")
+    flags.append(f"-gencode=arch=compute_{newest},code=compute_{newest}")
+    return flags
+
+
+@functools.cache
+def load_extension() -> ModuleType:
+    """Compile (first call only; cached on disk) and import the extension. Raises KernelUnavailableError."""
+    if not torch.cuda.is_available():
+        raise KernelUnavailableError(
+            "hf_sparse: the sparse kernels need a CUDA GPU (sm_80 or newer) and none is visible; run on a GPU or "
+            "use the dense path (the ops' CPU implementations are the pure-PyTorch reference)"
+        )
+    major, _ = torch.cuda.get_device_capability()
+    if major < 8:
+        raise KernelUnavailableError(
+            f"hf_sparse: this GPU has compute capability {major}.x; Sparse Tensor Cores need 8.0 or newer"
+        )
+    from torch.utils import cpp_extension
+
+    if (
+        cpp_extension.CUDA_HOME is None
+        or shutil.which("nvcc", path=os.path.join(cpp_extension.CUDA_HOME, "bin")) is None
+    ):
+        raise KernelUnavailableError(
+            "hf_sparse: nvcc was not found, so the CUDA kernels cannot be built; install the CUDA toolkit matching "
+            f"torch.version.cuda={torch.version.cuda} and set CUDA_HOME, or build ahead of time with "
+            "`python -m hf_sparse.ops.build` where nvcc exists"
+        )
+    src = csrc_dir()
+    build_dir = os.environ.get("HF_SPARSE_BUILD_DIR")
+    if build_dir:
+        os.makedirs(build_dir, exist_ok=True)
+    extra = os.environ.get("HF_SPARSE_NVCC_FLAGS", "").split()
+    flags = ["-O3", "-std=c++17", "-lineinfo", *arch_flags(), *extra]
+    name = EXTENSION_NAME + ("_" + hashlib.sha1(" ".join(extra).encode()).hexdigest()[:8] if extra else "")
+    try:
+        return cpp_extension.load(
+            name=name,
+            sources=[str(src / s) for s in SOURCES],
+            extra_cflags=["-O3", "-std=c++17"],
+            extra_cuda_cflags=flags,
+            extra_include_paths=[str(src)],
+            build_directory=build_dir,
+            verbose=os.environ.get("HF_SPARSE_BUILD_VERBOSE") == "1",
+        )
+    except Exception as exc:  # the compiler's message is in exc; keep it and say what to do
+        raise KernelUnavailableError(
+            f"hf_sparse: building the CUDA kernels failed ({exc}); set HF_SPARSE_BUILD_VERBOSE=1 to see the compiler "
+            "commands, check that nvcc matches torch.version.cuda, or use the dense path"
+        ) from exc

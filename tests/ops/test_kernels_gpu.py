@@ -1,0 +1,144 @@
+"""GPU: every CUDA kernel against the pure-torch reference on fresh random inputs, with poisoned outputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hf_sparse.nn.sparse_matmul import sparse_linear
+from hf_sparse.ops import dense_from_packed, pack, scatter_dense, sddmm, spmm
+from hf_sparse.ops._layout import logical_from_dense, packed_from_logical
+
+from ._helpers import PATTERNS, random_masked, rel_err
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+DTYPES = [torch.bfloat16, torch.float16]
+
+
+def _poison_allocator():
+    """Fill freed caching-allocator blocks with NaN so an output element the kernel forgets stays NaN."""
+    junk = torch.full((64 << 20,), float("nan"), device="cuda", dtype=torch.float32)
+    del junk
+
+
+def _pack_cuda(rows, cols, v, m, dtype, seed):
+    w, mask = random_masked(rows, cols, v, m, device="cuda", seed=seed)
+    return w, mask, pack(w, mask, v, m, dtype)
+
+
+@pytest.mark.parametrize(("v", "m"), PATTERNS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_pack_kernel_matches_reference(v, m, dtype):
+    for rows, cols in [(128, 256), (256, 8 * m * 3)]:
+        w, mask, p = _pack_cuda(rows, cols, v, m, dtype, seed=rows)
+        values, columns, selectors, valid = logical_from_dense(w.cpu(), mask.cpu(), v, m)
+        ref = packed_from_logical(values, columns, selectors, 64 if m == 4 else v, m, dtype, valid)
+        for name in ("values", "meta", "columns", "valid"):
+            assert torch.equal(getattr(p, name).cpu(), getattr(ref, name)), name
+
+
+@pytest.mark.parametrize(("v", "m"), PATTERNS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    ("tokens", "rows", "cols"), [(1, 128, 256), (7, 192, 512), (8191, 256, 1024), (300, 768, 3072)]
+)
+def test_spmm_kernel(v, m, dtype, tokens, rows, cols):
+    if rows % v and m != 4:
+        pytest.skip("rows not a multiple of v")
+    w, mask, p = _pack_cuda(rows, cols, v, m, dtype, seed=tokens)
+    x = torch.randn(tokens, cols, device="cuda").to(dtype)
+    bias = torch.randn(rows, device="cuda").to(dtype)
+    _poison_allocator()
+    y = spmm(x, p, bias)
+    torch.cuda.synchronize()
+    assert not bool(torch.isnan(y).any()), "unwritten or NaN output"
+    wq = w.to(dtype)
+    ref = F.linear(x.double(), wq.double(), bias.double())
+    torch_err = rel_err(F.linear(x, wq, bias), ref)
+    assert rel_err(y, ref) <= 2 * torch_err + 1e-6
+
+
+@pytest.mark.parametrize(("v", "m"), [(64, 4), (64, 8), (128, 16), (64, 32)])
+def test_spmm_odd_shapes_and_batch_dims(v, m):
+    # tokens spread over leading dims, K with a partial last k-step, rows not a multiple of 256 (R padded).
+    rows = 64 * 3 if m == 4 else v * 3
+    cols = 8 * m * 2 + 4 * m if (8 * m * 2 + 4 * m) % 8 == 0 else 8 * m * 3
+    w, mask, p = _pack_cuda(rows, cols, v, m, torch.bfloat16, seed=11)
+    x = torch.randn(3, 5, cols, device="cuda").bfloat16()
+    y = spmm(x, p)
+    ref = F.linear(x.double(), w.bfloat16().double())
+    assert y.shape == (3, 5, rows)
+    assert rel_err(y, ref) <= 2 * rel_err(F.linear(x, w.bfloat16()), ref) + 1e-6
+
+
+def test_spmm_2to4_rows_not_multiple_of_64_and_odd_rows():
+    for rows in (100, 33):
+        w, mask, p = _pack_cuda(rows, 64, 64, 4, torch.bfloat16, seed=rows)
+        x = torch.randn(17, 64, device="cuda").bfloat16()
+        ref = F.linear(x.double(), w.bfloat16().double())
+        assert rel_err(spmm(x, p), ref) <= 2 * rel_err(F.linear(x, w.bfloat16()), ref) + 1e-6
+
+
+@pytest.mark.parametrize(("v", "m"), PATTERNS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("tokens", "rows", "cols"), [(1, 128, 256), (7, 192, 512), (8191, 256, 1024)])
+def test_sddmm_kernel(v, m, dtype, tokens, rows, cols):
+    if rows % v and m != 4:
+        pytest.skip("rows not a multiple of v")
+    w, mask, p = _pack_cuda(rows, cols, v, m, dtype, seed=tokens + 1)
+    x = torch.randn(tokens, cols, device="cuda").to(dtype)
+    dy = torch.randn(tokens, rows, device="cuda").to(dtype)
+    _poison_allocator()
+    got = scatter_dense(sddmm(dy, x, p), p, torch.float32)
+    assert not bool(torch.isnan(got).any())
+    full = dy.double().t() @ x.double()
+    ref = torch.where(mask, full, 0.0)
+    torch_full = (dy.t() @ x).double()
+    torch_err = rel_err(torch.where(mask, torch_full, 0.0), ref)
+    assert rel_err(got, ref) <= 2 * torch_err + 1e-6
+    assert torch.count_nonzero(got[~mask]) == 0
+
+
+@pytest.mark.parametrize("backend", ["sparse", "dense", "auto"])
+@pytest.mark.parametrize(("v", "m"), [(64, 8), (64, 4)])
+def test_sparse_linear_training_step_matches_masked_dense(backend, v, m, monkeypatch):
+    monkeypatch.setenv("HF_SPARSE_BACKEND", backend)
+    w, mask = random_masked(256, 512, v, m, device="cuda", seed=5)
+    weight = torch.nn.Parameter(w.clone())
+    bias = torch.nn.Parameter(torch.randn(256, device="cuda"))
+    p = pack(weight.detach(), mask, v, m, torch.bfloat16)
+    x = torch.randn(4, 64, 512, device="cuda", requires_grad=True)
+    y = sparse_linear(x, weight, p, bias)
+    g = torch.randn_like(y)
+    (y.float() * g.float()).sum().backward()
+    w2 = torch.nn.Parameter(w.clone())
+    b2 = torch.nn.Parameter(bias.detach().clone())
+    x2 = x.detach().clone().requires_grad_(True)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        y2 = F.linear(x2, w2, b2)
+    (y2.float() * g.float()).sum().backward()
+    assert rel_err(y, y2) < 2e-2
+    assert rel_err(x.grad, x2.grad) < 2e-2
+    assert rel_err(weight.grad, w2.grad * mask) < 2e-2
+    assert torch.count_nonzero(weight.grad[~mask]) == 0
+    assert rel_err(bias.grad, b2.grad) < 2e-2
+
+
+def test_cusparselt_path_matches_reference():
+    from hf_sparse.ops import dispatch
+
+    w, mask, p = _pack_cuda(256, 512, 64, 4, torch.bfloat16, seed=8)
+    x = torch.randn(128, 512, device="cuda").bfloat16()
+    b = torch.randn(256, device="cuda").bfloat16()
+    y = dispatch._cslt_linear(x, w, p, b)
+    ref = F.linear(x.double(), w.bfloat16().double(), b.double())
+    assert rel_err(y, ref) <= 2 * rel_err(F.linear(x, w.bfloat16(), b), ref) + 1e-6
+
+
+def test_dense_from_packed_on_gpu_matches_master():
+    w, mask, p = _pack_cuda(128, 256, 128, 16, torch.bfloat16, seed=9)
+    assert torch.equal(dense_from_packed(p, torch.float32), w.bfloat16().float())

@@ -1,0 +1,130 @@
+"""CPU: the reference ops against plain torch, opcheck on every custom op, sparse_linear gradients."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hf_sparse.nn.sparse_matmul import sparse_linear
+from hf_sparse.ops import pack, scatter_dense, sddmm, spmm
+from hf_sparse.ops.pack import _pack_op
+from hf_sparse.ops.sddmm import _sddmm_op
+from hf_sparse.ops.spmm import _spmm_op
+
+from ._helpers import random_masked, rel_err
+
+
+@pytest.mark.parametrize(("v", "m"), [(64, 4), (64, 8), (128, 32)])
+def test_spmm_reference_matches_linear(v, m):
+    w, mask = random_masked(128, 256, v, m)
+    p = pack(w, mask, v, m, torch.bfloat16)
+    x = torch.randn(3, 5, 256).bfloat16()
+    b = torch.randn(128).bfloat16()
+    y = spmm(x, p, b)
+    assert y.shape == (3, 5, 128) and y.dtype == torch.bfloat16
+    ref = F.linear(x.float(), w.bfloat16().float(), b.float())
+    assert rel_err(y, ref) < 1e-2
+
+
+def test_sddmm_reference_and_scatter():
+    w, mask = random_masked(64, 64, 64, 8)
+    p = pack(w, mask, 64, 8, torch.bfloat16)
+    x = torch.randn(9, 64).bfloat16()
+    dy = torch.randn(9, 64).bfloat16()
+    g = scatter_dense(sddmm(dy, x, p), p, torch.float32)
+    full = dy.float().t() @ x.float()
+    assert torch.allclose(g, torch.where(mask, full, 0.0), atol=1e-4, rtol=1e-4)
+    assert not bool(torch.signbit(g[~mask]).any())
+
+
+def _op_args(seed=0):
+    w, mask = random_masked(64, 64, 64, 8, seed=seed)
+    p = pack(w, mask, 64, 8, torch.bfloat16)
+    x = torch.randn(5, 64).bfloat16()
+    dy = torch.randn(5, 64).bfloat16()
+    return w, mask, p, x, dy
+
+
+def test_opcheck_all_ops():
+    w, mask, p, x, dy = _op_args()
+    pargs = (p.values, p.meta, p.columns, p.valid, p.rows, p.cols, p.v, p.m)
+    torch.library.opcheck(_spmm_op, (x, *pargs[:4], torch.randn(64).bfloat16(), *pargs[4:]))
+    torch.library.opcheck(_spmm_op, (x, *pargs[:4], None, *pargs[4:]))
+    torch.library.opcheck(_sddmm_op, (dy, x, *pargs))
+    torch.library.opcheck(_pack_op, (w, mask, 64, 8, torch.bfloat16, True))
+
+
+@pytest.mark.parametrize("backend", ["sparse", "dense"])
+def test_sparse_linear_grads_match_masked_dense(backend, monkeypatch):
+    monkeypatch.setenv("HF_SPARSE_BACKEND", backend)
+    w, mask = random_masked(64, 128, 64, 16, seed=4)
+    weight = torch.nn.Parameter(w.clone())
+    bias = torch.nn.Parameter(torch.randn(64))
+    p = pack(weight.detach(), mask, 64, 16, torch.bfloat16)
+    x = torch.randn(2, 7, 128, requires_grad=True)
+    y = sparse_linear(x, weight, p, bias)
+    g = torch.randn_like(y)
+    (y * g).sum().backward()
+
+    w2 = torch.nn.Parameter(w.clone())
+    b2 = torch.nn.Parameter(bias.detach().clone())
+    x2 = x.detach().bfloat16().float().requires_grad_(True)
+    y2 = F.linear(x2, w2.bfloat16().float(), b2)
+    (y2 * g.float()).sum().backward()
+    assert rel_err(y, y2) < 1e-2
+    assert rel_err(x.grad, x2.grad) < 1e-2
+    assert rel_err(weight.grad, w2.grad * mask) < 1e-2
+    assert torch.count_nonzero(weight.grad[~mask]) == 0
+    assert rel_err(bias.grad, b2.grad) < 1e-2
+
+
+def test_sparse_linear_transposable_input_grad():
+    from hf_sparse.masks import transposable_2to4_mask
+
+    torch.manual_seed(7)
+    w = torch.randn(64, 128)
+    mask = transposable_2to4_mask(w.abs())
+    w = torch.where(mask, w, 0.0)
+    weight = torch.nn.Parameter(w.clone())
+    p = pack(w, mask, 64, 4, torch.bfloat16)
+    pt = pack(w.t().contiguous(), mask.t().contiguous(), 64, 4, torch.bfloat16)
+    x = torch.randn(3, 5, 128, requires_grad=True)
+    y = sparse_linear(x, weight, p, None, pt)
+    g = torch.randn_like(y)
+    (y.float() * g.float()).sum().backward()
+    x2 = x.detach().bfloat16().float().requires_grad_(True)
+    (F.linear(x2, w.bfloat16().float()) * g.float()).sum().backward()
+    assert rel_err(x.grad, x2.grad) < 1e-2
+    with pytest.raises(ValueError, match="packed_t"):
+        sparse_linear(x, weight, p, None, p)
+
+
+def test_backend_env_is_validated(monkeypatch):
+    from hf_sparse.ops.dispatch import linear_forward
+
+    monkeypatch.setenv("HF_SPARSE_BACKEND", "fast")
+    w, mask, p, x, dy = _op_args()
+    with pytest.raises(ValueError, match="HF_SPARSE_BACKEND"):
+        linear_forward(x, w, p, None)
+
+
+def test_import_touches_no_cuda():
+    code = (
+        "import torch, hf_sparse.ops, hf_sparse.nn.sparse_matmul\n"
+        "assert not torch.cuda.is_initialized()\n"
+        "import hf_sparse.ops._build as b\n"
+        "assert b.load_extension.cache_info().currsize == 0\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU error")
+def test_kernel_without_gpu_says_what_to_do():
+    from hf_sparse.ops._build import KernelUnavailableError, load_extension
+
+    with pytest.raises(KernelUnavailableError, match="CUDA GPU"):
+        load_extension()
