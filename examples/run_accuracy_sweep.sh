@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Sparse-vs-dense accuracy on GLUE with the same training budget for every pattern; prints a markdown table.
-# Usage: examples/run_accuracy_sweep.sh MODEL_DIR GLUE_DIR OUT_DIR [SEED] [EPOCHS_SST2] [EPOCHS_MRPC]
+# Usage: [TASKS='sst2 mrpc'] [PATTERNS='dense 2:4 ...'] examples/run_accuracy_sweep.sh MODEL_DIR GLUE_DIR OUT_DIR [SEED] [EPOCHS_SST2] [EPOCHS_MRPC]
 #   MODEL_DIR: e.g. the MiniLM folder from ../shared/tools/get_minilm.sh; GLUE_DIR holds SST-2/ and MRPC/.
-# Every run: bf16, max_seq_length 128, batch 32, lr 5e-5, cubic schedule from 10% to 60% of training,
+# Every run: fp32 master weights with bf16 autocast, max_seq_length 128, batch 32, lr 5e-5, cubic schedule from 10% to 60% of training,
 # masks updated every 50 steps (10 for MRPC), a dense run with the same budget as the baseline.
 set -euo pipefail
 model=${1:?model dir}; glue=${2:?glue dir}; out=${3:?out dir}; seed=${4:-42}; ep_sst2=${5:-1}; ep_mrpc=${6:-5}
@@ -18,8 +18,9 @@ run() {  # task epochs update_every pattern data_subdir
     || { echo "FAILED: $task $pattern (see $dir.log)"; tail -20 "$dir.log"; }
 }
 patterns=${PATTERNS:-"dense 2:4 64:2:8 64:2:16 unstructured:0.5 unstructured:0.75"}
-for p in $patterns; do run sst2 "$ep_sst2" 50 "$p" SST-2; done
-for p in $patterns; do run mrpc "$ep_mrpc" 10 "$p" MRPC; done
+tasks=${TASKS:-"sst2 mrpc"}
+case " $tasks " in *" sst2 "*) for p in $patterns; do run sst2 "$ep_sst2" 50 "$p" SST-2; done ;; esac
+case " $tasks " in *" mrpc "*) for p in $patterns; do run mrpc "$ep_mrpc" 10 "$p" MRPC; done ;; esac
 python - "$out" "$seed" <<'PY'
 import json, sys, pathlib
 out, seed = pathlib.Path(sys.argv[1]), sys.argv[2]

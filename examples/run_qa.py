@@ -47,6 +47,15 @@ class ModelArguments:
     model_revision: str = field(default="main", metadata={"help": "Model revision (branch, tag or commit)."})
     token: str | None = field(default=None, metadata={"help": "Hub token, for private models and push_to_hub."})
     trust_remote_code: bool = field(default=False, metadata={"help": "Allow custom model code from the Hub."})
+    dtype: str = field(
+        default="float32",
+        metadata={
+            "help": "dtype the weights are loaded in: float32 (default) keeps fp32 master weights, as mixed precision "
+            "(--bf16/--fp16) expects; 'auto' takes the checkpoint's dtype (bf16 checkpoints then train in pure bf16, "
+            "where small AdamW updates round away)",
+            "choices": ["auto", "float32", "bfloat16", "float16"],
+        },
+    )
 
 
 @dataclass
@@ -307,6 +316,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     model = AutoModelForQuestionAnswering.from_pretrained(
         model_args.model_name_or_path,
         config=config,
+        dtype=model_args.dtype,
         cache_dir=model_args.cache_dir,
         revision=model_args.model_revision,
         token=model_args.token,
