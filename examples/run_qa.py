@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,9 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # sparse_args.py and utils_qa.py next to this script
 
 from sparse_args import (  # noqa: E402
-    SparsityArguments,
-    build_sparsity_config,
-    sparsity_config_kwargs,
+    parse_args_and_setup,
     trainer_class,
     write_card,
 )
@@ -251,42 +248,21 @@ def prepare_validation_features(batch, tokenizer, args: DataTrainingArguments, p
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
-    import datasets
-    import transformers
     from transformers import (
         AutoConfig,
         AutoModelForQuestionAnswering,
         AutoTokenizer,
         DataCollatorWithPadding,
-        HfArgumentParser,
-        TrainingArguments,
         default_data_collator,
-        set_seed,
     )
 
     from hf_sparse.hub import dense_weight_bytes
     from hf_sparse.metrics import squad_metrics, squad_v2_metrics
 
-    parser = HfArgumentParser((ModelArguments, DataTrainingArguments, TrainingArguments, SparsityArguments))
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) == 1 and argv[0].endswith((".json", ".yaml", ".yml")):
-        loader = parser.parse_json_file if argv[0].endswith(".json") else parser.parse_yaml_file
-        model_args, data_args, training_args, sparse_args = loader(os.path.abspath(argv[0]))
-    else:
-        model_args, data_args, training_args, sparse_args = parser.parse_args_into_dataclasses(args=argv)
-
-    logging.basicConfig(
-        format="%(asctime)s - %(levelname)s - %(name)s - %(message)s", handlers=[logging.StreamHandler(sys.stdout)]
+    model_args, data_args, training_args, sparsity_config = parse_args_and_setup(
+        ModelArguments, DataTrainingArguments, argv, logger
     )
-    log_level = training_args.get_process_log_level()
-    logger.setLevel(log_level)
-    datasets.utils.logging.set_verbosity(log_level)
-    transformers.utils.logging.set_verbosity(log_level)
-    sparsity_kwargs = sparsity_config_kwargs(sparse_args)
-    sparse = sparsity_kwargs is not None
-    sparsity_config = build_sparsity_config(sparsity_kwargs) if sparse else None
-    logger.info("sparsity: %s", sparsity_kwargs or "none (dense run)")
-    set_seed(training_args.seed)
+    sparse = sparsity_config is not None
 
     for split, need, path in (
         ("train", training_args.do_train, data_args.train_file),

@@ -147,6 +147,41 @@ def build_sparsity_config(kwargs: dict[str, Any]):
     return hf_sparse.SparsityConfig(**kwargs)
 
 
+def parse_args_and_setup(model_cls, data_cls, argv: list[str] | None, logger: logging.Logger):
+    """The start both example scripts share: parse the four argument groups (from argv, or from a single JSON/YAML
+    file of all arguments, as the Transformers examples do), set up logging, build the sparsity config, seed.
+
+    Returns ``(model_args, data_args, training_args, sparsity_config)``; ``sparsity_config`` is ``None`` for a dense
+    run.
+    """
+    import sys
+
+    import datasets
+    import transformers
+    from transformers import HfArgumentParser, TrainingArguments, set_seed
+
+    parser = HfArgumentParser((model_cls, data_cls, TrainingArguments, SparsityArguments))
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) == 1 and argv[0].endswith((".json", ".yaml", ".yml")):
+        loader = parser.parse_json_file if argv[0].endswith(".json") else parser.parse_yaml_file
+        model_args, data_args, training_args, sparse_args = loader(os.path.abspath(argv[0]))
+    else:
+        model_args, data_args, training_args, sparse_args = parser.parse_args_into_dataclasses(args=argv)
+
+    logging.basicConfig(
+        format="%(asctime)s - %(levelname)s - %(name)s - %(message)s", handlers=[logging.StreamHandler(sys.stdout)]
+    )
+    log_level = training_args.get_process_log_level()
+    logger.setLevel(log_level)
+    datasets.utils.logging.set_verbosity(log_level)
+    transformers.utils.logging.set_verbosity(log_level)
+    sparsity_kwargs = sparsity_config_kwargs(sparse_args)
+    sparsity_config = build_sparsity_config(sparsity_kwargs) if sparsity_kwargs is not None else None
+    logger.info("sparsity: %s", sparsity_kwargs or "none (dense run)")
+    set_seed(training_args.seed)
+    return model_args, data_args, training_args, sparsity_config
+
+
 def trainer_class(sparse: bool):
     """``hf_sparse.SparseTrainer`` for a sparse run, ``transformers.Trainer`` for the dense baseline."""
     if not sparse:
