@@ -181,11 +181,10 @@ class QuestionAnsweringMixin:
         return EvalLoopOutput(output.predictions, output.label_ids, metrics, output.num_samples)
 
 
-def prepare_train_features(batch, tokenizer, args: DataTrainingArguments, padding, max_seq_length):
-    """Tokenize question + context into overlapping windows and label each with the answer's token span.
+def _tokenize_windows(batch, tokenizer, args: DataTrainingArguments, padding, max_seq_length):
+    """Question + context in overlapping windows of ``max_seq_length`` tokens, ``doc_stride`` apart.
 
-    A window that does not contain the whole answer (or an unanswerable question) points at the CLS token,
-    which is how these models learn "no answer in this window".
+    Returns ``(encoding, window -> example index, the sequence id of context tokens)``.
     """
     pad_on_right = tokenizer.padding_side == "right"
     questions = [q.lstrip() for q in batch["question"]]  # leading spaces waste window budget
@@ -199,9 +198,17 @@ def prepare_train_features(batch, tokenizer, args: DataTrainingArguments, paddin
         return_offsets_mapping=True,
         padding=padding,
     )
-    sample_map = enc.pop("overflow_to_sample_mapping")
+    return enc, enc.pop("overflow_to_sample_mapping"), 1 if pad_on_right else 0
+
+
+def prepare_train_features(batch, tokenizer, args: DataTrainingArguments, padding, max_seq_length):
+    """Tokenize question + context into overlapping windows and label each with the answer's token span.
+
+    A window that does not contain the whole answer (or an unanswerable question) points at the CLS token,
+    which is how these models learn "no answer in this window".
+    """
+    enc, sample_map, context_seq = _tokenize_windows(batch, tokenizer, args, padding, max_seq_length)
     offsets_all = enc.pop("offset_mapping")
-    context_seq = 1 if pad_on_right else 0
     enc["start_positions"], enc["end_positions"] = [], []
     for i, offsets in enumerate(offsets_all):
         ids = enc["input_ids"][i]
@@ -223,20 +230,7 @@ def prepare_train_features(batch, tokenizer, args: DataTrainingArguments, paddin
 
 def prepare_validation_features(batch, tokenizer, args: DataTrainingArguments, padding, max_seq_length):
     """Windows as for training, plus the example id of each and offsets kept only for context tokens."""
-    pad_on_right = tokenizer.padding_side == "right"
-    questions = [q.lstrip() for q in batch["question"]]
-    enc = tokenizer(
-        questions if pad_on_right else batch["context"],
-        batch["context"] if pad_on_right else questions,
-        truncation="only_second" if pad_on_right else "only_first",
-        max_length=max_seq_length,
-        stride=args.doc_stride,
-        return_overflowing_tokens=True,
-        return_offsets_mapping=True,
-        padding=padding,
-    )
-    sample_map = enc.pop("overflow_to_sample_mapping")
-    context_seq = 1 if pad_on_right else 0
+    enc, sample_map, context_seq = _tokenize_windows(batch, tokenizer, args, padding, max_seq_length)
     enc["example_id"] = []
     for i in range(len(enc["input_ids"])):
         seq = enc.sequence_ids(i)
