@@ -147,14 +147,19 @@ class Pruner:
         self._hooks.clear()
 
     # ------------------------------------------------------------------ reporting
+    def _layer_zeros(self) -> dict[str, tuple[int, int]]:
+        """Per layer: (exact zeros in the weight, number of weights): what is on the weights, not the masks."""
+        return {layer.name: (int((layer.weight == 0).sum()), layer.weight.numel()) for layer in self.layers}
+
     def layer_sparsity(self) -> dict[str, float]:
-        """Fraction of exact zeros in each targeted weight (what is on the weights, not what the mask says)."""
-        return {layer.name: float((layer.weight == 0).float().mean()) for layer in self.layers}
+        """Fraction of exact zeros in each targeted weight."""
+        return {name: zeros / numel for name, (zeros, numel) in self._layer_zeros().items()}
 
     def metrics(self, per_layer: bool = False) -> dict[str, float]:
         """Logged through ``Trainer.log``: overall sparsity of the targeted layers, level, flip rate."""
-        zeros = sum(int((layer.weight == 0).sum()) for layer in self.layers)
-        numel = sum(layer.weight.numel() for layer in self.layers)
+        counts = self._layer_zeros()
+        zeros = sum(z for z, _ in counts.values())
+        numel = sum(n for _, n in counts.values())
         out: dict[str, float] = {"sparsity": zeros / numel if numel else 0.0}
         if self.level is not None:
             pattern = self.pattern_for_level(self.level)
@@ -162,7 +167,7 @@ class Pruner:
         if self.flip_rate is not None:
             out["sparsity_flip_rate"] = self.flip_rate
         if per_layer:
-            out.update({f"sparsity/{name}": value for name, value in self.layer_sparsity().items()})
+            out.update({f"sparsity/{name}": z / n for name, (z, n) in counts.items()})
         return out
 
     def sparsity_report(self) -> dict[str, dict[str, Any]]:

@@ -103,6 +103,21 @@ class SparseTrainer(Trainer):
         except Exception as err:  # the weights are already saved: a card problem must not lose them
             warnings.warn(f"hf_sparse: model card not written to {output_dir}: {err}", stacklevel=3)
 
+    def _compressed_model_bytes(self) -> int:
+        """Bytes of the model's tensors once the pruned layers are compressed, computed from shapes alone (the
+        upload compresses the model once; the card must not do it a second time)."""
+        from .formats.compressed import compressed_nbytes
+        from .patterns import Unstructured
+
+        pattern = self.pruner.current_pattern()
+        total = sum(t.numel() * t.element_size() for t in unwrap_model(self.model).state_dict().values())
+        for layer in self.pruner.layers:
+            weight = layer.weight
+            nnz = int(self.pruner.masks[layer.name].sum()) if isinstance(pattern, Unstructured) else None
+            total += compressed_nbytes(pattern, *layer.shape, weight.element_size(), nnz)
+            total -= weight.numel() * weight.element_size()
+        return total
+
     def push_to_hub(
         self,
         commit_message: str | None = "End of training",
@@ -131,7 +146,6 @@ class SparseTrainer(Trainer):
             render_model_card,
             save_training_plot,
         )
-        from .serialization import compressed_state_dict
 
         if not self.is_world_process_zero():
             return None
@@ -139,8 +153,7 @@ class SparseTrainer(Trainer):
         card_keys = ("task", "dataset", "dataset_id", "speedup", "base_model")
         card_kwargs = model_card_kwargs_from_trainer(self, **{k: kwargs.pop(k) for k in card_keys if k in kwargs})
         history = card_kwargs.pop("history")
-        state, _ = compressed_state_dict(self.model, self.pruner)
-        card_kwargs["checkpoint_bytes"] = sum(t.numel() * t.element_size() for t in state.values())
+        card_kwargs["checkpoint_bytes"] = self._compressed_model_bytes()
         card_kwargs["dense_bytes"] = card_kwargs.get("dense_bytes") or dense_weight_bytes(self.model)
         with tempfile.TemporaryDirectory(prefix="hf_sparse_plot_") as tmp:
             plot = save_training_plot(history, Path(tmp) / PLOT_FILENAME) if history else None

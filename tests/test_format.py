@@ -118,3 +118,14 @@ def test_validate_names_tensor_and_problem():
         validate({k: v for k, v in good.items() if k != "weight_selectors"}, pattern, (64, 16), "enc")
     with pytest.raises(CompressedFormatError, match="dtype"):
         validate(dict(good, weight_columns=good["weight_columns"].to(torch.int32)), pattern, (64, 16), "enc")
+
+
+@pytest.mark.parametrize("spec", ["2:4", "2:8", "64:2:8", "64:6:8", "unstructured:0.7"])
+def test_compressed_nbytes_matches_the_tensors(spec):
+    from hf_sparse.formats.compressed import compressed_nbytes
+
+    pattern = parse_pattern(spec)
+    weight, mask = _masked(pattern, (128, 64), dtype=torch.bfloat16)
+    tensors = compress(weight, mask, pattern)
+    nnz = int(mask.sum()) if spec.startswith("unstructured") else None
+    assert compressed_nbytes(pattern, 128, 64, 2, nnz) == sum(t.numel() * t.element_size() for t in tensors.values())

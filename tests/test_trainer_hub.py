@@ -6,6 +6,7 @@ import torch
 from conftest import ToyClassification, random_ids, tiny_config
 from helpers import logits
 from huggingface_hub import HfApi, ModelCard
+from safetensors.torch import load_file
 from transformers import AutoModelForSequenceClassification, TrainingArguments
 
 from hf_sparse import SparseTrainer, SparsityConfig
@@ -76,5 +77,7 @@ def test_push_to_hub_commits_compressed_model_and_card(tmp_path, monkeypatch):
     for name, content in files.items():
         (folder / name).parent.mkdir(parents=True, exist_ok=True)
         (folder / name).write_bytes(content)
+    pushed = load_file(folder / "model.safetensors")
+    assert trainer._compressed_model_bytes() == sum(t.numel() * t.element_size() for t in pushed.values())
     loaded = AutoModelForSequenceClassification.from_pretrained(folder)
     assert torch.equal(logits(loaded, random_ids()), logits(trainer.model, random_ids()))

@@ -35,6 +35,7 @@ __all__ = [
     "FORMAT_VERSION",
     "CompressedFormatError",
     "compress",
+    "compressed_nbytes",
     "compressed_shapes",
     "decompress",
     "mask_from_compressed",
@@ -114,6 +115,12 @@ def compressed_shapes(pattern: Pattern, rows: int, cols: int, nnz: int | None = 
             shapes["weight_selectors"] = (rows, packed_row_bytes(kept, _index_bits(pattern.keep_cols)))
         return shapes
     raise TypeError(f"unknown pattern {pattern!r}")
+
+
+def compressed_nbytes(pattern: Pattern, rows: int, cols: int, value_bytes: int, nnz: int | None = None) -> int:
+    """Bytes the compressed tensors of a ``(rows, cols)`` weight take, without building them."""
+    shapes = compressed_shapes(pattern, rows, cols, nnz)
+    return sum(math.prod(shape) * (value_bytes if key == "weight" else 1) for key, shape in shapes.items())
 
 
 def _offsets(tensors: dict[str, Tensor], pattern: NM | VNM, rows: int, cols: int) -> Tensor:
