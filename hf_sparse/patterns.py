@@ -52,9 +52,6 @@ class NM:
         """True when Sparse Tensor Cores can run it directly: exactly 2:4."""
         return self.m == SPTC_GROUP and self.n == 2
 
-    def fits(self, rows: int, cols: int) -> bool:
-        return cols % self.m == 0
-
     def fit_error(self, rows: int, cols: int) -> str | None:
         if cols % self.m:
             return f"in_features={cols} is not a multiple of m={self.m}"
@@ -63,11 +60,6 @@ class NM:
     def at_level(self, keep: int) -> NM:
         """The pattern of a gradual ramp that keeps ``keep`` of every ``m`` (see :mod:`hf_sparse.schedules`)."""
         return NM(keep, self.m)
-
-    @property
-    def levels(self) -> list[int]:
-        """Kept-per-group counts a gradual ramp passes through, densest first: ``m-1, …, n``."""
-        return list(range(self.m - 1, self.n - 1, -1))
 
 
 @dataclass(frozen=True)
@@ -107,9 +99,6 @@ class VNM:
     def sptc_runnable(self) -> bool:
         return self.n == 2 and self.v in (64, 128)
 
-    def fits(self, rows: int, cols: int) -> bool:
-        return self.fit_error(rows, cols) is None
-
     def fit_error(self, rows: int, cols: int) -> str | None:
         problems = []
         if rows % self.v:
@@ -121,10 +110,6 @@ class VNM:
     def at_level(self, keep: int) -> VNM:
         """The ramp pattern keeping ``keep`` of every ``m`` per row (every level is a subset of the one before)."""
         return VNM(self.v, keep, self.m)
-
-    @property
-    def levels(self) -> list[int]:
-        return list(range(self.m - 1, self.n - 1, -1))
 
 
 @dataclass(frozen=True)
@@ -143,9 +128,6 @@ class Unstructured:
     @property
     def sptc_runnable(self) -> bool:
         return False
-
-    def fits(self, rows: int, cols: int) -> bool:
-        return True
 
     def fit_error(self, rows: int, cols: int) -> str | None:
         return None

@@ -296,3 +296,22 @@ def test_load_best_model_restores_its_masks(tmp_path):
     trainer.save_model(str(tmp_path / "out"))
     loaded = AutoModelForSequenceClassification.from_pretrained(tmp_path / "out")
     assert str(loaded.bert.encoder.layer[0].output.dense.pattern) == f"{trainer.pruner.level}:8"
+
+
+def test_remove_hooks_stops_gradient_masking():
+    from hf_sparse import Pruner
+
+    model = _model()
+    pruner = Pruner(model, SparsityConfig(pattern="2:4", schedule="oneshot", start=0))
+    pruner.bind(1)
+    pruner.update(0)
+    layer = model.bert.encoder.layer[0].output.dense
+
+    def grad_at_pruned():
+        model.zero_grad()
+        model(input_ids=ToyClassification()[0]["input_ids"][None], labels=torch.tensor([1])).loss.backward()
+        return layer.weight.grad[layer.weight == 0]
+
+    assert (grad_at_pruned() == 0).all()
+    pruner.remove_hooks()
+    assert (grad_at_pruned() != 0).any()

@@ -65,37 +65,11 @@ class SparseLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device)) if bias else None
         self._dense_cache: tuple[tuple, Tensor] | None = None
 
-    @classmethod
-    def from_dense(
-        cls, weight: Tensor, mask: Tensor, pattern: str | Pattern, bias: Tensor | None = None, **kwargs
-    ) -> SparseLinear:
-        """Compress a logical ``(out, in)`` weight under ``mask``."""
-        from ..formats.compressed import compress
-
-        pattern = parse_pattern(pattern)
-        tensors = compress(weight.detach(), mask, pattern)
-        rows, cols = weight.shape
-        nnz = tensors["weight"].shape[0] if isinstance(pattern, Unstructured) else None
-        layer = cls(cols, rows, pattern, bias is not None, nnz=nnz, dtype=weight.dtype, device=weight.device, **kwargs)
-        layer.load_compressed(tensors)
-        if bias is not None:
-            layer.bias.data.copy_(bias.detach())
-        return layer
-
     # ------------------------------------------------------------------ compressed tensors
     def compressed_tensors(self) -> dict[str, Tensor]:
         out = {"weight": self.weight}
         out.update({key: buf for key, buf in self._buffers.items() if key.startswith("weight_") and buf is not None})
         return out
-
-    @torch.no_grad()
-    def load_compressed(self, tensors: dict[str, Tensor]) -> None:
-        validate(tensors, self.pattern, self.logical_shape)
-        self.weight.data.copy_(tensors["weight"])
-        for key, value in tensors.items():
-            if key != "weight":
-                getattr(self, key).copy_(value)
-        self._dense_cache = None
 
     def validate(self, prefix: str = "") -> None:
         """Check the tensors against the pattern; raises :class:`CompressedFormatError` naming the bad tensor."""
