@@ -7,6 +7,8 @@ Event by event:
 * ``on_step_begin``: update the masks if this optimizer step is an update step of the schedule.
 * during backward: each targeted weight's gradient is masked as it is accumulated (a hook installed by the
   pruner), so clipping and the optimizer see zeros at pruned positions.
+* ``on_pre_optimizer_step``: hand the step's full gradient to gradient-based scores (OBS) in the steps before a
+  mask update, and add the masked decay in dynamic mode.
 * ``on_optimizer_step``: re-apply the masks, so pruned weights stay exactly ``+0.0`` under momentum and decay.
 * ``on_log``: add overall sparsity, target and flip rate to the logs (per-layer sparsity after each mask update).
 * ``on_save``: write the pruner state (bit-packed masks, level, schedule position) into the checkpoint folder.
@@ -102,7 +104,14 @@ class SparsityCallback(TrainerCallback):
         pruner = self.pruner
         assert pruner is not None and pruner.plan is not None
         level = pruner.plan.level(step)
-        if level is None:
+        if level is None or pruner.in_dense_phase(step):
+            return
+        if pruner.config.dynamic:  # the master weights are dense: their zeros say nothing, recompute the masks
+            logger.warning(
+                "hf_sparse: resuming at step %d without %s; recomputing dynamic masks", step, PRUNER_STATE_NAME
+            )
+            pruner.recompute(level)
+            pruner.last_update_step = pruner.plan.last_update_step(step)
             return
         logger.warning(
             "hf_sparse: resuming at step %d without %s; rebuilding masks from the weights' non-zeros",
@@ -117,6 +126,11 @@ class SparsityCallback(TrainerCallback):
     def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs):
         if self.pruner is not None and self.pruner.update(state.global_step):
             self._log_per_layer = True
+
+    def on_pre_optimizer_step(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs):
+        """The step's full gradient (accumulated, all-reduced under DDP, clipped): OBS statistics, masked decay."""
+        if self.pruner is not None:
+            self.pruner.before_optimizer_step(state.global_step)
 
     def on_optimizer_step(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs):
         if self.pruner is not None:

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
-from .patterns import NM, Pattern, PatternError, Unstructured, parse_pattern
+from .patterns import NM, VNM, Pattern, PatternError, Unstructured, parse_pattern
 
 __all__ = ["DEFAULT_IGNORE", "DEFAULT_TARGETS", "SparsityConfig"]
 
@@ -52,10 +52,27 @@ class SparsityConfig:
         targets: module-name regexes (``re.search``) of layers to prune; ``None`` means the Linear/Conv1D layers
             of the transformer blocks (embeddings, poolers and classifier/QA/LM heads stay dense).
         ignore: module-name regexes never pruned, applied after ``targets``.
-        score: importance used to rank weights; ``"magnitude"`` (|w|), or any name registered with
+        score: importance used to rank weights; ``"magnitude"`` (|w|), ``"obs"`` (second-order Optimal Brain
+            Surgeon with an empirical Fisher: exact best subset per group and an update of the weights that stay,
+            see :class:`hf_sparse.scoring.ObsScore`), or any name registered with
             :func:`hf_sparse.scoring.register_score`.
         transposable: make 2:4 masks valid for ``W`` and ``W.T`` (exact search over the 90 patterns per 4x4 block).
         global_unstructured: rank unstructured importance across all targeted layers instead of per layer.
+        obs_num_grads: ``score="obs"``: gradients (optimizer steps) averaged into the Fisher before each update.
+        obs_damp: ``score="obs"``: dampening *relative* to the mean diagonal of each layer's empirical Fisher
+            (``F + damp · mean(diag F) · I``, SparseGPT's convention; scale-free under clipping and loss scaling).
+        obs_block_size: ``score="obs"``: length of the Fisher's diagonal blocks along a row; ``None`` = ``M`` of
+            the pattern (32 for unstructured). A multiple of ``M``; beyond ``M`` the subset choice is greedy.
+        dynamic: masks keep moving for the whole run (Hu et al., ICML 2024): recomputed from the *dense* weights at
+            every ``update_every`` steps, including after ``end``. The forward uses ``W ⊙ mask`` while the dense
+            master ``W`` receives the full gradient (straight-through); pruned positions are not zeroed in ``W``.
+            Levels of a ramp need not nest. Checkpoints and ``save_model`` are as in static mode (the saved model
+            holds ``W ⊙ mask``).
+        masked_decay: ``dynamic`` only: ``λ`` of ``grad += λ · (1 − mask) ⊙ W``, added to the full gradient of
+            each optimizer step (after clipping), pulling pruned weights towards zero so masks settle.
+        dense_finetune_start: ``dynamic`` only: from this point on (fraction of training or step, after ``end``)
+            the masks are dropped and the model trains dense, the final phase of Hu et al.'s pre-training recipe;
+            the model saved at the end is then an ordinary dense checkpoint.
     """
 
     pattern: str = "2:4"
@@ -68,6 +85,12 @@ class SparsityConfig:
     score: str = "magnitude"
     transposable: bool = False
     global_unstructured: bool = False
+    obs_num_grads: int = 32
+    obs_damp: float = 1e-2
+    obs_block_size: int | None = None
+    dynamic: bool = False
+    masked_decay: float = 0.0
+    dense_finetune_start: float | int | None = None
     hf_sparse_version: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
@@ -111,8 +134,44 @@ class SparsityConfig:
             raise ValueError(
                 f"SparsityConfig.global_unstructured=True needs an 'unstructured:S' pattern, got {self.pattern!r}"
             )
+        self._check_obs_and_dynamic(parsed)
         if not self.hf_sparse_version:
             self.hf_sparse_version = __version__
+
+    def _check_obs_and_dynamic(self, parsed: Pattern) -> None:
+        for name in ("obs_num_grads", "obs_block_size"):
+            value = getattr(self, name)
+            if value is None and name == "obs_block_size":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"SparsityConfig.{name}={value!r}: must be an int >= 1")
+        if isinstance(self.obs_damp, bool) or not isinstance(self.obs_damp, int | float) or not self.obs_damp > 0:
+            raise ValueError(f"SparsityConfig.obs_damp={self.obs_damp!r}: must be a number > 0 (relative dampening)")
+        if self.obs_block_size is not None and isinstance(parsed, NM | VNM) and self.obs_block_size % parsed.m:
+            raise ValueError(
+                f"SparsityConfig.obs_block_size={self.obs_block_size}: must be a multiple of m={parsed.m} of "
+                f"pattern {self.pattern!r} (or None for m)"
+            )
+        decay = self.masked_decay
+        if isinstance(decay, bool) or not isinstance(decay, int | float) or decay < 0:
+            raise ValueError(f"SparsityConfig.masked_decay={decay!r}: must be a number >= 0")
+        if decay and not self.dynamic:
+            raise ValueError(
+                f"SparsityConfig.masked_decay={decay!r} needs dynamic=True: with static masks the pruned weights are "
+                "exactly zero and the decay has nothing to act on"
+            )
+        if self.dense_finetune_start is not None:
+            if not self.dynamic:
+                raise ValueError(
+                    "SparsityConfig.dense_finetune_start needs dynamic=True (a dense phase ends dynamic-mask "
+                    "training); with static masks, stop pruning by training without a sparsity config"
+                )
+            _check_step_or_fraction("dense_finetune_start", self.dense_finetune_start)
+            if type(self.dense_finetune_start) is type(self.end) and self.dense_finetune_start <= self.end:
+                raise ValueError(
+                    f"SparsityConfig.dense_finetune_start={self.dense_finetune_start!r} must be after "
+                    f"end={self.end!r}: the masks reach the final pattern first"
+                )
 
     @property
     def parsed_pattern(self) -> Pattern:

@@ -7,6 +7,11 @@ It knows nothing of ``Trainer``: :mod:`hf_sparse.callback` drives it. What it gu
   the optimizer never see a pruned position's gradient, and :meth:`Pruner.apply` after each optimizer step
   re-zeroes what momentum or weight decay moved;
 * :meth:`state_dict` / :meth:`load_state_dict` restore masks, level and schedule position exactly.
+
+With ``SparsityConfig.dynamic`` the last two change on purpose (see :mod:`hf_sparse.dynamic`): gradients are not
+masked, pruned weights are not zeroed, the layers compute with ``W ⊙ mask`` instead, and masks keep being
+recomputed after the ramp until ``dense_finetune_start`` drops them. :attr:`Pruner.masks_final` says whether
+the masks can still move.
 """
 
 from __future__ import annotations
@@ -20,11 +25,12 @@ import torch
 from torch import Tensor, nn
 
 from .config import SparsityConfig
+from .dynamic import masked_decay_, remove_masked_forward, set_masked_forward
 from .formats.bitpack import pack_bits, unpack_bits
 from .masks import apply_mask, compute_mask, unstructured_mask, unstructured_threshold
 from .modeling import TargetLayer, find_target_layers
 from .patterns import Pattern, Unstructured
-from .schedules import SchedulePlan
+from .schedules import SchedulePlan, _resolve_step
 from .scoring import get_score
 
 __all__ = ["Pruner"]
@@ -43,8 +49,9 @@ class Pruner:
         self.pattern: Pattern = config.parsed_pattern
         self.layers: list[TargetLayer] = find_target_layers(model, config, self.pattern)
         self.masks: dict[str, Tensor | None] = {layer.name: None for layer in self.layers}
-        self.scorer = get_score(config.score)
+        self.scorer = get_score(config.score, config)
         self.plan: SchedulePlan | None = None
+        self.dense_start_step: int | None = None
         self.level: int | float | None = None
         self.last_update_step: int | None = None
         self.flip_rate: float | None = None
@@ -55,13 +62,16 @@ class Pruner:
     def bind(self, total_steps: int) -> SchedulePlan:
         cfg = self.config
         self.plan = SchedulePlan.build(self.pattern, cfg.schedule, cfg.start, cfg.end, cfg.update_every, total_steps)
+        self._bind_dense_phase(total_steps)
         return self.plan
 
     def update(self, step: int) -> bool:
         """Recompute masks if ``step`` is an update step not yet done; returns whether masks changed."""
         if self.plan is None:
             raise RuntimeError("Pruner.update() before Pruner.bind(total_steps)")
-        if not self.plan.is_update_step(step) or step == self.last_update_step:
+        if self.in_dense_phase(step):
+            return self._drop_masks(step)
+        if not self.is_update_step(step) or step == self.last_update_step:
             return False
         level = self.plan.quantise(self.plan.target_sparsity(step))
         self.last_update_step = step
@@ -79,6 +89,99 @@ class Pruner:
             and self.plan.quantise(self.pattern.sparsity) == self.level
         )
 
+    @property
+    def masks_final(self) -> bool:
+        """True when the masks are at the final pattern and will never change again: what a kernel that packs
+        the weights once (rather than from (weight, mask) on every call) needs before it engages. Never true in
+        dynamic mode, where masks move until the run ends or the dense phase drops them."""
+        return self.is_final and not self.config.dynamic
+
+    # ------------------------------------------------------------------ dynamic masks
+    def _bind_dense_phase(self, total_steps: int) -> None:
+        start = self.config.dense_finetune_start
+        self.dense_start_step = None if start is None else _resolve_step(start, total_steps)
+        assert self.plan is not None
+        if self.dense_start_step is not None and self.dense_start_step <= self.plan.end_step:
+            raise ValueError(
+                f"SparsityConfig.dense_finetune_start={start!r} is step {self.dense_start_step}, not after the end "
+                f"of the ramp (step {self.plan.end_step}) of this {total_steps}-step run; move it later"
+            )
+
+    def in_dense_phase(self, step: int) -> bool:
+        """True from ``dense_finetune_start`` on: no masks, the model trains dense."""
+        return self.dense_start_step is not None and step >= self.dense_start_step
+
+    def is_update_step(self, step: int) -> bool:
+        """The schedule's update steps, plus, in dynamic mode, every ``update_every`` steps after ``end`` until the
+        dense phase."""
+        assert self.plan is not None
+        if self.in_dense_phase(step):
+            return False
+        if self.plan.is_update_step(step):
+            return True
+        end = self.plan.end_step
+        return self.config.dynamic and step > end and (step - end) % self.config.update_every == 0
+
+    def _drop_masks(self, step: int) -> bool:
+        """Enter the dense phase: forget the masks, restore the layers' dense forward. Returns whether it changed."""
+        if self.level is None and all(mask is None for mask in self.masks.values()):
+            return False
+        for layer in self.layers:
+            self.masks[layer.name] = None
+            remove_masked_forward(layer.module)
+        self.level = None
+        self.last_update_step = step
+        logger.info("hf_sparse: step %d: dense fine-tuning phase, masks dropped", step)
+        return True
+
+    def _collects_gradients(self, step: int) -> bool:
+        """Whether the gradient of optimizer step ``step`` is one of the ``gradient_window`` before an update that
+        will build masks (updates happen at the start of a step, so step ``step``'s gradient serves ``> step``)."""
+        assert self.plan is not None
+        window = self.scorer.gradient_window
+        if window is None:
+            return True
+        plan = self.plan
+        return any(
+            self.is_update_step(u) and plan.quantise(plan.target_sparsity(u)) is not None
+            for u in range(step + 1, step + window + 1)
+        )
+
+    @torch.no_grad()
+    def before_optimizer_step(self, step: int) -> None:
+        """Called with the full gradient of optimizer step ``step`` (accumulated, all-reduced, clipped), before the
+        optimizer uses it: gradient-based scores observe it, and dynamic mode adds the masked decay."""
+        if self.plan is None:
+            return
+        if self.scorer.needs_gradients and self._collects_gradients(step):
+            for layer in self.layers:
+                grad = layer.module.weight.grad
+                if grad is not None:
+                    self.scorer.observe_gradient(layer.name, layer.weight, grad.T if layer.transposed else grad)
+        decay = self.config.masked_decay
+        if decay and self.config.dynamic:
+            for layer in self.layers:
+                grad, mask = layer.module.weight.grad, self.masks[layer.name]
+                if grad is not None and mask is not None:
+                    masked_decay_(grad.T if layer.transposed else grad, layer.weight, mask, decay)
+
+    def _sync_forward_masks(self) -> None:
+        """Dynamic mode: the layers compute with the current masks (dense where there is none yet)."""
+        for layer in self.layers:
+            mask = self.masks[layer.name]
+            if mask is None:
+                remove_masked_forward(layer.module)
+            else:
+                set_masked_forward(layer.module, mask)
+
+    def effective_weight(self, layer: TargetLayer) -> Tensor:
+        """What the layer computes with: the weight, masked in dynamic mode (where the master is dense)."""
+        weight = layer.weight.detach()
+        mask = self.masks[layer.name]
+        if self.config.dynamic and mask is not None:
+            return weight.masked_fill(~mask, 0.0)
+        return weight
+
     def pattern_for_level(self, level: int | float) -> Pattern:
         assert self.plan is not None
         return self.plan.pattern_at(level)
@@ -91,31 +194,59 @@ class Pruner:
         pattern = self.pattern_for_level(level)
         final = self.plan.quantise(self.pattern.sparsity) == level
         transposable = self.config.transposable and final
-        scores = {layer.name: self.scorer.score(layer.name, layer.weight) for layer in self.layers}
+        global_threshold = isinstance(pattern, Unstructured) and self.config.global_unstructured
+        direct = self.scorer.provides_prune and not transposable and not global_threshold
+        scores = {} if direct else {layer.name: self.scorer.score(layer.name, layer.weight) for layer in self.layers}
         threshold = None
-        if isinstance(pattern, Unstructured) and self.config.global_unstructured:
+        if global_threshold:
             threshold = unstructured_threshold(list(scores.values()), pattern.sparsity)
         flips = total = 0
         for layer in self.layers:
-            score = scores.pop(layer.name)
-            if threshold is not None:
-                mask = unstructured_mask(score, pattern.sparsity, threshold)
-            else:
-                mask = compute_mask(score, pattern, transposable=transposable)
-            mask = mask.to(layer.weight.device)
             previous = self.masks[layer.name]
+            new_weight = None
+            if direct:
+                # nested ramp levels: a weight pruned earlier stays pruned (dynamic masks may move freely)
+                allowed = None if self.config.dynamic else previous
+                mask, new_weight = self.scorer.prune(layer.name, layer.weight, pattern, allowed)
+            else:
+                score = scores.pop(layer.name)
+                if threshold is not None:
+                    mask = unstructured_mask(score, pattern.sparsity, threshold)
+                else:
+                    mask = compute_mask(score, pattern, transposable=transposable)
+                if self.scorer.provides_prune:
+                    new_weight = self.scorer.compensate(layer.name, layer.weight, mask.to(layer.weight.device))
+            mask = mask.to(layer.weight.device)
             if previous is not None:
                 flips += int((previous != mask).sum())
                 total += mask.numel()
             self.masks[layer.name] = mask
-            apply_mask(layer.weight, mask)
+            self._write_weight(layer, mask, new_weight)
+        self.scorer.reset()
+        if self.config.dynamic:
+            self._sync_forward_masks()
         self.flip_rate = flips / total if total else None
         self.level = level
         logger.info("hf_sparse: masks updated to %s (flip rate %s)", pattern, self.flip_rate)
 
     @torch.no_grad()
+    def _write_weight(self, layer: TargetLayer, mask: Tensor, new_weight: Tensor | None) -> None:
+        """Store a score's updated weights (kept positions only in dynamic mode) and, static, zero the pruned."""
+        weight = layer.weight
+        if new_weight is not None:
+            new_weight = new_weight.to(device=weight.device, dtype=weight.dtype)
+            if self.config.dynamic:
+                weight.copy_(torch.where(mask, new_weight, weight))
+            else:
+                weight.copy_(new_weight)
+        if not self.config.dynamic:
+            apply_mask(weight, mask)
+
+    @torch.no_grad()
     def apply(self) -> None:
-        """Zero every pruned weight (``+0.0``); call after each optimizer step."""
+        """Zero every pruned weight (``+0.0``); call after each optimizer step. Dynamic mode: nothing to do."""
+        if self.config.dynamic:
+            return
         for layer in self.layers:
             mask = self.masks[layer.name]
             if mask is not None:
@@ -132,11 +263,9 @@ class Pruner:
         def hook(param: nn.Parameter) -> None:
             if param.grad is None:
                 return
-            grad = param.grad.T if transposed else param.grad
-            if self.scorer.needs_gradients:
-                self.scorer.observe_gradient(name, layer.weight, grad)
             mask = self.masks[name]
-            if mask is not None:
+            if mask is not None and not self.config.dynamic:  # dynamic: straight-through, all weights learn
+                grad = param.grad.T if transposed else param.grad
                 grad.masked_fill_(~mask, 0.0)
 
         return hook
@@ -148,8 +277,11 @@ class Pruner:
 
     # ------------------------------------------------------------------ reporting
     def _layer_zeros(self) -> dict[str, tuple[int, int]]:
-        """Per layer: (exact zeros in the weight, number of weights): what is on the weights, not the masks."""
-        return {layer.name: (int((layer.weight == 0).sum()), layer.weight.numel()) for layer in self.layers}
+        """Per layer: (exact zeros in the weight the layer computes with, number of weights): what is on the
+        weights, not the masks (dynamic mode: the masked weights)."""
+        return {
+            layer.name: (int((self.effective_weight(layer) == 0).sum()), layer.weight.numel()) for layer in self.layers
+        }
 
     def layer_sparsity(self) -> dict[str, float]:
         """Fraction of exact zeros in each targeted weight."""
@@ -221,4 +353,7 @@ class Pruner:
         self.level = literal_eval(meta["level"])
         self.last_update_step = literal_eval(meta["last_update_step"])
         self.flip_rate = literal_eval(meta["flip_rate"])
+        self.scorer.reset()  # gradient statistics are not checkpointed (see ObsScore)
+        if self.config.dynamic:
+            self._sync_forward_masks()
         self.apply()

@@ -38,7 +38,7 @@ def compressed_state_dict(model: nn.Module, pruner: Pruner) -> tuple[dict[str, t
     layers: dict[str, dict[str, Any]] = {}
     for layer in pruner.layers:
         mask = pruner.masks[layer.name]
-        weight = layer.weight.detach()
+        weight = pruner.effective_weight(layer)  # dynamic masks: the master is dense, the layer computes W ⊙ mask
         stray = int(weight.masked_select(~mask).ne(0).sum())
         if stray:
             raise ValueError(f"{layer.name}: {stray} weights are non-zero at pruned positions; call pruner.apply()")
