@@ -37,6 +37,12 @@ FLAG_TO_CONFIG = {
     "prune_ignore": "ignore",
     "sparsity_score": "score",
     "transposable_masks": "transposable",
+    "sparsity_obs_num_grads": "obs_num_grads",
+    "sparsity_obs_damp": "obs_damp",
+    "sparsity_obs_block_size": "obs_block_size",
+    "sparsity_dynamic": "dynamic",
+    "sparsity_masked_decay": "masked_decay",
+    "sparsity_dense_finetune_start": "dense_finetune_start",
 }
 
 
@@ -70,6 +76,34 @@ class SparsityArguments:
     transposable_masks: bool | None = field(
         default=None,
         metadata={"help": "Use transposable 2:4 masks (sparse input gradients too).", "nargs": "?", "const": True},
+    )
+    sparsity_obs_num_grads: int | None = field(
+        default=None, metadata={"help": "OBS: optimizer-step gradients averaged into the Fisher before each update."}
+    )
+    sparsity_obs_damp: float | None = field(
+        default=None, metadata={"help": "OBS: dampening relative to the mean diagonal of each layer's Fisher."}
+    )
+    sparsity_obs_block_size: int | None = field(
+        default=None, metadata={"help": "OBS: Fisher block length along a row (a multiple of M; default M)."}
+    )
+    sparsity_dynamic: bool | None = field(
+        default=None,
+        metadata={
+            "help": "Dynamic masks: recomputed from the dense weights every update_every steps for the whole run, "
+            "straight-through gradients to pruned weights.",
+            "nargs": "?",
+            "const": True,
+        },
+    )
+    sparsity_masked_decay: float | None = field(
+        default=None, metadata={"help": "Dynamic masks: masked decay lambda in grad += lambda * (1 - mask) * W."}
+    )
+    sparsity_dense_finetune_start: str | None = field(
+        default=None,
+        metadata={
+            "help": "Dynamic masks: drop the masks and train dense from here on (fraction of training or step); "
+            "the saved model is then dense."
+        },
     )
     recipe: str | None = field(
         default=None,
@@ -134,7 +168,7 @@ def sparsity_config_kwargs(args: SparsityArguments) -> dict[str, Any] | None:
         if len(merged) > 1 or (merged and "pattern" not in merged):
             logger.warning("sparsity settings %s given without a pattern: this run is dense", sorted(merged))
         return None
-    for key in ("start", "end"):
+    for key in ("start", "end", "dense_finetune_start"):
         if key in merged:
             merged[key] = _parse_point(merged[key])
     return merged
