@@ -167,10 +167,12 @@ class SparsityConfig:
                     "training); with static masks, stop pruning by training without a sparsity config"
                 )
             _check_step_or_fraction("dense_finetune_start", self.dense_finetune_start)
-            if type(self.dense_finetune_start) is type(self.end) and self.dense_finetune_start <= self.end:
+            end = self.start if self.schedule == "oneshot" else self.end  # a one-shot schedule ends at start
+            if type(self.dense_finetune_start) is type(end) and self.dense_finetune_start <= end:
                 raise ValueError(
                     f"SparsityConfig.dense_finetune_start={self.dense_finetune_start!r} must be after "
-                    f"end={self.end!r}: the masks reach the final pattern first"
+                    f"{'start' if self.schedule == 'oneshot' else 'end'}={end!r}: the masks reach the final "
+                    "pattern first"
                 )
 
     @property

@@ -145,35 +145,45 @@ def _solve_small(a: Tensor, b: Tensor) -> Tensor:
     return torch.linalg.solve(a, b.unsqueeze(-1)).squeeze(-1)
 
 
-def _exact_groups(fisher: Tensor, w: Tensor, candidates: Tensor, n: int, eligible: Tensor) -> tuple[Tensor, Tensor]:
+def _exact_groups(
+    fisher: Tensor, w: Tensor, candidates: Tensor | None, n: int, eligible: Tensor
+) -> tuple[Tensor, Tensor]:
     """Per group, the ``n`` of ``candidates`` kept at least OBS cost, and their updated values.
 
-    ``fisher`` ``(G, M, M)``, ``w`` ``(G, M)`` float64; ``candidates`` ``(G, C)`` positions in the group;
+    ``fisher`` ``(G, M, M)``, ``w`` ``(G, M)`` float64; ``candidates`` ``(G, C)`` positions in each group, or
+    ``None`` for all ``M`` (the same subsets for every group: plain index selects, no per-group index tensors);
     ``eligible`` ``(G, M)`` bool. Returns ``keep`` ``(G, M)`` bool and ``values`` ``(G, M)`` float64 (``+0.0``
     off ``keep``). Groups are processed in chunks that bound the ``(groups, subsets, n, n)`` scratch.
     """
     groups, m = w.shape
-    combos = _subsets(candidates.shape[1], n).to(w.device)  # (S, n)
+    combos = _subsets(m if candidates is None else candidates.shape[1], n).to(w.device)  # (S, n)
     subsets = combos.shape[0]
     u = (fisher @ w.unsqueeze(-1)).squeeze(-1)  # (G, M) = F w
     keep = torch.zeros(groups, m, dtype=torch.bool, device=w.device)
     values = torch.zeros(groups, m, dtype=torch.float64, device=w.device)
+    shared_pairs = (combos.unsqueeze(-1) * m + combos.unsqueeze(-2)).reshape(-1)  # flat (i, j) of every F_KK
     chunk = max(1, _CHUNK_ELEMENTS // (subsets * n * n))
     for start in range(0, groups, chunk):
         sl = slice(start, start + chunk)
         g = min(chunk, groups - start)
-        pos = candidates[sl][:, combos]  # (g, S, n) positions in the group
-        index = torch.arange(g, device=w.device).view(g, 1, 1, 1)
-        f_kk = fisher[sl][index, pos.unsqueeze(-1), pos.unsqueeze(-2)]  # (g, S, n, n)
-        flat = pos.reshape(g, -1)
-        u_k = u[sl].gather(1, flat).view(g, subsets, n)
+        flat_fisher = fisher[sl].reshape(g, m * m)
+        if candidates is None:
+            f_kk = flat_fisher.index_select(1, shared_pairs).view(g, subsets, n, n)
+            u_k = u[sl].index_select(1, combos.reshape(-1)).view(g, subsets, n)
+            valid = eligible[sl].index_select(1, combos.reshape(-1)).view(g, subsets, n).all(-1)
+        else:
+            pos = candidates[sl][:, combos]  # (g, S, n) positions in the group
+            pairs = (pos.unsqueeze(-1) * m + pos.unsqueeze(-2)).reshape(g, -1)
+            f_kk = flat_fisher.gather(1, pairs).view(g, subsets, n, n)
+            u_k = u[sl].gather(1, pos.reshape(g, -1)).view(g, subsets, n)
+            valid = eligible[sl].gather(1, pos.reshape(g, -1)).view(g, subsets, n).all(-1)
         x = _solve_small(f_kk, u_k)
         gain = (u_k * x).sum(-1)  # u_Kᵀ F_KK⁻¹ u_K: larger is a smaller loss increase
-        valid = eligible[sl].gather(1, flat).view(g, subsets, n).all(-1)
         best = gain.masked_fill(~valid, float("-inf")).argmax(-1)  # first maximum: lexicographic tie-break
-        chosen = pos[torch.arange(g, device=w.device), best]  # (g, n)
+        rows = torch.arange(g, device=w.device)
+        chosen = combos[best] if candidates is None else pos[rows, best]  # (g, n)
         keep[sl].scatter_(1, chosen, True)
-        values[sl].scatter_(1, chosen, x[torch.arange(g, device=w.device), best])
+        values[sl].scatter_(1, chosen, x[rows, best])
     return keep, values
 
 
@@ -235,8 +245,7 @@ def obs_prune(
     if isinstance(pattern, NM):
         n, m = pattern.n, pattern.m
         if _can_enumerate(m, n, block, m, max_subsets):
-            candidates = torch.arange(m, device=weight.device).expand(rows * cols // m, m)
-            keep, values = _exact_groups(fisher, w.reshape(-1, m), candidates, n, eligible.reshape(-1, m))
+            keep, values = _exact_groups(fisher, w.reshape(-1, m), None, n, eligible.reshape(-1, m))
             return keep.reshape(rows, cols), values.reshape(rows, cols).to(weight.dtype)
         keep = _greedy_keep(_inverse(fisher), w.reshape(-1, block), eligible.reshape(-1, block), m, n)
     elif isinstance(pattern, VNM):
