@@ -271,3 +271,27 @@ def test_dense_phase_must_follow_the_ramp_once_bound():
     config = SparsityConfig(pattern="2:4", start=0, end=10, dynamic=True, dense_finetune_start=0.5)
     with pytest.raises(ValueError, match="not after the end of the ramp"):
         Pruner(_model(), config).bind(16)  # 0.5 of 16 steps = step 8, before the ramp ends at 10
+
+
+def test_torch_compile_with_moving_masks(tmp_path):
+    trainer = SparseTrainer(
+        model=_model(),
+        args=_args(tmp_path, max_steps=8, torch_compile=True, torch_compile_backend="aot_eager"),
+        train_dataset=ToyClassification(),
+        sparsity_config=SparsityConfig(
+            pattern="2:4", schedule="linear", start=0, end=2, update_every=2, dynamic=True, masked_decay=1e-3
+        ),
+    )
+    trainer.train()
+    pruner = trainer.pruner
+    assert pruner.last_update_step == 6 and pruner.is_final
+    model = trainer.model.eval()
+    reference = copy.deepcopy(model)
+    for layer in pruner.layers:
+        remove = reference.get_submodule(layer.name)
+        remove.__dict__.pop("forward", None)
+        with torch.no_grad():
+            remove.weight.masked_fill_(~pruner.masks[layer.name], 0)
+    ids = random_ids(3, 12, seed=8)
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits, reference(input_ids=ids).logits)

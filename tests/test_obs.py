@@ -301,3 +301,14 @@ def test_obs_resume_is_exact(tmp_path):
         assert torch.equal(whole.pruner.masks[layer.name], resumed.pruner.masks[layer.name]), layer.name
     for (name, p), (_, q) in zip(whole.model.named_parameters(), resumed.model.named_parameters(), strict=True):
         assert torch.equal(p, q), name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pattern", [NM(2, 4), NM(2, 8), VNM(64, 2, 16), Unstructured(0.5)])
+def test_cuda_chooses_what_cpu_chooses(pattern):
+    block = pattern.m if hasattr(pattern, "m") else 32
+    weight, _, fisher = _problem(128, 256, block, grads=40, seed=21)
+    mask_cpu, new_cpu = obs_prune(weight.float(), fisher, pattern)
+    mask_gpu, new_gpu = obs_prune(weight.float().cuda(), fisher.cuda(), pattern)
+    assert torch.equal(mask_cpu, mask_gpu.cpu())
+    torch.testing.assert_close(new_cpu, new_gpu.cpu(), rtol=1e-5, atol=1e-6)
