@@ -87,7 +87,7 @@ def damped_fisher(fisher_sum: Tensor | None, count: int, damp: float, weight: Te
     identity = torch.eye(block, dtype=torch.float64, device=weight.device).expand(blocks, block, block)
     if fisher_sum is None or count == 0:
         return identity.clone()
-    fisher = fisher_sum.to(device=weight.device, dtype=torch.float64).reshape(blocks, block, block) / count
+    fisher = fisher_sum.to(device=weight.device, dtype=torch.float64).reshape(blocks, block, block).div_(count)
     mean_diag = float(fisher.diagonal(dim1=-2, dim2=-1).mean())
     if not mean_diag > 0:  # no gradient reached this layer (or all were zero)
         return identity.clone()

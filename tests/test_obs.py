@@ -194,6 +194,38 @@ def test_bf16_weights_keep_their_dtype_and_positive_zeros():
     assert new.dtype == torch.bfloat16 and (new[~mask] == 0).all() and not torch.signbit(new[~mask]).any()
 
 
+def test_pruner_ramp_nests_and_moves_kept_weights():
+    """A gradual 2:8 ramp driven by hand: every level is a subset of the one before, pruned weights are +0.0, and
+    the OBS update moved kept weights (magnitude pruning never does)."""
+    from hf_sparse import Pruner
+
+    torch.manual_seed(0)
+    model = AutoModelForSequenceClassification.from_config(tiny_config("bert"))
+    config = SparsityConfig(
+        pattern="2:8", schedule="linear", start=1, end=7, update_every=1, score="obs", obs_num_grads=1
+    )
+    pruner = Pruner(model, config)
+    pruner.bind(10)
+    gen = torch.Generator().manual_seed(0)
+    previous = None
+    for step in range(8):
+        before = {layer.name: layer.weight.detach().clone() for layer in pruner.layers}
+        if pruner.update(step) and pruner.level is not None:
+            for layer in pruner.layers:
+                mask, weight = pruner.masks[layer.name], layer.weight.detach()
+                assert (weight[~mask] == 0).all() and not torch.signbit(weight[~mask]).any()
+                assert not torch.equal(weight[mask], before[layer.name][mask])  # compensated
+                if previous is not None:
+                    assert not (mask & ~previous[layer.name]).any(), (step, layer.name)
+            previous = {name: mask.clone() for name, mask in pruner.masks.items()}
+        for layer in pruner.layers:  # the step's gradient, masked as the grad hook would leave it
+            grad = torch.randn(layer.module.weight.shape, generator=gen)
+            mask = pruner.masks[layer.name]
+            layer.module.weight.grad = grad if mask is None else grad.masked_fill(~mask, 0.0)
+        pruner.before_optimizer_step(step)
+    assert pruner.current_pattern() == NM(2, 8)
+
+
 # ----------------------------------------------------------------------------------------------- Trainer runs
 def _args(tmp_path, **kwargs):
     defaults = dict(
