@@ -226,6 +226,35 @@ def test_pruner_ramp_nests_and_moves_kept_weights():
     assert pruner.current_pattern() == NM(2, 8)
 
 
+@pytest.mark.parametrize(
+    "extra", [{"pattern": "2:4", "transposable": True}, {"pattern": "unstructured:0.7", "global_unstructured": True}]
+)
+def test_masks_the_pruner_builds_itself_are_compensated(extra):
+    """Transposable 2:4 and global unstructured masks come from the OBS saliency, then get the OBS update."""
+    from hf_sparse import Pruner
+
+    torch.manual_seed(0)
+    model = AutoModelForSequenceClassification.from_config(tiny_config("bert"))
+    pruner = Pruner(model, SparsityConfig(schedule="oneshot", start=1, score="obs", obs_num_grads=4, **extra))
+    pruner.bind(10)
+    gen = torch.Generator().manual_seed(1)
+    for layer in pruner.layers:  # the gradient of step 0, the one before the update at step 1
+        layer.module.weight.grad = torch.randn(layer.module.weight.shape, generator=gen)
+    pruner.before_optimizer_step(0)
+    before = {layer.name: layer.weight.detach().clone() for layer in pruner.layers}
+    assert pruner.update(1)
+    zeros = total = 0
+    for layer in pruner.layers:
+        mask, weight = pruner.masks[layer.name], layer.weight.detach()
+        assert (weight[~mask] == 0).all() and not torch.equal(weight[mask], before[layer.name][mask])
+        zeros, total = zeros + int((~mask).sum()), total + mask.numel()
+        if extra.get("transposable"):
+            blocks = mask.reshape(mask.shape[0] // 4, 4, -1, 4)
+            assert (blocks.sum(1) == 2).all() and (blocks.sum(3) == 2).all()
+    if extra.get("global_unstructured"):
+        assert zeros / total == pytest.approx(0.7, abs=1e-3)
+
+
 # ----------------------------------------------------------------------------------------------- Trainer runs
 def _args(tmp_path, **kwargs):
     defaults = dict(
