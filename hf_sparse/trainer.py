@@ -7,6 +7,7 @@ import os
 import warnings
 from typing import Any
 
+import torch
 from transformers import Trainer
 
 from .callback import SparsityCallback
@@ -34,9 +35,33 @@ class SparseTrainer(Trainer):
 
     ``sparsity_config=None`` trains like ``Trainer`` (useful to fine-tune a model loaded from an hf_sparse
     checkpoint: its :class:`~hf_sparse.nn.SparseLinear` layers keep their pattern by construction).
+
+    Distillation: with ``teacher_model`` (a dense model already fine-tuned on the task, same head and tokenizer)
+    the training loss becomes ``(1 - distill_alpha) * task_loss + distill_alpha * kd_loss`` (see
+    :mod:`hf_sparse.distillation`). The teacher is frozen, kept in eval mode and moved to the training device; it
+    runs under the same autocast as the student and only on training batches (evaluation reports the task loss).
     """
 
-    def __init__(self, *args: Any, sparsity_config: SparsityConfig | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        sparsity_config: SparsityConfig | None = None,
+        teacher_model: torch.nn.Module | None = None,
+        distill_alpha: float = 0.5,
+        distill_temperature: float = 2.0,
+        **kwargs: Any,
+    ) -> None:
+        if teacher_model is not None:
+            if not 0.0 <= distill_alpha <= 1.0:
+                raise ValueError(
+                    f"distill_alpha must be in [0, 1] (weight of the distillation loss), got {distill_alpha}"
+                )
+            if distill_temperature <= 0:
+                raise ValueError(f"distill_temperature must be > 0, got {distill_temperature}")
+            teacher_model.eval().requires_grad_(False)
+        self.teacher_model = teacher_model
+        self.distill_alpha = distill_alpha
+        self.distill_temperature = distill_temperature
         callbacks = list(kwargs.pop("callbacks", None) or [])
         self.sparsity_callback: SparsityCallback | None = None
         if sparsity_config is not None:
@@ -49,6 +74,39 @@ class SparseTrainer(Trainer):
         if self.sparsity_callback is not None:
             # find targets now, so a bad config fails before training starts
             self.sparsity_callback.pruner = Pruner(unwrap_model(self.model), sparsity_config)
+
+    def compute_loss(self, model, inputs, return_outputs: bool = False, num_items_in_batch=None):
+        """``Trainer.compute_loss``, mixed with the distillation loss on training batches when a teacher is set."""
+        if self.teacher_model is None or not model.training:
+            return super().compute_loss(
+                model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+            )
+        from .distillation import distillation_loss
+
+        teacher_inputs = {k: v for k, v in inputs.items() if k not in ("labels", "start_positions", "end_positions")}
+        loss, outputs = super().compute_loss(model, inputs, return_outputs=True, num_items_in_batch=num_items_in_batch)
+        teacher = self.teacher_model
+        device = next(model.parameters()).device
+        if next(teacher.parameters()).device != device:
+            teacher.to(device)
+        with torch.no_grad():
+            teacher_outputs = teacher(**teacher_inputs)
+        kd = distillation_loss(outputs, teacher_outputs, self.distill_temperature)
+        if self._task_loss_scaled_for_ga(num_items_in_batch):
+            # Trainer will not divide this loss by the accumulation steps: do it for the per-batch-mean KD term
+            kd = kd / getattr(self, "current_gradient_accumulation_steps", self.args.gradient_accumulation_steps)
+        loss = (1.0 - self.distill_alpha) * loss + self.distill_alpha * kd
+        return (loss, outputs) if return_outputs else loss
+
+    def _task_loss_scaled_for_ga(self, num_items_in_batch) -> bool:
+        """The rule ``Trainer.training_step`` applies to decide whether the loss is already normalised over the
+        whole accumulated batch."""
+        declared = getattr(self, "loss_is_scaled_for_ga", None)  # a class attribute since transformers 5.2x
+        if declared is not None:
+            return bool(declared)
+        return (
+            self.model_accepts_loss_kwargs and num_items_in_batch is not None
+        ) or self.compute_loss_func is not None
 
     @property
     def pruner(self) -> Pruner | None:

@@ -485,3 +485,34 @@ def test_oracle_logits_recover_gold_answers_on_squad_dev(run_qa, tmp_path):
     answers = postprocess_qa_predictions(examples, features, (start, end))
     scores = squad_metrics(answers, {e["id"]: e["answers"] for e in examples})
     assert scores["exact_match"] == 100.0, scores
+
+
+def test_run_glue_distills_from_a_dense_run(files, tmp_path, run_glue):
+    common = [
+        "--model_name_or_path",
+        str(files["model"]),
+        "--task_name",
+        "sst2",
+        "--data_dir",
+        str(files["sst2"]),
+        "--do_train",
+        "--max_train_samples",
+        "8",
+        "--max_seq_length",
+        "16",
+        "--num_train_epochs",
+        "1",
+        "--cache_dir",
+        str(tmp_path / "cache"),
+        *FAST,
+    ]
+    teacher = tmp_path / "teacher"
+    run_glue.main([*common, "--output_dir", str(teacher)])
+    kd = ["--distill_from", str(teacher), "--distill_alpha", "0.7", "--distill_temperature", "3"]
+    with pytest.raises(ValueError, match="needs a sparse run"):
+        run_glue.main([*common, "--output_dir", str(tmp_path / "dense-kd"), *kd])
+    student = tmp_path / "student"
+    metrics = run_glue.main([*common, "--output_dir", str(student), "--sparsity_pattern", "2:4", *kd])
+    assert metrics["train_samples"] == 8 and (student / "config.json").is_file()
+    plain = run_glue.main([*common, "--output_dir", str(tmp_path / "plain"), "--sparsity_pattern", "2:4"])
+    assert metrics["train_loss"] != pytest.approx(plain["train_loss"], rel=1e-3)  # the teacher's loss was mixed in
