@@ -84,7 +84,7 @@ def local_part(tensor: Tensor, mask: Tensor, transposed: bool) -> tuple[Tensor, 
     stored_mask = mask.T if transposed else mask
     local = tensor.to_local()
     shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
-    index = tuple(slice(start, start + size) for start, size in zip(offset, shape))
+    index = tuple(slice(start, start + size) for start, size in zip(offset, shape, strict=True))
     part = stored_mask[index]
     if part.shape != local.shape:
         raise RuntimeError(
@@ -127,7 +127,9 @@ def _counts_once(tensor: Tensor) -> bool:
 
     mesh = tensor.device_mesh
     return all(
-        mesh.get_local_rank(dim) == 0 for dim, placement in enumerate(tensor.placements) if isinstance(placement, Replicate)
+        mesh.get_local_rank(dim) == 0
+        for dim, placement in enumerate(tensor.placements)
+        if isinstance(placement, Replicate)
     )
 
 
@@ -136,17 +138,17 @@ def count_zeros(tensors: Iterable[Tensor]) -> list[int]:
     """Exact zeros in each tensor, over whole tensors: sharded ones are counted locally and summed over ranks in
     one all-reduce (so every rank must call it when any tensor is sharded)."""
     tensors = list(tensors)
+    sharded = [is_sharded(t) for t in tensors]
     counts = []
-    for tensor in tensors:
-        if is_sharded(tensor):
+    for tensor, is_shard in zip(tensors, sharded, strict=True):
+        if is_shard:
             counts.append(int((tensor.to_local() == 0).sum()) if _counts_once(tensor) else 0)
         else:
             counts.append(int((tensor == 0).sum()))
-    if world_size() == 1 or not any(is_sharded(t) for t in tensors):
+    if world_size() == 1 or not any(sharded):
         return counts
-    plain = [0 if is_sharded(t) else c for t, c in zip(tensors, counts)]
-    summed = _all_reduce_ints([c if is_sharded(t) else 0 for t, c in zip(tensors, counts)])
-    return [p + s for p, s in zip(plain, summed)]
+    summed = _all_reduce_ints([c if is_shard else 0 for c, is_shard in zip(counts, sharded, strict=True)])
+    return [total if is_shard else c for c, is_shard, total in zip(counts, sharded, summed, strict=True)]
 
 
 def _all_reduce_ints(values: list[int]) -> list[int]:

@@ -162,8 +162,7 @@ class Pruner:
         before wrapping would sit on Parameters that never receive a gradient again. DDP keeps the Parameters, and
         then this only re-applies the masks.
         """
-        current = [layer.module.weight for layer in self.layers]
-        if len(current) != len(self._hooked_params) or any(a is not b for a, b in zip(current, self._hooked_params)):
+        if [id(layer.module.weight) for layer in self.layers] != [id(p) for p in self._hooked_params]:
             self.remove_hooks()
             self._install_grad_hooks()
         self._sharded_zeros = None
@@ -186,7 +185,7 @@ class Pruner:
     def _count_layer_zeros(self) -> dict[str, tuple[int, int]]:
         weights = [layer.module.weight for layer in self.layers]
         zeros = count_zeros(weights)
-        return {layer.name: (z, w.numel()) for layer, z, w in zip(self.layers, zeros, weights)}
+        return {layer.name: (z, w.numel()) for layer, z, w in zip(self.layers, zeros, weights, strict=True)}
 
     # ------------------------------------------------------------------ reporting
     def _layer_zeros(self) -> dict[str, tuple[int, int]]:

@@ -179,10 +179,22 @@ def _read_json(path: Path):
     return json.loads(path.read_text())
 
 
-# ------------------------------------------------------------------------------------------------- DDP worker
-def _ddp_worker(rank: int, port: int, out: str) -> None:
+# ------------------------------------------------------------------------------------------------- the workers
+def _worker(rank: int, port: int, out: str) -> None:
+    """Both scenarios in one pair of processes (each process spends seconds importing transformers)."""
     _setup_rank(rank, port)
-    out = Path(out)
+    _ddp_scenario(rank, Path(out))  # accelerate initialises the gloo process group the FSDP2 scenario reuses
+    _fsdp_scenario(rank, Path(out))
+
+
+@pytest.fixture(scope="module")
+def workers(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("dist")
+    _spawn(_worker, out)
+    return out
+
+
+def _ddp_scenario(rank: int, out: Path) -> None:
     trainer, probe = _train(out / "run", PER_DEVICE, save_strategy="steps", save_steps=3)
     trainer.save_model(str(out / f"saved_rank{rank}"))  # one folder per rank: only rank 0's may appear
     resumed, resumed_probe = _train(out / "resumed", PER_DEVICE, resume=str(out / "run" / "checkpoint-3"))
@@ -197,15 +209,42 @@ def _ddp_worker(rank: int, port: int, out: str) -> None:
         "resumed_digests": resumed_probe.digests,
         "logs": [h for h in trainer.state.log_history if "loss" in h],
         "wrapped": type(trainer.model_wrapped).__name__,
+        "bucket_view": _bucket_view_check(rank),
     }
     (out / f"record_rank{rank}.json").write_text(json.dumps(record))
 
 
+def _bucket_view_check(rank: int) -> dict:
+    """DDP with ``gradient_as_bucket_view=True`` (``param.grad`` aliases the all-reduce bucket): the gradient the
+    optimizer gets is still exactly zero at pruned positions, and the same on both ranks (really all-reduced)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from hf_sparse import Pruner
+
+    model = _model()
+    pruner = Pruner(model, SparsityConfig(pattern="2:4", schedule="oneshot", start=0))
+    pruner.bind(3)
+    ddp = DistributedDataParallel(model, gradient_as_bucket_view=True)
+    optimizer = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
+    seen = {"grads_zero": [], "grad_digests": []}
+    for step in range(3):
+        pruner.update(step)
+        ddp(**_batch(step, rank, WORLD)).loss.backward()
+        seen["grads_zero"].append(
+            all(_pruned_zero(lay.module.weight.grad, pruner.masks[lay.name], lay.transposed) for lay in pruner.layers)
+        )
+        grads = torch.cat([p.grad.reshape(-1) for p in ddp.parameters()])
+        seen["grad_digests"].append(hashlib.sha256(grads.numpy().tobytes()).hexdigest())
+        optimizer.step()
+        pruner.apply()
+        optimizer.zero_grad()
+    return seen
+
+
 @pytest.fixture(scope="module")
-def ddp_run(tmp_path_factory):
+def ddp_run(workers):
     """The two-rank DDP run (workers) and the single-process run on the same global batch (here)."""
-    out = tmp_path_factory.mktemp("ddp")
-    _spawn(_ddp_worker, out)
+    out = workers
     single, single_probe = _train(out / "single", WORLD * PER_DEVICE)
     single.save_model(str(out / "saved_single"))
     return out, single, single_probe
@@ -240,6 +279,13 @@ def test_ddp_matches_one_process_on_the_same_global_batch(ddp_run):
             torch.testing.assert_close(final[key], value, rtol=1e-5, atol=1e-6, msg=f"rank {rank}: {key}")
     changed = [k for k, v in _model().state_dict().items() if not torch.equal(v, reference[k])]
     assert len(changed) > 10  # training moved the weights: the comparison is not between two initial models
+
+
+def test_ddp_gradient_as_bucket_view_keeps_pruned_gradients_zero(ddp_run):
+    out, _, _ = ddp_run
+    checks = [_read_json(out / f"record_rank{r}.json")["bucket_view"] for r in range(WORLD)]
+    assert all(checks[0]["grads_zero"]) and all(checks[1]["grads_zero"]) and len(checks[0]["grads_zero"]) == 3
+    assert checks[0]["grad_digests"] == checks[1]["grad_digests"]  # all-reduced: each rank saw different samples
 
 
 def test_ddp_metrics_are_over_the_full_model(ddp_run):
@@ -334,25 +380,21 @@ def _fully_shard_bert(model) -> None:
     fully_shard(model)
 
 
-def _fsdp_worker(rank: int, port: int, out: str) -> None:
-    _setup_rank(rank, port)
-    out = Path(out)
-    torch.distributed.init_process_group("gloo")
-    try:
-        model = _model()
-        callback = SparsityCallback(_config())
-        seen = _manual_loop(model, callback, rank, WORLD, shard=_fully_shard_bert)
-        seen["sharded"] = callback.pruner.is_sharded
-        seen["report"] = {name: row["sparsity"] for name, row in callback.pruner.sparsity_report().items()}
-        save_pretrained(model, out / f"fsdp_saved_rank{rank}", callback.pruner)  # every rank joins the gather
-        full = gather_full_state_dict(model)
-        if rank == 0:
-            torch.save({"final": full, "masks": callback.pruner.masks}, out / "fsdp_state.pt")
-        seen["gpt2"] = _gpt2_conv1d_check()
-        seen["broadcast"] = _broadcast_check(rank)
-        (out / f"fsdp_record_rank{rank}.json").write_text(json.dumps(seen))
-    finally:
-        torch.distributed.destroy_process_group()
+def _fsdp_scenario(rank: int, out: Path) -> None:
+    if not torch.distributed.is_initialized():
+        torch.distributed.init_process_group("gloo")
+    model = _model()
+    callback = SparsityCallback(_config())
+    seen = _manual_loop(model, callback, rank, WORLD, shard=_fully_shard_bert)
+    seen["sharded"] = callback.pruner.is_sharded
+    seen["report"] = {name: row["sparsity"] for name, row in callback.pruner.sparsity_report().items()}
+    save_pretrained(model, out / f"fsdp_saved_rank{rank}", callback.pruner)  # every rank joins the gather
+    full = gather_full_state_dict(model)
+    if rank == 0:
+        torch.save({"final": full, "masks": callback.pruner.masks}, out / "fsdp_state.pt")
+    seen["gpt2"] = _gpt2_conv1d_check()
+    seen["broadcast"] = _broadcast_check(rank)
+    (out / f"fsdp_record_rank{rank}.json").write_text(json.dumps(seen))
 
 
 def _gpt2_conv1d_check() -> dict:
@@ -409,13 +451,12 @@ def _broadcast_check(rank: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def fsdp_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("fsdp")
-    _spawn(_fsdp_worker, out)
+def fsdp_run(workers):
+    out = workers
     model = _model()
     callback = SparsityCallback(_config())
     seen = _manual_loop(model, callback, 0, 1)
-    save_pretrained(model, out / "saved_single", callback.pruner)
+    save_pretrained(model, out / "fsdp_saved_single", callback.pruner)
     return out, model, callback.pruner, seen
 
 
@@ -446,7 +487,7 @@ def test_fsdp2_matches_one_process_and_counts_full_weights(fsdp_run):
 def test_fsdp2_checkpoint_written_once_like_one_process(fsdp_run):
     out, model, _, _ = fsdp_run
     assert not (out / "fsdp_saved_rank1").exists()
-    _assert_same_checkpoint_format(out / "fsdp_saved_rank0", out / "saved_single")
+    _assert_same_checkpoint_format(out / "fsdp_saved_rank0", out / "fsdp_saved_single")
     loaded = AutoModelForSequenceClassification.from_pretrained(out / "fsdp_saved_rank0")
     ids = _batch(0, 0, 1)["input_ids"]
     loaded.eval(), model.eval()
