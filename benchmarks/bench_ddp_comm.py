@@ -13,6 +13,9 @@ Run one world size per launch, then summarise (NVLink multicast must stay off on
     torchrun --nproc_per_node 2 benchmarks/bench_ddp_comm.py --results ddp.jsonl
     python benchmarks/bench_ddp_comm.py --summarize ddp.jsonl
 
+``--kept_allreduce`` adds, for each sparse pattern on several GPUs, a run whose DDP communication hook
+(``hf_sparse.distributed.KeptGradientAllReduce``) sends only the kept positions of pruned weights' gradients.
+
 Per case it prints the step time (median of timed steps, CUDA-synchronised), and from a ``torch.profiler`` trace
 of a few steps the GPU time in NCCL kernels per step and its share of the step. NCCL kernels overlap the backward
 pass, so their share is an upper bound of what communication costs; the step-time difference between 1 and 2
@@ -62,12 +65,17 @@ def _batch(batch: int, seq: int, vocab: int, device: torch.device, rank: int) ->
     return {"input_ids": ids.to(device), "labels": labels.to(device)}
 
 
-def _measure(args, pattern: str | None, rank: int, world: int, device: torch.device) -> dict:
+def _measure(args, pattern: str | None, rank: int, world: int, device: torch.device, kept_only: bool = False) -> dict:
     model, pruner = _build(pattern, device, args.layers, args.hidden)
-    wrapped = model
+    wrapped, hook_state = model, None
     if world > 1:
         device_ids = [device.index] if device.type == "cuda" else None
         wrapped = torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True)
+        if kept_only:
+            from hf_sparse.distributed import KeptGradientAllReduce, kept_gradient_all_reduce_hook
+
+            hook_state = KeptGradientAllReduce(pruner)
+            wrapped.register_comm_hook(hook_state, kept_gradient_all_reduce_hook)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
     inputs = _batch(args.batch, args.seq, model.config.vocab_size, device, rank)
 
@@ -107,20 +115,20 @@ def _measure(args, pattern: str | None, rank: int, world: int, device: torch.dev
         total_ms /= args.profile_steps
     step_ms = 1e3 * statistics.median(times)
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())  # DDP reduces fp32 master grads
+    sent = hook_state.elements_sent / hook_state.elements_total if hook_state is not None else 1.0
     if pruner is not None:
         pruner.remove_hooks()
-    del wrapped, model, optimizer
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return {
-        "pattern": pattern or "dense",
+        "pattern": (pattern or "dense") + (" kept-only all-reduce" if kept_only else ""),
         "world": world,
         "step_ms": round(step_ms, 2),
         "nccl_ms_per_step": round(nccl_ms, 2),
         "nccl_share_of_step": round(nccl_ms / step_ms, 3) if step_ms else None,
         "gpu_kernel_ms_per_step": round(total_ms, 2),
         "tokens_per_s_per_gpu": round(args.batch * args.seq / (step_ms / 1e3)),
-        "grad_mbytes_all_reduced": round(grad_bytes / 2**20) if world > 1 else 0,
+        "grad_mbytes_all_reduced": round(grad_bytes * sent / 2**20) if world > 1 else 0,
         "batch": f"{args.batch}x{args.seq}",
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
@@ -131,22 +139,30 @@ def _measure(args, pattern: str | None, rank: int, world: int, device: torch.dev
 def summarize(path: str) -> None:
     rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
     latest = {(r["pattern"], r["world"]): r for r in rows}  # a later run of the same case replaces an earlier one
-    print("| pattern | GPUs | step ms | NCCL ms/step (share) | scaling eff. | sparse/dense step |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    print("| pattern | GPUs | step ms | MiB all-reduced | NCCL ms/step (share) | scaling eff. | dense/this step |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for (pattern, world), r in sorted(latest.items(), key=lambda kv: (kv[0][1], kv[0][0] != "dense", kv[0][0])):
-        one = latest.get((pattern, 1))
-        dense = latest.get(("dense", world))
+        one = latest.get((pattern.replace(" kept-only all-reduce", ""), 1))
+        dense = latest.get(("dense", world))  # same world size
         eff = f"{one['step_ms'] / r['step_ms']:.3f}" if one else "—"
         ratio = f"{dense['step_ms'] / r['step_ms']:.3f}" if dense and pattern != "dense" else "—"
         share = f"{r['nccl_ms_per_step']:.2f} ({100 * r['nccl_share_of_step']:.1f}%)" if world > 1 else "—"
-        print(f"| {pattern} | {world} | {r['step_ms']:.2f} | {share} | {eff} | {ratio} |")
+        mib = r["grad_mbytes_all_reduced"] if world > 1 else "—"
+        print(f"| {pattern} | {world} | {r['step_ms']:.2f} | {mib} | {share} | {eff} | {ratio} |")
     if rows:
-        print(f"\n{rows[-1]['device']}, torch {rows[-1]['torch']}, batch {rows[-1]['batch']} per GPU, {rows[-1]['date']}")
+        print(
+            f"\n{rows[-1]['device']}, torch {rows[-1]['torch']}, batch {rows[-1]['batch']} per GPU, {rows[-1]['date']}"
+        )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--patterns", nargs="+", default=["dense", "64:2:8"])
+    parser.add_argument(
+        "--kept_allreduce",
+        action="store_true",
+        help="with several GPUs, also time each sparse pattern with KeptGradientAllReduce (only kept positions sent)",
+    )
     parser.add_argument("--layers", type=int, default=24)
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--batch", type=int, default=8)
@@ -175,8 +191,11 @@ def main() -> None:
         else:
             torch.distributed.init_process_group("gloo")
     try:
-        for spec in args.patterns:
-            result = _measure(args, None if spec == "dense" else spec, rank, world, device)
+        cases = [(spec, False) for spec in args.patterns]
+        if args.kept_allreduce and world > 1:
+            cases += [(spec, True) for spec in args.patterns if spec != "dense"]
+        for spec, kept_only in cases:
+            result = _measure(args, None if spec == "dense" else spec, rank, world, device, kept_only)
             if rank == 0:
                 print(json.dumps(result), flush=True)
                 if args.results:

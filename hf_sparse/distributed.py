@@ -23,6 +23,7 @@ import torch
 from torch import Tensor, nn
 
 __all__ = [
+    "KeptGradientAllReduce",
     "broadcast_masks",
     "count_zeros",
     "full_tensor",
@@ -30,6 +31,7 @@ __all__ = [
     "has_sharded_parameters",
     "is_main_process",
     "is_sharded",
+    "kept_gradient_all_reduce_hook",
     "local_part",
     "world_size",
 ]
@@ -170,3 +172,84 @@ def gather_full_state_dict(model: nn.Module) -> dict[str, Tensor]:
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     return get_model_state_dict(model, options=options)
+
+
+class KeptGradientAllReduce:
+    """DDP communication hook that all-reduces only the kept positions of pruned weights' gradients.
+
+    A pruned position's gradient is exactly zero on every rank when the bucket is reduced (the pruner's gradient
+    hook runs before DDP's reducer), so sending it is wasted bandwidth: at 64:2:8 the encoder's linear layers send a
+    quarter of their gradient. Per bucket, the kept positions are gathered into a compact buffer, averaged over the
+    ranks with one all-reduce, and written back; the pruned positions stay ``+0.0``. The result equals DDP's default
+    averaging. The positions are re-derived when the masks change (an index of 8 bytes per kept element, cached per
+    bucket), and a bucket that would shrink by less than ``min_saving`` is reduced whole.
+
+    Usage: ``ddp_model.register_comm_hook(KeptGradientAllReduce(pruner), kept_gradient_all_reduce_hook)``.
+    """
+
+    def __init__(self, pruner, process_group=None, min_saving: float = 0.25) -> None:
+        self.pruner = pruner
+        self.process_group = process_group
+        self.min_saving = min_saving
+        self._cache: dict[int, tuple[tuple, Tensor | None]] = {}
+        #: gradient elements all-reduced, and how many DDP's default hook would have sent (since construction)
+        self.elements_sent = 0
+        self.elements_total = 0
+
+    def _layers_by_param(self) -> dict[int, object]:
+        return {id(layer.module.weight): layer for layer in self.pruner.layers}
+
+    def _kept_index(self, bucket) -> Tensor | None:
+        buffer = bucket.buffer()
+        masks = self.pruner.masks
+        key = (buffer.data_ptr(), buffer.numel(), tuple(id(m) for m in masks.values()))
+        cached = self._cache.get(bucket.index())
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        layers = self._layers_by_param()
+        pieces, pruned = [], False
+        for param, grad in zip(bucket.parameters(), bucket.gradients(), strict=True):
+            start = (grad.data_ptr() - buffer.data_ptr()) // buffer.element_size()
+            layer = layers.get(id(param))
+            mask = masks.get(layer.name) if layer is not None else None
+            if mask is None:
+                pieces.append(torch.arange(start, start + grad.numel(), device=buffer.device))
+            else:
+                stored = (mask.T if layer.transposed else mask).reshape(-1).to(buffer.device)
+                pieces.append(stored.nonzero().squeeze(1) + start)
+                pruned = True
+        index = torch.cat(pieces) if pruned else None
+        if index is not None and index.numel() > (1 - self.min_saving) * buffer.numel():
+            index = None
+        self._cache[bucket.index()] = (key, index)
+        return index
+
+    def reduce(self, bucket):
+        """The averaged bucket, as a future (what a DDP communication hook returns)."""
+        group = self.process_group
+        world = torch.distributed.get_world_size(group)
+        buffer = bucket.buffer()
+        index = self._kept_index(bucket)
+        self.elements_total += buffer.numel()
+        self.elements_sent += buffer.numel() if index is None else index.numel()
+        if index is None:
+            buffer.div_(world)
+            future = torch.distributed.all_reduce(buffer, group=group, async_op=True).get_future()
+            return future.then(lambda fut: fut.value()[0])
+        compact = buffer.index_select(0, index).div_(world)
+        future = torch.distributed.all_reduce(compact, group=group, async_op=True).get_future()
+
+        def write_back(fut):
+            buffer.index_copy_(0, index, fut.value()[0])
+            return buffer
+
+        return future.then(write_back)
+
+
+def kept_gradient_all_reduce_hook(state: KeptGradientAllReduce, bucket):
+    """The DDP communication hook of :class:`KeptGradientAllReduce` (its ``state``).
+
+    Unannotated ``bucket`` and return: DDP compares annotations with ``GradBucket`` / ``Future[Tensor]`` objects,
+    which this module's postponed (string) annotations would not equal.
+    """
+    return state.reduce(bucket)

@@ -210,21 +210,28 @@ def _ddp_scenario(rank: int, out: Path) -> None:
         "logs": [h for h in trainer.state.log_history if "loss" in h],
         "wrapped": type(trainer.model_wrapped).__name__,
         "bucket_view": _bucket_view_check(rank),
+        "kept_only": _bucket_view_check(rank, kept_only=True),
     }
     (out / f"record_rank{rank}.json").write_text(json.dumps(record))
 
 
-def _bucket_view_check(rank: int) -> dict:
+def _bucket_view_check(rank: int, kept_only: bool = False) -> dict:
     """DDP with ``gradient_as_bucket_view=True`` (``param.grad`` aliases the all-reduce bucket): the gradient the
-    optimizer gets is still exactly zero at pruned positions, and the same on both ranks (really all-reduced)."""
+    optimizer gets is still exactly zero at pruned positions, and the same on both ranks (really all-reduced).
+    ``kept_only``: with the communication hook that sends only kept positions."""
     from torch.nn.parallel import DistributedDataParallel
 
     from hf_sparse import Pruner
+    from hf_sparse.distributed import KeptGradientAllReduce, kept_gradient_all_reduce_hook
 
     model = _model()
     pruner = Pruner(model, SparsityConfig(pattern="2:4", schedule="oneshot", start=0))
     pruner.bind(3)
-    ddp = DistributedDataParallel(model, gradient_as_bucket_view=True)
+    # small buckets, so that some hold pruned weights only, some dense parameters only, some both
+    ddp = DistributedDataParallel(model, gradient_as_bucket_view=True, bucket_cap_mb=0.05)
+    hook_state = KeptGradientAllReduce(pruner)
+    if kept_only:
+        ddp.register_comm_hook(hook_state, kept_gradient_all_reduce_hook)
     optimizer = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
     seen = {"grads_zero": [], "grad_digests": []}
     for step in range(3):
@@ -238,6 +245,7 @@ def _bucket_view_check(rank: int) -> dict:
         optimizer.step()
         pruner.apply()
         optimizer.zero_grad()
+    seen["sent_fraction"] = hook_state.elements_sent / hook_state.elements_total if kept_only else 1.0
     return seen
 
 
@@ -286,6 +294,15 @@ def test_ddp_gradient_as_bucket_view_keeps_pruned_gradients_zero(ddp_run):
     checks = [_read_json(out / f"record_rank{r}.json")["bucket_view"] for r in range(WORLD)]
     assert all(checks[0]["grads_zero"]) and all(checks[1]["grads_zero"]) and len(checks[0]["grads_zero"]) == 3
     assert checks[0]["grad_digests"] == checks[1]["grad_digests"]  # all-reduced: each rank saw different samples
+
+
+def test_kept_gradient_all_reduce_equals_ddp_default(ddp_run):
+    out, _, _ = ddp_run
+    records = [_read_json(out / f"record_rank{r}.json") for r in range(WORLD)]
+    for record in records:
+        assert all(record["kept_only"]["grads_zero"])
+        assert record["kept_only"]["grad_digests"] == record["bucket_view"]["grad_digests"]  # bit for bit
+        assert 0.5 < record["kept_only"]["sent_fraction"] < 0.75  # 2:4 halves the encoder's linear weights
 
 
 def test_ddp_metrics_are_over_the_full_model(ddp_run):
