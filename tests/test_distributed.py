@@ -103,8 +103,7 @@ class _Probe(TrainerCallback):
 
 
 def _trainer_args(output_dir, batch: int, **kwargs) -> TrainingArguments:
-    kwargs.setdefault("save_strategy", "no")
-    return TrainingArguments(
+    settings = dict(
         output_dir=str(output_dir),
         max_steps=STEPS,
         per_device_train_batch_size=batch,
@@ -112,6 +111,7 @@ def _trainer_args(output_dir, batch: int, **kwargs) -> TrainingArguments:
         weight_decay=0.1,
         max_grad_norm=0.5,
         logging_steps=2,
+        save_strategy="no",
         report_to=[],
         use_cpu=True,
         seed=0,
@@ -121,8 +121,9 @@ def _trainer_args(output_dir, batch: int, **kwargs) -> TrainingArguments:
         # BERT classification takes **kwargs but ignores num_items_in_batch (mean loss per rank), so Trainer's
         # default multiplication by the world size would double DDP's gradients against one process
         average_tokens_across_devices=False,
-        **kwargs,
     )
+    settings.update(kwargs)
+    return TrainingArguments(**settings)
 
 
 def _train(output_dir, batch: int, resume: str | None = None, **kwargs):
@@ -161,11 +162,12 @@ def _setup_rank(rank: int, port: int) -> None:
     torch.set_num_threads(1)
 
 
-def _spawn(worker, out: Path, timeout: float = 240.0) -> None:
-    """Run ``worker(rank, port, out)`` in two fresh processes; fail (and stop them) if they hang."""
+def _spawn(worker, out: Path, *extra, timeout: float = 240.0, nprocs: int = WORLD) -> None:
+    """Run ``worker(rank, port, out, *extra)`` in fresh processes; fail (and stop them) if they hang."""
     import torch.multiprocessing as mp
 
-    context = mp.start_processes(worker, args=(_free_port(), str(out)), nprocs=WORLD, join=False, start_method="spawn")
+    args = (_free_port(), str(out), *extra)
+    context = mp.start_processes(worker, args=args, nprocs=nprocs, join=False, start_method="spawn")
     deadline = time.monotonic() + timeout
     while not context.join(timeout=1):
         if time.monotonic() > deadline:
@@ -326,7 +328,7 @@ def test_ddp_resume_is_exact(ddp_run):
     assert not list(checkpoint.glob("*.tmp"))
 
 
-def _assert_same_checkpoint_format(saved: Path, reference: Path) -> None:
+def _assert_same_checkpoint_format(saved: Path, reference: Path, rtol: float = 1e-5, atol: float = 1e-6) -> None:
     """Same files, tensor names, dtypes, shapes, index tensors and metadata; values equal up to float rounding."""
     assert sorted(p.name for p in saved.iterdir()) == sorted(p.name for p in reference.iterdir())
     config, ref_config = (_read_json(d / "config.json") for d in (saved, reference))
@@ -338,7 +340,7 @@ def _assert_same_checkpoint_format(saved: Path, reference: Path) -> None:
             x, y = a.get_tensor(key), b.get_tensor(key)
             assert x.dtype == y.dtype and x.shape == y.shape, key
             if x.is_floating_point():
-                torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6, msg=key)
+                torch.testing.assert_close(x, y, rtol=rtol, atol=atol, msg=key)
             else:
                 assert torch.equal(x, y), key
 
@@ -525,3 +527,85 @@ def test_masks_are_rank_zeros_even_when_weights_differ(fsdp_run):
     checks = [_read_json(out / f"fsdp_record_rank{r}.json")["broadcast"] for r in range(WORLD)]
     assert checks[0]["digest"] == checks[1]["digest"]
     assert checks[0]["own_equal"] and not checks[1]["own_equal"]  # rank 1 took rank 0's masks, not its own
+
+
+# ----------------------------------------------------------------------- GPUs (NCCL): what the CPU cannot run
+# Accelerate drives FSDP only on accelerators, so SparseTrainer under Trainer's own FSDP2 is checked here.
+two_gpus = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < WORLD, reason=f"needs {WORLD} CUDA GPUs"
+)
+
+
+def _gpu_trainer_kwargs(mode: str) -> dict:
+    kwargs = {"use_cpu": False}
+    if mode == "fsdp2":
+        kwargs["fsdp"] = True
+        kwargs["fsdp_config"] = {"fsdp_version": 2, "transformer_layer_cls_to_wrap": ["BertLayer"]}
+    return kwargs
+
+
+def _full_weights(model) -> dict[str, torch.Tensor]:
+    """Every rank must call it: under FSDP2 it gathers (rank 0 gets the weights, the others ``{}``)."""
+    from hf_sparse.distributed import has_sharded_parameters
+
+    return gather_full_state_dict(model) if has_sharded_parameters(model) else _weights(model)
+
+
+def _gpu_reference_worker(rank: int, port: int, out: str) -> None:
+    """One process on one GPU (``CUDA_VISIBLE_DEVICES=0``: with two visible, Trainer would use DataParallel)."""
+    out = Path(out)
+    single, probe = _train(out / "single", WORLD * PER_DEVICE, use_cpu=False)
+    single.save_model(str(out / "saved_single"))
+    masks = {k: v.cpu() for k, v in single.pruner.masks.items()}
+    torch.save({"final": _weights(single.model), "masks": masks}, out / "single_state.pt")
+    logs = [h for h in single.state.log_history if "loss" in h]
+    (out / "single_record.json").write_text(json.dumps({"digests": probe.digests, "logs": logs}))
+
+
+def _gpu_worker(rank: int, port: int, out: str, mode: str) -> None:
+    _setup_rank(rank, port)
+    torch.cuda.set_device(rank)
+    out = Path(out)
+    kwargs = _gpu_trainer_kwargs(mode)
+    trainer, probe = _train(out / "run", PER_DEVICE, save_strategy="steps", save_steps=3, **kwargs)
+    trainer.save_model(str(out / f"saved_rank{rank}"))  # FSDP2: every rank joins the gather; rank 0 writes
+    final = _full_weights(trainer.model)
+    resumed, resumed_probe = _train(out / "resumed", PER_DEVICE, resume=str(out / "run" / "checkpoint-3"), **kwargs)
+    resumed_final = _full_weights(resumed.model)
+    if rank == 0:
+        masks = {k: v.cpu() for k, v in trainer.pruner.masks.items()}
+        torch.save({"final": final, "resumed": resumed_final, "masks": masks}, out / "state.pt")
+    record = {
+        "grads_zero": probe.grads_zero + resumed_probe.grads_zero,
+        "weights_zero": probe.weights_zero + resumed_probe.weights_zero,
+        "digests": probe.digests,
+        "resumed_digests": resumed_probe.digests,
+        "sharded": trainer.pruner.is_sharded,
+        "logs": [h for h in trainer.state.log_history if "loss" in h],
+    }
+    (out / f"record_rank{rank}.json").write_text(json.dumps(record))
+
+
+@pytest.mark.gpu
+@two_gpus
+@pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
+def test_sparse_trainer_on_two_gpus(tmp_path, monkeypatch, mode):
+    _spawn(_gpu_worker, tmp_path, mode, timeout=400.0)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")  # inherited by the spawned reference process only
+    _spawn(_gpu_reference_worker, tmp_path, timeout=300.0, nprocs=1)
+    single = _read_json(tmp_path / "single_record.json")
+    records = [_read_json(tmp_path / f"record_rank{r}.json") for r in range(WORLD)]
+    assert records[0]["sharded"] == (mode == "fsdp2")
+    assert records[0]["digests"] == records[1]["digests"] == single["digests"]
+    for record in records:
+        assert all(record["grads_zero"]) and all(record["weights_zero"])
+        assert record["resumed_digests"] == record["digests"][3:]
+    assert [h["sparsity"] for h in records[0]["logs"]] == [h["sparsity"] for h in single["logs"]]
+    state, reference = torch.load(tmp_path / "state.pt"), torch.load(tmp_path / "single_state.pt")
+    for name, mask in reference["masks"].items():
+        assert torch.equal(state["masks"][name], mask), name
+    for key, value in reference["final"].items():
+        torch.testing.assert_close(state["final"][key], value, rtol=1e-4, atol=1e-5, msg=key)
+        torch.testing.assert_close(state["resumed"][key], state["final"][key], rtol=1e-5, atol=1e-6, msg=key)
+    assert not (tmp_path / "saved_rank1").exists()
+    _assert_same_checkpoint_format(tmp_path / "saved_rank0", tmp_path / "saved_single", rtol=1e-4, atol=1e-5)
