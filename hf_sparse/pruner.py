@@ -20,6 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from .config import SparsityConfig
+from .distributed import broadcast_masks, count_zeros, full_tensor, is_sharded, local_part
 from .formats.bitpack import pack_bits, unpack_bits
 from .masks import apply_mask, compute_mask, unstructured_mask, unstructured_threshold
 from .modeling import TargetLayer, find_target_layers
@@ -49,6 +50,8 @@ class Pruner:
         self.last_update_step: int | None = None
         self.flip_rate: float | None = None
         self._hooks: list[Any] = []
+        self._hooked_params: list[Tensor] = []
+        self._sharded_zeros: dict[str, tuple[int, int]] | None = None
         self._install_grad_hooks()
 
     # ------------------------------------------------------------------ schedule
@@ -91,7 +94,7 @@ class Pruner:
         pattern = self.pattern_for_level(level)
         final = self.plan.quantise(self.pattern.sparsity) == level
         transposable = self.config.transposable and final
-        scores = {layer.name: self.scorer.score(layer.name, layer.weight) for layer in self.layers}
+        scores = {layer.name: self.scorer.score(layer.name, full_tensor(layer.weight)) for layer in self.layers}
         threshold = None
         if isinstance(pattern, Unstructured) and self.config.global_unstructured:
             threshold = unstructured_threshold(list(scores.values()), pattern.sparsity)
@@ -102,13 +105,15 @@ class Pruner:
                 mask = unstructured_mask(score, pattern.sparsity, threshold)
             else:
                 mask = compute_mask(score, pattern, transposable=transposable)
-            mask = mask.to(layer.weight.device)
+            mask = mask.to(layer.weight.device).contiguous()
+            broadcast_masks({layer.name: mask})  # rank 0's mask on every rank (a no-op in one process)
             previous = self.masks[layer.name]
             if previous is not None:
                 flips += int((previous != mask).sum())
                 total += mask.numel()
             self.masks[layer.name] = mask
-            apply_mask(layer.weight, mask)
+            self._apply_layer_mask(layer, mask)
+        self._refresh_sharded_zeros()
         self.flip_rate = flips / total if total else None
         self.level = level
         logger.info("hf_sparse: masks updated to %s (flip rate %s)", pattern, self.flip_rate)
@@ -119,12 +124,14 @@ class Pruner:
         for layer in self.layers:
             mask = self.masks[layer.name]
             if mask is not None:
-                apply_mask(layer.weight, mask)
+                self._apply_layer_mask(layer, mask)
+        self._refresh_sharded_zeros()
 
     def _install_grad_hooks(self) -> None:
         for layer in self.layers:
             param = layer.module.weight
             self._hooks.append(param.register_post_accumulate_grad_hook(self._make_grad_hook(layer)))
+        self._hooked_params = [layer.module.weight for layer in self.layers]
 
     def _make_grad_hook(self, layer: TargetLayer):
         name, transposed = layer.name, layer.transposed
@@ -137,7 +144,7 @@ class Pruner:
                 self.scorer.observe_gradient(name, layer.weight, grad)
             mask = self.masks[name]
             if mask is not None:
-                grad.masked_fill_(~mask, 0.0)
+                apply_mask(*local_part(param.grad, mask, transposed))
 
         return hook
 
@@ -145,10 +152,51 @@ class Pruner:
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
+        self._hooked_params = []
+
+    # ------------------------------------------------------------------ distributed (DDP, FSDP2)
+    def rebind(self) -> None:
+        """Follow the modules' current weight Parameters after a wrapper replaced them; call on every rank.
+
+        FSDP2's ``fully_shard`` registers new (``DTensor``) Parameters on the same modules, so hooks installed
+        before wrapping would sit on Parameters that never receive a gradient again. DDP keeps the Parameters, and
+        then this only re-applies the masks.
+        """
+        if [id(layer.module.weight) for layer in self.layers] != [id(p) for p in self._hooked_params]:
+            self.remove_hooks()
+            self._install_grad_hooks()
+        self._sharded_zeros = None
+        self.apply()
+
+    def _apply_layer_mask(self, layer: TargetLayer, mask: Tensor) -> None:
+        """Zero what this rank holds of the layer's pruned weights (its shard under FSDP2, all of it otherwise)."""
+        apply_mask(*local_part(layer.module.weight, mask, layer.transposed))
+
+    @property
+    def is_sharded(self) -> bool:
+        """Whether the targeted weights are ``DTensor`` shards (FSDP2)."""
+        return any(is_sharded(layer.module.weight) for layer in self.layers)
+
+    def _refresh_sharded_zeros(self) -> None:
+        """Sharded weights: count zeros over the full weights now (one all-reduce, every rank calls it), so that
+        metrics and reports read later, maybe on rank 0 alone, never need a collective."""
+        self._sharded_zeros = self._count_layer_zeros() if self.is_sharded else None
+
+    def _count_layer_zeros(self) -> dict[str, tuple[int, int]]:
+        weights = [layer.module.weight for layer in self.layers]
+        zeros = count_zeros(weights)
+        return {layer.name: (z, w.numel()) for layer, z, w in zip(self.layers, zeros, weights, strict=True)}
 
     # ------------------------------------------------------------------ reporting
     def _layer_zeros(self) -> dict[str, tuple[int, int]]:
-        """Per layer: (exact zeros in the weight, number of weights): what is on the weights, not the masks."""
+        """Per layer: (exact zeros in the weight, number of weights): what is on the weights, not the masks.
+
+        Sharded (FSDP2) weights are counted in full when the masks were last applied (see :meth:`apply`).
+        """
+        if self.is_sharded:
+            if self._sharded_zeros is None:
+                self._sharded_zeros = self._count_layer_zeros()  # a collective: before any apply only
+            return dict(self._sharded_zeros)
         return {layer.name: (int((layer.weight == 0).sum()), layer.weight.numel()) for layer in self.layers}
 
     def layer_sparsity(self) -> dict[str, float]:

@@ -12,6 +12,7 @@ from transformers import Trainer
 
 from .callback import SparsityCallback
 from .config import SparsityConfig
+from .distributed import has_sharded_parameters, is_main_process
 from .modeling import unwrap_model
 from .pruner import Pruner
 from .serialization import save_pretrained
@@ -132,17 +133,26 @@ class SparseTrainer(Trainer):
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """Compressed checkpoint (``quantization_config`` in ``config.json``) once the model has been pruned.
 
-        Checkpoints that ``Trainer`` writes for resuming (``_internal_call``) stay dense.
+        Checkpoints that ``Trainer`` writes for resuming (``_internal_call``) stay dense. Under FSDP2 call it on
+        every rank (as with ``Trainer.save_model``): the full weights are gathered and the main process writes.
         """
         pruner = self.pruner
         if _internal_call or pruner is None or pruner.current_pattern() is None:
             super().save_model(output_dir, _internal_call=_internal_call)
             return
         output_dir = output_dir if output_dir is not None else self.args.output_dir
-        if not self.args.should_save:
+        model = self.accelerator.unwrap_model(self.model, keep_torch_compile=False)
+        writer = self.args.should_save
+        if has_sharded_parameters(model):
+            writer = writer and is_main_process()  # the gather leaves the full weights on rank 0 only
+            if writer:
+                os.makedirs(output_dir, exist_ok=True)
+            save_pretrained(model, output_dir, pruner)  # FSDP2: every rank joins the gather, rank 0 writes
+        elif writer:
+            os.makedirs(output_dir, exist_ok=True)
+            save_pretrained(model, output_dir, pruner)
+        if not writer:
             return
-        os.makedirs(output_dir, exist_ok=True)
-        save_pretrained(self.accelerator.unwrap_model(self.model, keep_torch_compile=False), output_dir, pruner)
         if self.processing_class is not None:
             self.processing_class.save_pretrained(output_dir)
         import torch
@@ -205,6 +215,11 @@ class SparseTrainer(Trainer):
             save_training_plot,
         )
 
+        if has_sharded_parameters(self.model):
+            raise NotImplementedError(
+                "SparseTrainer.push_to_hub does not gather FSDP2-sharded weights: call trainer.save_model(folder) on "
+                "every rank, then upload that folder from the main process (huggingface_hub.upload_folder)"
+            )
         if not self.is_world_process_zero():
             return None
         repo_id = self.args.hub_model_id or Path(self.args.output_dir).absolute().name
