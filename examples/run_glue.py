@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # sparse_args.py next 
 from sparse_args import (  # noqa: E402
     distillation_kwargs,
     parse_args_and_setup,
+    per_batch_mean_loss,
     trainer_class,
     write_card,
 )
@@ -287,6 +288,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         trust_remote_code=model_args.trust_remote_code,
         ignore_mismatched_sizes=model_args.ignore_mismatched_sizes,
     )
+    per_batch_mean_loss(model)
     dense_bytes = dense_weight_bytes(model)
     label_to_id = None
     if task is None and not is_regression:

@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # sparse_args.py and u
 from sparse_args import (  # noqa: E402
     distillation_kwargs,
     parse_args_and_setup,
+    per_batch_mean_loss,
     trainer_class,
     write_card,
 )
@@ -293,6 +294,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         token=model_args.token,
         trust_remote_code=model_args.trust_remote_code,
     )
+    per_batch_mean_loss(model)
     dense_bytes = dense_weight_bytes(model)
 
     if data_args.max_seq_length > tokenizer.model_max_length:

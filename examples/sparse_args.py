@@ -23,6 +23,7 @@ __all__ = [
     "build_sparsity_config",
     "distillation_kwargs",
     "load_recipe",
+    "per_batch_mean_loss",
     "sparsity_config_kwargs",
     "trainer_class",
     "write_card",
@@ -214,6 +215,21 @@ def parse_args_and_setup(model_cls, data_cls, argv: list[str] | None, logger: lo
     logger.info("sparsity: %s", sparsity_kwargs or "none (dense run)")
     set_seed(training_args.seed)
     return model_args, data_args, training_args, sparsity_config, distill_args
+
+
+def per_batch_mean_loss(model):
+    """Tell ``Trainer`` that this model's loss is a per-batch mean, so it scales for gradient accumulation and for
+    several processes itself.
+
+    Sequence-classification and QA heads of the BERT family take ``**kwargs`` in ``forward``, so ``Trainer``
+    (transformers 5) assumes they normalise by ``num_items_in_batch``; they do not (they average over the batch).
+    ``Trainer`` then skips its division by the accumulation steps and multiplies the loss by the number of processes
+    (``average_tokens_across_devices``): gradients come out ``k``-fold too large with ``k`` accumulation steps and
+    doubled on two GPUs, which changes what gradient clipping does. ``accepts_loss_kwargs = False`` is the switch
+    ``Trainer`` reads.
+    """
+    model.accepts_loss_kwargs = False
+    return model
 
 
 def trainer_class(sparse: bool):
