@@ -7,6 +7,11 @@
 //      8M contiguous mask bytes and writes exactly one 512-byte fragment block, one 64-byte metadata block.
 // A block's 4 columns are its first 4 used columns padded with the first unused ones (the set bits of one mask,
 // so they come out sorted); a row's 2 positions likewise. A mask that breaks V:2:M raises a device flag.
+//
+// pack_values: the per-step repack once the mask is fixed. The metadata and block columns already say where every
+// kept value sits, so only the values are rebuilt: one thread per 4-byte value pair, threads ordered like the
+// output (each 128-thread block writes one 512-byte fragment block, coalesced), reading the two weights it needs
+// (any strides, so W^T of a transposable layer is read in place) and nothing else: no mask, no second pass.
 #include "common.cuh"
 #include "kernels.h"
 
@@ -212,6 +217,48 @@ cudaError_t dispatch_out(const PackArgs& a, cudaStream_t stream) {
   return a.out_bf16 ? dispatch_m<W, __nv_bfloat16>(a, stream) : dispatch_m<W, __half>(a, stream);
 }
 
+
+// One thread per (row, group) value pair; block = one (16-row m-tile, k-step) fragment block of 128 words.
+template <typename W, typename T>
+__global__ void __launch_bounds__(128) pack_values_kernel(PackValuesArgs a) {
+  const int w = threadIdx.x;  // word within the fragment block: (g8, t, c, rh)
+  const int rh = w & 1, c = (w >> 1) & 1, t = (w >> 2) & 3, g8 = w >> 4;
+  const long blk = blockIdx.x;
+  const int mt = (int)(blk / a.steps), s = (int)(blk % a.steps);
+  const int row = mt * 16 + rh * 8 + g8;
+  const int grp = s * 8 + c * 4 + t;
+  const int groups = a.k / a.m, groups_padded = a.steps * 8;
+  float v0 = 0.f, v1 = 0.f;
+  if (row < a.rows && grp < groups) {
+    const uint16_t half = reinterpret_cast<const uint16_t*>(
+        a.meta)[((((size_t)mt * a.steps + s) * 8 + g8) * 2 + c) * 2 + rh];
+    const uint32_t nib = (half >> (4 * t)) & 0xFu;
+    const uint32_t cols =
+        *reinterpret_cast<const uint32_t*>(a.columns + ((size_t)(row >> 6) * groups_padded + grp) * 4);
+    const int c0 = (int)((cols >> (8 * (nib & 3u))) & 0xFFu), c1 = (int)((cols >> (8 * (nib >> 2))) & 0xFFu);
+    const W* base = static_cast<const W*>(a.weight) + (size_t)row * a.stride_row;
+    const long col0 = (long)grp * a.m;
+    const bool keep0 = a.valid == nullptr || a.valid[(size_t)row * (2 * groups) + 2 * grp];
+    const bool keep1 = a.valid == nullptr || a.valid[(size_t)row * (2 * groups) + 2 * grp + 1];
+    if (keep0) v0 = __fadd_rn(load_f<W>(base + (col0 + c0) * a.stride_col), 0.0f);  // never -0.0
+    if (keep1) v1 = __fadd_rn(load_f<W>(base + (col0 + c1) * a.stride_col), 0.0f);
+  }
+  T* values = static_cast<T*>(a.values);
+  reinterpret_cast<uint32_t*>(values)[blk * 128 + w] =
+      MmaType<T>::pack(MmaType<T>::from_float(v0), MmaType<T>::from_float(v1));
+}
+
+template <typename W, typename T>
+cudaError_t launch_values(const PackValuesArgs& a, cudaStream_t stream) {
+  const long blocks = (long)(a.rows_padded / 16) * a.steps;
+  pack_values_kernel<W, T><<<(unsigned)blocks, 128, 0, stream>>>(a);
+  return cudaGetLastError();
+}
+
+template <typename W>
+cudaError_t values_out(const PackValuesArgs& a, cudaStream_t stream) {
+  return a.out_bf16 ? launch_values<W, __nv_bfloat16>(a, stream) : launch_values<W, __half>(a, stream);
+}
 }  // namespace
 
 cudaError_t pack(const PackArgs& a, cudaStream_t stream) {
@@ -220,6 +267,16 @@ cudaError_t pack(const PackArgs& a, cudaStream_t stream) {
     case 0: return dispatch_out<float>(a, stream);
     case 1: return dispatch_out<__nv_bfloat16>(a, stream);
     case 2: return dispatch_out<__half>(a, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+cudaError_t pack_values(const PackValuesArgs& a, cudaStream_t stream) {
+  if (a.rows_padded == 0 || a.steps == 0) return cudaSuccess;
+  switch (a.weight_dtype) {
+    case 0: return values_out<float>(a, stream);
+    case 1: return values_out<__nv_bfloat16>(a, stream);
+    case 2: return values_out<__half>(a, stream);
     default: return cudaErrorInvalidValue;
   }
 }
