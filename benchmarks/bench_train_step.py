@@ -1,7 +1,7 @@
 """BERT-large training step, dense vs SparseTrainer's kernel path, with a CUDA-time breakdown; plus inference of a
 ``from_pretrained``-loaded compressed checkpoint. All in one run; prints markdown tables.
 
-    python benchmarks/bench_train_step.py [--patterns 2:4T 64:2:8 64:2:16] [--steps 10] [--no-inference]
+    python benchmarks/bench_train_step.py [--patterns 2:4T 64:2:8 64:2:16] [--steps 10] [--masked-dense] [--no-inference]
 
 Model: ``BertForMaskedLM`` built from ``BertConfig`` (24 layers, hidden 1024, 16 heads, FFN 4096, vocab 30522; no
 download), batch 16 x 512 random tokens, fp32 master weights, bf16 autocast, fused AdamW, SDPA attention.
@@ -28,7 +28,7 @@ from collections import defaultdict
 import torch
 from transformers import AutoModelForMaskedLM, BertConfig, BertForMaskedLM
 
-from hf_sparse import Pruner, SparsityConfig, save_pretrained
+from hf_sparse import Pruner, SparsityConfig, save_pretrained, to_dense
 from hf_sparse.nn.kernel_path import enable_kernel_path
 from hf_sparse.ops import dispatch
 
@@ -152,13 +152,15 @@ def train_section(args) -> None:
     share = gemm_flop_share_pruned(cfg)
     rows = []
     dense_ms = None
-    for pattern in ["dense", *args.patterns]:
+    configs = ["dense", *args.patterns] + [f"{p} masked-dense" for p in args.patterns if args.masked_dense]
+    for pattern in configs:
         torch.cuda.empty_cache()
         model = build()
         pruner = None
         t0 = time.perf_counter()
         if pattern != "dense":
-            pruner = prune(model, pattern)
+            pruner = prune(model, pattern.split()[0])
+        if pruner is not None and not pattern.endswith("masked-dense"):  # masked-dense: SparsityConfig.kernels="never"
             switched = enable_kernel_path(model, pruner)
             if len(switched) != len(pruner.layers):
                 print(f"  {pattern}: only {len(switched)}/{len(pruner.layers)} layers on the kernel path")
@@ -222,11 +224,23 @@ def inference_section(args) -> None:
         del model
         loaded = AutoModelForMaskedLM.from_pretrained(tmp, dtype=torch.bfloat16).cuda().eval()
     results = {}
-    for name, m in (("dense (same pruned weights)", dense), (f"loaded {args.inference_pattern}", loaded)):
+    models = (("dense (same pruned weights)", dense), (f"loaded {args.inference_pattern}", loaded))
+    for name, m in models:
         run = fwd(m)
         for _ in range(3):
             run()
         results[name] = time_steps(run, args.steps)
+        start = time.perf_counter()  # host time to issue one forward (no sync): shows when Python is the limit
+        for _ in range(args.steps):
+            run()
+        host = (time.perf_counter() - start) / args.steps * 1e3
+        torch.cuda.synchronize()
+        print(f"  {name}: host time to launch one forward {host:.2f} ms")
+    to_dense(loaded)
+    run = fwd(loaded)
+    for _ in range(3):
+        run()
+    results[f"loaded {args.inference_pattern}, then hf_sparse.to_dense"] = time_steps(run, args.steps)
     base = next(iter(results.values()))
     for name, ms in results.items():
         print(f"| {name} | {ms:.2f} | {base / ms:.3f} |")
@@ -240,6 +254,9 @@ def main() -> int:
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--inference-pattern", default="64:2:8")
     ap.add_argument("--no-inference", action="store_true")
+    ap.add_argument(
+        "--masked-dense", action="store_true", help="also time each pattern with the pruner but no kernel path"
+    )
     args = ap.parse_args()
     print(
         f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, {datetime.datetime.utcnow():%Y-%m-%d %H:%M} UTC"

@@ -130,6 +130,9 @@ def linear_forward(x: Tensor, weight: Tensor, p: PackedWeight, bias: Tensor | No
         return F.linear(x, weight.to(p.dtype), None if bias is None else bias.to(p.dtype))
     if not x.is_cuda or mode == "sparse":
         return spmm(x, p, bias)
+    key = _key("fwd", x.numel() // p.cols if p.cols else 0, p, x.device)
+    if _choices.get(key) == "dense":  # the common case once measured: no candidate table, no reshapes
+        return F.linear(x, weight.to(p.dtype), None if bias is None else bias.to(p.dtype))
     lead = x.shape[:-1]
     x2 = x.reshape(-1, p.cols)
     b = None if bias is None else bias.to(p.dtype)
@@ -139,7 +142,6 @@ def linear_forward(x: Tensor, weight: Tensor, p: PackedWeight, bias: Tensor | No
     }
     if p.m == 4 and hasattr(torch, "_cslt_compress") and x2.shape[0] % 8 == 0 and x2.is_contiguous():
         candidates["cslt"] = lambda: _cslt_linear(x2, weight, p, b)
-    key = _key("fwd", x2.shape[0], p, x.device)
     choice = _choices.get(key)
     if choice is None:
         if not _can_measure():
