@@ -9,9 +9,9 @@
 // so they come out sorted); a row's 2 positions likewise. A mask that breaks V:2:M raises a device flag.
 //
 // pack_values: the per-step repack once the mask is fixed. The metadata and block columns already say where every
-// kept value sits, so only the values are rebuilt: one thread per 4-byte value pair, threads ordered like the
-// output (each 128-thread block writes one 512-byte fragment block, coalesced), reading the two weights it needs
-// (any strides, so W^T of a transposable layer is read in place) and nothing else: no mask, no second pass.
+// kept value sits, so only the values are rebuilt: one thread per 4-byte value pair (of 4 k-steps), threads ordered
+// like the output (512-byte coalesced stores), reading the two weights it needs (any strides, so W^T of a
+// transposable layer is read in place) and nothing else: no mask, no second pass.
 #include "common.cuh"
 #include "kernels.h"
 
@@ -218,39 +218,53 @@ cudaError_t dispatch_out(const PackArgs& a, cudaStream_t stream) {
 }
 
 
-// One thread per (row, group) value pair; block = one (16-row m-tile, k-step) fragment block of 128 words.
+// One thread per (row, group) value pair of kValuesSteps consecutive k-steps; a block covers one 16-row m-tile and
+// kValuesSteps fragment blocks of 128 words each (every store instruction writes 512 contiguous bytes). All loads are
+// issued before the stores, so each thread keeps 2 * kValuesSteps independent reads in flight.
+constexpr int kValuesSteps = 4;
+
 template <typename W, typename T>
 __global__ void __launch_bounds__(128) pack_values_kernel(PackValuesArgs a) {
-  const int w = threadIdx.x;  // word within the fragment block: (g8, t, c, rh)
+  const int w = threadIdx.x;  // word within a fragment block: (g8, t, c, rh)
   const int rh = w & 1, c = (w >> 1) & 1, t = (w >> 2) & 3, g8 = w >> 4;
-  const long blk = blockIdx.x;
-  const int mt = (int)(blk / a.steps), s = (int)(blk % a.steps);
+  const int chunks = (a.steps + kValuesSteps - 1) / kValuesSteps;
+  const int mt = (int)(blockIdx.x / chunks), s0 = (int)(blockIdx.x % chunks) * kValuesSteps;
   const int row = mt * 16 + rh * 8 + g8;
-  const int grp = s * 8 + c * 4 + t;
   const int groups = a.k / a.m, groups_padded = a.steps * 8;
-  float v0 = 0.f, v1 = 0.f;
-  if (row < a.rows && grp < groups) {
-    const uint16_t half = reinterpret_cast<const uint16_t*>(
-        a.meta)[((((size_t)mt * a.steps + s) * 8 + g8) * 2 + c) * 2 + rh];
-    const uint32_t nib = (half >> (4 * t)) & 0xFu;
-    const uint32_t cols =
-        *reinterpret_cast<const uint32_t*>(a.columns + ((size_t)(row >> 6) * groups_padded + grp) * 4);
-    const int c0 = (int)((cols >> (8 * (nib & 3u))) & 0xFFu), c1 = (int)((cols >> (8 * (nib >> 2))) & 0xFFu);
-    const W* base = static_cast<const W*>(a.weight) + (size_t)row * a.stride_row;
-    const long col0 = (long)grp * a.m;
-    const bool keep0 = a.valid == nullptr || a.valid[(size_t)row * (2 * groups) + 2 * grp];
-    const bool keep1 = a.valid == nullptr || a.valid[(size_t)row * (2 * groups) + 2 * grp + 1];
-    if (keep0) v0 = __fadd_rn(load_f<W>(base + (col0 + c0) * a.stride_col), 0.0f);  // never -0.0
-    if (keep1) v1 = __fadd_rn(load_f<W>(base + (col0 + c1) * a.stride_col), 0.0f);
+  const W* base = static_cast<const W*>(a.weight) + (size_t)row * a.stride_row;
+  const uint16_t* meta16 = reinterpret_cast<const uint16_t*>(a.meta);
+  float v0[kValuesSteps], v1[kValuesSteps];
+#pragma unroll
+  for (int i = 0; i < kValuesSteps; ++i) {
+    const int s = s0 + i, grp = s * 8 + c * 4 + t;
+    v0[i] = 0.f;
+    v1[i] = 0.f;
+    if (s < a.steps && row < a.rows && grp < groups) {
+      const uint16_t half = meta16[((((size_t)mt * a.steps + s) * 8 + g8) * 2 + c) * 2 + rh];
+      const uint32_t nib = (half >> (4 * t)) & 0xFu;
+      const uint32_t cols =
+          *reinterpret_cast<const uint32_t*>(a.columns + ((size_t)(row >> 6) * groups_padded + grp) * 4);
+      const long col0 = (long)grp * a.m;
+      const long c0 = col0 + ((cols >> (8 * (nib & 3u))) & 0xFFu), c1 = col0 + ((cols >> (8 * (nib >> 2))) & 0xFFu);
+      const bool keep0 = a.valid == nullptr || a.valid[(size_t)row * (2 * groups) + 2 * grp];
+      const bool keep1 = a.valid == nullptr || a.valid[(size_t)row * (2 * groups) + 2 * grp + 1];
+      if (keep0) v0[i] = load_f<W>(base + c0 * a.stride_col);
+      if (keep1) v1[i] = load_f<W>(base + c1 * a.stride_col);
+    }
   }
-  T* values = static_cast<T*>(a.values);
-  reinterpret_cast<uint32_t*>(values)[blk * 128 + w] =
-      MmaType<T>::pack(MmaType<T>::from_float(v0), MmaType<T>::from_float(v1));
+  uint32_t* out = reinterpret_cast<uint32_t*>(a.values);
+#pragma unroll
+  for (int i = 0; i < kValuesSteps; ++i) {
+    const int s = s0 + i;
+    if (s < a.steps)  // -0.0 + 0.0 = +0.0: a slot is never -0.0
+      out[((size_t)mt * a.steps + s) * 128 + w] = MmaType<T>::pack(MmaType<T>::from_float(__fadd_rn(v0[i], 0.0f)),
+                                                                    MmaType<T>::from_float(__fadd_rn(v1[i], 0.0f)));
+  }
 }
 
 template <typename W, typename T>
 cudaError_t launch_values(const PackValuesArgs& a, cudaStream_t stream) {
-  const long blocks = (long)(a.rows_padded / 16) * a.steps;
+  const long blocks = (long)(a.rows_padded / 16) * ((a.steps + kValuesSteps - 1) / kValuesSteps);
   pack_values_kernel<W, T><<<(unsigned)blocks, 128, 0, stream>>>(a);
   return cudaGetLastError();
 }

@@ -171,7 +171,7 @@ def _kernel_forward(self: nn.Module, x: Tensor) -> Tensor:
     tokens = x.numel() // x.shape[-1] if x.shape[-1] else 0
     grad = torch.is_grad_enabled()
     key = (1 << max(0, tokens - 1).bit_length(), grad, dtype)
-    route = k.routes.get(key)
+    route = k.routes.get(key) if dispatch.backend_mode() == "auto" else _KERNEL
     if route is None and k.packed is not None and k.packed.dtype == dtype:
         route = k.decide(key, tokens, w.device, grad)
     if route == _DENSE:

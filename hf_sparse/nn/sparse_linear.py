@@ -27,7 +27,7 @@ from torch import Tensor, nn
 
 from ..formats.bitpack import unpack_bits
 from ..formats.compressed import compressed_shapes, decompress, mask_from_compressed, validate
-from ..ops import PackedWeight, pack_from_logical
+from ..ops import PackedWeight, dispatch, pack_from_logical
 from ..patterns import NM, Pattern, Unstructured, parse_pattern
 from .kernel_path import kernel_pattern
 
@@ -72,6 +72,7 @@ class SparseLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device)) if bias else None
         self._dense_cache: tuple[tuple, Tensor] | None = None
         self._packed_cache: tuple[tuple, PackedWeight] | None = None
+        self._routes: dict[tuple, str] = {}  # (token bucket, dtype) -> "dense" once the dispatcher measured dense
         vm = kernel_pattern(self.pattern)
         self._kernel_vm = vm if vm is not None and in_features % 8 == 0 and out_features % 8 == 0 else None
 
@@ -128,6 +129,7 @@ class SparseLinear(nn.Module):
     def _apply(self, fn, recurse=True):  # .to()/.half() invalidate the cached dense and packed weights
         self._dense_cache = None
         self._packed_cache = None
+        self._routes.clear()
         return super()._apply(fn, recurse)
 
     def _kernel_dtype(self, x: Tensor) -> torch.dtype | None:
@@ -144,9 +146,18 @@ class SparseLinear(nn.Module):
         dtype = self._kernel_dtype(x)
         if dtype is None:
             return F.linear(x, self.dense_weight(), self.bias)
-        from ..ops.dispatch import linear_forward
-
-        return linear_forward(x.to(dtype), self.dense_weight(), self.packed_weight(dtype), self.bias)
+        tokens = x.numel() // self.in_features
+        route_key = (1 << max(0, tokens - 1).bit_length(), dtype)
+        auto = dispatch.backend_mode() == "auto"
+        if auto and self._routes.get(route_key) == "dense":  # measured: dense cuBLAS wins; skip the dispatcher
+            return F.linear(x, self.dense_weight(), self.bias)
+        packed = self.packed_weight(dtype)
+        y = dispatch.linear_forward(x.to(dtype), self.dense_weight(), packed, self.bias)
+        if auto:
+            choice = dispatch.choice("fwd", tokens, packed, x.device)
+            if choice is not None:
+                self._routes[route_key] = "dense" if choice == "dense" else "kernel"
+        return y
 
     def extra_repr(self) -> str:
         return (

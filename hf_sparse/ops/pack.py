@@ -136,8 +136,25 @@ def repack(weight: Tensor, packed: PackedWeight, *, all_valid: bool = False) -> 
         raise ValueError(
             f"hf_sparse.repack: weight shape {tuple(weight.shape)} != packed shape {(packed.rows, packed.cols)}"
         )
+    weight = weight.detach()
+    if weight.is_cuda and not torch.compiler.is_compiling():
+        # hot path (every optimizer step, every layer): straight to the kernel, without the custom op's Python
+        # dispatch; the op below is the same call, kept for torch.compile and opcheck
+        from ._build import load_extension
+
+        values = load_extension().pack_values(
+            weight,
+            packed.meta,
+            packed.columns,
+            None if all_valid else packed.valid,
+            packed.rows,
+            packed.cols,
+            packed.m,
+            packed.dtype == torch.bfloat16,
+        )
+        return packed._replace(values=values)
     values = _pack_values_op(
-        weight.detach(),
+        weight,
         packed.meta,
         packed.columns,
         packed.valid,
