@@ -16,6 +16,7 @@
 #include "kernels.h"
 
 #include <algorithm>
+#include <type_traits>
 
 namespace hf_sparse {
 namespace {
@@ -223,7 +224,31 @@ cudaError_t dispatch_out(const PackArgs& a, cudaStream_t stream) {
 // issued before the stores, so each thread keeps 2 * kValuesSteps independent reads in flight.
 constexpr int kValuesSteps = 4;
 
-template <typename W, typename T>
+// Element j of a group of M values of type W held as raw 32-bit words (unrolled select: no local-memory indexing).
+template <typename W, int M> struct GroupWords { static constexpr int N = (M * (int)sizeof(W) + 3) / 4; };
+
+template <typename W, int M>
+__device__ __forceinline__ float pick_any(const uint32_t (&words)[GroupWords<W, M>::N], int j) {
+  float out = 0.f;
+#pragma unroll
+  for (int e = 0; e < M; ++e) {
+    if (e == j) {
+      if (sizeof(W) == 4) {
+        out = __uint_as_float(words[e]);
+      } else {
+        const unsigned short h = (unsigned short)(words[e / 2] >> (16 * (e & 1)));
+        if constexpr (std::is_same<W, __nv_bfloat16>::value) out = __bfloat162float(__ushort_as_bfloat16(h));
+        else out = __half2float(__ushort_as_half(h));
+      }
+    }
+  }
+  return out;
+}
+
+// VEC = M (4 or 8) when rows are contiguous and 16-byte aligned: each thread loads its whole group with vector loads
+// (8-32 bytes; the 32-byte sector is fetched anyway) and picks its two values in registers, instead of two scalar
+// loads that each touch a sector for 2-4 useful bytes. VEC = 0: scalar loads, any strides.
+template <typename W, typename T, int VEC>
 __global__ void __launch_bounds__(128) pack_values_kernel(PackValuesArgs a) {
   const int w = threadIdx.x;  // word within a fragment block: (g8, t, c, rh)
   const int rh = w & 1, c = (w >> 1) & 1, t = (w >> 2) & 3, g8 = w >> 4;
@@ -248,8 +273,30 @@ __global__ void __launch_bounds__(128) pack_values_kernel(PackValuesArgs a) {
       const long c0 = col0 + ((cols >> (8 * (nib & 3u))) & 0xFFu), c1 = col0 + ((cols >> (8 * (nib >> 2))) & 0xFFu);
       const bool keep0 = a.valid == nullptr || a.valid[(size_t)row * (2 * groups) + 2 * grp];
       const bool keep1 = a.valid == nullptr || a.valid[(size_t)row * (2 * groups) + 2 * grp + 1];
-      if (keep0) v0[i] = load_f<W>(base + c0 * a.stride_col);
-      if (keep1) v1[i] = load_f<W>(base + c1 * a.stride_col);
+      if constexpr (VEC > 0) {
+        constexpr int N = GroupWords<W, VEC>::N;
+        uint32_t words[N];
+        const W* g = base + col0;
+        if constexpr (N == 2) {
+          const uint2 q = *reinterpret_cast<const uint2*>(g);
+          words[0] = q.x;
+          words[1] = q.y;
+        } else {
+#pragma unroll
+          for (int h = 0; h < N / 4; ++h) {
+            const uint4 q = reinterpret_cast<const uint4*>(g)[h];
+            words[4 * h] = q.x;
+            words[4 * h + 1] = q.y;
+            words[4 * h + 2] = q.z;
+            words[4 * h + 3] = q.w;
+          }
+        }
+        if (keep0) v0[i] = pick_any<W, VEC>(words, (int)(c0 - col0));
+        if (keep1) v1[i] = pick_any<W, VEC>(words, (int)(c1 - col0));
+      } else {
+        if (keep0) v0[i] = load_f<W>(base + c0 * a.stride_col);
+        if (keep1) v1[i] = load_f<W>(base + c1 * a.stride_col);
+      }
     }
   }
   uint32_t* out = reinterpret_cast<uint32_t*>(a.values);
@@ -265,7 +312,12 @@ __global__ void __launch_bounds__(128) pack_values_kernel(PackValuesArgs a) {
 template <typename W, typename T>
 cudaError_t launch_values(const PackValuesArgs& a, cudaStream_t stream) {
   const long blocks = (long)(a.rows_padded / 16) * ((a.steps + kValuesSteps - 1) / kValuesSteps);
-  pack_values_kernel<W, T><<<(unsigned)blocks, 128, 0, stream>>>(a);
+  const size_t group_bytes = (size_t)a.m * sizeof(W);
+  const bool vec = a.stride_col == 1 && (a.m == 4 || a.m == 8) && reinterpret_cast<uintptr_t>(a.weight) % 16 == 0 &&
+                   ((size_t)a.stride_row * sizeof(W)) % std::min<size_t>(group_bytes, 16) == 0;
+  if (vec && a.m == 4) pack_values_kernel<W, T, 4><<<(unsigned)blocks, 128, 0, stream>>>(a);
+  else if (vec) pack_values_kernel<W, T, 8><<<(unsigned)blocks, 128, 0, stream>>>(a);
+  else pack_values_kernel<W, T, 0><<<(unsigned)blocks, 128, 0, stream>>>(a);
   return cudaGetLastError();
 }
 
