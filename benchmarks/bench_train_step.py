@@ -204,25 +204,6 @@ def train_section(args) -> None:
         print(f"| {pattern} | {density:.3f} | {bound:.3f}x | {total / (total - pruned_ms):.3f}x |")
 
 
-def graph_time(run, n: int) -> float:
-    """Median ms of replaying ``run`` captured in a CUDA graph (warmed up first, so every choice is cached)."""
-    try:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(3):
-                run()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            run()
-        graph.replay()
-        return time_steps(graph.replay, n)
-    except Exception as exc:  # report, never hide
-        print(f"  CUDA graph capture failed: {exc}")
-        return float("nan")
-
-
 def inference_section(args) -> None:
     print("\n### Inference forward of a from_pretrained-loaded checkpoint, batch 16 x 512, bf16 (ms)\n")
     print("| model | forward | x dense |")
@@ -257,7 +238,6 @@ def inference_section(args) -> None:
         host = (time.perf_counter() - start) / args.steps * 1e3
         torch.cuda.synchronize()
         print(f"  {name}: host time to launch one forward {host:.2f} ms")
-    graphs = {name: graph_time(fwd(m), args.steps) for name, m in models}
     to_dense(loaded)
     run = fwd(loaded)
     for _ in range(3):
@@ -265,12 +245,6 @@ def inference_section(args) -> None:
     results[f"loaded {args.inference_pattern}, then hf_sparse.to_dense"] = time_steps(run, args.steps)
     base = next(iter(results.values()))
     for name, ms in results.items():
-        print(f"| {name} | {ms:.2f} | {base / ms:.3f} |")
-    base = next(iter(graphs.values()))
-    print("\nSame forwards replayed from a CUDA graph (no Python in the timed region: GPU time only):\n")
-    print("| model | forward (graph) | x dense |")
-    print("|---|---|---|")
-    for name, ms in graphs.items():
         print(f"| {name} | {ms:.2f} | {base / ms:.3f} |")
 
 

@@ -18,10 +18,11 @@ A layer is kernel-ready when it is on a CUDA device, its pattern is 2:4 or V:2:M
 weight's own if it is bf16/fp16; an fp32 forward without autocast keeps the dense path (Sparse Tensor Cores have
 no fp32 mode).
 
-Never slower than dense by construction: the dispatcher (:mod:`hf_sparse.ops.dispatch`) measures once per shape
-which backend is fastest for the forward, the weight gradient and (transposable 2:4) the input gradient. When it
-picks dense cuBLAS for all of them, this layer goes back to its own dense forward for that token count (one dict
-lookup per call decides), so neither the repack nor the extra Python of the autograd function is paid.
+Never slower than the masked dense path it replaces, by construction: the dispatcher (:mod:`hf_sparse.ops.dispatch`)
+measures once per shape which backend is fastest for the forward, the weight gradient and (transposable 2:4) the
+input gradient. When it picks dense cuBLAS for all of them, this layer goes back to its own dense forward for that
+token count (one dict lookup per call decides), so neither the repack nor the extra Python of the autograd function
+is paid. (On the H200 at BERT-large shapes that is every layer today: ``benchmarks/RESULTS.md``.)
 
 Masks are read from the pruner on every refresh: a mask the pruner replaces (resume, best-model restore, dynamic
 updates) triggers a full pack, never a stale one.
