@@ -170,3 +170,27 @@ def test_sparse_trainer_adds_the_switch_unless_never(tmp_path):
         sparsity_config=SparsityConfig(**cfg, kernels="never"),
     )
     assert not any(isinstance(cb, _KernelPathSwitch) for cb in never.callback_handler.callbacks)
+
+
+def test_gpt2_conv1d_layers_take_the_path_with_their_transposed_weight():
+    torch.manual_seed(4)
+    model = AutoModelForSequenceClassification.from_config(tiny_config("gpt2"))
+    twin = AutoModelForSequenceClassification.from_config(tiny_config("gpt2"))
+    twin.load_state_dict(model.state_dict())
+    pruner, twin_pruner = prune_now(model, "64:2:8"), prune_now(twin, "64:2:8")
+    switched = enable_kernel_path(model, pruner, allow_cpu=True)
+    assert len(switched) == 8 and all(layer.transposed for layer in pruner.layers)
+    ids = random_ids(2, 10, seed=6)
+    outs = []
+    for m in (model, twin):
+        m.eval()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = m(input_ids=ids).logits
+        logits.float().square().sum().backward()
+        outs.append(logits.float())
+    assert float((outs[0] - outs[1]).norm() / outs[1].norm()) < 2e-2
+    for layer, ref in zip(pruner.layers, twin_pruner.layers, strict=True):
+        grad, ref_grad = layer.module.weight.grad, ref.module.weight.grad  # Conv1D: stored (in, out)
+        assert grad.shape == ref_grad.shape
+        assert torch.count_nonzero(grad.T[~pruner.masks[layer.name]]) == 0
+        assert float((grad - ref_grad).norm() / ref_grad.norm()) < 5e-2, layer.name

@@ -112,12 +112,12 @@ class _LayerKernel:
         mask = self.pruner.masks[self.name]
         if mask is None:
             raise RuntimeError(f"hf_sparse: layer {self.name} is on the kernel path but the pruner has no mask for it")
-        mkey = (id(mask), mask._version, dtype)
-        if wkey == self._weight_key and mkey == self._mask_key:
+        mkey = (mask, mask._version, dtype)  # the mask itself, not its id: a freed mask's id can be reused
+        if wkey == self._weight_key and self._same_mask(mkey):
             return
         with torch.no_grad():
             lp = w.detach().to(dtype)
-            if mkey != self._mask_key or self.packed is None:
+            if not self._same_mask(mkey) or self.packed is None:
                 self.packed = pack(lp.contiguous(), mask, self.v, self.m, dtype)
                 self.all_valid = bool(self.packed.valid.all())
                 if self.transposable:
@@ -131,6 +131,10 @@ class _LayerKernel:
                     self.packed_t = repack(lp.t(), self.packed_t, all_valid=self.all_valid)
         self.lp = lp
         self._weight_key = wkey
+
+    def _same_mask(self, mkey: tuple) -> bool:
+        old = self._mask_key
+        return old is not None and old[0] is mkey[0] and old[1:] == mkey[1:]
 
     def decide(self, key: tuple, tokens: int, device: torch.device, grad: bool) -> str | None:
         """Dense route if the dispatcher measured dense as fastest for every part of this call shape."""
