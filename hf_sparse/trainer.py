@@ -12,7 +12,7 @@ from transformers import Trainer, TrainerCallback
 from .callback import SparsityCallback
 from .config import SparsityConfig
 from .modeling import unwrap_model
-from .nn.kernel_path import disable_kernel_path, enable_kernel_path
+from .nn.kernel_path import disable_kernel_path, enable_kernel_path, masks_final
 from .pruner import Pruner
 from .serialization import save_pretrained
 
@@ -32,7 +32,7 @@ class _KernelPathSwitch(TrainerCallback):
 
     def on_step_begin(self, args, state, control, model=None, **kwargs):
         pruner = self.sparsity_callback.pruner
-        if not self.engaged and model is not None and pruner is not None and pruner.is_final:
+        if not self.engaged and model is not None and pruner is not None and masks_final(pruner):
             self.layers = enable_kernel_path(unwrap_model(model), pruner)
             self.engaged = True
 

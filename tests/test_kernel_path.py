@@ -194,3 +194,20 @@ def test_gpt2_conv1d_layers_take_the_path_with_their_transposed_weight():
         assert grad.shape == ref_grad.shape
         assert torch.count_nonzero(grad.T[~pruner.masks[layer.name]]) == 0
         assert float((grad - ref_grad).norm() / ref_grad.norm()) < 5e-2, layer.name
+
+
+def test_dynamic_masks_and_foreign_forwards_are_left_alone():
+    import types
+
+    model = _model(seed=2)
+    pruner = prune_now(model, "64:2:8")
+    pruner.masks_final = False  # what a dynamic-mask pruner reports: final pattern, masks still moving
+    assert enable_kernel_path(model, pruner, allow_cpu=True) == []
+    del pruner.masks_final
+    first = model.get_submodule(pruner.layers[0].name)
+    foreign = types.MethodType(lambda self, x: torch.nn.functional.linear(x, self.weight, self.bias), first)
+    first.forward = foreign  # e.g. a straight-through masked forward installed by someone else
+    switched = enable_kernel_path(model, pruner, allow_cpu=True)
+    assert pruner.layers[0].name not in switched and len(switched) == 11
+    assert disable_kernel_path(model) == 11
+    assert first.__dict__["forward"] is foreign

@@ -48,7 +48,7 @@ from .sparse_matmul import sparse_linear
 if TYPE_CHECKING:
     from ..pruner import Pruner
 
-__all__ = ["disable_kernel_path", "enable_kernel_path", "kernel_path_layers", "kernel_pattern"]
+__all__ = ["disable_kernel_path", "enable_kernel_path", "kernel_path_layers", "kernel_pattern", "masks_final"]
 
 logger = logging.getLogger(__name__)
 
@@ -188,12 +188,12 @@ def _kernel_forward(self: nn.Module, x: Tensor) -> Tensor:
 def enable_kernel_path(model: nn.Module, pruner: Pruner, *, allow_cpu: bool = False) -> list[str]:
     """Route the pruner's kernel-ready layers through the sparse kernels; returns the names of the layers switched.
 
-    Call once the masks are final (``pruner.is_final``); earlier, nothing is switched. Layers that cannot run on
+    Call once the masks are final and static (:func:`masks_final`); earlier, nothing is switched. Layers that cannot run on
     the kernels (CPU, a pattern without a kernel, odd shapes) keep their dense forward; with no CUDA GPU this is a
     no-op. ``allow_cpu`` runs the path on CPU with the ops' reference implementations (tests only: slow).
     ``model`` is the model the pruner was built on (only used to check the pruner's layers belong to it).
     """
-    if not pruner.is_final:
+    if not masks_final(pruner):
         return []
     if not allow_cpu:
         if not torch.cuda.is_available():
@@ -216,6 +216,9 @@ def enable_kernel_path(model: nn.Module, pruner: Pruner, *, allow_cpu: bool = Fa
         if _ATTR in module.__dict__:
             switched.append(layer.name)
             continue
+        if "forward" in module.__dict__:  # another per-instance forward (e.g. a dynamic-mask one): leave it alone
+            skipped.append(f"{layer.name} (its forward is already replaced)")
+            continue
         reason = _why_not(layer.weight, pattern, allow_cpu)
         if reason is not None:
             skipped.append(f"{layer.name} ({reason})")
@@ -236,9 +239,23 @@ def disable_kernel_path(model: nn.Module) -> int:
     count = 0
     for module in model.modules():
         if module.__dict__.pop(_ATTR, None) is not None:
-            module.__dict__.pop("forward", None)
+            forward = module.__dict__.get("forward")
+            if getattr(forward, "__func__", None) is _kernel_forward:
+                del module.__dict__["forward"]
             count += 1
     return count
+
+
+def masks_final(pruner: Pruner) -> bool:
+    """Whether the pruner's masks are final and will not move again (static masks at the final pattern).
+
+    Uses ``Pruner.masks_final`` where the pruner has it (dynamic-mask pruners: final only when not dynamic), else
+    ``Pruner.is_final``.
+    """
+    final = getattr(pruner, "masks_final", None)
+    if final is None:
+        return pruner.is_final
+    return bool(final() if callable(final) else final)
 
 
 def kernel_path_layers(model: nn.Module) -> list[str]:
