@@ -1,7 +1,8 @@
 """BERT-large training step, dense vs SparseTrainer's kernel path, with a CUDA-time breakdown; plus inference of a
 ``from_pretrained``-loaded compressed checkpoint. All in one run; prints markdown tables.
 
-    python benchmarks/bench_train_step.py [--patterns 2:4T 64:2:8 64:2:16] [--steps 10] [--masked-dense] [--no-inference]
+    python benchmarks/bench_train_step.py [--patterns 2:4T 64:2:8 64:2:16] [--steps 10] [--masked-dense]
+                                          [--no-inference]
 
 Model: ``BertForMaskedLM`` built from ``BertConfig`` (24 layers, hidden 1024, 16 heads, FFN 4096, vocab 30522; no
 download), batch 16 x 512 random tokens, fp32 master weights, bf16 autocast, fused AdamW, SDPA attention.

@@ -188,10 +188,11 @@ def _kernel_forward(self: nn.Module, x: Tensor) -> Tensor:
 def enable_kernel_path(model: nn.Module, pruner: Pruner, *, allow_cpu: bool = False) -> list[str]:
     """Route the pruner's kernel-ready layers through the sparse kernels; returns the names of the layers switched.
 
-    Call once the masks are final and static (:func:`masks_final`); earlier, nothing is switched. Layers that cannot run on
-    the kernels (CPU, a pattern without a kernel, odd shapes) keep their dense forward; with no CUDA GPU this is a
-    no-op. ``allow_cpu`` runs the path on CPU with the ops' reference implementations (tests only: slow).
-    ``model`` is the model the pruner was built on (only used to check the pruner's layers belong to it).
+    Call once the masks are final and static (:func:`masks_final`); earlier, nothing is switched. Layers that cannot
+    run on the kernels (CPU, a pattern without a kernel, odd shapes, a forward someone else replaced) keep their own
+    forward; with no CUDA GPU this is a no-op. ``allow_cpu`` runs the path on CPU with the ops' reference
+    implementations (tests only: slow). ``model`` is the model the pruner was built on (only used to check that the
+    pruner's layers belong to it).
     """
     if not masks_final(pruner):
         return []
