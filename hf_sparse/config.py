@@ -56,6 +56,9 @@ class SparsityConfig:
             :func:`hf_sparse.scoring.register_score`.
         transposable: make 2:4 masks valid for ``W`` and ``W.T`` (exact search over the 90 patterns per 4x4 block).
         global_unstructured: rank unstructured importance across all targeted layers instead of per layer.
+        kernels: ``"auto"``: once the masks are final, :class:`~hf_sparse.SparseTrainer` runs kernel-ready layers
+            (CUDA, 2:4 or V:2:M) on the Sparse Tensor Core kernels wherever they measure faster than dense;
+            ``"never"``: always the dense masked path.
     """
 
     pattern: str = "2:4"
@@ -68,6 +71,7 @@ class SparsityConfig:
     score: str = "magnitude"
     transposable: bool = False
     global_unstructured: bool = False
+    kernels: Literal["auto", "never"] = "auto"
     hf_sparse_version: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
@@ -111,6 +115,8 @@ class SparsityConfig:
             raise ValueError(
                 f"SparsityConfig.global_unstructured=True needs an 'unstructured:S' pattern, got {self.pattern!r}"
             )
+        if self.kernels not in ("auto", "never"):
+            raise ValueError(f"SparsityConfig.kernels={self.kernels!r}: allowed 'auto' or 'never'")
         if not self.hf_sparse_version:
             self.hf_sparse_version = __version__
 

@@ -8,18 +8,40 @@ import warnings
 from typing import Any
 
 import torch
-from transformers import Trainer
+from transformers import Trainer, TrainerCallback
 
 from .callback import SparsityCallback
 from .config import SparsityConfig
 from .distributed import has_sharded_parameters, is_main_process
 from .modeling import unwrap_model
+from .nn.kernel_path import disable_kernel_path, enable_kernel_path, masks_final
 from .pruner import Pruner
 from .serialization import save_pretrained
 
 __all__ = ["SparseTrainer"]
 
 logger = logging.getLogger(__name__)
+
+
+class _KernelPathSwitch(TrainerCallback):
+    """Puts the pruned layers on the sparse kernels at the first step whose masks are final (runs after the
+    sparsity callback's mask update), and gives them their dense forward back when training ends."""
+
+    def __init__(self, sparsity_callback: SparsityCallback) -> None:
+        self.sparsity_callback = sparsity_callback
+        self.engaged = False
+        self.layers: list[str] = []  # the layers switched (empty without a GPU)
+
+    def on_step_begin(self, args, state, control, model=None, **kwargs):
+        pruner = self.sparsity_callback.pruner
+        if not self.engaged and model is not None and pruner is not None and masks_final(pruner):
+            self.layers = enable_kernel_path(unwrap_model(model), pruner)
+            self.engaged = True
+
+    def on_train_end(self, args, state, control, model=None, **kwargs):
+        if model is not None:
+            disable_kernel_path(unwrap_model(model))
+        self.engaged = False
 
 
 class SparseTrainer(Trainer):
@@ -32,7 +54,9 @@ class SparseTrainer(Trainer):
     * writes ``save_model`` output in the compressed hf_sparse format (``quantization_config`` in ``config.json``),
       while the ``checkpoint-N`` folders written for resuming stay dense with the masks beside them, so
       ``train(resume_from_checkpoint=...)`` restores weights, optimizer and masks exactly;
-    * restores the pruner state from the checkpoint it resumes from.
+    * restores the pruner state from the checkpoint it resumes from;
+    * once the masks are final, runs kernel-ready layers on the Sparse Tensor Core kernels
+      (:mod:`hf_sparse.nn.kernel_path`; ``SparsityConfig.kernels="never"`` turns this off).
 
     ``sparsity_config=None`` trains like ``Trainer`` (useful to fine-tune a model loaded from an hf_sparse
     checkpoint: its :class:`~hf_sparse.nn.SparseLinear` layers keep their pattern by construction).
@@ -71,6 +95,8 @@ class SparseTrainer(Trainer):
             self.sparsity_callback = SparsityCallback(sparsity_config)
             self.sparsity_callback.adds_metrics_to_logs = False
             callbacks.append(self.sparsity_callback)
+            if sparsity_config.kernels == "auto":
+                callbacks.append(_KernelPathSwitch(self.sparsity_callback))
         super().__init__(*args, callbacks=callbacks, **kwargs)
         if self.sparsity_callback is not None:
             # find targets now, so a bad config fails before training starts
