@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from hf_sparse.masks import nm_mask, vnm_mask
-from hf_sparse.ops import dispatch, pack, sddmm, spmm
+from hf_sparse.ops import dispatch, pack, repack, sddmm, spmm
 
 SHAPES = [(768, 3072), (3072, 768), (1024, 4096), (4096, 1024), (4096, 11008), (11008, 4096)]  # (in, out)
 PATTERNS = ["2:4", "64:2:8", "64:2:16", "64:2:32", "128:2:8"]
@@ -54,11 +54,12 @@ def cslt_times(w_sparse: torch.Tensor, x: torch.Tensor) -> tuple[float, float]:
 
 
 def train_section(tokens: int) -> None:
-    """One layer's training step (fwd + bwd, and the repack after the optimizer step) through sparse_linear with the
-    dispatcher, against dense F.linear under bf16 autocast; the master weight is fp32 in both."""
+    """One layer's training step (fwd + bwd, and the per-step refresh = bf16 cast + values repack, as the kernel path
+    does it) through sparse_linear with the dispatcher and the step's bf16 copy (weight_lp), against dense F.linear
+    under bf16 autocast (whose time includes its own weight cast); the master weight is fp32 in both."""
     from hf_sparse.nn.sparse_matmul import sparse_linear
 
-    print(f"# layer fwd+bwd(+pack), {tokens} tokens, fp32 master, bf16 compute; ratio = dense / sparse path")
+    print(f"# layer fwd+bwd(+cast+repack), {tokens} tokens, fp32 master, bf16 compute; ratio = dense / sparse path")
     print(f"{'in->out':>12} {'pattern':>8} {'dense':>7} {'sparse':>7} {'+pack':>7} {'ratio':>6} {'ratio+pack':>10}")
     for k, r in SHAPES:
         x = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -76,14 +77,18 @@ def train_section(tokens: int) -> None:
             mask = nm_mask(w.detach().abs(), 2, 4) if m == 4 else vnm_mask(w.detach().abs(), v, 2, m)
             with torch.no_grad():
                 w.mul_(mask)
-            p = pack(w.detach(), mask, v, m, torch.bfloat16)
+            lp = w.detach().bfloat16()
+            p = pack(lp, mask, v, m, torch.bfloat16)
 
             def sparse_step():
-                sparse_linear(x, w, p).backward(g)
+                sparse_linear(x, w, p, weight_lp=lp).backward(g)
+
+            def refresh():  # what the kernel path does once per optimizer step: the cast, then the values repack
+                repack(w.detach().to(torch.bfloat16), p, all_valid=True)
 
             sparse_step()  # lets the dispatcher measure once
             t_sparse = bench(sparse_step)
-            t_pack = bench(lambda: pack(w.detach(), mask, v, m, torch.bfloat16, validate=False))
+            t_pack = bench(refresh)
             print(
                 f"{f'{k}->{r}':>12} {pat:>8} {t_dense:7.4f} {t_sparse:7.4f} {t_pack:7.4f} "
                 f"{t_dense / t_sparse:6.2f} {t_dense / (t_sparse + t_pack):10.2f}",
@@ -107,7 +112,7 @@ def main() -> int:
     hdr = (
         f"{'tokens':>6} {'in->out':>12} {'pattern':>8} {'dense':>7} {'cslt':>7} {'csltT':>7} {'ours':>7} "
         f"{'xDense':>6} {'xCslt':>6} {'xCsltT':>6} | {'dWgemm':>7} {'sddmm':>7} {'xDW':>5} | {'pack':>6} {'%gemm':>5}"
-        f" | {'xAuto':>5} choice"
+        f" | {'repack':>6} {'%gemm':>5} {'rp_lp':>6} {'%gemm':>5} {'cast':>6} | {'xAuto':>5} choice"
     )
     print(hdr)
     for tokens in args.tokens:
@@ -132,6 +137,11 @@ def main() -> int:
                 t_c0, t_c1 = cslt_times(wm.bfloat16(), x) if m == 4 else (float("nan"), float("nan"))
                 t_sd = float("nan") if args.no_sddmm else bench(lambda: sddmm(dy, x, p))
                 t_pack = bench(lambda: pack(wm, mask, v, m, torch.bfloat16, validate=False))
+                all_valid = bool(p.valid.all())
+                t_repack = bench(lambda: repack(wm, p, all_valid=all_valid))  # per-step repack, fp32 master
+                wm_lp = wm.bfloat16()
+                t_repack_lp = bench(lambda: repack(wm_lp, p, all_valid=all_valid))  # from the step's bf16 cast
+                t_cast = bench(lambda: wm.to(torch.bfloat16))
                 dispatch.linear_forward(x, wm, p, None)  # measures once and caches the choice
                 t_auto = bench(lambda: dispatch.linear_forward(x, wm, p, None))
                 choice = dispatch.choices().get(
@@ -154,6 +164,11 @@ def main() -> int:
                     x_dw=t_dw / t_sd,
                     pack=t_pack,
                     pack_pct=100 * t_pack / t_dense,
+                    repack=t_repack,
+                    repack_pct=100 * t_repack / t_dense,
+                    repack_bf16=t_repack_lp,
+                    repack_bf16_pct=100 * t_repack_lp / t_dense,
+                    cast=t_cast,
                     err=err,
                     auto=t_auto,
                     auto_choice=choice,
@@ -163,6 +178,8 @@ def main() -> int:
                     f"{tokens:>6} {f'{k}->{r}':>12} {pat:>8} {t_dense:7.4f} {t_c0:7.4f} {t_c1:7.4f} {t_ours:7.4f} "
                     f"{row['x_dense']:6.2f} {row['x_cslt']:6.2f} {row['x_cslt_tuned']:6.2f} | {t_dw:7.4f} "
                     f"{t_sd:7.4f} {row['x_dw']:5.2f} | {t_pack:6.4f} {row['pack_pct']:5.1f} | "
+                    f"{t_repack:6.4f} {row['repack_pct']:5.1f} {t_repack_lp:6.4f} {row['repack_bf16_pct']:5.1f} "
+                    f"{t_cast:6.4f} | "
                     f"{t_dense / t_auto:5.2f} {choice}",
                     flush=True,
                 )

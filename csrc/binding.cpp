@@ -169,6 +169,50 @@ std::vector<at::Tensor> pack(const at::Tensor& weight, const at::Tensor& mask, i
   return {values, meta, columns, valid, error};
 }
 
+at::Tensor pack_values(const at::Tensor& weight, const at::Tensor& meta, const at::Tensor& columns,
+                       const c10::optional<at::Tensor>& valid, int64_t rows, int64_t k, int64_t m, bool out_bf16) {
+  const char* op = "pack_values";
+  const auto wd = weight.scalar_type();
+  TORCH_CHECK(wd == at::kFloat || wd == at::kBFloat16 || wd == at::kHalf,
+              "hf_sparse.pack_values: weight must be float32, bfloat16 or float16, got ", wd);
+  TORCH_CHECK(weight.is_cuda() && weight.dim() == 2, "hf_sparse.pack_values: weight must be a 2-D CUDA tensor");
+  TORCH_CHECK(weight.size(0) == rows && weight.size(1) == k, "hf_sparse.pack_values: weight has shape ",
+              weight.sizes(), ", the packed weight is ", rows, "x", k);
+  check_tensor(meta, op, "packed.meta", at::kInt, 3);
+  check_tensor(columns, op, "packed.columns", at::kByte, 3);
+  TORCH_CHECK(m == 4 || m == 8 || m == 16 || m == 32 || m == 64 || m == 128, "hf_sparse.pack_values: m=", m,
+              " unsupported");
+  const int64_t steps = (k / m + 7) / 8, rp = (rows + 63) / 64 * 64;
+  TORCH_CHECK(k % m == 0 && meta.size(0) == rp / 16 && meta.size(1) == steps && meta.size(2) == 16 &&
+                  columns.size(0) == rp / 64 && columns.size(1) == steps * 8,
+              "hf_sparse.pack_values: packed tensors do not match a ", rows, "x", k, " weight with m=", m,
+              "; build them with hf_sparse.ops.pack");
+  if (valid.has_value()) {
+    check_tensor(*valid, op, "packed.valid", at::kBool, 2);
+    TORCH_CHECK(valid->size(0) == rows && valid->size(1) == 2 * (k / m), "hf_sparse.pack_values: packed.valid has ",
+                "shape ", valid->sizes(), ", expected (", rows, ", ", 2 * (k / m), ")");
+  }
+  c10::cuda::CUDAGuard guard(weight.device());
+  auto values = at::empty({rp / 16, steps, 32, 8}, weight.options().dtype(out_bf16 ? at::kBFloat16 : at::kHalf));
+  hf_sparse::PackValuesArgs a;
+  a.weight = weight.data_ptr();
+  a.weight_dtype = wd == at::kFloat ? 0 : (wd == at::kBFloat16 ? 1 : 2);
+  a.stride_row = weight.stride(0);
+  a.stride_col = weight.stride(1);
+  a.meta = reinterpret_cast<const uint32_t*>(meta.data_ptr<int>());
+  a.columns = columns.data_ptr<uint8_t>();
+  a.valid = valid.has_value() ? valid->data_ptr<bool>() : nullptr;
+  a.values = values.data_ptr();
+  a.rows = (int)rows;
+  a.rows_padded = (int)rp;
+  a.k = (int)k;
+  a.m = (int)m;
+  a.steps = (int)steps;
+  a.out_bf16 = out_bf16;
+  check_cuda(hf_sparse::pack_values(a, c10::cuda::getCurrentCUDAStream().stream()), op);
+  return values;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
@@ -176,4 +220,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("spmm", &spmm, "Y = X W^T (+bias), W packed V:2:M");
   mod.def("sddmm", &sddmm, "dW at kept positions, fp32, logical order (R, 2G)");
   mod.def("pack", &pack, "dense masked weight + mask -> packed (values, meta, columns, valid, error flag)");
+  mod.def("pack_values", &pack_values, "new packed values from a masked weight (any strides), mask layout reused");
 }

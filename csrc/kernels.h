@@ -45,4 +45,17 @@ struct PackArgs {
 };
 cudaError_t pack(const PackArgs& args, cudaStream_t stream);
 
+struct PackValuesArgs {
+  const void* weight;     // (rows, k) masked master, fp32 / bf16 / fp16, element (r, c) at r*stride_row + c*stride_col
+  int weight_dtype;       // 0 fp32, 1 bf16, 2 fp16
+  long stride_row, stride_col;
+  const uint32_t* meta;   // (rows_padded/16, steps, 16) from pack()
+  const uint8_t* columns; // (rows_padded/64, steps*8, 4) from pack()
+  const bool* valid;      // (rows, 2 * groups) from pack(), or nullptr when every slot is kept
+  void* values;           // out: (rows_padded/16, steps, 32, 8) compute dtype
+  int rows, rows_padded, k, m, steps;
+  bool out_bf16;
+};
+cudaError_t pack_values(const PackValuesArgs& args, cudaStream_t stream);
+
 }  // namespace hf_sparse

@@ -25,7 +25,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # sparse_args.py next to this script
 
 from sparse_args import (  # noqa: E402
+    distillation_kwargs,
     parse_args_and_setup,
+    per_batch_mean_loss,
     trainer_class,
     write_card,
 )
@@ -221,7 +223,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     from hf_sparse.hub import dense_weight_bytes
     from hf_sparse.metrics import accuracy, glue_metrics, pearson, spearman
 
-    model_args, data_args, training_args, sparsity_config = parse_args_and_setup(
+    model_args, data_args, training_args, sparsity_config, distill_args = parse_args_and_setup(
         ModelArguments, DataTrainingArguments, argv, logger
     )
     sparse = sparsity_config is not None
@@ -286,6 +288,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         trust_remote_code=model_args.trust_remote_code,
         ignore_mismatched_sizes=model_args.ignore_mismatched_sizes,
     )
+    per_batch_mean_loss(model)
     dense_bytes = dense_weight_bytes(model)
     label_to_id = None
     if task is None and not is_regression:
@@ -356,6 +359,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         )
 
     trainer_kwargs = {"sparsity_config": sparsity_config} if sparse else {}
+    trainer_kwargs.update(
+        distillation_kwargs(distill_args, AutoModelForSequenceClassification, model_args.dtype, sparse)
+    )
     trainer = trainer_class(sparse)(
         model=model,
         args=training_args,

@@ -24,7 +24,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # sparse_args.py and utils_qa.py next to this script
 
 from sparse_args import (  # noqa: E402
+    distillation_kwargs,
     parse_args_and_setup,
+    per_batch_mean_loss,
     trainer_class,
     write_card,
 )
@@ -253,7 +255,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     from hf_sparse.hub import dense_weight_bytes
     from hf_sparse.metrics import squad_metrics, squad_v2_metrics
 
-    model_args, data_args, training_args, sparsity_config = parse_args_and_setup(
+    model_args, data_args, training_args, sparsity_config, distill_args = parse_args_and_setup(
         ModelArguments, DataTrainingArguments, argv, logger
     )
     sparse = sparsity_config is not None
@@ -292,6 +294,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         token=model_args.token,
         trust_remote_code=model_args.trust_remote_code,
     )
+    per_batch_mean_loss(model)
     dense_bytes = dense_weight_bytes(model)
 
     if data_args.max_seq_length > tokenizer.model_max_length:
@@ -370,6 +373,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     base = trainer_class(sparse)
     qa_trainer_cls = type(f"QuestionAnswering{base.__name__}", (QuestionAnsweringMixin, base), {})
     trainer_kwargs = {"sparsity_config": sparsity_config} if sparse else {}
+    trainer_kwargs.update(distillation_kwargs(distill_args, AutoModelForQuestionAnswering, model_args.dtype, sparse))
     trainer = qa_trainer_cls(
         model=model,
         args=training_args,

@@ -18,9 +18,12 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "DistillationArguments",
     "SparsityArguments",
     "build_sparsity_config",
+    "distillation_kwargs",
     "load_recipe",
+    "per_batch_mean_loss",
     "sparsity_config_kwargs",
     "trainer_class",
     "write_card",
@@ -113,6 +116,38 @@ class SparsityArguments:
     )
 
 
+@dataclass
+class DistillationArguments:
+    """Distillation from a dense teacher fine-tuned on the same task (``hf_sparse.SparseTrainer(teacher_model=...)``)."""
+
+    distill_from: str | None = field(
+        default=None,
+        metadata={"help": "Folder of a dense model fine-tuned on this task (same head and tokenizer): the teacher."},
+    )
+    distill_alpha: float = field(
+        default=0.5, metadata={"help": "Weight of the distillation loss: (1 - a) * task loss + a * KD loss."}
+    )
+    distill_temperature: float = field(default=2.0, metadata={"help": "Softmax temperature of the KD loss."})
+
+
+def distillation_kwargs(args: DistillationArguments, auto_cls, dtype: Any, sparse: bool) -> dict[str, Any]:
+    """``SparseTrainer`` keyword arguments for ``--distill_from`` (empty without it). The teacher is loaded with
+    ``auto_cls.from_pretrained`` in the student's dtype."""
+    if args.distill_from is None:
+        return {}
+    if not sparse:
+        raise ValueError(
+            "--distill_from needs a sparse run (--sparsity_pattern or --recipe): it is a SparseTrainer option"
+        )
+    teacher = auto_cls.from_pretrained(args.distill_from, dtype=dtype)
+    logger.info("distilling from %s (alpha %s, T %s)", args.distill_from, args.distill_alpha, args.distill_temperature)
+    return {
+        "teacher_model": teacher,
+        "distill_alpha": args.distill_alpha,
+        "distill_temperature": args.distill_temperature,
+    }
+
+
 def _parse_point(value: Any) -> Any:
     """'0.1' -> 0.1 (a fraction of training), '100' -> 100 (a step); numbers from a recipe pass through."""
     if not isinstance(value, str):
@@ -185,8 +220,8 @@ def parse_args_and_setup(model_cls, data_cls, argv: list[str] | None, logger: lo
     """The start both example scripts share: parse the four argument groups (from argv, or from a single JSON/YAML
     file of all arguments, as the Transformers examples do), set up logging, build the sparsity config, seed.
 
-    Returns ``(model_args, data_args, training_args, sparsity_config)``; ``sparsity_config`` is ``None`` for a dense
-    run.
+    Returns ``(model_args, data_args, training_args, sparsity_config, distill_args)``; ``sparsity_config`` is
+    ``None`` for a dense run.
     """
     import sys
 
@@ -194,13 +229,13 @@ def parse_args_and_setup(model_cls, data_cls, argv: list[str] | None, logger: lo
     import transformers
     from transformers import HfArgumentParser, TrainingArguments, set_seed
 
-    parser = HfArgumentParser((model_cls, data_cls, TrainingArguments, SparsityArguments))
+    parser = HfArgumentParser((model_cls, data_cls, TrainingArguments, SparsityArguments, DistillationArguments))
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) == 1 and argv[0].endswith((".json", ".yaml", ".yml")):
         loader = parser.parse_json_file if argv[0].endswith(".json") else parser.parse_yaml_file
-        model_args, data_args, training_args, sparse_args = loader(os.path.abspath(argv[0]))
+        model_args, data_args, training_args, sparse_args, distill_args = loader(os.path.abspath(argv[0]))
     else:
-        model_args, data_args, training_args, sparse_args = parser.parse_args_into_dataclasses(args=argv)
+        model_args, data_args, training_args, sparse_args, distill_args = parser.parse_args_into_dataclasses(args=argv)
 
     logging.basicConfig(
         format="%(asctime)s - %(levelname)s - %(name)s - %(message)s", handlers=[logging.StreamHandler(sys.stdout)]
@@ -213,7 +248,22 @@ def parse_args_and_setup(model_cls, data_cls, argv: list[str] | None, logger: lo
     sparsity_config = build_sparsity_config(sparsity_kwargs) if sparsity_kwargs is not None else None
     logger.info("sparsity: %s", sparsity_kwargs or "none (dense run)")
     set_seed(training_args.seed)
-    return model_args, data_args, training_args, sparsity_config
+    return model_args, data_args, training_args, sparsity_config, distill_args
+
+
+def per_batch_mean_loss(model):
+    """Tell ``Trainer`` that this model's loss is a per-batch mean, so it scales for gradient accumulation and for
+    several processes itself.
+
+    Sequence-classification and QA heads of the BERT family take ``**kwargs`` in ``forward``, so ``Trainer``
+    (transformers 5) assumes they normalise by ``num_items_in_batch``; they do not (they average over the batch).
+    ``Trainer`` then skips its division by the accumulation steps and multiplies the loss by the number of processes
+    (``average_tokens_across_devices``): gradients come out ``k``-fold too large with ``k`` accumulation steps and
+    doubled on two GPUs, which changes what gradient clipping does. ``accepts_loss_kwargs = False`` is the switch
+    ``Trainer`` reads.
+    """
+    model.accepts_loss_kwargs = False
+    return model
 
 
 def trainer_class(sparse: bool):

@@ -2,8 +2,9 @@
 
 Event by event:
 
-* ``on_train_begin``: find the targeted layers, bind the schedule to ``state.max_steps`` and, when resuming,
-  restore the masks saved with the checkpoint (see :meth:`SparsityCallback.load_state`).
+* ``on_train_begin``: find the targeted layers, bind the schedule to ``state.max_steps``, follow the Parameters a
+  wrapper may have replaced (FSDP2) and, when resuming, restore the masks saved with the checkpoint
+  (see :meth:`SparsityCallback.load_state`).
 * ``on_step_begin``: update the masks if this optimizer step is an update step of the schedule.
 * during backward: each targeted weight's gradient is masked as it is accumulated (a hook installed by the
   pruner), so clipping and the optimizer see zeros at pruned positions.
@@ -25,6 +26,7 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from .config import SparsityConfig
+from .distributed import full_tensor
 from .pruner import Pruner
 
 __all__ = ["PRUNER_STATE_NAME", "SparsityCallback"]
@@ -88,6 +90,7 @@ class SparsityCallback(TrainerCallback):
     # ------------------------------------------------------------------ events
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs):
         self.setup(kwargs["model"], state.max_steps)
+        self.pruner.rebind()  # the model is wrapped by now: FSDP2 has replaced the Parameters the hooks were on
         if self.resume_from is not None:
             if not self.load_state(self.resume_from):
                 raise FileNotFoundError(f"SparsityCallback: no {PRUNER_STATE_NAME} in {self.resume_from}")
@@ -119,9 +122,10 @@ class SparsityCallback(TrainerCallback):
             PRUNER_STATE_NAME,
         )
         for layer in pruner.layers:
-            pruner.masks[layer.name] = layer.weight.detach() != 0
+            pruner.masks[layer.name] = (full_tensor(layer.weight.detach()) != 0).contiguous()
         pruner.level = level
         pruner.last_update_step = pruner.plan.last_update_step(step)
+        pruner.apply()
 
     def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs):
         if self.pruner is not None and self.pruner.update(state.global_step):

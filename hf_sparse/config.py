@@ -73,6 +73,9 @@ class SparsityConfig:
         dense_finetune_start: ``dynamic`` only: from this point on (fraction of training or step, after ``end``)
             the masks are dropped and the model trains dense, the final phase of Hu et al.'s pre-training recipe;
             the model saved at the end is then an ordinary dense checkpoint.
+        kernels: ``"auto"``: once the masks are final, :class:`~hf_sparse.SparseTrainer` runs kernel-ready layers
+            (CUDA, 2:4 or V:2:M) on the Sparse Tensor Core kernels wherever they measure faster than dense;
+            ``"never"``: always the dense masked path.
     """
 
     pattern: str = "2:4"
@@ -91,6 +94,7 @@ class SparsityConfig:
     dynamic: bool = False
     masked_decay: float = 0.0
     dense_finetune_start: float | int | None = None
+    kernels: Literal["auto", "never"] = "auto"
     hf_sparse_version: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
@@ -135,6 +139,8 @@ class SparsityConfig:
                 f"SparsityConfig.global_unstructured=True needs an 'unstructured:S' pattern, got {self.pattern!r}"
             )
         self._check_obs_and_dynamic(parsed)
+        if self.kernels not in ("auto", "never"):
+            raise ValueError(f"SparsityConfig.kernels={self.kernels!r}: allowed 'auto' or 'never'")
         if not self.hf_sparse_version:
             self.hf_sparse_version = __version__
 

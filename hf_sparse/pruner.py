@@ -25,6 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from .config import SparsityConfig
+from .distributed import _broadcast_, broadcast_masks, count_zeros, full_tensor, is_sharded, local_part, world_size
 from .dynamic import masked_decay_, remove_masked_forward, set_masked_forward
 from .formats.bitpack import pack_bits, unpack_bits
 from .masks import apply_mask, compute_mask, unstructured_mask, unstructured_threshold
@@ -56,6 +57,8 @@ class Pruner:
         self.last_update_step: int | None = None
         self.flip_rate: float | None = None
         self._hooks: list[Any] = []
+        self._hooked_params: list[Tensor] = []
+        self._sharded_zeros: dict[str, tuple[int, int]] | None = None
         self._install_grad_hooks()
 
     # ------------------------------------------------------------------ schedule
@@ -163,7 +166,9 @@ class Pruner:
             for layer in self.layers:
                 grad, mask = layer.module.weight.grad, self.masks[layer.name]
                 if grad is not None and mask is not None:
-                    masked_decay_(grad.T if layer.transposed else grad, layer.weight, mask, decay)
+                    local_grad, local_mask = local_part(grad, mask, layer.transposed)
+                    local_weight, _ = local_part(layer.module.weight, mask, layer.transposed)
+                    masked_decay_(local_grad, local_weight, local_mask, decay)
 
     def _sync_forward_masks(self) -> None:
         """Dynamic mode: the layers compute with the current masks (dense where there is none yet)."""
@@ -196,7 +201,16 @@ class Pruner:
         transposable = self.config.transposable and final
         global_threshold = isinstance(pattern, Unstructured) and self.config.global_unstructured
         direct = self.scorer.provides_prune and not transposable and not global_threshold
-        scores = {} if direct else {layer.name: self.scorer.score(layer.name, layer.weight) for layer in self.layers}
+        if self.scorer.provides_prune and self.is_sharded:
+            raise NotImplementedError(
+                f"score={self.config.score!r} moves the weights it keeps, which hf_sparse does not do on FSDP2-sharded "
+                "weights yet; train with DDP or one process, or use score='magnitude'"
+            )
+        scores = (
+            {}
+            if direct
+            else {layer.name: self.scorer.score(layer.name, full_tensor(layer.weight)) for layer in self.layers}
+        )
         threshold = None
         if global_threshold:
             threshold = unstructured_threshold(list(scores.values()), pattern.sparsity)
@@ -216,12 +230,17 @@ class Pruner:
                     mask = compute_mask(score, pattern, transposable=transposable)
                 if self.scorer.provides_prune:
                     new_weight = self.scorer.compensate(layer.name, layer.weight, mask.to(layer.weight.device))
-            mask = mask.to(layer.weight.device)
+            mask = mask.to(layer.weight.device).contiguous()
+            broadcast_masks({layer.name: mask})  # rank 0's mask on every rank (a no-op in one process)
+            if new_weight is not None and world_size() > 1:
+                new_weight = new_weight.to(layer.weight.device).contiguous()
+                _broadcast_(new_weight)  # and rank 0's compensated weights
             if previous is not None:
                 flips += int((previous != mask).sum())
                 total += mask.numel()
             self.masks[layer.name] = mask
             self._write_weight(layer, mask, new_weight)
+        self._refresh_sharded_zeros()
         self.scorer.reset()
         if self.config.dynamic:
             self._sync_forward_masks()
@@ -240,7 +259,7 @@ class Pruner:
             else:
                 weight.copy_(new_weight)
         if not self.config.dynamic:
-            apply_mask(weight, mask)
+            self._apply_layer_mask(layer, mask)
 
     @torch.no_grad()
     def apply(self) -> None:
@@ -250,12 +269,14 @@ class Pruner:
         for layer in self.layers:
             mask = self.masks[layer.name]
             if mask is not None:
-                apply_mask(layer.weight, mask)
+                self._apply_layer_mask(layer, mask)
+        self._refresh_sharded_zeros()
 
     def _install_grad_hooks(self) -> None:
         for layer in self.layers:
             param = layer.module.weight
             self._hooks.append(param.register_post_accumulate_grad_hook(self._make_grad_hook(layer)))
+        self._hooked_params = [layer.module.weight for layer in self.layers]
 
     def _make_grad_hook(self, layer: TargetLayer):
         name, transposed = layer.name, layer.transposed
@@ -265,8 +286,7 @@ class Pruner:
                 return
             mask = self.masks[name]
             if mask is not None and not self.config.dynamic:  # dynamic: straight-through, all weights learn
-                grad = param.grad.T if transposed else param.grad
-                grad.masked_fill_(~mask, 0.0)
+                apply_mask(*local_part(param.grad, mask, transposed))
 
         return hook
 
@@ -274,11 +294,52 @@ class Pruner:
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
+        self._hooked_params = []
+
+    # ------------------------------------------------------------------ distributed (DDP, FSDP2)
+    def rebind(self) -> None:
+        """Follow the modules' current weight Parameters after a wrapper replaced them; call on every rank.
+
+        FSDP2's ``fully_shard`` registers new (``DTensor``) Parameters on the same modules, so hooks installed
+        before wrapping would sit on Parameters that never receive a gradient again. DDP keeps the Parameters, and
+        then this only re-applies the masks.
+        """
+        if [id(layer.module.weight) for layer in self.layers] != [id(p) for p in self._hooked_params]:
+            self.remove_hooks()
+            self._install_grad_hooks()
+        self._sharded_zeros = None
+        self.apply()
+
+    def _apply_layer_mask(self, layer: TargetLayer, mask: Tensor) -> None:
+        """Zero what this rank holds of the layer's pruned weights (its shard under FSDP2, all of it otherwise)."""
+        apply_mask(*local_part(layer.module.weight, mask, layer.transposed))
+
+    @property
+    def is_sharded(self) -> bool:
+        """Whether the targeted weights are ``DTensor`` shards (FSDP2)."""
+        return any(is_sharded(layer.module.weight) for layer in self.layers)
+
+    def _refresh_sharded_zeros(self) -> None:
+        """Sharded weights: count zeros over the full weights now (one all-reduce, every rank calls it), so that
+        metrics and reports read later, maybe on rank 0 alone, never need a collective."""
+        self._sharded_zeros = self._count_layer_zeros() if self.is_sharded else None
+
+    def _count_layer_zeros(self) -> dict[str, tuple[int, int]]:
+        weights = [layer.module.weight for layer in self.layers]
+        zeros = count_zeros(weights)
+        return {layer.name: (z, w.numel()) for layer, z, w in zip(self.layers, zeros, weights, strict=True)}
 
     # ------------------------------------------------------------------ reporting
     def _layer_zeros(self) -> dict[str, tuple[int, int]]:
         """Per layer: (exact zeros in the weight the layer computes with, number of weights): what is on the
-        weights, not the masks (dynamic mode: the masked weights)."""
+        weights, not the masks (dynamic mode: the masked weights).
+
+        Sharded (FSDP2) weights are counted in full when the masks were last applied (see :meth:`apply`).
+        """
+        if self.is_sharded:
+            if self._sharded_zeros is None:
+                self._sharded_zeros = self._count_layer_zeros()  # a collective: before any apply only
+            return dict(self._sharded_zeros)
         return {
             layer.name: (int((self.effective_weight(layer) == 0).sum()), layer.weight.numel()) for layer in self.layers
         }

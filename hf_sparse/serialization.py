@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .distributed import gather_full_state_dict, has_sharded_parameters, is_main_process
 from .formats.compressed import compress
 from .integrations.quantizer import HfSparseConfig, HfSparseQuantizer
 from .modeling import unwrap_model
@@ -24,21 +25,27 @@ __all__ = ["compressed_state_dict", "save_pretrained", "to_dense"]
 logger = logging.getLogger(__name__)
 
 
-def compressed_state_dict(model: nn.Module, pruner: Pruner) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
+def compressed_state_dict(
+    model: nn.Module, pruner: Pruner, state_dict: dict[str, torch.Tensor] | None = None
+) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
     """The model's state dict with every pruned layer's ``weight`` replaced by its compressed tensors.
 
     Returns ``(state_dict, layers)`` where ``layers`` is the ``quantization_config.layers`` entry. Raises if a
     weight is non-zero where its mask says pruned (the masks were not applied): nothing is written then.
+    ``state_dict`` (full, unsharded tensors, e.g. gathered from an FSDP2 model) replaces ``model.state_dict()``.
     """
     pattern = pruner.current_pattern()
     if pattern is None:
         raise ValueError("compressed_state_dict: the pruner has not pruned yet (no masks); save the model dense")
     transposable = pruner.config.transposable and pruner.is_final
-    state = dict(unwrap_model(model).state_dict())
+    state = dict(state_dict if state_dict is not None else unwrap_model(model).state_dict())
     layers: dict[str, dict[str, Any]] = {}
     for layer in pruner.layers:
-        mask = pruner.masks[layer.name]
-        weight = pruner.effective_weight(layer)  # dynamic masks: the master is dense, the layer computes W ⊙ mask
+        stored = state[f"{layer.name}.weight"].detach()
+        weight = stored.T if layer.transposed else stored
+        mask = pruner.masks[layer.name].to(weight.device)
+        if pruner.config.dynamic:  # dynamic masks: the master is dense, the layer computes W ⊙ mask
+            weight = weight.masked_fill(~mask, 0.0)
         stray = int(weight.masked_select(~mask).ne(0).sum())
         if stray:
             raise ValueError(f"{layer.name}: {stray} weights are non-zero at pruned positions; call pruner.apply()")
@@ -86,16 +93,25 @@ def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, pruner:
     """``model.save_pretrained`` with the pruned layers compressed and ``quantization_config`` in ``config.json``.
 
     The compressed state dict is built completely before anything is written, so a layer that cannot be
-    compressed raises with the directory untouched. Extra ``kwargs`` go to ``save_pretrained``.
+    compressed raises with the directory untouched. Extra ``kwargs`` go to ``save_pretrained``; a ``state_dict``
+    there must hold full tensors and is compressed instead of the model's own.
+
+    With FSDP2 (``DTensor`` parameters) every rank must call this: the full weights are gathered to rank 0, which
+    alone writes, so the files are the same as a single-process run's. DDP needs no gather: call it on the main
+    process only (``Trainer.save_model`` does).
     """
     model = unwrap_model(model)
+    full_state = kwargs.pop("state_dict", None)
+    if has_sharded_parameters(model):  # FSDP2: every rank joins the gather, rank 0 alone writes
+        full_state = gather_full_state_dict(model) if full_state is None else full_state
+        if not is_main_process():
+            return
     if pruner.current_pattern() is None:
         warnings.warn("hf_sparse: nothing pruned yet; saving a dense checkpoint", stacklevel=2)
-        model.save_pretrained(save_directory, **kwargs)
+        model.save_pretrained(save_directory, state_dict=full_state, **kwargs)
         return
-    state, layers = compressed_state_dict(model, pruner)
+    state, layers = compressed_state_dict(model, pruner, full_state)
     config = HfSparseConfig(layers=layers, sparsity_config=pruner.config.to_dict())
-    kwargs.pop("state_dict", None)
     with _attached_quantizer(model, config, state):
         model.save_pretrained(save_directory, **kwargs)
 

@@ -7,17 +7,41 @@ import os
 import warnings
 from typing import Any
 
-from transformers import Trainer
+import torch
+from transformers import Trainer, TrainerCallback
 
 from .callback import SparsityCallback
 from .config import SparsityConfig
+from .distributed import has_sharded_parameters, is_main_process
 from .modeling import unwrap_model
+from .nn.kernel_path import disable_kernel_path, enable_kernel_path, masks_final
 from .pruner import Pruner
 from .serialization import save_pretrained
 
 __all__ = ["SparseTrainer"]
 
 logger = logging.getLogger(__name__)
+
+
+class _KernelPathSwitch(TrainerCallback):
+    """Puts the pruned layers on the sparse kernels at the first step whose masks are final (runs after the
+    sparsity callback's mask update), and gives them their dense forward back when training ends."""
+
+    def __init__(self, sparsity_callback: SparsityCallback) -> None:
+        self.sparsity_callback = sparsity_callback
+        self.engaged = False
+        self.layers: list[str] = []  # the layers switched (empty without a GPU)
+
+    def on_step_begin(self, args, state, control, model=None, **kwargs):
+        pruner = self.sparsity_callback.pruner
+        if not self.engaged and model is not None and pruner is not None and masks_final(pruner):
+            self.layers = enable_kernel_path(unwrap_model(model), pruner)
+            self.engaged = True
+
+    def on_train_end(self, args, state, control, model=None, **kwargs):
+        if model is not None:
+            disable_kernel_path(unwrap_model(model))
+        self.engaged = False
 
 
 class SparseTrainer(Trainer):
@@ -30,13 +54,39 @@ class SparseTrainer(Trainer):
     * writes ``save_model`` output in the compressed hf_sparse format (``quantization_config`` in ``config.json``),
       while the ``checkpoint-N`` folders written for resuming stay dense with the masks beside them, so
       ``train(resume_from_checkpoint=...)`` restores weights, optimizer and masks exactly;
-    * restores the pruner state from the checkpoint it resumes from.
+    * restores the pruner state from the checkpoint it resumes from;
+    * once the masks are final, runs kernel-ready layers on the Sparse Tensor Core kernels
+      (:mod:`hf_sparse.nn.kernel_path`; ``SparsityConfig.kernels="never"`` turns this off).
 
     ``sparsity_config=None`` trains like ``Trainer`` (useful to fine-tune a model loaded from an hf_sparse
     checkpoint: its :class:`~hf_sparse.nn.SparseLinear` layers keep their pattern by construction).
+
+    Distillation: with ``teacher_model`` (a dense model already fine-tuned on the task, same head and tokenizer)
+    the training loss becomes ``(1 - distill_alpha) * task_loss + distill_alpha * kd_loss`` (see
+    :mod:`hf_sparse.distillation`). The teacher is frozen, kept in eval mode and moved to the training device; it
+    runs under the same autocast as the student and only on training batches (evaluation reports the task loss).
     """
 
-    def __init__(self, *args: Any, sparsity_config: SparsityConfig | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        sparsity_config: SparsityConfig | None = None,
+        teacher_model: torch.nn.Module | None = None,
+        distill_alpha: float = 0.5,
+        distill_temperature: float = 2.0,
+        **kwargs: Any,
+    ) -> None:
+        if teacher_model is not None:
+            if not 0.0 <= distill_alpha <= 1.0:
+                raise ValueError(
+                    f"distill_alpha must be in [0, 1] (weight of the distillation loss), got {distill_alpha}"
+                )
+            if distill_temperature <= 0:
+                raise ValueError(f"distill_temperature must be > 0, got {distill_temperature}")
+            teacher_model.eval().requires_grad_(False)
+        self.teacher_model = teacher_model
+        self.distill_alpha = distill_alpha
+        self.distill_temperature = distill_temperature
         callbacks = list(kwargs.pop("callbacks", None) or [])
         self.sparsity_callback: SparsityCallback | None = None
         if sparsity_config is not None:
@@ -45,10 +95,45 @@ class SparseTrainer(Trainer):
             self.sparsity_callback = SparsityCallback(sparsity_config)
             self.sparsity_callback.adds_metrics_to_logs = False
             callbacks.append(self.sparsity_callback)
+            if sparsity_config.kernels == "auto":
+                callbacks.append(_KernelPathSwitch(self.sparsity_callback))
         super().__init__(*args, callbacks=callbacks, **kwargs)
         if self.sparsity_callback is not None:
             # find targets now, so a bad config fails before training starts
             self.sparsity_callback.pruner = Pruner(unwrap_model(self.model), sparsity_config)
+
+    def compute_loss(self, model, inputs, return_outputs: bool = False, num_items_in_batch=None):
+        """``Trainer.compute_loss``, mixed with the distillation loss on training batches when a teacher is set."""
+        if self.teacher_model is None or not model.training:
+            return super().compute_loss(
+                model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+            )
+        from .distillation import distillation_loss
+
+        teacher_inputs = {k: v for k, v in inputs.items() if k not in ("labels", "start_positions", "end_positions")}
+        loss, outputs = super().compute_loss(model, inputs, return_outputs=True, num_items_in_batch=num_items_in_batch)
+        teacher = self.teacher_model
+        device = next(model.parameters()).device
+        if next(teacher.parameters()).device != device:
+            teacher.to(device)
+        with torch.no_grad():
+            teacher_outputs = teacher(**teacher_inputs)
+        kd = distillation_loss(outputs, teacher_outputs, self.distill_temperature)
+        if self._task_loss_scaled_for_ga(num_items_in_batch):
+            # Trainer will not divide this loss by the accumulation steps: do it for the per-batch-mean KD term
+            kd = kd / getattr(self, "current_gradient_accumulation_steps", self.args.gradient_accumulation_steps)
+        loss = (1.0 - self.distill_alpha) * loss + self.distill_alpha * kd
+        return (loss, outputs) if return_outputs else loss
+
+    def _task_loss_scaled_for_ga(self, num_items_in_batch) -> bool:
+        """The rule ``Trainer.training_step`` applies to decide whether the loss is already normalised over the
+        whole accumulated batch."""
+        declared = getattr(self, "loss_is_scaled_for_ga", None)  # a class attribute since transformers 5.2x
+        if declared is not None:
+            return bool(declared)
+        return (
+            self.model_accepts_loss_kwargs and num_items_in_batch is not None
+        ) or self.compute_loss_func is not None
 
     @property
     def pruner(self) -> Pruner | None:
@@ -74,17 +159,26 @@ class SparseTrainer(Trainer):
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """Compressed checkpoint (``quantization_config`` in ``config.json``) once the model has been pruned.
 
-        Checkpoints that ``Trainer`` writes for resuming (``_internal_call``) stay dense.
+        Checkpoints that ``Trainer`` writes for resuming (``_internal_call``) stay dense. Under FSDP2 call it on
+        every rank (as with ``Trainer.save_model``): the full weights are gathered and the main process writes.
         """
         pruner = self.pruner
         if _internal_call or pruner is None or pruner.current_pattern() is None:
             super().save_model(output_dir, _internal_call=_internal_call)
             return
         output_dir = output_dir if output_dir is not None else self.args.output_dir
-        if not self.args.should_save:
+        model = self.accelerator.unwrap_model(self.model, keep_torch_compile=False)
+        writer = self.args.should_save
+        if has_sharded_parameters(model):
+            writer = writer and is_main_process()  # the gather leaves the full weights on rank 0 only
+            if writer:
+                os.makedirs(output_dir, exist_ok=True)
+            save_pretrained(model, output_dir, pruner)  # FSDP2: every rank joins the gather, rank 0 writes
+        elif writer:
+            os.makedirs(output_dir, exist_ok=True)
+            save_pretrained(model, output_dir, pruner)
+        if not writer:
             return
-        os.makedirs(output_dir, exist_ok=True)
-        save_pretrained(self.accelerator.unwrap_model(self.model, keep_torch_compile=False), output_dir, pruner)
         if self.processing_class is not None:
             self.processing_class.save_pretrained(output_dir)
         import torch
@@ -147,6 +241,11 @@ class SparseTrainer(Trainer):
             save_training_plot,
         )
 
+        if has_sharded_parameters(self.model):
+            raise NotImplementedError(
+                "SparseTrainer.push_to_hub does not gather FSDP2-sharded weights: call trainer.save_model(folder) on "
+                "every rank, then upload that folder from the main process (huggingface_hub.upload_folder)"
+            )
         if not self.is_world_process_zero():
             return None
         repo_id = self.args.hub_model_id or Path(self.args.output_dir).absolute().name

@@ -485,3 +485,69 @@ def test_oracle_logits_recover_gold_answers_on_squad_dev(run_qa, tmp_path):
     answers = postprocess_qa_predictions(examples, features, (start, end))
     scores = squad_metrics(answers, {e["id"]: e["answers"] for e in examples})
     assert scores["exact_match"] == 100.0, scores
+
+
+def test_run_glue_distills_from_a_dense_run(files, tmp_path, run_glue):
+    common = [
+        "--model_name_or_path",
+        str(files["model"]),
+        "--task_name",
+        "sst2",
+        "--data_dir",
+        str(files["sst2"]),
+        "--do_train",
+        "--max_train_samples",
+        "8",
+        "--max_seq_length",
+        "16",
+        "--num_train_epochs",
+        "1",
+        "--cache_dir",
+        str(tmp_path / "cache"),
+        *FAST,
+    ]
+    teacher = tmp_path / "teacher"
+    run_glue.main([*common, "--output_dir", str(teacher)])
+    kd = ["--distill_from", str(teacher), "--distill_alpha", "0.7", "--distill_temperature", "3"]
+    with pytest.raises(ValueError, match="needs a sparse run"):
+        run_glue.main([*common, "--output_dir", str(tmp_path / "dense-kd"), *kd])
+    student = tmp_path / "student"
+    metrics = run_glue.main([*common, "--output_dir", str(student), "--sparsity_pattern", "2:4", *kd])
+    assert metrics["train_samples"] == 8 and (student / "config.json").is_file()
+    plain = run_glue.main([*common, "--output_dir", str(tmp_path / "plain"), "--sparsity_pattern", "2:4"])
+    assert metrics["train_loss"] != pytest.approx(plain["train_loss"], rel=1e-3)  # the teacher's loss was mixed in
+
+
+def test_per_batch_mean_loss_makes_accumulation_match_a_full_batch(tmp_path, run_glue):
+    """BERT heads average their loss per batch; without the fix, Trainer (transformers 5) skips its division by the
+    accumulation steps and the first step's gradient norm doubles with 2 accumulation steps."""
+    import torch
+    from conftest import ToyClassification, tiny_config
+    from sparse_args import per_batch_mean_loss
+    from transformers import AutoModelForSequenceClassification, Trainer, TrainingArguments
+
+    def first_grad_norm(batch: int, accumulation: int, fix: bool) -> float:
+        torch.manual_seed(0)
+        config = tiny_config("bert")
+        config.hidden_dropout_prob = config.attention_probs_dropout_prob = 0.0
+        model = AutoModelForSequenceClassification.from_config(config)
+        if fix:
+            per_batch_mean_loss(model)
+        args = TrainingArguments(
+            output_dir=str(tmp_path / f"{batch}-{accumulation}-{fix}"),
+            max_steps=1,
+            per_device_train_batch_size=batch,
+            gradient_accumulation_steps=accumulation,
+            logging_steps=1,
+            report_to=[],
+            use_cpu=True,
+            save_strategy="no",
+            disable_tqdm=True,
+        )
+        trainer = Trainer(model=model, args=args, train_dataset=ToyClassification(size=8))
+        trainer.train()
+        return next(log["grad_norm"] for log in trainer.state.log_history if "grad_norm" in log)
+
+    full = first_grad_norm(8, 1, fix=True)
+    assert first_grad_norm(4, 2, fix=True) == pytest.approx(full, rel=1e-4)
+    assert first_grad_norm(4, 2, fix=False) == pytest.approx(2 * full, rel=1e-4)  # the bug the fix is for

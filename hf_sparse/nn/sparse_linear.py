@@ -9,8 +9,12 @@ save after a load writes the same bytes.
 pruned one, because pruned positions are not represented at all.
 
 The forward pass runs on the dense weight rebuilt from the compressed tensors (cached while the values do not
-change) with ``F.linear``, which is bit-exact with the model that was saved. When the CUDA kernels of
-:mod:`hf_sparse.ops` are available, CUDA inputs use them instead.
+change) with ``F.linear``, which is bit-exact with the model that was saved. For inference on CUDA in bf16/fp16
+(the weight's dtype, or autocast's) with a pattern the kernels run (2:4, V:2:M), the layer instead builds the kernel
+layout once from its compressed tensors (:func:`hf_sparse.ops.pack_from_logical`; rebuilt only if the values
+change) and goes through the dispatcher (:mod:`hf_sparse.ops.dispatch`), which uses the sparse kernel, cuSPARSELt or
+dense cuBLAS, whichever it measured fastest for the shape. Training a loaded model (gradients on ``weight``) keeps
+the dense path.
 """
 
 from __future__ import annotations
@@ -21,8 +25,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..formats.bitpack import unpack_bits
 from ..formats.compressed import compressed_shapes, decompress, mask_from_compressed, validate
-from ..patterns import Pattern, Unstructured, parse_pattern
+from ..ops import PackedWeight, dispatch, pack_from_logical
+from ..patterns import NM, Pattern, Unstructured, parse_pattern
+from .kernel_path import kernel_pattern
 
 __all__ = ["SparseLinear"]
 
@@ -64,6 +71,10 @@ class SparseLinear(nn.Module):
             self.register_buffer(key, torch.zeros(shape, dtype=torch.uint8, device=device))
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device)) if bias else None
         self._dense_cache: tuple[tuple, Tensor] | None = None
+        self._packed_cache: tuple[tuple, PackedWeight] | None = None
+        self._routes: dict[tuple, str] = {}  # (token bucket, dtype) -> "dense" once the dispatcher measured dense
+        vm = kernel_pattern(self.pattern)
+        self._kernel_vm = vm if vm is not None and in_features % 8 == 0 and out_features % 8 == 0 else None
 
     # ------------------------------------------------------------------ compressed tensors
     def compressed_tensors(self) -> dict[str, Tensor]:
@@ -93,12 +104,60 @@ class SparseLinear(nn.Module):
             self._dense_cache = (key, dense)
         return self._dense_cache[1]
 
-    def _apply(self, fn, recurse=True):  # .to()/.half() invalidate the cached dense weight
+    def packed_weight(self, dtype: torch.dtype) -> PackedWeight:
+        """The weight in the kernels' layout (``dtype`` bf16/fp16), built from the compressed tensors and cached
+        while the values do not change. Only for patterns the kernels run (2:4, V:2:M)."""
+        if self._kernel_vm is None:
+            raise ValueError(f"SparseLinear: no Sparse Tensor Core kernel runs pattern {self.pattern} at this shape")
+        key = (self.weight._version, self.weight.data_ptr(), dtype, self.weight.device)
+        if self._packed_cache is None or self._packed_cache[0] != key:
+            v, m = self._kernel_vm
+            rows, groups = self.out_features, self.in_features // m
+            with torch.no_grad():
+                values = self.weight.detach()
+                if isinstance(self.pattern, NM):  # 2:4: the in-group offsets are the selectors
+                    selectors = unpack_bits(self.weight_indices, 2, 2 * groups)
+                    columns = None
+                else:
+                    selectors = unpack_bits(self.weight_selectors, 2, 2 * groups)
+                    columns = self.weight_columns
+                selectors = selectors.reshape(rows, groups, 2).to(values.device)
+                packed = pack_from_logical(values, columns, selectors, v, m, dtype)
+            self._packed_cache = (key, packed)
+        return self._packed_cache[1]
+
+    def _apply(self, fn, recurse=True):  # .to()/.half() invalidate the cached dense and packed weights
         self._dense_cache = None
+        self._packed_cache = None
+        self._routes.clear()
         return super()._apply(fn, recurse)
 
+    def _kernel_dtype(self, x: Tensor) -> torch.dtype | None:
+        """The compute dtype when this call can use the kernels (CUDA inference in bf16/fp16), else None."""
+        if self._kernel_vm is None or not x.is_cuda or (torch.is_grad_enabled() and self.weight.requires_grad):
+            return None
+        if torch.is_autocast_enabled("cuda"):
+            dtype = torch.get_autocast_dtype("cuda")
+        else:
+            dtype = x.dtype
+        return dtype if dtype in (torch.bfloat16, torch.float16) else None
+
     def forward(self, x: Tensor) -> Tensor:
-        return F.linear(x, self.dense_weight(), self.bias)
+        dtype = self._kernel_dtype(x)
+        if dtype is None:
+            return F.linear(x, self.dense_weight(), self.bias)
+        tokens = x.numel() // self.in_features
+        route_key = (1 << max(0, tokens - 1).bit_length(), dtype)
+        auto = dispatch.backend_mode() == "auto"
+        if auto and self._routes.get(route_key) == "dense":  # measured: dense cuBLAS wins; skip the dispatcher
+            return F.linear(x, self.dense_weight(), self.bias)
+        packed = self.packed_weight(dtype)
+        y = dispatch.linear_forward(x.to(dtype), self.dense_weight(), packed, self.bias)
+        if auto:
+            choice = dispatch.choice("fwd", tokens, packed, x.device)
+            if choice is not None:
+                self._routes[route_key] = "dense" if choice == "dense" else "kernel"
+        return y
 
     def extra_repr(self) -> str:
         return (

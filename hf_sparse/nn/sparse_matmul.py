@@ -29,34 +29,42 @@ __all__ = ["sparse_linear"]
 class _SparseLinearFn(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx, x: Tensor, weight: Tensor, packed: PackedWeight, bias: Tensor | None, packed_t: PackedWeight | None
+        ctx,
+        x: Tensor,
+        weight: Tensor,
+        packed: PackedWeight,
+        bias: Tensor | None,
+        packed_t: PackedWeight | None,
+        weight_lp: Tensor | None,
     ) -> Tensor:
         xc = x.to(packed.dtype)
-        y = linear_forward(xc, weight, packed, bias)
+        w = weight_lp if weight_lp is not None else weight
+        y = linear_forward(xc, w, packed, bias)
         ctx.packed = packed
         ctx.packed_t = packed_t
         ctx.x_dtype = x.dtype
+        ctx.w_dtype = weight.dtype
         ctx.has_bias = bias is not None
         ctx.bias_dtype = None if bias is None else bias.dtype
-        ctx.save_for_backward(xc, weight)
+        ctx.save_for_backward(xc, w)
         return y
 
     @staticmethod
     def backward(ctx, dy: Tensor):
-        xc, weight = ctx.saved_tensors
+        xc, w = ctx.saved_tensors
         packed: PackedWeight = ctx.packed
         dx = dw = db = None
         dy = dy.to(packed.dtype)
         if ctx.needs_input_grad[0]:
             if ctx.packed_t is not None:
-                dx = linear_forward(dy, weight.t(), ctx.packed_t, None).to(ctx.x_dtype)
+                dx = linear_forward(dy, w.t(), ctx.packed_t, None).to(ctx.x_dtype)
             else:
-                dx = (dy @ weight.to(dy.dtype)).to(ctx.x_dtype)
+                dx = (dy @ w.to(dy.dtype)).to(ctx.x_dtype)
         if ctx.needs_input_grad[1]:
-            dw = weight_grad(dy, xc, packed, weight.dtype)
+            dw = weight_grad(dy, xc, packed, ctx.w_dtype)
         if ctx.has_bias and ctx.needs_input_grad[3]:
             db = dy.reshape(-1, dy.shape[-1]).sum(0, dtype=torch.float32).to(ctx.bias_dtype)
-        return dx, dw, None, db, None
+        return dx, dw, None, db, None, None
 
 
 def sparse_linear(
@@ -65,13 +73,16 @@ def sparse_linear(
     packed: PackedWeight,
     bias: Tensor | None = None,
     packed_t: PackedWeight | None = None,
+    weight_lp: Tensor | None = None,
 ) -> Tensor:
     """``F.linear(x, weight * mask, bias)`` computed on Sparse Tensor Cores.
 
     ``weight``: the dense masked master Parameter (R, K) the optimizer owns; ``packed``: ``hf_sparse.ops.pack``
     of it (rebuild after every optimizer step); ``x``: (..., K). Returns (..., R) in ``packed.dtype``.
     ``packed_t``: optional ``pack(weight.t(), mask.t(), 64, 4)`` when the mask is transposable 2:4, so the input
-    gradient can run sparse too.
+    gradient can run sparse too. ``weight_lp``: optional copy of ``weight`` already cast to ``packed.dtype``
+    (made once per optimizer step with the pack): the dense choices of the dispatcher and the dense input
+    gradient use it instead of casting the master on every call.
     """
     if weight.shape != (packed.rows, packed.cols):
         raise ValueError(
@@ -82,4 +93,9 @@ def sparse_linear(
             f"hf_sparse.sparse_linear: packed_t must pack weight.t() ({packed.cols}, {packed.rows}) as 2:4, got "
             f"({packed_t.rows}, {packed_t.cols}) with m={packed_t.m}"
         )
-    return _SparseLinearFn.apply(x, weight, packed, bias, packed_t)
+    if weight_lp is not None and (weight_lp.shape != weight.shape or weight_lp.dtype != packed.dtype):
+        raise ValueError(
+            f"hf_sparse.sparse_linear: weight_lp must be weight cast to {packed.dtype} with shape "
+            f"{tuple(weight.shape)}, got {weight_lp.dtype} {tuple(weight_lp.shape)}"
+        )
+    return _SparseLinearFn.apply(x, weight, packed, bias, packed_t, weight_lp)

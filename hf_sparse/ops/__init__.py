@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from ._build import KernelUnavailableError
 from ._layout import PackedWeight, dense_from_packed, kept_columns
-from .pack import pack, pack_from_logical
+from .pack import pack, pack_from_logical, repack
 from .sddmm import scatter_dense, sddmm, sddmm_reference
 from .spmm import spmm, spmm_reference
 
@@ -19,6 +19,7 @@ __all__ = [
     "kept_columns",
     "pack",
     "pack_from_logical",
+    "repack",
     "scatter_dense",
     "sddmm",
     "sddmm_reference",

@@ -28,7 +28,14 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-__all__ = ["PackedWeight", "dense_from_packed", "kept_columns", "logical_from_dense", "packed_from_logical"]
+__all__ = [
+    "PackedWeight",
+    "dense_from_packed",
+    "kept_columns",
+    "logical_from_dense",
+    "packed_from_logical",
+    "values_to_kernel",
+]
 
 SLAB = 64  # rows per kernel warp tile; V must be a multiple of it (V in {64, 128})
 GROUPS_PER_STEP = 8  # one mma.sp.m16n8k32 consumes 8 groups of 4 condensed columns
@@ -113,6 +120,19 @@ def logical_from_dense(weight: Tensor, mask: Tensor, v: int, m: int) -> tuple[Te
     return values, out_columns, selectors.reshape(rows, g, 2).to(torch.uint8), valid
 
 
+def values_to_kernel(values: Tensor, dtype: torch.dtype) -> Tensor:
+    """Logical kept values ``(R, 2G)`` -> the fragment-ordered ``(Rp/16, S, 32, 8)`` tensor, zero-padded."""
+    rows, two_g = values.shape
+    g = two_g // 2
+    steps = -(-g // GROUPS_PER_STEP)
+    rp = -(-rows // SLAB) * SLAB
+    vals = torch.zeros(rp, steps * GROUPS_PER_STEP, 2, dtype=dtype, device=values.device)
+    vals[:rows, :g] = values.reshape(rows, g, 2).to(dtype)
+    # (mt, rh, g8, s, ch, t, 2) -> (mt, s, g8, t, ch, rh, 2)
+    vk = vals.reshape(rp // 16, 2, 8, steps, 2, 4, 2).permute(0, 3, 2, 5, 4, 1, 6)
+    return vk.reshape(rp // 16, steps, 32, 8).contiguous()
+
+
 def packed_from_logical(
     values: Tensor,
     columns: Tensor,
@@ -141,13 +161,9 @@ def packed_from_logical(
     steps = -(-g // GROUPS_PER_STEP)
     gp = steps * GROUPS_PER_STEP
     rp = -(-rows // SLAB) * SLAB
-    vals = torch.zeros(rp, gp, 2, dtype=dtype, device=dev)
-    vals[:rows, :g] = values.reshape(rows, g, 2).to(dtype)
+    values_k = values_to_kernel(values, dtype)
     selp = torch.tensor([0, 1], dtype=torch.int64, device=dev).repeat(rp, gp, 1)
     selp[:rows, :g] = sel
-    # values: (mt, rh, g8, s, ch, t, 2) -> (mt, s, g8, t, ch, rh, 2)
-    vk = vals.reshape(rp // 16, 2, 8, steps, 2, 4, 2).permute(0, 3, 2, 5, 4, 1, 6)
-    values_k = vk.reshape(rp // 16, steps, 32, 8).contiguous()
     nib = selp[..., 0] | (selp[..., 1] << 2)  # (rp, gp)
     nib = nib.reshape(rp // 16, 2, 8, steps, 2, 4)  # (mt, rh, g8, s, c, j)
     shifts = torch.arange(4, device=dev, dtype=torch.int64) * 4

@@ -23,7 +23,7 @@ from ._layout import PackedWeight, kept_columns
 from .sddmm import scatter_dense, sddmm
 from .spmm import spmm
 
-__all__ = ["choices", "clear_cache", "linear_forward", "weight_grad"]
+__all__ = ["backend_mode", "choice", "choices", "clear_cache", "linear_forward", "weight_grad"]
 
 Forward = Literal["sparse", "dense", "cslt"]
 WeightGrad = Literal["sparse", "dense"]
@@ -46,18 +46,30 @@ class _PerTensorCache:
         self._data[key] = (weakref.ref(t, lambda _, key=key: self._data.pop(key, None)), value)
 
 
-_cslt = _PerTensorCache()  # packed.values -> (compressed weight, alg_id)
-_masks = _PerTensorCache()  # packed.values -> dense bool mask
+_cslt = _PerTensorCache()  # packed.values -> cuSPARSELt-compressed weight (new values after a repack: recompressed)
+_cslt_algs: dict[tuple, int] = {}  # shape key -> algorithm found by _cslt_sparse_mm_search (searched once per shape)
+_masks = _PerTensorCache()  # packed.meta -> dense bool mask (meta is shared by every repack of one mask)
 
 
 def clear_cache() -> None:
     """Forget every measured choice (e.g. after changing GPU clocks or library versions)."""
     _choices.clear()
+    _cslt_algs.clear()
 
 
 def choices() -> dict[tuple, str]:
     """A copy of the measured choices, for logging."""
     return dict(_choices)
+
+
+def choice(kind: Literal["fwd", "dw"], tokens: int, p: PackedWeight, device: torch.device) -> str | None:
+    """The measured backend for this call shape (``"sparse"``, ``"dense"``, ``"cslt"``), or None if not measured."""
+    return _choices.get(_key(kind, tokens, p, device))
+
+
+def backend_mode() -> str:
+    """``HF_SPARSE_BACKEND``: ``"auto"`` (measure and pick), ``"sparse"`` or ``"dense"`` (forced)."""
+    return _mode()
 
 
 def _mode() -> str:
@@ -95,13 +107,15 @@ def _key(kind: str, tokens: int, p: PackedWeight, device: torch.device) -> tuple
 
 
 def _cslt_state(weight: Tensor, p: PackedWeight, x2: Tensor):
-    state = _cslt.get(p.values)
-    if state is None:
+    comp = _cslt.get(p.values)
+    if comp is None:
         comp = torch._cslt_compress(weight.to(p.dtype).contiguous())
-        alg = torch._cslt_sparse_mm_search(comp, x2.t())
-        state = (comp, alg)
-        _cslt.put(p.values, state)
-    return state
+        _cslt.put(p.values, comp)
+    key = _key("cslt", x2.shape[0], p, x2.device)
+    alg = _cslt_algs.get(key)
+    if alg is None:
+        alg = _cslt_algs[key] = torch._cslt_sparse_mm_search(comp, x2.t())
+    return comp, alg
 
 
 def _cslt_linear(x2: Tensor, weight: Tensor, p: PackedWeight, bias: Tensor | None) -> Tensor:
@@ -116,6 +130,9 @@ def linear_forward(x: Tensor, weight: Tensor, p: PackedWeight, bias: Tensor | No
         return F.linear(x, weight.to(p.dtype), None if bias is None else bias.to(p.dtype))
     if not x.is_cuda or mode == "sparse":
         return spmm(x, p, bias)
+    key = _key("fwd", x.numel() // p.cols if p.cols else 0, p, x.device)
+    if _choices.get(key) == "dense":  # the common case once measured: no candidate table, no reshapes
+        return F.linear(x, weight.to(p.dtype), None if bias is None else bias.to(p.dtype))
     lead = x.shape[:-1]
     x2 = x.reshape(-1, p.cols)
     b = None if bias is None else bias.to(p.dtype)
@@ -125,7 +142,6 @@ def linear_forward(x: Tensor, weight: Tensor, p: PackedWeight, bias: Tensor | No
     }
     if p.m == 4 and hasattr(torch, "_cslt_compress") and x2.shape[0] % 8 == 0 and x2.is_contiguous():
         candidates["cslt"] = lambda: _cslt_linear(x2, weight, p, b)
-    key = _key("fwd", x2.shape[0], p, x.device)
     choice = _choices.get(key)
     if choice is None:
         if not _can_measure():
@@ -144,12 +160,19 @@ def linear_forward(x: Tensor, weight: Tensor, p: PackedWeight, bias: Tensor | No
 
 
 def _dense_mask(p: PackedWeight) -> Tensor:
-    mask = _masks.get(p.values)
+    mask = _masks.get(p.meta)
     if mask is None:
         mask = torch.zeros(p.rows, p.cols, dtype=torch.bool, device=p.values.device)
         mask.scatter_(1, kept_columns(p), p.valid)
-        _masks.put(p.values, mask)
+        _masks.put(p.meta, mask)
     return mask
+
+
+def _masked_dense_grad(dy2: Tensor, x2: Tensor, p: PackedWeight, dtype: torch.dtype) -> Tensor:
+    """``dy^T x`` zeroed at pruned positions, cast to ``dtype`` in the same pass as the masking."""
+    full = dy2.t() @ x2
+    out = torch.empty(full.shape, dtype=dtype, device=full.device)
+    return torch.mul(full, _dense_mask(p), out=out)
 
 
 def weight_grad(dy: Tensor, x: Tensor, p: PackedWeight, dtype: torch.dtype) -> Tensor:
@@ -159,7 +182,7 @@ def weight_grad(dy: Tensor, x: Tensor, p: PackedWeight, dtype: torch.dtype) -> T
     x2 = x.reshape(-1, p.cols)
     candidates: dict[str, Callable[[], Tensor]] = {
         "sparse": lambda: scatter_dense(sddmm(dy2, x2, p), p, dtype),
-        "dense": lambda: (dy2.t() @ x2).to(dtype).mul_(_dense_mask(p)),
+        "dense": lambda: _masked_dense_grad(dy2, x2, p, dtype),
     }
     if mode == "dense":
         return candidates["dense"]()

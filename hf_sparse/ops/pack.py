@@ -2,6 +2,11 @@
 
 Runs after every optimizer step (the packed weight is a shadow of the master), so on CUDA it is one kernel that
 reads the weight and the mask once. The CPU implementation is the pure-torch reference in :mod:`._layout`.
+
+``hf_sparse::pack_values`` (:func:`repack`) is the per-step form once the mask is fixed: it rebuilds only the values
+from the master, reusing the metadata, block columns and slot validity of an earlier :func:`pack`. It reads the two
+weights each kept slot needs and nothing else (no mask, no column search), which is what keeps the repack after
+every optimizer step cheap.
 """
 
 from __future__ import annotations
@@ -9,9 +14,16 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._layout import PackedWeight, check_pattern, logical_from_dense, packed_from_logical
+from ._layout import (
+    PackedWeight,
+    check_pattern,
+    kept_columns,
+    logical_from_dense,
+    packed_from_logical,
+    values_to_kernel,
+)
 
-__all__ = ["pack", "pack_from_logical"]
+__all__ = ["pack", "pack_from_logical", "repack"]
 
 _DTYPES = (torch.bfloat16, torch.float16)
 
@@ -79,3 +91,78 @@ def pack_from_logical(
         raise ValueError(f"hf_sparse.pack_from_logical: dtype={dtype} unsupported; use bfloat16 or float16")
     v = 64 if m == 4 else v
     return packed_from_logical(values, columns, selectors, v, m, dtype)
+
+
+@torch.library.custom_op("hf_sparse::pack_values", mutates_args=())
+def _pack_values_op(
+    weight: Tensor,
+    meta: Tensor,
+    columns: Tensor,
+    valid: Tensor,
+    all_valid: bool,
+    rows: int,
+    cols: int,
+    v: int,
+    m: int,
+    dtype: torch.dtype,
+) -> Tensor:
+    if weight.is_cuda:
+        from ._build import load_extension
+
+        return load_extension().pack_values(
+            weight, meta, columns, None if all_valid else valid, rows, cols, m, dtype == torch.bfloat16
+        )
+    shell = meta.new_empty((meta.shape[0], meta.shape[1], 32, 8), dtype=dtype)  # positions come from meta
+    p = PackedWeight(shell, meta, columns, valid, rows, cols, v, m)
+    kept = torch.gather(weight, 1, kept_columns(p))
+    kept = torch.where(valid, kept, torch.zeros((), dtype=kept.dtype, device=kept.device)) + 0.0
+    return values_to_kernel(kept, dtype)
+
+
+@_pack_values_op.register_fake
+def _(weight, meta, columns, valid, all_valid, rows, cols, v, m, dtype):
+    return weight.new_empty((meta.shape[0], meta.shape[1], 32, 8), dtype=dtype)
+
+
+def repack(weight: Tensor, packed: PackedWeight, *, all_valid: bool = False) -> PackedWeight:
+    """``packed`` with its values rebuilt from ``weight`` (R, K): the cheap repack after an optimizer step.
+
+    The mask must be the one ``packed`` was built from (its metadata, columns and ``valid`` are reused as they
+    are). ``weight`` may have any strides (``w.t()`` of a transposable 2:4 layer is read in place) and any of
+    fp32/bf16/fp16; the values come out in ``packed.dtype``. ``all_valid=True`` (every slot kept, as for masks
+    from :mod:`hf_sparse.masks`) skips reading ``packed.valid`` on CUDA.
+    """
+    if tuple(weight.shape) != (packed.rows, packed.cols):
+        raise ValueError(
+            f"hf_sparse.repack: weight shape {tuple(weight.shape)} != packed shape {(packed.rows, packed.cols)}"
+        )
+    weight = weight.detach()
+    if weight.is_cuda and not torch.compiler.is_compiling():
+        # hot path (every optimizer step, every layer): straight to the kernel, without the custom op's Python
+        # dispatch; the op below is the same call, kept for torch.compile and opcheck
+        from ._build import load_extension
+
+        values = load_extension().pack_values(
+            weight,
+            packed.meta,
+            packed.columns,
+            None if all_valid else packed.valid,
+            packed.rows,
+            packed.cols,
+            packed.m,
+            packed.dtype == torch.bfloat16,
+        )
+        return packed._replace(values=values)
+    values = _pack_values_op(
+        weight,
+        packed.meta,
+        packed.columns,
+        packed.valid,
+        all_valid,
+        packed.rows,
+        packed.cols,
+        packed.v,
+        packed.m,
+        packed.dtype,
+    )
+    return packed._replace(values=values)

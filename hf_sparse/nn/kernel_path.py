@@ -1,0 +1,264 @@
+"""Run pruned ``nn.Linear`` / GPT-2 ``Conv1D`` layers on the Sparse Tensor Core kernels once their masks are final.
+
+:func:`enable_kernel_path` swaps the ``forward`` of each kernel-ready layer a :class:`~hf_sparse.pruner.Pruner`
+owns for one that calls :func:`~hf_sparse.nn.sparse_matmul.sparse_linear`. Nothing else about the module changes:
+the dense masked master ``weight`` stays the same Parameter (the optimizer's, DDP's, the checkpoint's), no
+parameter, buffer or state-dict key is added, and :func:`disable_kernel_path` restores the class's own forward.
+
+Per layer, the kernel path keeps low-precision shadows of the master, rebuilt lazily on the first forward after the
+master's version changes (i.e. once per optimizer step, whatever the gradient accumulation):
+
+* ``lp``: the master cast to the compute dtype. This is the cast autocast would do anyway; the dispatcher's dense
+  choices use it in the forward and the input gradient, so it replaces autocast's cast rather than adding one.
+* ``packed`` (and ``packed_t`` for transposable 2:4): the kernel layout. Built in full (mask included) once per
+  mask; after that each step only re-gathers the kept values from ``lp`` (:func:`hf_sparse.ops.repack`).
+
+A layer is kernel-ready when it is on a CUDA device, its pattern is 2:4 or V:2:M with V in {64, 128} and M in
+{4 … 128}, and both dimensions are multiples of 8. The compute dtype is autocast's when autocast is on, else the
+weight's own if it is bf16/fp16; an fp32 forward without autocast keeps the dense path (Sparse Tensor Cores have
+no fp32 mode).
+
+Never slower than the masked dense path it replaces, by construction: the dispatcher (:mod:`hf_sparse.ops.dispatch`)
+measures once per shape which backend is fastest for the forward, the weight gradient and (transposable 2:4) the
+input gradient. When it picks dense cuBLAS for all of them, this layer goes back to its own dense forward for that
+token count (one dict lookup per call decides), so neither the repack nor the extra Python of the autograd function
+is paid. (On the H200 at BERT-large shapes that is every layer today: ``benchmarks/RESULTS.md``.)
+
+Masks are read from the pruner on every refresh: a mask the pruner replaces (resume, best-model restore, dynamic
+updates) triggers a full pack, never a stale one.
+"""
+
+from __future__ import annotations
+
+import logging
+import types
+import warnings
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor, nn
+
+from ..ops import dispatch
+from ..ops._build import KernelUnavailableError
+from ..ops._layout import VALID_M, VALID_V, PackedWeight
+from ..ops.pack import pack, repack
+from ..patterns import NM, VNM, Pattern
+from .sparse_matmul import sparse_linear
+
+if TYPE_CHECKING:
+    from ..pruner import Pruner
+
+__all__ = ["disable_kernel_path", "enable_kernel_path", "kernel_path_layers", "kernel_pattern", "masks_final"]
+
+logger = logging.getLogger(__name__)
+
+_ATTR = "_hf_sparse_kernel"
+_LP_DTYPES = (torch.bfloat16, torch.float16)
+_DENSE, _KERNEL = "dense", "kernel"
+_DECIDE_AFTER = 3  # calls after which a backend still unmeasured (e.g. frozen weight: no dW) counts as dense
+
+
+def kernel_pattern(pattern: Pattern) -> tuple[int, int] | None:
+    """``(v, m)`` of the kernel layout that runs ``pattern`` (2:4 -> ``(64, 4)``), or None if no kernel does."""
+    if isinstance(pattern, NM) and (pattern.n, pattern.m) == (2, 4):
+        return 64, 4
+    if isinstance(pattern, VNM) and pattern.n == 2 and pattern.m in VALID_M:
+        if pattern.m == 4:
+            return 64, 4
+        if pattern.v in VALID_V:
+            return pattern.v, pattern.m
+    return None
+
+
+def _why_not(weight: Tensor, pattern: Pattern, allow_cpu: bool) -> str | None:
+    """Why a layer cannot take the kernel path, or None if it can."""
+    if kernel_pattern(pattern) is None:
+        return f"pattern {pattern} has no Sparse Tensor Core kernel (2:4 and V:2:M with V in {VALID_V} only)"
+    if not weight.is_cuda and not allow_cpu:
+        return f"weight is on {weight.device}, not CUDA"
+    rows, cols = weight.shape
+    if rows % 8 or cols % 8:
+        return f"shape ({rows}, {cols}) is not a multiple of 8 in both dimensions"
+    return None
+
+
+class _LayerKernel:
+    """Kernel-path state of one layer: its shadows of the master weight and the per-call-shape route."""
+
+    def __init__(self, name: str, module: nn.Module, transposed: bool, pruner: Pruner, v: int, m: int) -> None:
+        self.name = name
+        self.module = module
+        self.transposed = transposed  # GPT-2 Conv1D stores (in, out): the logical weight is weight.T
+        self.pruner = pruner
+        self.v, self.m = v, m
+        self.transposable = m == 4 and bool(pruner.config.transposable)
+        self.routes: dict[tuple, str] = {}
+        self.tries: dict[tuple, int] = {}
+        self.packed: PackedWeight | None = None
+        self.packed_t: PackedWeight | None = None
+        self.lp: Tensor | None = None
+        self.all_valid = False
+        self._weight_key: tuple | None = None
+        self._mask_key: tuple | None = None
+
+    def weight(self) -> Tensor:
+        w = self.module.weight
+        return w.t() if self.transposed else w
+
+    def refresh(self, dtype: torch.dtype) -> None:
+        """Rebuild ``lp`` and the packs if the master, the mask or the compute dtype changed since the last call."""
+        w = self.weight()
+        wkey = (w._version, w.data_ptr(), dtype)
+        mask = self.pruner.masks[self.name]
+        if mask is None:
+            raise RuntimeError(f"hf_sparse: layer {self.name} is on the kernel path but the pruner has no mask for it")
+        mkey = (mask, mask._version, dtype)  # the mask itself, not its id: a freed mask's id can be reused
+        if wkey == self._weight_key and self._same_mask(mkey):
+            return
+        with torch.no_grad():
+            lp = w.detach().to(dtype)
+            if not self._same_mask(mkey) or self.packed is None:
+                self.packed = pack(lp.contiguous(), mask, self.v, self.m, dtype)
+                self.all_valid = bool(self.packed.valid.all())
+                if self.transposable:
+                    self.packed_t = pack(lp.t().contiguous(), mask.t().contiguous(), 64, 4, dtype)
+                self._mask_key = mkey
+                self.routes.clear()
+                self.tries.clear()
+            else:
+                self.packed = repack(lp, self.packed, all_valid=self.all_valid)
+                if self.packed_t is not None:
+                    self.packed_t = repack(lp.t(), self.packed_t, all_valid=self.all_valid)
+        self.lp = lp
+        self._weight_key = wkey
+
+    def _same_mask(self, mkey: tuple) -> bool:
+        old = self._mask_key
+        return old is not None and old[0] is mkey[0] and old[1:] == mkey[1:]
+
+    def decide(self, key: tuple, tokens: int, device: torch.device, grad: bool) -> str | None:
+        """Dense route if the dispatcher measured dense as fastest for every part of this call shape."""
+        if dispatch.backend_mode() != "auto" or device.type != "cuda":
+            self.routes[key] = _KERNEL
+            return _KERNEL
+        assert self.packed is not None
+        parts = [dispatch.choice("fwd", tokens, self.packed, device)]
+        if grad:
+            if self.module.weight.requires_grad:
+                parts.append(dispatch.choice("dw", tokens, self.packed, device))
+            if self.packed_t is not None:
+                parts.append(dispatch.choice("fwd", tokens, self.packed_t, device))
+        if None in parts:
+            self.tries[key] = self.tries.get(key, 0) + 1
+            if parts[0] is None or self.tries[key] < _DECIDE_AFTER:
+                return None
+        route = _DENSE if all(p in ("dense", None) for p in parts) else _KERNEL
+        self.routes[key] = route
+        logger.debug("hf_sparse: %s, %d tokens, grad=%s: %s path", self.name, tokens, grad, route)
+        return route
+
+
+def _compute_dtype(weight: Tensor) -> torch.dtype | None:
+    device_type = weight.device.type
+    if torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+        return dtype if dtype in _LP_DTYPES else None
+    return weight.dtype if weight.dtype in _LP_DTYPES else None
+
+
+def _kernel_forward(self: nn.Module, x: Tensor) -> Tensor:
+    """The forward installed on a kernel-path layer (``self`` is the Linear / Conv1D module)."""
+    k: _LayerKernel = self.__dict__[_ATTR]
+    w = k.weight()
+    dtype = _compute_dtype(w)
+    if dtype is None:
+        return type(self).forward(self, x)
+    tokens = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    grad = torch.is_grad_enabled()
+    key = (1 << max(0, tokens - 1).bit_length(), grad, dtype)
+    route = k.routes.get(key) if dispatch.backend_mode() == "auto" else _KERNEL
+    if route is None and k.packed is not None and k.packed.dtype == dtype:
+        route = k.decide(key, tokens, w.device, grad)
+    if route == _DENSE:
+        return type(self).forward(self, x)
+    k.refresh(dtype)
+    return sparse_linear(x, w, k.packed, self.bias, k.packed_t, k.lp)
+
+
+def enable_kernel_path(model: nn.Module, pruner: Pruner, *, allow_cpu: bool = False) -> list[str]:
+    """Route the pruner's kernel-ready layers through the sparse kernels; returns the names of the layers switched.
+
+    Call once the masks are final and static (:func:`masks_final`); earlier, nothing is switched. Layers that cannot
+    run on the kernels (CPU, a pattern without a kernel, odd shapes, a forward someone else replaced) keep their own
+    forward; with no CUDA GPU this is a no-op. ``allow_cpu`` runs the path on CPU with the ops' reference
+    implementations (tests only: slow). ``model`` is the model the pruner was built on (only used to check that the
+    pruner's layers belong to it).
+    """
+    if not masks_final(pruner):
+        return []
+    if not allow_cpu:
+        if not torch.cuda.is_available():
+            return []
+        try:
+            from ..ops._build import load_extension
+
+            load_extension()
+        except KernelUnavailableError as err:
+            warnings.warn(f"hf_sparse: training stays on the dense path: {err}", stacklevel=2)
+            return []
+    owned = {id(m) for m in model.modules()}
+    pattern = pruner.current_pattern()
+    assert pattern is not None
+    switched, skipped = [], []
+    for layer in pruner.layers:
+        module = layer.module
+        if id(module) not in owned:
+            raise ValueError(f"hf_sparse.enable_kernel_path: layer {layer.name} is not part of the given model")
+        if _ATTR in module.__dict__:
+            switched.append(layer.name)
+            continue
+        if "forward" in module.__dict__:  # another per-instance forward (e.g. a dynamic-mask one): leave it alone
+            skipped.append(f"{layer.name} (its forward is already replaced)")
+            continue
+        reason = _why_not(layer.weight, pattern, allow_cpu)
+        if reason is not None:
+            skipped.append(f"{layer.name} ({reason})")
+            continue
+        v, m = kernel_pattern(pattern)  # type: ignore[misc]
+        module.__dict__[_ATTR] = _LayerKernel(layer.name, module, layer.transposed, pruner, v, m)
+        module.forward = types.MethodType(_kernel_forward, module)
+        switched.append(layer.name)
+    if skipped:
+        logger.info("hf_sparse: %d layer(s) stay dense: %s", len(skipped), "; ".join(skipped))
+    if switched:
+        logger.info("hf_sparse: %d layer(s) now run on the sparse kernels (%s)", len(switched), pattern)
+    return switched
+
+
+def disable_kernel_path(model: nn.Module) -> int:
+    """Give every kernel-path layer of ``model`` its own dense forward back; returns how many were restored."""
+    count = 0
+    for module in model.modules():
+        if module.__dict__.pop(_ATTR, None) is not None:
+            forward = module.__dict__.get("forward")
+            if getattr(forward, "__func__", None) is _kernel_forward:
+                del module.__dict__["forward"]
+            count += 1
+    return count
+
+
+def masks_final(pruner: Pruner) -> bool:
+    """Whether the pruner's masks are final and will not move again (static masks at the final pattern).
+
+    Uses ``Pruner.masks_final`` where the pruner has it (dynamic-mask pruners: final only when not dynamic), else
+    ``Pruner.is_final``.
+    """
+    final = getattr(pruner, "masks_final", None)
+    if final is None:
+        return pruner.is_final
+    return bool(final() if callable(final) else final)
+
+
+def kernel_path_layers(model: nn.Module) -> list[str]:
+    """Names of the layers of ``model`` currently on the kernel path."""
+    return [name for name, module in model.named_modules() if _ATTR in module.__dict__]

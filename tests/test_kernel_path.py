@@ -1,0 +1,214 @@
+"""The kernel-path switch (hf_sparse.nn.kernel_path) on CPU: a no-op without CUDA; with ``allow_cpu`` (the ops'
+reference implementations) the full machinery — forward through sparse_linear, lazy repack after an optimizer step,
+unchanged state dict, gradients zero at pruned positions — checked against the dense masked path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import ToyClassification, random_ids, tiny_config
+from helpers import prune_now
+from transformers import AutoModelForSequenceClassification, TrainingArguments
+
+from hf_sparse import SparseTrainer, SparsityConfig
+from hf_sparse.nn.kernel_path import disable_kernel_path, enable_kernel_path, kernel_path_layers, kernel_pattern
+from hf_sparse.patterns import parse_pattern
+from hf_sparse.trainer import _KernelPathSwitch
+
+
+def _model(family="bert", seed=0):
+    torch.manual_seed(seed)
+    return AutoModelForSequenceClassification.from_config(tiny_config(family))
+
+
+def test_config_kernels_field_validates_and_round_trips():
+    assert SparsityConfig().kernels == "auto"
+    assert SparsityConfig(kernels="never").kernels == "never"
+    with pytest.raises(ValueError, match="kernels='sometimes'.*'auto' or 'never'"):
+        SparsityConfig(kernels="sometimes")
+    cfg = SparsityConfig(pattern="64:2:8", kernels="never")
+    assert SparsityConfig.from_dict(cfg.to_dict()) == cfg
+
+
+@pytest.mark.parametrize(
+    ("spec", "expected"),
+    [
+        ("2:4", (64, 4)),
+        ("64:2:8", (64, 8)),
+        ("128:2:32", (128, 32)),
+        ("2:8", None),
+        ("32:2:8", None),
+        ("64:3:8", None),
+        ("unstructured:0.5", None),
+    ],
+)
+def test_kernel_pattern(spec, expected):
+    assert kernel_pattern(parse_pattern(spec)) == expected
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU behaviour")
+def test_enable_is_a_noop_without_cuda():
+    model = _model()
+    pruner = prune_now(model, "64:2:8")
+    forwards = {name: m.forward for name, m in model.named_modules()}
+    assert enable_kernel_path(model, pruner) == []
+    assert kernel_path_layers(model) == []
+    assert all("forward" not in m.__dict__ for m in model.modules())
+    assert {name: m.forward for name, m in model.named_modules()} == forwards
+
+
+def test_not_final_switches_nothing():
+    model = _model()
+    cfg = SparsityConfig(pattern="64:2:8", schedule="linear", start=0, end=10, update_every=1)
+    from hf_sparse import Pruner
+
+    pruner = Pruner(model, cfg)
+    pruner.bind(20)
+    pruner.update(1)  # an intermediate level
+    assert not pruner.is_final
+    assert enable_kernel_path(model, pruner, allow_cpu=True) == []
+
+
+@pytest.mark.parametrize(("pattern", "extra"), [("64:2:8", {}), ("2:4", {"transposable": True})])
+def test_cpu_kernel_path_matches_dense_masked_training(pattern, extra):
+    """Same model twice: dense masked path vs kernel path (reference ops), under bf16 autocast, over 2 steps."""
+    dense, sparse = _model(seed=3), _model(seed=3)
+    p_dense, p_sparse = prune_now(dense, pattern, **extra), prune_now(sparse, pattern, **extra)
+    keys = list(sparse.state_dict())
+    switched = enable_kernel_path(sparse, p_sparse, allow_cpu=True)
+    assert switched == [layer.name for layer in p_sparse.layers] and len(switched) == 12
+    assert list(sparse.state_dict()) == keys
+    state = sparse.get_submodule(switched[0]).__dict__["_hf_sparse_kernel"]
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (dense, sparse)]
+    ids, labels = random_ids(4, 12, seed=5), torch.tensor([0, 1, 2, 1])
+    values_seen = []
+    for _ in range(2):
+        losses = []
+        for model, pruner, opt in ((dense, p_dense, opts[0]), (sparse, p_sparse, opts[1])):
+            model.train()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(input_ids=ids, labels=labels).loss
+            loss.backward()
+            for layer in pruner.layers:
+                grad = layer.module.weight.grad
+                grad = grad.T if layer.transposed else grad
+                assert torch.count_nonzero(grad[~pruner.masks[layer.name]]) == 0, layer.name
+            opt.step()
+            opt.zero_grad()
+            pruner.apply()
+            losses.append(loss.item())
+        assert abs(losses[0] - losses[1]) < 2e-2 * max(1.0, abs(losses[0])), losses
+        values_seen.append(state.packed.values.clone())
+        assert state.packed.dtype == torch.bfloat16 and state.lp.dtype == torch.bfloat16
+        if "transposable" in extra:
+            assert state.packed_t is not None
+    # the pack follows the master: rebuilt after every step (lazily, by the next forward)
+    assert not torch.equal(values_seen[0], values_seen[1])
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        sparse.eval()
+        sparse(input_ids=ids)
+    w = p_sparse.layers[0].weight.detach()
+    mask = p_sparse.masks[p_sparse.layers[0].name]
+    from hf_sparse.ops import dense_from_packed
+
+    assert torch.equal(dense_from_packed(state.packed, torch.float32), torch.where(mask, w, 0.0).bfloat16().float())
+    # no autocast and an fp32 weight: Sparse Tensor Cores have no fp32 mode, the layer runs its dense forward
+    before = state.packed.values
+    with torch.no_grad():
+        out_fp32 = sparse(input_ids=ids).logits
+    assert state.packed.values is before and out_fp32.dtype == torch.float32
+    assert disable_kernel_path(sparse) == 12 and kernel_path_layers(sparse) == []
+    with torch.no_grad():
+        assert torch.equal(sparse(input_ids=ids).logits, out_fp32)
+
+
+def test_replaced_mask_triggers_full_pack():
+    model = _model(seed=1)
+    pruner = prune_now(model, "64:2:8")
+    enable_kernel_path(model, pruner, allow_cpu=True)
+    name = pruner.layers[0].name
+    layer = model.get_submodule(name)
+    x = torch.randn(2, 5, layer.in_features)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        layer(x)
+        state = layer.__dict__["_hf_sparse_kernel"]
+        meta_before = state.packed.meta
+        new_mask = torch.flip(pruner.masks[name], dims=[1])  # a different valid 64:2:8 mask (groups mirrored)
+        pruner.masks[name] = new_mask
+        with torch.no_grad():
+            layer.weight.mul_(new_mask)
+        y = layer(x)
+    assert state.packed.meta is not meta_before
+    w, b = layer.weight.detach(), layer.bias.detach()
+    ref = torch.nn.functional.linear(x.bfloat16().float(), w.bfloat16().float(), b.float())
+    assert float((y.float() - ref).norm() / ref.norm()) < 1e-2
+
+
+def test_sparse_trainer_adds_the_switch_unless_never(tmp_path):
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        max_steps=2,
+        per_device_train_batch_size=8,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        disable_tqdm=True,
+    )
+    cfg = dict(pattern="64:2:8", schedule="oneshot", start=0, end=0)
+    trainer = SparseTrainer(
+        model=_model(), args=args, train_dataset=ToyClassification(), sparsity_config=SparsityConfig(**cfg)
+    )
+    switch = [cb for cb in trainer.callback_handler.callbacks if isinstance(cb, _KernelPathSwitch)]
+    assert len(switch) == 1
+    trainer.train()
+    assert switch[0].layers == ([] if not torch.cuda.is_available() else switch[0].layers)
+    assert kernel_path_layers(trainer.model) == []  # given back at the end of training
+    never = SparseTrainer(
+        model=_model(),
+        args=args,
+        train_dataset=ToyClassification(),
+        sparsity_config=SparsityConfig(**cfg, kernels="never"),
+    )
+    assert not any(isinstance(cb, _KernelPathSwitch) for cb in never.callback_handler.callbacks)
+
+
+def test_gpt2_conv1d_layers_take_the_path_with_their_transposed_weight():
+    torch.manual_seed(4)
+    model = AutoModelForSequenceClassification.from_config(tiny_config("gpt2"))
+    twin = AutoModelForSequenceClassification.from_config(tiny_config("gpt2"))
+    twin.load_state_dict(model.state_dict())
+    pruner, twin_pruner = prune_now(model, "64:2:8"), prune_now(twin, "64:2:8")
+    switched = enable_kernel_path(model, pruner, allow_cpu=True)
+    assert len(switched) == 8 and all(layer.transposed for layer in pruner.layers)
+    ids = random_ids(2, 10, seed=6)
+    outs = []
+    for m in (model, twin):
+        m.eval()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = m(input_ids=ids).logits
+        logits.float().square().sum().backward()
+        outs.append(logits.float())
+    assert float((outs[0] - outs[1]).norm() / outs[1].norm()) < 2e-2
+    for layer, ref in zip(pruner.layers, twin_pruner.layers, strict=True):
+        grad, ref_grad = layer.module.weight.grad, ref.module.weight.grad  # Conv1D: stored (in, out)
+        assert grad.shape == ref_grad.shape
+        assert torch.count_nonzero(grad.T[~pruner.masks[layer.name]]) == 0
+        assert float((grad - ref_grad).norm() / ref_grad.norm()) < 5e-2, layer.name
+
+
+def test_dynamic_masks_and_foreign_forwards_are_left_alone():
+    import types
+
+    moving = _model(seed=2)
+    dynamic = prune_now(moving, "64:2:8", dynamic=True)  # final pattern, masks still moving
+    assert dynamic.is_final and not dynamic.masks_final
+    assert enable_kernel_path(moving, dynamic, allow_cpu=True) == []
+    model = _model(seed=2)
+    pruner = prune_now(model, "64:2:8")
+    first = model.get_submodule(pruner.layers[0].name)
+    foreign = types.MethodType(lambda self, x: torch.nn.functional.linear(x, self.weight, self.bias), first)
+    first.forward = foreign  # e.g. a straight-through masked forward installed by someone else
+    switched = enable_kernel_path(model, pruner, allow_cpu=True)
+    assert pruner.layers[0].name not in switched and len(switched) == 11
+    assert disable_kernel_path(model) == 11
+    assert first.__dict__["forward"] is foreign

@@ -1,0 +1,148 @@
+"""GPU: the repack kernel, the kernel path in training (50 steps of a small BERT against the masked-dense path), a
+SparseTrainer run that engages it, and loaded checkpoints running inference on the kernels."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import ToyClassification, random_ids
+from helpers import prune_now
+from ops._helpers import PATTERNS, random_masked
+from transformers import AutoModelForSequenceClassification, BertConfig, TrainerCallback, TrainingArguments
+
+import hf_sparse
+from hf_sparse import SparseTrainer, SparsityConfig
+from hf_sparse.nn import SparseLinear
+from hf_sparse.nn.kernel_path import enable_kernel_path, kernel_path_layers
+from hf_sparse.ops import pack
+from hf_sparse.ops.pack import repack
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+
+@pytest.mark.parametrize(("v", "m"), PATTERNS)
+@pytest.mark.parametrize("src", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_repack_kernel_matches_full_pack(v, m, src, dtype):
+    rows, cols = 192 if m == 4 else 2 * v, 8 * m * 3
+    w, mask = random_masked(rows, cols, v, m, device="cuda", seed=m + v)
+    p = pack(w.to(src), mask, v, m, dtype)
+    w2 = torch.where(mask, torch.randn_like(w), 0.0).to(src)  # new values, same mask
+    ref = pack(w2, mask, v, m, dtype)
+    for all_valid in (False, bool(p.valid.all())):
+        got = repack(w2, p, all_valid=all_valid)
+        assert torch.equal(got.values, ref.values) and got.meta is p.meta
+    strided = w2.t().contiguous().t()  # column-major: read in place through strides
+    assert torch.equal(repack(strided, p).values, ref.values)
+
+
+def _small_bert(seed: int):
+    torch.manual_seed(seed)
+    cfg = BertConfig(
+        vocab_size=512,
+        hidden_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=1024,
+        max_position_embeddings=128,
+        num_labels=3,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
+    return AutoModelForSequenceClassification.from_config(cfg).cuda()
+
+
+@pytest.mark.parametrize("backend", ["sparse", "auto"])
+@pytest.mark.parametrize(("pattern", "extra"), [("64:2:8", {}), ("2:4", {"transposable": True}), ("64:2:16", {})])
+def test_50_steps_track_masked_dense(pattern, extra, backend, monkeypatch):
+    monkeypatch.setenv("HF_SPARSE_BACKEND", backend)
+    runs = []
+    for kernels in (False, True):
+        model = _small_bert(seed=0)
+        pruner = prune_now(model, pattern, **extra)
+        if kernels:
+            assert len(enable_kernel_path(model, pruner)) == len(pruner.layers) == 12
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True)
+        gen = torch.Generator().manual_seed(1)
+        losses = []
+        for _ in range(50):
+            ids = torch.randint(1, 512, (8, 64), generator=gen).cuda()
+            labels = (ids[:, 0] % 3).cuda()
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = model(input_ids=ids, labels=labels).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            pruner.apply()
+            losses.append(loss.item())
+        for layer in pruner.layers:
+            assert (layer.weight[~pruner.masks[layer.name]] == 0).all()
+        runs.append(torch.tensor(losses))
+    dense, kern = runs
+    assert torch.isfinite(kern).all()
+    assert (dense - kern).abs().max() < 0.1, (dense, kern)
+    assert abs(dense[-10:].mean() - kern[-10:].mean()) < 0.03 * dense[-10:].mean()
+
+
+def test_sparse_trainer_engages_kernel_path(tmp_path):
+    seen = []
+
+    class Probe(TrainerCallback):
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            seen.append(len(kernel_path_layers(model)))
+
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        max_steps=6,
+        per_device_train_batch_size=8,
+        bf16=True,
+        report_to=[],
+        save_strategy="no",
+        disable_tqdm=True,
+        learning_rate=1e-3,
+    )
+    model = _small_bert(seed=2)
+    trainer = SparseTrainer(
+        model=model,
+        args=args,
+        train_dataset=ToyClassification(size=64, length=16),
+        callbacks=[Probe()],
+        sparsity_config=SparsityConfig(pattern="64:2:8", schedule="oneshot", start=0.5, end=0.5),
+    )
+    trainer.train()
+    assert seen[0] == 0 and seen[-1] == 12, seen  # dense until the masks are final at step 3, kernels after
+    assert kernel_path_layers(trainer.model) == []
+    for layer in trainer.pruner.layers:
+        assert (layer.weight[~trainer.pruner.masks[layer.name]] == 0).all()
+
+
+@pytest.mark.parametrize("pattern", ["64:2:8", "2:4"])
+def test_loaded_checkpoint_runs_inference_on_the_kernels(tmp_path, pattern, monkeypatch):
+    model = _small_bert(seed=3).float().cpu()
+    pruner = prune_now(model, pattern)
+    hf_sparse.save_pretrained(model, tmp_path, pruner)
+    loaded = AutoModelForSequenceClassification.from_pretrained(tmp_path, dtype=torch.bfloat16).cuda().eval()
+    sparse_layers = [m for m in loaded.modules() if isinstance(m, SparseLinear)]
+    assert len(sparse_layers) == 12
+    ids = random_ids(4, 48, seed=4).cuda()
+    with torch.no_grad():
+        monkeypatch.setenv("HF_SPARSE_BACKEND", "dense")
+        dense_logits = loaded(input_ids=ids).logits.float()
+        monkeypatch.setenv("HF_SPARSE_BACKEND", "sparse")
+        kernel_logits = loaded(input_ids=ids).logits.float()
+        monkeypatch.setenv("HF_SPARSE_BACKEND", "auto")
+        auto_logits = loaded(input_ids=ids).logits.float()
+    assert all(m._packed_cache is not None for m in sparse_layers)
+    ref = model.cuda().eval()(input_ids=ids).logits.detach().float()
+    scale = ref.abs().max()
+    assert (kernel_logits - ref).abs().max() < 0.05 * scale
+    assert (auto_logits - ref).abs().max() < 0.05 * scale
+    assert (dense_logits - ref).abs().max() < 0.05 * scale
+    # training a loaded model keeps the dense path (gradients on the compressed values)
+    loaded.train()
+    loss = loaded(input_ids=ids, labels=torch.zeros(4, dtype=torch.long, device="cuda")).loss
+    loss.backward()
+    assert all(m.weight.grad is not None for m in sparse_layers)
