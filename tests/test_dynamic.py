@@ -295,3 +295,21 @@ def test_torch_compile_with_moving_masks(tmp_path):
     ids = random_ids(3, 12, seed=8)
     with torch.no_grad():
         torch.testing.assert_close(model(input_ids=ids).logits, reference(input_ids=ids).logits)
+
+
+def test_dynamic_obs_compensates_kept_weights_and_keeps_pruned_masters():
+    model = _model()
+    config = SparsityConfig(pattern="2:4", schedule="oneshot", start=1, update_every=2, dynamic=True, score="obs")
+    pruner = Pruner(model, config)
+    pruner.bind(20)
+    gen = torch.Generator().manual_seed(2)
+    for layer in pruner.layers:
+        layer.module.weight.grad = torch.randn(layer.module.weight.shape, generator=gen)
+    pruner.before_optimizer_step(0)
+    before = {layer.name: layer.weight.detach().clone() for layer in pruner.layers}
+    assert pruner.update(1) and not pruner.masks_final
+    for layer in pruner.layers:
+        mask, weight = pruner.masks[layer.name], layer.weight.detach()
+        assert torch.equal(weight[~mask], before[layer.name][~mask])  # the dense master keeps pruned values
+        assert not torch.equal(weight[mask], before[layer.name][mask])  # OBS moved the kept ones
+        assert has_masked_forward(layer.module)
