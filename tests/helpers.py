@@ -1,4 +1,4 @@
-"""Building pruned tiny models for the tests without running a Trainer."""
+"""Shared test helpers: pruned tiny models without a Trainer, and the TrainingArguments of the tiny Trainer runs."""
 
 from __future__ import annotations
 
@@ -21,3 +21,24 @@ def logits(model, input_ids: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         out = model(input_ids=input_ids)
     return out.logits if hasattr(out, "logits") else out.start_logits
+
+
+def trainer_args(output_dir, **overrides):
+    """``TrainingArguments`` of the tests' tiny CPU Trainer runs: 12 steps, batch 8, no saving, no reporting."""
+    from transformers import TrainingArguments
+
+    settings = dict(
+        output_dir=str(output_dir),
+        max_steps=12,
+        per_device_train_batch_size=8,
+        learning_rate=1e-3,
+        weight_decay=0.1,
+        logging_steps=4,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        seed=0,
+        disable_tqdm=True,
+    )
+    settings.update(overrides)
+    return TrainingArguments(**settings)

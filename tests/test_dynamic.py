@@ -6,29 +6,16 @@ import json
 import pytest
 import torch
 from conftest import ToyClassification, random_ids, tiny_config
+from helpers import trainer_args
 from torch import nn
-from transformers import AutoModelForSequenceClassification, TrainerCallback, TrainingArguments
+from transformers import AutoModelForSequenceClassification, TrainerCallback
 
 from hf_sparse import Pruner, SparseTrainer, SparsityConfig
 from hf_sparse.dynamic import has_masked_forward
 
 
 def _args(tmp_path, **kwargs):
-    defaults = dict(
-        output_dir=str(tmp_path),
-        max_steps=12,
-        per_device_train_batch_size=8,
-        learning_rate=1e-3,
-        weight_decay=0.1,
-        logging_steps=2,
-        save_strategy="no",
-        report_to=[],
-        use_cpu=True,
-        seed=0,
-        disable_tqdm=True,
-    )
-    defaults.update(kwargs)
-    return TrainingArguments(**defaults)
+    return trainer_args(tmp_path, **{"logging_steps": 2, **kwargs})
 
 
 def _model(family="bert"):

@@ -6,7 +6,8 @@ import os
 import pytest
 import torch
 from conftest import ToyClassification, tiny_config
-from transformers import AutoModelForSequenceClassification, Trainer, TrainerCallback, TrainingArguments
+from helpers import trainer_args
+from transformers import AutoModelForSequenceClassification, Trainer, TrainerCallback
 
 import hf_sparse
 from hf_sparse import SparseTrainer, SparsityCallback, SparsityConfig
@@ -15,21 +16,7 @@ from hf_sparse.formats.compressed import compress
 
 
 def _args(tmp_path, **kwargs):
-    defaults = dict(
-        output_dir=str(tmp_path),
-        max_steps=12,
-        per_device_train_batch_size=8,
-        learning_rate=1e-3,
-        weight_decay=0.1,
-        logging_steps=4,
-        save_strategy="no",
-        report_to=[],
-        use_cpu=True,
-        seed=0,
-        disable_tqdm=True,
-    )
-    defaults.update(kwargs)
-    return TrainingArguments(**defaults)
+    return trainer_args(tmp_path, **kwargs)
 
 
 def _model(family="bert", dtype=torch.float32):
