@@ -212,3 +212,28 @@ def test_dynamic_masks_and_foreign_forwards_are_left_alone():
     assert pruner.layers[0].name not in switched and len(switched) == 11
     assert disable_kernel_path(model) == 11
     assert first.__dict__["forward"] is foreign
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_sharded_layer_rebuilds_when_the_weight_keeps_its_version(sharded):
+    """FSDP2 all-gathers each step's weights into the same storage and keeps its version counter: a layer marked
+    sharded rebuilds its shadows on every forward; an unsharded one (keyed on version and address) cannot see it."""
+    from hf_sparse.nn.kernel_path import _LayerKernel
+
+    model = _model(seed=4)
+    pruner = prune_now(model, "64:2:8")
+    layer = pruner.layers[0]
+    state = _LayerKernel(layer.name, layer.module, layer.transposed, pruner, 64, 8, sharded=sharded)
+    state.refresh(torch.bfloat16)
+    before = state.lp.clone()
+    weight = layer.module.weight
+    with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(weight):
+        weight.add_(
+            torch.randn(weight.shape, generator=torch.Generator().manual_seed(9))
+            * weight.masked_fill(~pruner.masks[layer.name], 0).abs().max()
+        )
+        weight.mul_(pruner.masks[layer.name])
+    state.refresh(torch.bfloat16)
+    expected = weight.detach().to(torch.bfloat16)
+    assert torch.equal(state.lp, expected) == sharded
+    assert torch.equal(state.lp, before) != sharded

@@ -26,6 +26,13 @@ is paid. (On the H200 at BERT-large shapes that is every layer today: ``benchmar
 
 Masks are read from the pruner on every refresh: a mask the pruner replaces (resume, best-model restore, dynamic
 updates) triggers a full pack, never a stale one.
+
+Under FSDP2 (``fully_shard``) the layer's ``weight`` is a sharded DTensor at rest and the full weight exists only
+inside the forward (FSDP2 swaps it in, all-gathered). The shadows are therefore built inside the forward, from that
+full weight, and are plain attributes of the per-layer state (never parameters or buffers, which FSDP2 would try to
+shard). FSDP2 all-gathers every step into the same storage and keeps its version counter, so the master's version
+cannot tell a new step from an old one: for a sharded layer the shadows are rebuilt on every forward (a cast and a
+repack; the full pack only when the mask changes).
 """
 
 from __future__ import annotations
@@ -85,7 +92,9 @@ def _why_not(weight: Tensor, pattern: Pattern, allow_cpu: bool) -> str | None:
 class _LayerKernel:
     """Kernel-path state of one layer: its shadows of the master weight and the per-call-shape route."""
 
-    def __init__(self, name: str, module: nn.Module, transposed: bool, pruner: Pruner, v: int, m: int) -> None:
+    def __init__(
+        self, name: str, module: nn.Module, transposed: bool, pruner: Pruner, v: int, m: int, sharded: bool = False
+    ) -> None:
         self.name = name
         self.module = module
         self.transposed = transposed  # GPT-2 Conv1D stores (in, out): the logical weight is weight.T
@@ -97,6 +106,8 @@ class _LayerKernel:
         self.packed: PackedWeight | None = None
         self.packed_t: PackedWeight | None = None
         self.lp: Tensor | None = None
+        # FSDP2: weight at rest is a DTensor shard; in forward, the all-gathered full weight keeps one version
+        self.sharded = sharded or _is_dtensor(module.weight)
         self.all_valid = False
         self._weight_key: tuple | None = None
         self._mask_key: tuple | None = None
@@ -113,7 +124,7 @@ class _LayerKernel:
         if mask is None:
             raise RuntimeError(f"hf_sparse: layer {self.name} is on the kernel path but the pruner has no mask for it")
         mkey = (mask, mask._version, dtype)  # the mask itself, not its id: a freed mask's id can be reused
-        if wkey == self._weight_key and self._same_mask(mkey):
+        if wkey == self._weight_key and self._same_mask(mkey) and not self.sharded:
             return
         with torch.no_grad():
             lp = w.detach().to(dtype)
@@ -156,6 +167,23 @@ class _LayerKernel:
         self.routes[key] = route
         logger.debug("hf_sparse: %s, %d tokens, grad=%s: %s path", self.name, tokens, grad, route)
         return route
+
+
+def _fsdp_managed(model: nn.Module) -> set[int]:
+    """ids of the modules whose parameters FSDP2 manages (every module under a ``fully_shard``-ed one)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch without distributed
+        return set()
+    return {id(sub) for module in model.modules() if isinstance(module, FSDPModule) for sub in module.modules()}
+
+
+def _is_dtensor(tensor: Tensor) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch without distributed
+        return False
+    return isinstance(tensor, DTensor)
 
 
 def _compute_dtype(weight: Tensor) -> torch.dtype | None:
@@ -207,6 +235,7 @@ def enable_kernel_path(model: nn.Module, pruner: Pruner, *, allow_cpu: bool = Fa
             warnings.warn(f"hf_sparse: training stays on the dense path: {err}", stacklevel=2)
             return []
     owned = {id(m) for m in model.modules()}
+    managed = _fsdp_managed(model)
     pattern = pruner.current_pattern()
     assert pattern is not None
     switched, skipped = [], []
@@ -225,7 +254,9 @@ def enable_kernel_path(model: nn.Module, pruner: Pruner, *, allow_cpu: bool = Fa
             skipped.append(f"{layer.name} ({reason})")
             continue
         v, m = kernel_pattern(pattern)  # type: ignore[misc]
-        module.__dict__[_ATTR] = _LayerKernel(layer.name, module, layer.transposed, pruner, v, m)
+        module.__dict__[_ATTR] = _LayerKernel(
+            layer.name, module, layer.transposed, pruner, v, m, sharded=id(module) in managed
+        )
         module.forward = types.MethodType(_kernel_forward, module)
         switched.append(layer.name)
     if skipped:
