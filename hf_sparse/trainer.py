@@ -181,7 +181,6 @@ class SparseTrainer(Trainer):
             return
         if self.processing_class is not None:
             self.processing_class.save_pretrained(output_dir)
-        import torch
         from transformers.trainer import TRAINING_ARGS_NAME
 
         torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))

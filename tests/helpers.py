@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from transformers import TrainerCallback
 
 from hf_sparse import Pruner, SparsityConfig
 
@@ -42,3 +43,14 @@ def trainer_args(output_dir, **overrides):
     )
     settings.update(overrides)
     return TrainingArguments(**settings)
+
+
+class StopAt(TrainerCallback):
+    """Stops training after optimizer step ``step``: an interrupted run, to resume from its checkpoint."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            control.should_training_stop = True

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 from conftest import ToyClassification, random_ids, tiny_config
-from helpers import trainer_args
+from helpers import StopAt, trainer_args
 from torch import nn
 from transformers import AutoModelForSequenceClassification, TrainerCallback
 
@@ -186,15 +186,6 @@ def test_static_mode_installs_nothing():
     assert pruner.masks_final
 
 
-class _StopAt(TrainerCallback):
-    def __init__(self, step):
-        self.step = step
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step == self.step:
-            control.should_training_stop = True
-
-
 def _resume_run(tmp_path, stop_at=None, resume=None):
     config = SparsityConfig(
         pattern="2:8",
@@ -212,7 +203,7 @@ def _resume_run(tmp_path, stop_at=None, resume=None):
         args=args,
         train_dataset=ToyClassification(),
         sparsity_config=config,
-        callbacks=[_StopAt(stop_at)] if stop_at else [],
+        callbacks=[StopAt(stop_at)] if stop_at else [],
     )
     masks = {}
 

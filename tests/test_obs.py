@@ -6,7 +6,7 @@ import itertools
 import pytest
 import torch
 from conftest import ToyClassification, tiny_config
-from helpers import trainer_args
+from helpers import StopAt, trainer_args
 from transformers import AutoModelForSequenceClassification, TrainerCallback
 
 from hf_sparse import SparseTrainer, SparsityConfig
@@ -314,15 +314,6 @@ def test_trainer_run_with_obs_reaches_the_exact_pattern(tmp_path, pattern):
     assert any(not torch.equal(pruner.masks[a.name], magnitude.pruner.masks[a.name]) for a in pruner.layers)
 
 
-class _StopAt(TrainerCallback):
-    def __init__(self, step):
-        self.step = step
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step == self.step:
-            control.should_training_stop = True
-
-
 def _obs_run(tmp_path, stop_at=None, resume=None):
     config = SparsityConfig(
         pattern="2:8", schedule="cubic", start=2, end=14, update_every=3, score="obs", obs_num_grads=1
@@ -333,7 +324,7 @@ def _obs_run(tmp_path, stop_at=None, resume=None):
         args=args,
         train_dataset=ToyClassification(),
         sparsity_config=config,
-        callbacks=[_StopAt(stop_at)] if stop_at else [],
+        callbacks=[StopAt(stop_at)] if stop_at else [],
     )
     trainer.train(resume_from_checkpoint=resume)
     return trainer

@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 from conftest import ToyClassification, tiny_config
-from helpers import trainer_args
+from helpers import StopAt, trainer_args
 from transformers import AutoModelForSequenceClassification, Trainer, TrainerCallback
 
 import hf_sparse
@@ -143,19 +143,10 @@ def test_torch_compile(tmp_path):
     _check_final_masks(trainer.pruner)
 
 
-class _StopAt(TrainerCallback):
-    def __init__(self, step):
-        self.step = step
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step == self.step:
-            control.should_training_stop = True
-
-
 def _resume_run(tmp_path, trainer_cls, stop_at=None, resume=None):
     config = SparsityConfig(pattern="2:8", schedule="cubic", start=2, end=14, update_every=3)
     args = _args(tmp_path, max_steps=18, save_strategy="steps", save_steps=7, dataloader_drop_last=True)
-    callbacks = [_StopAt(stop_at)] if stop_at else []
+    callbacks = [StopAt(stop_at)] if stop_at else []
     if trainer_cls is SparseTrainer:
         trainer = SparseTrainer(
             model=_model(), args=args, train_dataset=ToyClassification(), sparsity_config=config, callbacks=callbacks
