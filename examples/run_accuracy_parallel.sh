@@ -7,8 +7,9 @@
 #   DATA_DIR holds glue/SST-2, glue/MRPC and squad/{train-v1.1.reconstructed.json,dev-v1.1.json}.
 #   GLUE_TRAIN_SAMPLES / EVAL_SAMPLES (all; small for a CPU smoke test, with EXTRA_ARGS='--use_cpu true'), EPOCHS_SST2 (2), EPOCHS_MRPC (5), EPOCHS_SQUAD (1), SQUAD_TRAIN_SAMPLES (all), LR_GLUE (5e-5), LR_SQUAD (1e-4),
 #   START (0.05), END (0.5): cubic schedule from START to END of training, masks updated every 50 steps (10 on MRPC).
-#   KD_PATTERNS: patterns also trained with distillation (alpha 0.5, T 2) from a dense teacher fine-tuned first on
-#   the same task (SST-2/SQuAD: one epoch; MRPC: the dense run of the sweep).
+#   KD_PATTERNS: patterns also trained with distillation (alpha 0.5, T 2), once per score in SCORES, from a dense
+#   teacher fine-tuned first on the same task (SST-2/SQuAD: one epoch; MRPC: the dense run of the sweep), or from
+#   TEACHER_DIR (the distilled runs start once TEACHER_DIR/eval_results.json exists, e.g. another sweep's teacher).
 # Prints a markdown table; every run's log and eval_results.json stay under OUT_DIR.
 set -uo pipefail
 model=${1:?model dir}; data=${2:?data dir}; out=${3:?out dir}; seed=${4:-42}
@@ -51,12 +52,20 @@ launch() {  # task pattern variant extra-args... ; runs in the background, logs 
   esac
 }
 
-kd_after() {  # task teacher-dir teacher-pid: wait for the teacher, then launch the distilled runs
-  local task=$1 teacher=$2 pid=$3
-  ( while kill -0 "$pid" 2>/dev/null; do sleep 5; done
+kd_after() {  # task teacher-dir [teacher-pid]: wait for the teacher, then launch the distilled runs
+  local task=$1 teacher=$2 pid=${3:-}
+  ( if [ -n "$pid" ]; then
+      while kill -0 "$pid" 2>/dev/null; do sleep 5; done
+    else  # a teacher trained by another sweep: wait for its results (up to 2 hours)
+      for _ in $(seq 1440); do [ -f "$teacher/eval_results.json" ] && break; sleep 5; done
+    fi
     [ -f "$teacher/eval_results.json" ] || { echo "teacher $teacher failed (see $teacher.log)"; exit 1; }
     for p in $kd_patterns; do
-      launch "$task" "$p" kd --distill_from "$teacher" --distill_alpha 0.5 --distill_temperature 2
+      for s in $scores; do
+        variant=kd; [ "$s" != magnitude ] && variant=$s-kd
+        launch "$task" "$p" "$variant" --sparsity_score "$s" \
+          --distill_from "$teacher" --distill_alpha 0.5 --distill_temperature 2
+      done
     done
     wait ) &
 }
@@ -71,7 +80,9 @@ for task in $tasks; do
     done
   done
   if [ -n "$kd_patterns" ]; then
-    if [ "$task" = mrpc ] && [ -n "$dense_pid" ]; then
+    if [ -n "${TEACHER_DIR:-}" ]; then
+      kd_after "$task" "$TEACHER_DIR"
+    elif [ "$task" = mrpc ] && [ -n "$dense_pid" ]; then
       kd_after mrpc "$out/$(name mrpc dense "")" "$dense_pid"
     else
       EPOCHS_SST2=1 EPOCHS_SQUAD=1 EPOCHS_MRPC=${EPOCHS_MRPC:-5} launch "$task" dense teacher
