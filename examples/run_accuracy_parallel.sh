@@ -14,7 +14,7 @@
 set -uo pipefail
 model=${1:?model dir}; data=${2:?data dir}; out=${3:?out dir}; seed=${4:-42}
 tasks=${TASKS:-"sst2 mrpc"}
-patterns=${PATTERNS:-"dense 2:4 64:2:8 64:2:16 unstructured:0.5 unstructured:0.75"}
+patterns=${PATTERNS-"dense 2:4 64:2:8 64:2:16 unstructured:0.5 unstructured:0.75"}  # PATTERNS="" runs none
 kd_patterns=${KD_PATTERNS:-""}
 scores=${SCORES:-magnitude}
 start=${START:-0.05}; end=${END:-0.5}
