@@ -24,6 +24,8 @@
 // Only the sm_90a pass compiles the body (__CUDA_ARCH_FEAT_SM90_ALL); other device passes get a trap so a wrong
 // build fails loudly, and the host only launches it on cc 9.0 when the build included sm_90a (HF_SPARSE_HAS_SM90A,
 // set by hf_sparse/ops/_build.py).
+#include <cstdlib>
+
 #include "common.cuh"
 #include "kernels.h"
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -33,18 +35,22 @@
 namespace hf_sparse {
 namespace {
 
-constexpr int kSm90Stages = 4;
 constexpr int kSm90Threads = 256;  // two consumer warpgroups
-constexpr int kSm90Rows = 128;     // weight rows per CTA (64 per warpgroup)
 
-template <int BN>
-struct Sm90Smem {
-  static constexpr int B_BYTES = BN * 128;                  // BN token rows x 64 k, bf16/fp16
-  static constexpr int A_BYTES = 2 * (kSm90Rows / 16) * 512;  // 2 k-steps x 8 m16 tiles x 32 lanes x 16 B
-  static constexpr int E_BYTES = 2 * (kSm90Rows / 16) * 64;   // 2 k-steps x 8 m16 tiles x 16 words
+// CTA tile: 128*WGM weight rows (each warpgroup WGM m64 tiles) x BN tokens, STAGES pipeline stages, and INFLIGHT
+// = 1 keeps one k-tile of wgmmas in flight while the next is issued (0: each iteration waits for its own).
+template <int BN_, int WGM_, int STAGES_, int INFLIGHT_>
+struct Sm90Cfg {
+  static constexpr int BN = BN_, WGM = WGM_, STAGES = STAGES_, INFLIGHT = INFLIGHT_;
+  static constexpr int ROWS = 128 * WGM;
+  static constexpr int MT = ROWS / 16;                  // m16 tiles per CTA
+  static constexpr int B_BYTES = BN * 128;             // BN token rows x 64 k, bf16/fp16
+  static constexpr int A_BYTES = 2 * MT * 512;         // 2 k-steps x MT m16 tiles x 32 lanes x 16 B
+  static constexpr int E_BYTES = 2 * MT * 64;          // 2 k-steps x MT m16 tiles x 16 words
   static constexpr int STAGE = B_BYTES + A_BYTES + E_BYTES;
-  static constexpr int TOTAL = kSm90Stages * STAGE + 1024;  // + alignment slack for the 1024-byte swizzle atoms
+  static constexpr int SMEM = STAGES * STAGE + 1024;   // + alignment slack for the 1024-byte swizzle atoms
   static_assert(STAGE % 1024 == 0, "each stage's B tile must start on a 1024-byte boundary");
+  static_assert(STAGES - 1 - INFLIGHT >= 1, "need at least one stage loading ahead");
 };
 
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -64,16 +70,16 @@ __device__ __forceinline__ uint64_t desc_k128(uint32_t smem_addr) {
 }
 #endif
 
-template <typename T, int BN>
+template <typename T, typename Cfg>
 __global__ void __launch_bounds__(kSm90Threads, 1)
 spmm_sm90_kernel(const T* __restrict__ x, const uint4* __restrict__ values, const uint32_t* __restrict__ meta,
                  const T* __restrict__ bias, T* __restrict__ y, int n_tokens, int rows, int rows_padded, int k,
                  int steps) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  using Sm = Sm90Smem<BN>;
-  constexpr int STAGES = kSm90Stages, THREADS = kSm90Threads;
-  constexpr int MT = kSm90Rows / 16;  // m16 tiles per CTA
-  constexpr int ND = BN / 2;          // accumulators per thread
+  constexpr int BN = Cfg::BN, WGM = Cfg::WGM, STAGES = Cfg::STAGES, INFLIGHT = Cfg::INFLIGHT;
+  constexpr int THREADS = kSm90Threads, MT = Cfg::MT;
+  constexpr int ND = BN / 2;                    // accumulators per thread per m64 tile
+  constexpr int AHEAD = STAGES - 1 - INFLIGHT;  // k-tiles being copied while one is computed
 
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   // Offset arithmetic on smem_raw (not an integer round trip) keeps the pointer in the shared window for ptxas.
@@ -86,14 +92,13 @@ spmm_sm90_kernel(const T* __restrict__ x, const uint4* __restrict__ values, cons
   const int wg = warp >> 2, wq = warp & 3;  // warpgroup, warp within it
   const int g = lane >> 2, t = lane & 3;
   const int n_base = blockIdx.y * BN;
-  const int cta_row0 = blockIdx.x * kSm90Rows;
+  const int cta_row0 = blockIdx.x * Cfg::ROWS;
   const int mt_cta = cta_row0 >> 4;
   const int mt_valid = (rows_padded - cta_row0) >> 4;  // m16 tiles of this CTA inside the packed weight
-  const bool wg_active = wg * 4 < mt_valid;            // packed rows are padded to 64: whole warpgroups
   const int k_tiles = (steps + 1) >> 1;                 // 2 k-steps (64 columns of X) per stage
 
   // Copy roles, fixed across stages. B: token row r = tid/8 + 32i, 16-byte chunk c = tid%8 (swizzled: r%8 is the
-  // same for every i). A: two 16-byte chunks per thread. Metadata: threads 0..63, one 16-byte chunk each.
+  // same for every i). A: 16-byte chunks (j, mt, lane). Metadata: one 16-byte chunk (j, mt, quarter) per thread.
   constexpr int B_ITERS = BN * 8 / THREADS;
   static_assert(BN * 8 % THREADS == 0, "B chunks must split evenly over the threads");
   const int b_r0 = tid >> 3, b_c = tid & 7;
@@ -110,19 +115,20 @@ spmm_sm90_kernel(const T* __restrict__ x, const uint4* __restrict__ values, cons
   int a_j[A_ITERS];
 #pragma unroll
   for (int i = 0; i < A_ITERS; ++i) {
-    const int chunk = tid + i * THREADS;  // (j, mt, lane)
+    const int chunk = tid + i * THREADS;
     const int j = chunk / (MT * 32), mt = (chunk / 32) % MT;
     a_j[i] = j;
     a_ok[i] = mt < mt_valid;
     a_src[i] = values + ((size_t)(mt_cta + (a_ok[i] ? mt : 0)) * steps + j) * 32 + (chunk & 31);
   }
+  static_assert(2 * MT * 4 <= THREADS, "one metadata chunk per thread at most");
   const bool e_thread = tid < 2 * MT * 4;
   const int e_j = tid / (MT * 4), e_mt = (tid / 4) % MT, e_q = tid & 3;
   const bool e_ok = e_thread && e_mt < mt_valid;
   const uint32_t* e_src = meta + ((size_t)(mt_cta + (e_ok ? e_mt : 0)) * steps + e_j) * 16 + e_q * 4;
 
   auto load_stage = [&](int slot, int kt) {
-    unsigned char* base = smem + slot * Sm::STAGE;
+    unsigned char* base = smem + slot * Cfg::STAGE;
     const int col = kt * 64 + b_c * 8;
     const bool col_ok = col < k;
 #pragma unroll
@@ -130,7 +136,7 @@ spmm_sm90_kernel(const T* __restrict__ x, const uint4* __restrict__ values, cons
       const bool ok = col_ok && ((b_tok_ok >> i) & 1u);
       cp_async_16(base + b_dst + i * 32 * 128, ok ? b_src + (size_t)i * 32 * k + kt * 64 : x, ok);
     }
-    unsigned char* ad = base + Sm::B_BYTES;
+    unsigned char* ad = base + Cfg::B_BYTES;
 #pragma unroll
     for (int i = 0; i < A_ITERS; ++i) {
       const bool ok = a_ok[i] && 2 * kt + a_j[i] < steps;
@@ -138,84 +144,112 @@ spmm_sm90_kernel(const T* __restrict__ x, const uint4* __restrict__ values, cons
     }
     if (e_thread) {
       const bool ok = e_ok && 2 * kt + e_j < steps;
-      cp_async_16(ad + Sm::A_BYTES + tid * 16, ok ? e_src + (size_t)kt * 32 : meta, ok);
+      cp_async_16(ad + Cfg::A_BYTES + tid * 16, ok ? e_src + (size_t)kt * 32 : meta, ok);
     }
   };
 
-  float acc[ND];
+  float acc[WGM][ND];
 #pragma unroll
-  for (int i = 0; i < ND; ++i) acc[i] = 0.f;
+  for (int i = 0; i < WGM; ++i)
+#pragma unroll
+    for (int j = 0; j < ND; ++j) acc[i][j] = 0.f;
 
 #pragma unroll
-  for (int st = 0; st < STAGES - 1; ++st) {
+  for (int st = 0; st < AHEAD; ++st) {
     if (st < k_tiles) load_stage(st, st);
     cp_async_commit();
   }
 
-  // No branches around the wgmmas (ptxas serializes wgmmas across control flow): an inactive warpgroup (the
-  // 64 padded rows past the packed weight) and the missing second k-step of an odd step count multiply zeros
+  // No branches around the wgmmas (ptxas serializes wgmmas across control flow): an inactive m64 tile (the 64
+  // padded rows past the packed weight) and the missing second k-step of an odd step count multiply zeros
   // (zero-filled A) with valid metadata (positions 0 and 1), and their results are never stored.
   constexpr uint32_t kMetaPad = 0x44444444u;
-  const int my_mt = wg * 4 + wq;
-  for (int kt = 0; kt < k_tiles; ++kt) {
+  bool active[WGM];
+#pragma unroll
+  for (int i = 0; i < WGM; ++i) active[i] = (wg * WGM + i) * 4 < mt_valid;
+  // One k-tile: wait for its stage, load this warp's A fragments and metadata into `a`/`e`, issue its wgmmas, start
+  // the copy of the k-tile AHEAD stages on, and leave at most INFLIGHT wgmma groups unfinished. With INFLIGHT = 1
+  // the previous k-tile's wgmmas still read their A and metadata registers during this one's loads (reading a
+  // register an unfinished wgmma uses is undefined), so the loop is unrolled by two with separate register sets
+  // for even and odd k-tiles.
+  auto k_tile = [&](int kt, uint4 (&a)[WGM][2], uint32_t (&e)[WGM][2]) {
     const int slot = kt % STAGES;
-    cp_async_wait<STAGES - 2>();
+    cp_async_wait<AHEAD - 1>();
     fence_proxy_async();  // this thread's cp.async writes, visible to the async proxy (wgmma) after the barrier
     __syncthreads();
-    const unsigned char* base = smem + slot * Sm::STAGE;
-    const uint4* as = reinterpret_cast<const uint4*>(base + Sm::B_BYTES);
-    const uint32_t* es = reinterpret_cast<const uint32_t*>(base + Sm::B_BYTES + Sm::A_BYTES);
-    const uint4 a0 = as[my_mt * 32 + lane];
-    const uint4 a1 = as[(MT + my_mt) * 32 + lane];
-    uint32_t e0 = es[my_mt * 16 + g * 2 + (t & 1)];
-    uint32_t e1 = es[(MT + my_mt) * 16 + g * 2 + (t & 1)];
-    e0 = wg_active ? e0 : kMetaPad;
-    e1 = (wg_active && 2 * kt + 1 < steps) ? e1 : kMetaPad;
-    const uint64_t desc = desc_k128(smem_u32 + slot * Sm::STAGE);
-    wgmma_fence();
-    WgmmaSp<BN, T>::run(acc, a0, desc, e0);
-    WgmmaSp<BN, T>::run(acc, a1, desc + (64 >> 4), e1);
-    wgmma_commit();
-    {
-      const int nxt = kt + STAGES - 1;
-      if (nxt < k_tiles) load_stage(nxt % STAGES, nxt);
-      cp_async_commit();
+    const unsigned char* base = smem + slot * Cfg::STAGE;
+    const uint4* as = reinterpret_cast<const uint4*>(base + Cfg::B_BYTES);
+    const uint32_t* es = reinterpret_cast<const uint32_t*>(base + Cfg::B_BYTES + Cfg::A_BYTES);
+    const bool second = 2 * kt + 1 < steps;
+#pragma unroll
+    for (int i = 0; i < WGM; ++i) {
+      const int mt = (wg * WGM + i) * 4 + wq;
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        a[i][j] = as[(j * MT + mt) * 32 + lane];
+        const uint32_t ev = es[(j * MT + mt) * 16 + g * 2 + (t & 1)];
+        e[i][j] = (active[i] && (j == 0 || second)) ? ev : kMetaPad;
+      }
     }
-    wgmma_wait<0>();
+    const uint64_t desc = desc_k128(smem_u32 + slot * Cfg::STAGE);
+    wgmma_fence();
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+#pragma unroll
+      for (int i = 0; i < WGM; ++i) WgmmaSp<BN, T>::run(acc[i], a[i][j], desc + j * (64 >> 4), e[i][j]);
+    wgmma_commit();
+    const int nxt = kt + AHEAD;  // its slot was read by k-tile kt - 1 - INFLIGHT, retired before the barrier
+    if (nxt < k_tiles) load_stage(nxt % STAGES, nxt);
+    cp_async_commit();
+    wgmma_wait<INFLIGHT>();
+  };
+  uint4 a_even[WGM][2], a_odd[WGM][2];
+  uint32_t e_even[WGM][2], e_odd[WGM][2];
+  int kt = 0;
+  for (; kt + 1 < k_tiles; kt += 2) {
+    k_tile(kt, a_even, e_even);
+    k_tile(kt + 1, a_odd, e_odd);
   }
+  if (kt < k_tiles) k_tile(kt, a_even, e_even);
+  wgmma_wait<0>();
   cp_async_wait<0>();
 #pragma unroll
-  for (int i = 0; i < ND; ++i) asm volatile("" : "+f"(acc[i])::"memory");  // keep reads after the wgmma wait
+  for (int i = 0; i < WGM; ++i)
+#pragma unroll
+    for (int j = 0; j < ND; ++j) asm volatile("" : "+f"(acc[i][j])::"memory");  // reads after the wgmma wait
 
-  if (!wg_active) return;
-  // acc[4*nt + c]: row r = 16*wq + g + 8*(c >> 1) of the warpgroup's 64, token n = 8*nt + 2t + (c & 1).
+  // acc[i][4*nt + c]: row 16*wq + g + 8*(c >> 1) of m64 tile i, token n = 8*nt + 2t + (c & 1).
   // Lanes g and g^1 swap halves so each lane holds two adjacent rows of one token: 32-bit stores.
-  const int row0 = cta_row0 + 64 * wg + 16 * wq;
   const bool odd = g & 1;
 #pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int r_even = row0 + 8 * half + (g & ~1);
-    float b0 = 0.f, b1 = 0.f;
-    if (bias != nullptr) {
-      if (r_even < rows) b0 = MmaType<T>::to_float(bias[r_even]);
-      if (r_even + 1 < rows) b1 = MmaType<T>::to_float(bias[r_even + 1]);
-    }
+  for (int i = 0; i < WGM; ++i) {
+    if (!active[i]) continue;
+    const int row0 = cta_row0 + 64 * (wg * WGM + i) + 16 * wq;
 #pragma unroll
-    for (int nt = 0; nt < BN / 8; ++nt) {
-      const float v0 = acc[4 * nt + 2 * half], v1 = acc[4 * nt + 2 * half + 1];  // tokens n, n+1 at my row
-      const float send = odd ? v0 : v1;
-      const float recv = __shfl_xor_sync(0xffffffffu, send, 4);
-      const float lo = odd ? recv : v0;  // row r_even
-      const float hi = odd ? v1 : recv;  // row r_even + 1
-      const int n = n_base + nt * 8 + 2 * t + (odd ? 1 : 0);
-      if (n >= n_tokens) continue;
-      T* dst = y + (size_t)n * rows + r_even;
-      const T o0 = MmaType<T>::from_float(lo + b0), o1 = MmaType<T>::from_float(hi + b1);
-      if (r_even + 1 < rows && (rows & 1) == 0) {
-        *reinterpret_cast<uint32_t*>(dst) = MmaType<T>::pack(o0, o1);
-      } else {
-        if (r_even < rows) dst[0] = o0;
-        if (r_even + 1 < rows) dst[1] = o1;
+    for (int half = 0; half < 2; ++half) {
+      const int r_even = row0 + 8 * half + (g & ~1);
+      float b0 = 0.f, b1 = 0.f;
+      if (bias != nullptr) {
+        if (r_even < rows) b0 = MmaType<T>::to_float(bias[r_even]);
+        if (r_even + 1 < rows) b1 = MmaType<T>::to_float(bias[r_even + 1]);
+      }
+#pragma unroll
+      for (int nt = 0; nt < BN / 8; ++nt) {
+        const float v0 = acc[i][4 * nt + 2 * half], v1 = acc[i][4 * nt + 2 * half + 1];  // tokens n, n+1
+        const float send = odd ? v0 : v1;
+        const float recv = __shfl_xor_sync(0xffffffffu, send, 4);
+        const float lo = odd ? recv : v0;  // row r_even
+        const float hi = odd ? v1 : recv;  // row r_even + 1
+        const int n = n_base + nt * 8 + 2 * t + (odd ? 1 : 0);
+        if (n >= n_tokens) continue;
+        T* dst = y + (size_t)n * rows + r_even;
+        const T o0 = MmaType<T>::from_float(lo + b0), o1 = MmaType<T>::from_float(hi + b1);
+        if (r_even + 1 < rows && (rows & 1) == 0) {
+          *reinterpret_cast<uint32_t*>(dst) = MmaType<T>::pack(o0, o1);
+        } else {
+          if (r_even < rows) dst[0] = o0;
+          if (r_even + 1 < rows) dst[1] = o1;
+        }
       }
     }
   }
@@ -224,27 +258,41 @@ spmm_sm90_kernel(const T* __restrict__ x, const uint4* __restrict__ values, cons
 #endif
 }
 
-template <typename T, int BN>
+template <typename T, typename Cfg>
 cudaError_t launch_sm90(const SpmmArgs& a, cudaStream_t stream) {
-  constexpr size_t SMEM = Sm90Smem<BN>::TOTAL;
-  auto kernel = spmm_sm90_kernel<T, BN>;
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)SMEM);
+  auto kernel = spmm_sm90_kernel<T, Cfg>;
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::SMEM);
   if (err != cudaSuccess) return err;
   // Row blocks vary fastest: CTAs resident together share a token tile of X (read once from L2) and walk W.
-  dim3 grid((a.rows_padded + kSm90Rows - 1) / kSm90Rows, (a.n_tokens + BN - 1) / BN);
+  dim3 grid((a.rows_padded + Cfg::ROWS - 1) / Cfg::ROWS, (a.n_tokens + Cfg::BN - 1) / Cfg::BN);
   if (grid.y > 65535) return cudaErrorInvalidConfiguration;  // the binding slices larger inputs
-  kernel<<<grid, kSm90Threads, SMEM, stream>>>(static_cast<const T*>(a.x), static_cast<const uint4*>(a.values),
-                                               static_cast<const uint32_t*>(a.meta), static_cast<const T*>(a.bias),
-                                               static_cast<T*>(a.y), a.n_tokens, a.rows, a.rows_padded, a.k,
-                                               a.steps);
+  kernel<<<grid, kSm90Threads, Cfg::SMEM, stream>>>(
+      static_cast<const T*>(a.x), static_cast<const uint4*>(a.values), static_cast<const uint32_t*>(a.meta),
+      static_cast<const T*>(a.bias), static_cast<T*>(a.y), a.n_tokens, a.rows, a.rows_padded, a.k, a.steps);
   return cudaGetLastError();
+}
+
+// Large-token configurations; HF_SPARSE_SM90_CONFIG (tuning runs only) picks one, default kDefaultConfig.
+constexpr int kDefaultConfig = 0;
+template <typename T>
+cudaError_t launch_large(const SpmmArgs& a, cudaStream_t stream) {
+  static const int cfg = [] {
+    const char* env = std::getenv("HF_SPARSE_SM90_CONFIG");
+    return env ? std::atoi(env) : kDefaultConfig;
+  }();
+  switch (cfg) {
+    case 1: return launch_sm90<T, Sm90Cfg<128, 2, 4, 0>>(a, stream);
+    case 2: return launch_sm90<T, Sm90Cfg<128, 2, 6, 1>>(a, stream);
+    case 3: return launch_sm90<T, Sm90Cfg<256, 1, 5, 1>>(a, stream);
+    default: return launch_sm90<T, Sm90Cfg<256, 1, 4, 0>>(a, stream);
+  }
 }
 
 template <typename T>
 cudaError_t dispatch_bn(const SpmmArgs& a, cudaStream_t stream) {
-  if (a.n_tokens <= 64) return launch_sm90<T, 64>(a, stream);
-  if (a.n_tokens <= 128) return launch_sm90<T, 128>(a, stream);
-  return launch_sm90<T, 256>(a, stream);
+  if (a.n_tokens <= 64) return launch_sm90<T, Sm90Cfg<64, 1, 4, 0>>(a, stream);
+  if (a.n_tokens <= 128) return launch_sm90<T, Sm90Cfg<128, 1, 4, 0>>(a, stream);
+  return launch_large<T>(a, stream);
 }
 
 }  // namespace
