@@ -55,6 +55,20 @@ def main() -> int:
             t = float(do_bench(lambda: spmm(x, p), warmup=10, rep=40, return_mode="median"))
             line += f" | {kern} err {err:.2e}{'' if ok else ' WRONG'} {t:.4f} ms x{t_dense / t:.2f}"
         print(line, flush=True)
+        if "wgmma" in kernels and tokens > 128:  # the large-token tile configurations (HF_SPARSE_SM90_CONFIG)
+            os.environ["HF_SPARSE_SPMM_KERNEL"] = "wgmma"
+            line = "      wgmma configs:"
+            for cfg in range(4):
+                os.environ["HF_SPARSE_SM90_CONFIG"] = str(cfg)
+                torch.full((64 << 20,), float("nan"), device="cuda")
+                y = spmm(x, p, b)
+                err = rel(y, ref)
+                ok = not bool(torch.isnan(y).any()) and err <= 2 * torch_err + 1e-6
+                bad += not ok
+                t = float(do_bench(lambda: spmm(x, p), warmup=10, rep=40, return_mode="median"))
+                line += f" | {cfg}: {t:.4f} ms x{t_dense / t:.2f}{'' if ok else ' WRONG'}"
+            os.environ.pop("HF_SPARSE_SM90_CONFIG")
+            print(line, flush=True)
     os.environ.pop("HF_SPARSE_SPMM_KERNEL", None)
     return 1 if bad else 0
 

@@ -276,10 +276,8 @@ cudaError_t launch_sm90(const SpmmArgs& a, cudaStream_t stream) {
 constexpr int kDefaultConfig = 0;
 template <typename T>
 cudaError_t launch_large(const SpmmArgs& a, cudaStream_t stream) {
-  static const int cfg = [] {
-    const char* env = std::getenv("HF_SPARSE_SM90_CONFIG");
-    return env ? std::atoi(env) : kDefaultConfig;
-  }();
+  const char* env = std::getenv("HF_SPARSE_SM90_CONFIG");  // read per call so a tuning run can switch it
+  const int cfg = env ? std::atoi(env) : kDefaultConfig;
   switch (cfg) {
     case 1: return launch_sm90<T, Sm90Cfg<128, 2, 4, 0>>(a, stream);
     case 2: return launch_sm90<T, Sm90Cfg<128, 2, 6, 1>>(a, stream);

@@ -198,3 +198,24 @@ def test_cusparselt_path_matches_reference():
 def test_dense_from_packed_on_gpu_matches_master():
     w, mask, p = _pack_cuda(128, 256, 128, 16, torch.bfloat16, seed=9)
     assert torch.equal(dense_from_packed(p, torch.float32), w.bfloat16().float())
+
+
+@pytest.mark.parametrize("config", [0, 1, 2, 3])
+@pytest.mark.parametrize(("tokens", "rows", "cols"), [(300, 448, 136), (8191, 192, 1000)])
+def test_spmm_wgmma_tile_configs(config, tokens, rows, cols, monkeypatch):
+    # Every large-token tile configuration of the sm_90a kernel (HF_SPARSE_SM90_CONFIG): 448 rows leave some m64
+    # tiles of the 256-row configurations idle, and 136 / 1000 columns end in a partial k-tile.
+    if not _wgmma_runs_here():
+        pytest.skip("sparse wgmma needs a cc 9.0 GPU and an sm_90a build")
+    monkeypatch.setenv("HF_SPARSE_SPMM_KERNEL", "wgmma")
+    monkeypatch.setenv("HF_SPARSE_SM90_CONFIG", str(config))
+    w, mask, p = _pack_cuda(rows, cols, 64, 4, torch.bfloat16, seed=config + tokens)
+    x = torch.randn(tokens, cols, device="cuda").bfloat16()
+    b = torch.randn(rows, device="cuda").bfloat16()
+    _poison_allocator()
+    y = spmm(x, p, b)
+    torch.cuda.synchronize()
+    assert not bool(torch.isnan(y).any()), "unwritten or NaN output"
+    wq = w.bfloat16()
+    ref = F.linear(x.double(), wq.double(), b.double())
+    assert rel_err(y, ref) <= 2 * rel_err(F.linear(x, wq, b), ref) + 1e-6
