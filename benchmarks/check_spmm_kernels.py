@@ -58,7 +58,7 @@ def main() -> int:
         if "wgmma" in kernels and tokens > 128:  # the large-token tile configurations (HF_SPARSE_SM90_CONFIG)
             os.environ["HF_SPARSE_SPMM_KERNEL"] = "wgmma"
             line = "      wgmma configs:"
-            for cfg in range(4):
+            for cfg in range(6):
                 os.environ["HF_SPARSE_SM90_CONFIG"] = str(cfg)
                 torch.full((64 << 20,), float("nan"), device="cuda")
                 y = spmm(x, p, b)

@@ -39,14 +39,17 @@ constexpr int kSm90Threads = 256;  // two consumer warpgroups
 
 // CTA tile: 128*WGM weight rows (each warpgroup WGM m64 tiles) x BN tokens, STAGES pipeline stages, and INFLIGHT
 // = 1 keeps one k-tile of wgmmas in flight while the next is issued (0: each iteration waits for its own).
-template <int BN_, int WGM_, int STAGES_, int INFLIGHT_>
+// AREG = 1: each warp loads its A fragments and metadata straight from global memory into registers, two k-tiles
+// ahead, instead of through the shared-memory stages (which then hold only X: less shared-memory traffic).
+template <int BN_, int WGM_, int STAGES_, int INFLIGHT_, int AREG_ = 0>
 struct Sm90Cfg {
-  static constexpr int BN = BN_, WGM = WGM_, STAGES = STAGES_, INFLIGHT = INFLIGHT_;
+  static constexpr int BN = BN_, WGM = WGM_, STAGES = STAGES_, INFLIGHT = INFLIGHT_, AREG = AREG_;
+  static_assert(!AREG || !INFLIGHT, "register-prefetched A relies on each k-tile's wgmmas finishing in its iteration");
   static constexpr int ROWS = 128 * WGM;
   static constexpr int MT = ROWS / 16;                  // m16 tiles per CTA
   static constexpr int B_BYTES = BN * 128;             // BN token rows x 64 k, bf16/fp16
-  static constexpr int A_BYTES = 2 * MT * 512;         // 2 k-steps x MT m16 tiles x 32 lanes x 16 B
-  static constexpr int E_BYTES = 2 * MT * 64;          // 2 k-steps x MT m16 tiles x 16 words
+  static constexpr int A_BYTES = AREG ? 0 : 2 * MT * 512;  // 2 k-steps x MT m16 tiles x 32 lanes x 16 B
+  static constexpr int E_BYTES = AREG ? 0 : 2 * MT * 64;   // 2 k-steps x MT m16 tiles x 16 words
   static constexpr int STAGE = B_BYTES + A_BYTES + E_BYTES;
   static constexpr int SMEM = STAGES * STAGE + 1024;   // + alignment slack for the 1024-byte swizzle atoms
   static_assert(STAGE % 1024 == 0, "each stage's B tile must start on a 1024-byte boundary");
@@ -136,15 +139,17 @@ spmm_sm90_kernel(const T* __restrict__ x, const uint4* __restrict__ values, cons
       const bool ok = col_ok && ((b_tok_ok >> i) & 1u);
       cp_async_16(base + b_dst + i * 32 * 128, ok ? b_src + (size_t)i * 32 * k + kt * 64 : x, ok);
     }
-    unsigned char* ad = base + Cfg::B_BYTES;
+    if constexpr (!Cfg::AREG) {
+      unsigned char* ad = base + Cfg::B_BYTES;
 #pragma unroll
-    for (int i = 0; i < A_ITERS; ++i) {
-      const bool ok = a_ok[i] && 2 * kt + a_j[i] < steps;
-      cp_async_16(ad + (tid + i * THREADS) * 16, ok ? a_src[i] + (size_t)kt * 64 : values, ok);
-    }
-    if (e_thread) {
-      const bool ok = e_ok && 2 * kt + e_j < steps;
-      cp_async_16(ad + Cfg::A_BYTES + tid * 16, ok ? e_src + (size_t)kt * 32 : meta, ok);
+      for (int i = 0; i < A_ITERS; ++i) {
+        const bool ok = a_ok[i] && 2 * kt + a_j[i] < steps;
+        cp_async_16(ad + (tid + i * THREADS) * 16, ok ? a_src[i] + (size_t)kt * 64 : values, ok);
+      }
+      if (e_thread) {
+        const bool ok = e_ok && 2 * kt + e_j < steps;
+        cp_async_16(ad + Cfg::A_BYTES + tid * 16, ok ? e_src + (size_t)kt * 32 : meta, ok);
+      }
     }
   };
 
@@ -203,14 +208,72 @@ spmm_sm90_kernel(const T* __restrict__ x, const uint4* __restrict__ values, cons
     cp_async_commit();
     wgmma_wait<INFLIGHT>();
   };
-  uint4 a_even[WGM][2], a_odd[WGM][2];
-  uint32_t e_even[WGM][2], e_odd[WGM][2];
-  int kt = 0;
-  for (; kt + 1 < k_tiles; kt += 2) {
-    k_tile(kt, a_even, e_even);
-    k_tile(kt + 1, a_odd, e_odd);
+  if constexpr (!Cfg::AREG) {
+    uint4 a_even[WGM][2], a_odd[WGM][2];
+    uint32_t e_even[WGM][2], e_odd[WGM][2];
+    int kt = 0;
+    for (; kt + 1 < k_tiles; kt += 2) {
+      k_tile(kt, a_even, e_even);
+      k_tile(kt + 1, a_odd, e_odd);
+    }
+    if (kt < k_tiles) k_tile(kt, a_even, e_even);
+  } else {
+    // A fragments and metadata from global memory (one coalesced 512-byte load per warp and k-step), fetched two
+    // k-tiles ahead into three register sets used in rotation: the set being refilled was read by the previous
+    // k-tile's wgmmas, which finished (wgmma.wait_group 0) before this k-tile started.
+    const uint4* ag[WGM];
+    const uint32_t* eg[WGM];
+#pragma unroll
+    for (int i = 0; i < WGM; ++i) {
+      const int mt = active[i] ? (wg * WGM + i) * 4 + wq : 0;
+      ag[i] = values + (size_t)(mt_cta + mt) * steps * 32 + lane;
+      eg[i] = meta + (size_t)(mt_cta + mt) * steps * 16 + g * 2 + (t & 1);
+    }
+    auto fetch = [&](int kt, uint4 (&a)[WGM][2], uint32_t (&e)[WGM][2]) {
+#pragma unroll
+      for (int i = 0; i < WGM; ++i)
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          const int s = 2 * kt + j;
+          uint4 av = make_uint4(0, 0, 0, 0);
+          uint32_t ev = kMetaPad;
+          if (active[i] && s < steps) {
+            av = ag[i][(size_t)s * 32];
+            ev = eg[i][(size_t)s * 16];
+          }
+          a[i][j] = av;
+          e[i][j] = ev;
+        }
+    };
+    auto k_tile_reg = [&](int kt, const uint4 (&a)[WGM][2], const uint32_t (&e)[WGM][2], uint4 (&a_next)[WGM][2],
+                          uint32_t (&e_next)[WGM][2]) {
+      const int slot = kt % STAGES;
+      cp_async_wait<AHEAD - 1>();
+      fence_proxy_async();
+      __syncthreads();
+      const uint64_t desc = desc_k128(smem_u32 + slot * Cfg::STAGE);
+      wgmma_fence();
+#pragma unroll
+      for (int j = 0; j < 2; ++j)
+#pragma unroll
+        for (int i = 0; i < WGM; ++i) WgmmaSp<BN, T>::run(acc[i], a[i][j], desc + j * (64 >> 4), e[i][j]);
+      wgmma_commit();
+      fetch(kt + 2, a_next, e_next);
+      const int nxt = kt + AHEAD;
+      if (nxt < k_tiles) load_stage(nxt % STAGES, nxt);
+      cp_async_commit();
+      wgmma_wait<0>();
+    };
+    uint4 a0[WGM][2], a1[WGM][2], a2[WGM][2];
+    uint32_t e0[WGM][2], e1[WGM][2], e2[WGM][2];
+    fetch(0, a0, e0);
+    fetch(1, a1, e1);
+    for (int kt = 0; kt < k_tiles; kt += 3) {
+      k_tile_reg(kt, a0, e0, a2, e2);
+      if (kt + 1 < k_tiles) k_tile_reg(kt + 1, a1, e1, a0, e0);
+      if (kt + 2 < k_tiles) k_tile_reg(kt + 2, a2, e2, a1, e1);
+    }
   }
-  if (kt < k_tiles) k_tile(kt, a_even, e_even);
   wgmma_wait<0>();
   cp_async_wait<0>();
 #pragma unroll
@@ -282,6 +345,8 @@ cudaError_t launch_large(const SpmmArgs& a, cudaStream_t stream) {
     case 1: return launch_sm90<T, Sm90Cfg<128, 2, 4, 0>>(a, stream);
     case 2: return launch_sm90<T, Sm90Cfg<128, 2, 6, 1>>(a, stream);
     case 3: return launch_sm90<T, Sm90Cfg<256, 1, 5, 1>>(a, stream);
+    case 4: return launch_sm90<T, Sm90Cfg<256, 1, 6, 0, 1>>(a, stream);
+    case 5: return launch_sm90<T, Sm90Cfg<128, 2, 8, 0, 1>>(a, stream);
     default: return launch_sm90<T, Sm90Cfg<256, 1, 4, 0>>(a, stream);
   }
 }
