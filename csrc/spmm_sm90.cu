@@ -14,11 +14,13 @@
 //  * B = X tile (BN tokens x 64 k) in shared memory, K-major as X is stored, 128-byte swizzle (16-byte chunk c of
 //    token row r at chunk c ^ (r & 7)), copied by cp.async with zero-fill past K and past the last token;
 //    a descriptor per k-step of 32 (start address + 64 bytes for the second).
-// Pipeline: STAGES stages of (B tile, A fragments, metadata) for 2 k-steps; all 256 threads copy, both consumer
-// warpgroups compute (rows 0-63 and 64-127 of the CTA) on the shared B tile. Each iteration waits for its stage,
-// issues its wgmmas, then the copy of a stage STAGES-1 ahead (into the slot the previous iteration's wgmmas read,
-// finished by the wgmma.wait_group at the end of that iteration), and waits for its own wgmmas before the A
-// registers are reloaded.
+// Pipeline (default large-token tile, config 4: 128 rows x 256 tokens, 6 stages): each stage holds one B tile
+// (64 k = 2 k-steps); all 256 threads copy, both consumer warpgroups compute (rows 0-63 and 64-127 of the CTA) on
+// the shared B tile. Each iteration waits for its stage, issues its wgmmas, fetches the A fragments and metadata of
+// the k-tile two ahead from global memory into one of three rotating register sets, starts the copy of the stage
+// STAGES-1 ahead (into the slot the previous iteration's wgmmas read), and waits for its own wgmmas. Other configs
+// (HF_SPARSE_SM90_CONFIG, tuning only) stage A and metadata through shared memory too, use 256 x 128 tiles, or
+// keep one k-tile of wgmmas in flight; on the H200 config 4 was 0-7% faster than those (benchmarks/RESULTS.md).
 // Epilogue: accumulators (row r, token n) are written straight to Y[n, r] (+ bias), as spmm.cu does.
 //
 // Only the sm_90a pass compiles the body (__CUDA_ARCH_FEAT_SM90_ALL); other device passes get a trap so a wrong
@@ -336,7 +338,7 @@ cudaError_t launch_sm90(const SpmmArgs& a, cudaStream_t stream) {
 }
 
 // Large-token configurations; HF_SPARSE_SM90_CONFIG (tuning runs only) picks one, default kDefaultConfig.
-constexpr int kDefaultConfig = 0;
+constexpr int kDefaultConfig = 4;  // fastest measured on the H200 (benchmarks/RESULTS.md, run C)
 template <typename T>
 cudaError_t launch_large(const SpmmArgs& a, cudaStream_t stream) {
   const char* env = std::getenv("HF_SPARSE_SM90_CONFIG");  // read per call so a tuning run can switch it
@@ -345,9 +347,9 @@ cudaError_t launch_large(const SpmmArgs& a, cudaStream_t stream) {
     case 1: return launch_sm90<T, Sm90Cfg<128, 2, 4, 0>>(a, stream);
     case 2: return launch_sm90<T, Sm90Cfg<128, 2, 6, 1>>(a, stream);
     case 3: return launch_sm90<T, Sm90Cfg<256, 1, 5, 1>>(a, stream);
-    case 4: return launch_sm90<T, Sm90Cfg<256, 1, 6, 0, 1>>(a, stream);
     case 5: return launch_sm90<T, Sm90Cfg<128, 2, 8, 0, 1>>(a, stream);
-    default: return launch_sm90<T, Sm90Cfg<256, 1, 4, 0>>(a, stream);
+    case 0: return launch_sm90<T, Sm90Cfg<256, 1, 4, 0>>(a, stream);
+    default: return launch_sm90<T, Sm90Cfg<256, 1, 6, 0, 1>>(a, stream);  // 4, and any other value
   }
 }
 
