@@ -4,15 +4,18 @@
 
 Times are medians of ``triton.testing.do_bench`` (CUDA events) on fresh random bf16 data. Ratios are
 ``baseline time / our time`` (> 1 means we are faster). Each SpMM result is also checked against the dense
-product before it is reported.
+product before it is reported. *ours* is the ``mma.sp`` kernel; *wgmma* the sparse-``wgmma`` kernel (2:4 on an
+sm_90a build, ``n/a`` elsewhere); the dispatcher column uses the default (``auto``) kernel choice.
 """
 # ruff: noqa: B023  (every benchmarked lambda is called at once, inside its own loop iteration)
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import datetime
+import os
 import sys
 
 import torch
@@ -28,6 +31,26 @@ PATTERNS = ["2:4", "64:2:8", "64:2:16", "64:2:32", "128:2:8"]
 def parse(p: str) -> tuple[int, int]:
     parts = [int(s) for s in p.split(":")]
     return (64, 4) if len(parts) == 2 else (parts[0], parts[2])
+
+
+@contextlib.contextmanager
+def spmm_kernel_env(kernel: str):
+    """Force one SpMM kernel (``HF_SPARSE_SPMM_KERNEL``) inside the block, restoring the previous setting after."""
+    old = os.environ.get("HF_SPARSE_SPMM_KERNEL")
+    os.environ["HF_SPARSE_SPMM_KERNEL"] = kernel
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("HF_SPARSE_SPMM_KERNEL", None)
+        else:
+            os.environ["HF_SPARSE_SPMM_KERNEL"] = old
+
+
+def wgmma_available() -> bool:
+    from hf_sparse.ops.spmm import _wgmma_available
+
+    return _wgmma_available(torch.device("cuda"))
 
 
 def bench(fn) -> float:
@@ -109,9 +132,12 @@ def main() -> int:
         f"# {dev}, torch {torch.__version__}, {datetime.date.today()}, bf16; times in ms (median); ratio = base/ours"
     )
     rows_out = []
+    has_wgmma = wgmma_available()
+    print(f"# ours = mma.sp kernel; wgmma = sparse-wgmma kernel (2:4, sm_90a): {'available' if has_wgmma else 'n/a'}")
     hdr = (
         f"{'tokens':>6} {'in->out':>12} {'pattern':>8} {'dense':>7} {'cslt':>7} {'csltT':>7} {'ours':>7} "
-        f"{'xDense':>6} {'xCslt':>6} {'xCsltT':>6} | {'dWgemm':>7} {'sddmm':>7} {'xDW':>5} | {'pack':>6} {'%gemm':>5}"
+        f"{'xDense':>6} {'xCslt':>6} {'xCsltT':>6} | {'wgmma':>7} {'xDense':>6} {'xCsltT':>6} | "
+        f"{'dWgemm':>7} {'sddmm':>7} {'xDW':>5} | {'pack':>6} {'%gemm':>5}"
         f" | {'repack':>6} {'%gemm':>5} {'rp_lp':>6} {'%gemm':>5} {'cast':>6} | {'xAuto':>5} choice"
     )
     print(hdr)
@@ -128,12 +154,23 @@ def main() -> int:
                 mask = nm_mask(w.abs(), 2, 4) if m == 4 else vnm_mask(w.abs(), v, 2, m)
                 wm = torch.where(mask, w, 0.0)
                 p = pack(wm, mask, v, m, torch.bfloat16)
-                y = spmm(x, p)
                 ref = F.linear(x.float(), wm.bfloat16().float())
-                err = float((y.float() - ref).norm() / ref.norm())
-                if not err < 2e-2:
-                    print(f"  WRONG RESULT {pat} {k}->{r} tokens={tokens}: rel err {err:.3g}", file=sys.stderr)
-                t_ours = bench(lambda: spmm(x, p))
+                with spmm_kernel_env("mma_sp"):
+                    y = spmm(x, p)
+                    err = float((y.float() - ref).norm() / ref.norm())
+                    if not err < 2e-2:
+                        print(f"  WRONG RESULT {pat} {k}->{r} tokens={tokens}: rel err {err:.3g}", file=sys.stderr)
+                    t_ours = bench(lambda: spmm(x, p))
+                t_wg, err_wg = float("nan"), float("nan")
+                if m == 4 and has_wgmma:
+                    with spmm_kernel_env("wgmma"):
+                        y = spmm(x, p)
+                        err_wg = float((y.float() - ref).norm() / ref.norm())
+                        if not err_wg < 2e-2:
+                            print(
+                                f"  WRONG RESULT wgmma {k}->{r} tokens={tokens}: rel err {err_wg:.3g}", file=sys.stderr
+                            )
+                        t_wg = bench(lambda: spmm(x, p))
                 t_c0, t_c1 = cslt_times(wm.bfloat16(), x) if m == 4 else (float("nan"), float("nan"))
                 t_sd = float("nan") if args.no_sddmm else bench(lambda: sddmm(dy, x, p))
                 t_pack = bench(lambda: pack(wm, mask, v, m, torch.bfloat16, validate=False))
@@ -159,6 +196,10 @@ def main() -> int:
                     x_dense=t_dense / t_ours,
                     x_cslt=t_c0 / t_ours,
                     x_cslt_tuned=t_c1 / t_ours,
+                    wgmma=t_wg,
+                    wgmma_x_dense=t_dense / t_wg,
+                    wgmma_x_cslt_tuned=t_c1 / t_wg,
+                    wgmma_err=err_wg,
                     dw_gemm=t_dw,
                     sddmm=t_sd,
                     x_dw=t_dw / t_sd,
@@ -176,7 +217,8 @@ def main() -> int:
                 rows_out.append(row)
                 print(
                     f"{tokens:>6} {f'{k}->{r}':>12} {pat:>8} {t_dense:7.4f} {t_c0:7.4f} {t_c1:7.4f} {t_ours:7.4f} "
-                    f"{row['x_dense']:6.2f} {row['x_cslt']:6.2f} {row['x_cslt_tuned']:6.2f} | {t_dw:7.4f} "
+                    f"{row['x_dense']:6.2f} {row['x_cslt']:6.2f} {row['x_cslt_tuned']:6.2f} | {t_wg:7.4f} "
+                    f"{row['wgmma_x_dense']:6.2f} {row['wgmma_x_cslt_tuned']:6.2f} | {t_dw:7.4f} "
                     f"{t_sd:7.4f} {row['x_dw']:5.2f} | {t_pack:6.4f} {row['pack_pct']:5.1f} | "
                     f"{t_repack:6.4f} {row['repack_pct']:5.1f} {t_repack_lp:6.4f} {row['repack_bf16_pct']:5.1f} "
                     f"{t_cast:6.4f} | "

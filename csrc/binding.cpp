@@ -47,14 +47,21 @@ void check_activation(const char* op, const char* name, const at::Tensor& t, int
               " must be 16-byte aligned; pass a fresh contiguous tensor");
 }
 
-at::Tensor spmm(const at::Tensor& x, const at::Tensor& values, const at::Tensor& meta, const at::Tensor& columns,
-                const c10::optional<at::Tensor>& bias, int64_t rows, int64_t k, int64_t m) {
-  const char* op = "spmm";
+at::Tensor spmm_impl(const char* op, bool wgmma, const at::Tensor& x, const at::Tensor& values,
+                     const at::Tensor& meta, const at::Tensor& columns, const c10::optional<at::Tensor>& bias,
+                     int64_t rows, int64_t k, int64_t m) {
   const auto dtype = x.scalar_type();
-  TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kHalf, "hf_sparse.spmm: x must be bfloat16 or float16, got ",
-              dtype);
+  TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kHalf, "hf_sparse.", op,
+              ": x must be bfloat16 or float16, got ", dtype);
   check_activation(op, "x", x, k, dtype);
   check_packed(op, values, meta, columns, rows, k, m, dtype);
+  if (wgmma) {
+    TORCH_CHECK(m == 4, "hf_sparse.", op, ": the sparse-wgmma kernel handles plain 2:4 (m=4) only, got m=", m,
+                "; use the mma.sp kernel (HF_SPARSE_SPMM_KERNEL=mma_sp or auto)");
+    TORCH_CHECK(hf_sparse::spmm_sm90_available(), "hf_sparse.", op,
+                ": the sparse-wgmma kernel needs a cc 9.0 GPU and an extension built with sm_90a "
+                "(HF_SPARSE_CUDA_ARCH_LIST containing 9.0); set HF_SPARSE_SPMM_KERNEL=auto or mma_sp");
+  }
   if (bias.has_value()) {
     check_tensor(*bias, op, "bias", dtype, 1);
     TORCH_CHECK(bias->size(0) == rows, "hf_sparse.spmm: bias has ", bias->size(0), " entries, expected ", rows);
@@ -66,7 +73,8 @@ at::Tensor spmm(const at::Tensor& x, const at::Tensor& values, const at::Tensor&
   if (x.size(0) > kSlice) {
     for (int64_t start = 0; start < x.size(0); start += kSlice) {
       const int64_t len = std::min(kSlice, x.size(0) - start);
-      y.narrow(0, start, len).copy_(spmm(x.narrow(0, start, len), values, meta, columns, bias, rows, k, m));
+      y.narrow(0, start, len)
+          .copy_(spmm_impl(op, wgmma, x.narrow(0, start, len), values, meta, columns, bias, rows, k, m));
     }
     return y;
   }
@@ -84,9 +92,23 @@ at::Tensor spmm(const at::Tensor& x, const at::Tensor& values, const at::Tensor&
   a.m = (int)m;
   a.steps = (int)values.size(1);
   a.is_bf16 = dtype == at::kBFloat16;
-  check_cuda(hf_sparse::spmm(a, c10::cuda::getCurrentCUDAStream().stream()), op);
+  const auto stream = c10::cuda::getCurrentCUDAStream().stream();
+  check_cuda(wgmma ? hf_sparse::spmm_sm90(a, stream) : hf_sparse::spmm(a, stream), op);
   return y;
 }
+
+at::Tensor spmm(const at::Tensor& x, const at::Tensor& values, const at::Tensor& meta, const at::Tensor& columns,
+                const c10::optional<at::Tensor>& bias, int64_t rows, int64_t k, int64_t m) {
+  return spmm_impl("spmm", false, x, values, meta, columns, bias, rows, k, m);
+}
+
+at::Tensor spmm_wgmma(const at::Tensor& x, const at::Tensor& values, const at::Tensor& meta,
+                      const at::Tensor& columns, const c10::optional<at::Tensor>& bias, int64_t rows, int64_t k,
+                      int64_t m) {
+  return spmm_impl("spmm(wgmma)", true, x, values, meta, columns, bias, rows, k, m);
+}
+
+bool spmm_wgmma_available() { return hf_sparse::spmm_sm90_available(); }
 
 at::Tensor sddmm(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& meta, const at::Tensor& columns,
                  int64_t rows, int64_t k, int64_t m) {
@@ -218,6 +240,9 @@ at::Tensor pack_values(const at::Tensor& weight, const at::Tensor& meta, const a
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.doc() = "hf_sparse CUDA kernels (SpMM, SDDMM, pack) for V:2:M sparse weights";
   mod.def("spmm", &spmm, "Y = X W^T (+bias), W packed V:2:M");
+  mod.def("spmm_wgmma", &spmm_wgmma, "as spmm, with sparse wgmma (sm_90a, m=4 only)");
+  mod.def("spmm_wgmma_available", &spmm_wgmma_available,
+          "True on a cc 9.0 GPU when the extension was built with sm_90a");
   mod.def("sddmm", &sddmm, "dW at kept positions, fp32, logical order (R, 2G)");
   mod.def("pack", &pack, "dense masked weight + mask -> packed (values, meta, columns, valid, error flag)");
   mod.def("pack_values", &pack_values, "new packed values from a masked weight (any strides), mask layout reused");

@@ -18,6 +18,11 @@ struct SpmmArgs {
   bool is_bf16;
 };
 cudaError_t spmm(const SpmmArgs& args, cudaStream_t stream);
+// Plain 2:4 (m == 4) SpMM with sparse wgmma (csrc/spmm_sm90.cu); same arguments and layout as spmm (columns
+// unused). Only where spmm_sm90_available(): current device cc 9.0 and the build included sm_90a
+// (HF_SPARSE_HAS_SM90A); otherwise it returns cudaErrorNoKernelImageForDevice.
+bool spmm_sm90_available();
+cudaError_t spmm_sm90(const SpmmArgs& args, cudaStream_t stream);
 
 struct SddmmArgs {
   const void* dy;         // (n_tokens, rows) row-major

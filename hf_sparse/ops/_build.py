@@ -5,7 +5,8 @@ Without a CUDA device or ``nvcc`` it raises :class:`KernelUnavailableError`, whi
 
 Environment:
 ``HF_SPARSE_CUDA_ARCH_LIST``  semicolon/space separated compute capabilities (``"8.0;8.6;9.0"``); default: the
-                              current GPU's. ``9.0`` builds ``sm_90a`` machine code.
+                              current GPU's. ``9.0`` builds ``sm_90a`` machine code, which also enables the
+                              sparse-``wgmma`` SpMM (``csrc/spmm_sm90.cu``) on cc 9.0 GPUs.
 ``HF_SPARSE_BUILD_DIR``       where the build is cached (default: torch's extension cache).
 ``HF_SPARSE_BUILD_VERBOSE``   ``1`` prints the compiler commands.
 ``HF_SPARSE_NVCC_FLAGS``      extra nvcc flags (tuning runs, e.g. ``-DHF_SPARSE_SPMM_VARIANT=1``); the extension
@@ -29,7 +30,7 @@ __all__ = ["KernelUnavailableError", "arch_flags", "csrc_dir", "load_extension"]
 logger = logging.getLogger(__name__)
 
 EXTENSION_NAME = "hf_sparse_C"
-SOURCES = ("binding.cpp", "spmm.cu", "sddmm.cu", "pack.cu")
+SOURCES = ("binding.cpp", "spmm.cu", "spmm_sm90.cu", "sddmm.cu", "pack.cu")
 
 
 class KernelUnavailableError(RuntimeError):
@@ -68,6 +69,9 @@ def arch_flags(archs: list[str] | None = None) -> list[str]:
             )
         suffix = "a" if num == "90" else ""
         flags.append(f"-gencode=arch=compute_{num}{suffix},code=sm_{num}{suffix}")
+    if any(a.replace(".", "").replace("+PTX", "") == "90" for a in archs):
+        # sm_90a machine code is in the build: the sparse-wgmma SpMM (csrc/spmm_sm90.cu) may be launched on cc 9.0
+        flags.append("-DHF_SPARSE_HAS_SM90A")
     newest = max(archs, key=lambda a: int(a.replace(".", "").replace("+PTX", ""))).replace(".", "").replace("+PTX", "")
     flags.append(f"-gencode=arch=compute_{newest},code=compute_{newest}")
     return flags

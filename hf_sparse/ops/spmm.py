@@ -1,11 +1,16 @@
 """``hf_sparse::spmm``: ``Y = X W^T (+ bias)`` with W packed V:2:M; X and Y exactly as nn.Linear sees them.
 
-CUDA: the ``mma.sp`` kernel (``csrc/spmm.cu``). CPU (and CUDA shapes the kernel cannot take, e.g. ``K % 8 != 0``):
-the reference, which decompresses W and multiplies in fp32.
+CUDA: the ``mma.sp`` kernel (``csrc/spmm.cu``), or for plain 2:4 on a cc 9.0 GPU with an sm_90a build the
+sparse-``wgmma`` kernel (``csrc/spmm_sm90.cu``, same packed layout). ``HF_SPARSE_SPMM_KERNEL`` = ``auto`` (default:
+wgmma where it can run) | ``mma_sp`` | ``wgmma`` (an error where it cannot run) picks the 2:4 kernel, for tests
+and benchmarks; V:2:M with M >= 8 always runs on ``mma.sp``.
+CPU (and CUDA shapes the kernels cannot take, e.g. ``K % 8 != 0``): the reference, which decompresses W and
+multiplies in fp32.
 """
 
 from __future__ import annotations
 
+import os
 import warnings
 
 import torch
@@ -13,7 +18,7 @@ from torch import Tensor
 
 from ._layout import PackedWeight, dense_from_packed
 
-__all__ = ["spmm", "spmm_reference"]
+__all__ = ["spmm", "spmm_kernel", "spmm_reference"]
 
 
 def spmm_reference(x: Tensor, p: PackedWeight, bias: Tensor | None = None) -> Tensor:
@@ -27,6 +32,39 @@ def spmm_reference(x: Tensor, p: PackedWeight, bias: Tensor | None = None) -> Te
 
 def _kernel_ok(x: Tensor, cols: int) -> bool:
     return cols % 8 == 0 and x.data_ptr() % 16 == 0
+
+
+SPMM_KERNELS = ("auto", "mma_sp", "wgmma")
+
+
+_wgmma_ok: dict[int, bool] = {}  # device index -> the sm_90a kernel can run there (asked once per device)
+
+
+def _wgmma_available(device: torch.device) -> bool:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    ok = _wgmma_ok.get(index)
+    if ok is None:
+        from ._build import load_extension
+
+        with torch.cuda.device(index):
+            ok = _wgmma_ok[index] = bool(load_extension().spmm_wgmma_available())
+    return ok
+
+
+def spmm_kernel(m: int, device: torch.device | None = None) -> str:
+    """The CUDA kernel a pattern with group size ``m`` runs on, on ``device``: ``"wgmma"`` or ``"mma_sp"``.
+
+    Reads ``HF_SPARSE_SPMM_KERNEL`` (``auto``/``mma_sp``/``wgmma``) on every call, so tests and benchmarks can switch
+    it; in ``auto`` mode builds the extension (first call) to ask whether the sm_90a kernel is in it.
+    """
+    mode = os.environ.get("HF_SPARSE_SPMM_KERNEL", "auto")
+    if mode not in SPMM_KERNELS:
+        raise ValueError(f"hf_sparse: HF_SPARSE_SPMM_KERNEL={mode!r}; use one of {SPMM_KERNELS}")
+    if mode == "mma_sp" or m != 4:  # V:2:M with M >= 8 has only the mma.sp kernel
+        return "mma_sp"
+    if mode == "wgmma":
+        return "wgmma"  # forced: the binding raises, saying why, where it cannot run
+    return "wgmma" if _wgmma_available(device or torch.device("cuda")) else "mma_sp"
 
 
 @torch.library.custom_op("hf_sparse::spmm", mutates_args=())
@@ -47,7 +85,9 @@ def _spmm_op(
         if _kernel_ok(x, cols):
             from ._build import load_extension
 
-            return load_extension().spmm(x, values, meta, columns, bias, rows, cols, m)
+            ext = load_extension()
+            fn = ext.spmm_wgmma if spmm_kernel(m, x.device) == "wgmma" else ext.spmm
+            return fn(x, values, meta, columns, bias, rows, cols, m)
         warnings.warn(
             f"hf_sparse.spmm: in_features={cols} is not a multiple of 8 (or x is misaligned); using the slow "
             "reference path. Pad the layer to a multiple of 8 for the kernel.",

@@ -17,6 +17,29 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 DTYPES = [torch.bfloat16, torch.float16]
+SPMM_KERNELS = ["mma_sp", "wgmma"]
+
+
+def _wgmma_runs_here() -> bool:
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        return False
+    from hf_sparse.ops._build import load_extension
+
+    return bool(load_extension().spmm_wgmma_available())
+
+
+@pytest.fixture(params=SPMM_KERNELS)
+def spmm_kernel_env(request, monkeypatch):
+    """Run the test once per SpMM kernel (``HF_SPARSE_SPMM_KERNEL``); ``wgmma`` only where it can run (sm_90a)."""
+    if request.param == "wgmma" and not _wgmma_runs_here():
+        pytest.skip("sparse wgmma needs a cc 9.0 GPU and an sm_90a build")
+    monkeypatch.setenv("HF_SPARSE_SPMM_KERNEL", request.param)
+    return request.param
+
+
+def _skip_duplicate(kernel: str, m: int) -> None:
+    if kernel == "wgmma" and m != 4:
+        pytest.skip("V:2:M with M >= 8 always runs on mma.sp: the mma_sp case covers it")
 
 
 def _poison_allocator():
@@ -46,7 +69,8 @@ def test_pack_kernel_matches_reference(v, m, dtype):
 @pytest.mark.parametrize(
     ("tokens", "rows", "cols"), [(1, 128, 256), (7, 192, 512), (8191, 256, 1024), (300, 768, 3072)]
 )
-def test_spmm_kernel(v, m, dtype, tokens, rows, cols):
+def test_spmm_kernel(v, m, dtype, tokens, rows, cols, spmm_kernel_env):
+    _skip_duplicate(spmm_kernel_env, m)
     if rows % v and m != 4:
         pytest.skip("rows not a multiple of v")
     w, mask, p = _pack_cuda(rows, cols, v, m, dtype, seed=tokens)
@@ -63,7 +87,8 @@ def test_spmm_kernel(v, m, dtype, tokens, rows, cols):
 
 
 @pytest.mark.parametrize(("v", "m"), [(64, 4), (64, 8), (128, 16), (64, 32)])
-def test_spmm_odd_shapes_and_batch_dims(v, m):
+def test_spmm_odd_shapes_and_batch_dims(v, m, spmm_kernel_env):
+    _skip_duplicate(spmm_kernel_env, m)
     # tokens spread over leading dims, K with a partial last k-step, rows not a multiple of 256 (R padded).
     rows = 64 * 3 if m == 4 else v * 3
     cols = 8 * m * 2 + 4 * m if (8 * m * 2 + 4 * m) % 8 == 0 else 8 * m * 3
@@ -75,12 +100,43 @@ def test_spmm_odd_shapes_and_batch_dims(v, m):
     assert rel_err(y, ref) <= 2 * rel_err(F.linear(x, w.bfloat16()), ref) + 1e-6
 
 
-def test_spmm_2to4_rows_not_multiple_of_64_and_odd_rows():
+def test_spmm_2to4_rows_not_multiple_of_64_and_odd_rows(spmm_kernel_env):
     for rows in (100, 33):
         w, mask, p = _pack_cuda(rows, 64, 64, 4, torch.bfloat16, seed=rows)
         x = torch.randn(17, 64, device="cuda").bfloat16()
         ref = F.linear(x.double(), w.bfloat16().double())
         assert rel_err(spmm(x, p), ref) <= 2 * rel_err(F.linear(x, w.bfloat16()), ref) + 1e-6
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize(
+    ("tokens", "rows", "cols"),
+    # K = 40: one k-step of 32 plus a partial one (zero-filled past K); 96: an odd step count (3); 8 and 1000: tiny
+    # and ragged K. Tokens straddle the wgmma kernel's token tiles (64, 128, 256); rows 64 * odd leave the second
+    # warpgroup of the last row block idle.
+    [(1, 64, 40), (7, 192, 96), (64, 320, 8), (65, 128, 1000), (129, 64, 136), (257, 448, 264), (8191, 192, 96)],
+)
+def test_spmm_2to4_ragged_k_and_token_tiles(dtype, bias, tokens, rows, cols, spmm_kernel_env):
+    w, mask, p = _pack_cuda(rows, cols, 64, 4, dtype, seed=tokens + cols)
+    x = torch.randn(tokens, cols, device="cuda").to(dtype)
+    b = torch.randn(rows, device="cuda").to(dtype) if bias else None
+    _poison_allocator()
+    y = spmm(x, p, b)
+    torch.cuda.synchronize()
+    assert not bool(torch.isnan(y).any()), "unwritten or NaN output"
+    wq = w.to(dtype)
+    ref = F.linear(x.double(), wq.double(), None if b is None else b.double())
+    assert rel_err(y, ref) <= 2 * rel_err(F.linear(x, wq, b), ref) + 1e-6
+
+
+def test_spmm_auto_picks_wgmma_on_sm90a(monkeypatch):
+    from hf_sparse.ops.spmm import spmm_kernel
+
+    monkeypatch.setenv("HF_SPARSE_SPMM_KERNEL", "auto")
+    device = torch.device("cuda")
+    assert spmm_kernel(8, device) == "mma_sp"
+    assert spmm_kernel(4, device) == ("wgmma" if _wgmma_runs_here() else "mma_sp")
 
 
 @pytest.mark.parametrize(("v", "m"), PATTERNS)
@@ -142,3 +198,24 @@ def test_cusparselt_path_matches_reference():
 def test_dense_from_packed_on_gpu_matches_master():
     w, mask, p = _pack_cuda(128, 256, 128, 16, torch.bfloat16, seed=9)
     assert torch.equal(dense_from_packed(p, torch.float32), w.bfloat16().float())
+
+
+@pytest.mark.parametrize("config", [0, 1, 2, 3, 4, 5])
+@pytest.mark.parametrize(("tokens", "rows", "cols"), [(300, 448, 136), (8191, 192, 1000)])
+def test_spmm_wgmma_tile_configs(config, tokens, rows, cols, monkeypatch):
+    # Every large-token tile configuration of the sm_90a kernel (HF_SPARSE_SM90_CONFIG): 448 rows leave some m64
+    # tiles of the 256-row configurations idle, and 136 / 1000 columns end in a partial k-tile.
+    if not _wgmma_runs_here():
+        pytest.skip("sparse wgmma needs a cc 9.0 GPU and an sm_90a build")
+    monkeypatch.setenv("HF_SPARSE_SPMM_KERNEL", "wgmma")
+    monkeypatch.setenv("HF_SPARSE_SM90_CONFIG", str(config))
+    w, mask, p = _pack_cuda(rows, cols, 64, 4, torch.bfloat16, seed=config + tokens)
+    x = torch.randn(tokens, cols, device="cuda").bfloat16()
+    b = torch.randn(rows, device="cuda").bfloat16()
+    _poison_allocator()
+    y = spmm(x, p, b)
+    torch.cuda.synchronize()
+    assert not bool(torch.isnan(y).any()), "unwritten or NaN output"
+    wq = w.bfloat16()
+    ref = F.linear(x.double(), wq.double(), b.double())
+    assert rel_err(y, ref) <= 2 * rel_err(F.linear(x, wq, b), ref) + 1e-6

@@ -128,3 +128,26 @@ def test_kernel_without_gpu_says_what_to_do():
 
     with pytest.raises(KernelUnavailableError, match="CUDA GPU"):
         load_extension()
+
+
+def test_spmm_kernel_env_is_validated_and_m_gt_4_stays_on_mma_sp(monkeypatch):
+    from hf_sparse.ops.spmm import spmm_kernel
+
+    monkeypatch.setenv("HF_SPARSE_SPMM_KERNEL", "fastest")
+    with pytest.raises(ValueError, match="HF_SPARSE_SPMM_KERNEL"):
+        spmm_kernel(4)
+    for mode in ("auto", "mma_sp", "wgmma"):  # none of these needs the extension for m > 4
+        monkeypatch.setenv("HF_SPARSE_SPMM_KERNEL", mode)
+        assert spmm_kernel(8) == "mma_sp"
+    monkeypatch.setenv("HF_SPARSE_SPMM_KERNEL", "wgmma")
+    assert spmm_kernel(4) == "wgmma"
+    monkeypatch.setenv("HF_SPARSE_SPMM_KERNEL", "mma_sp")
+    assert spmm_kernel(4) == "mma_sp"
+
+
+def test_sm90a_flag_only_with_arch_90():
+    from hf_sparse.ops._build import arch_flags
+
+    assert "-DHF_SPARSE_HAS_SM90A" in arch_flags(["8.0", "9.0"])
+    assert "-gencode=arch=compute_90a,code=sm_90a" in arch_flags(["9.0"])
+    assert "-DHF_SPARSE_HAS_SM90A" not in arch_flags(["8.0", "8.6", "8.9"])

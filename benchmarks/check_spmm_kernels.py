@@ -1,0 +1,77 @@
+"""Quick check of the 2:4 SpMM kernels (mma.sp and sparse wgmma) against fp64 and dense cuBLAS, in one short run.
+
+    python benchmarks/check_spmm_kernels.py
+
+For each shape: relative error of each kernel and of torch's own bf16 product against an fp64 reference (poisoned
+output allocator, random data), then median times (``triton.testing.do_bench``) and the ratio to dense. Meant as
+the first thing a device run does: it fails fast (exit 1) if a kernel is wrong, before any long benchmark.
+"""
+# ruff: noqa: B023  (every benchmarked lambda is called at once, inside its own loop iteration)
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from hf_sparse.masks import nm_mask
+from hf_sparse.ops import pack, spmm
+from hf_sparse.ops.spmm import _wgmma_available
+
+SHAPES = [(1, 768, 3072), (7, 4096, 1024), (8191, 1024, 4096), (8192, 4096, 11008), (8192, 11008, 4096)]
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b).norm() / b.norm())
+
+
+def main() -> int:
+    from triton.testing import do_bench
+
+    kernels = ["mma_sp"] + (["wgmma"] if _wgmma_available(torch.device("cuda")) else [])
+    print(f"# {torch.cuda.get_device_name()}, kernels: {kernels}")
+    bad = 0
+    for tokens, k, r in SHAPES:
+        w = torch.randn(r, k, device="cuda")
+        mask = nm_mask(w.abs(), 2, 4)
+        wm = torch.where(mask, w, 0.0)
+        p = pack(wm, mask, 64, 4, torch.bfloat16)
+        x = torch.randn(tokens, k, device="cuda").bfloat16()
+        b = torch.randn(r, device="cuda").bfloat16()
+        wd = wm.bfloat16()
+        ref = F.linear(x.double(), wd.double(), b.double())
+        torch_err = rel(F.linear(x, wd, b), ref)
+        t_dense = float(do_bench(lambda: F.linear(x, wd), warmup=10, rep=40, return_mode="median"))
+        line = f"{tokens:>5} {k:>5}->{r:<5} torch_err {torch_err:.2e} dense {t_dense:.4f} ms"
+        for kern in kernels:
+            os.environ["HF_SPARSE_SPMM_KERNEL"] = kern
+            torch.full((64 << 20,), float("nan"), device="cuda")  # poison the allocator's free blocks
+            y = spmm(x, p, b)
+            err = rel(y, ref)
+            ok = not bool(torch.isnan(y).any()) and err <= 2 * torch_err + 1e-6
+            bad += not ok
+            t = float(do_bench(lambda: spmm(x, p), warmup=10, rep=40, return_mode="median"))
+            line += f" | {kern} err {err:.2e}{'' if ok else ' WRONG'} {t:.4f} ms x{t_dense / t:.2f}"
+        print(line, flush=True)
+        if "wgmma" in kernels and tokens > 128:  # the large-token tile configurations (HF_SPARSE_SM90_CONFIG)
+            os.environ["HF_SPARSE_SPMM_KERNEL"] = "wgmma"
+            line = "      wgmma configs:"
+            for cfg in range(6):
+                os.environ["HF_SPARSE_SM90_CONFIG"] = str(cfg)
+                torch.full((64 << 20,), float("nan"), device="cuda")
+                y = spmm(x, p, b)
+                err = rel(y, ref)
+                ok = not bool(torch.isnan(y).any()) and err <= 2 * torch_err + 1e-6
+                bad += not ok
+                t = float(do_bench(lambda: spmm(x, p), warmup=10, rep=40, return_mode="median"))
+                line += f" | {cfg}: {t:.4f} ms x{t_dense / t:.2f}{'' if ok else ' WRONG'}"
+            os.environ.pop("HF_SPARSE_SM90_CONFIG")
+            print(line, flush=True)
+    os.environ.pop("HF_SPARSE_SPMM_KERNEL", None)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,384 @@
+// SpMM for plain 2:4 weights on sm_90a with sparse wgmma: Y (N x R) = X (N x K) * W^T (+ bias).
+//
+// Why a second SpMM: warp-level mma.sp peaks near 960 dense-equivalent TFLOP/s on an H200, so it cannot reach 1.3x
+// of cuBLAS (which uses dense wgmma, ~700). Sparse wgmma (wgmma.mma_async.sp, m64nNk32) has twice dense wgmma's
+// peak.
+//
+// Operands. wgmma takes the sparse operand as A, so the kernel computes tiles of Y^T = W * X^T:
+//  * A = 64 weight rows per warpgroup, from registers. The packed layout of hf_sparse/ops/_layout.py is already
+//    the register fragment of sparse wgmma: PTX ISA 9.7.15.6.2 gives each warp of the warpgroup 16 rows
+//    (warp w % 4 -> rows 16w..16w+15) with the same per-warp fragment as mma.sp.m16n8k32 (.f16/.bf16: a0,a1 row g,
+//    a2,a3 row g+8, a4..a7 the next 4-wide chunk), and its metadata figure for m64nNk32 .f16/.bf16 is the
+//    mma.sp.m16n8k32 one (selector 0: lanes 4g and 4g+1 give rows g and g+8 over chunks 0-3 and 4-7). So the m16
+//    tile 4*blk+w of `values`/`meta` is warp w's operand as it is: no new pack.
+//  * B = X tile (BN tokens x 64 k) in shared memory, K-major as X is stored, 128-byte swizzle (16-byte chunk c of
+//    token row r at chunk c ^ (r & 7)), copied by cp.async with zero-fill past K and past the last token;
+//    a descriptor per k-step of 32 (start address + 64 bytes for the second).
+// Pipeline (default large-token tile, config 4: 128 rows x 256 tokens, 6 stages): each stage holds one B tile
+// (64 k = 2 k-steps); all 256 threads copy, both consumer warpgroups compute (rows 0-63 and 64-127 of the CTA) on
+// the shared B tile. Each iteration waits for its stage, issues its wgmmas, fetches the A fragments and metadata of
+// the k-tile two ahead from global memory into one of three rotating register sets, starts the copy of the stage
+// STAGES-1 ahead (into the slot the previous iteration's wgmmas read), and waits for its own wgmmas. Other configs
+// (HF_SPARSE_SM90_CONFIG, tuning only) stage A and metadata through shared memory too, use 256 x 128 tiles, or
+// keep one k-tile of wgmmas in flight; on the H200 config 4 was 0-7% faster than those (benchmarks/RESULTS.md).
+// Epilogue: accumulators (row r, token n) are written straight to Y[n, r] (+ bias), as spmm.cu does.
+//
+// Only the sm_90a pass compiles the body (__CUDA_ARCH_FEAT_SM90_ALL); other device passes get a trap so a wrong
+// build fails loudly, and the host only launches it on cc 9.0 when the build included sm_90a (HF_SPARSE_HAS_SM90A,
+// set by hf_sparse/ops/_build.py).
+#include <cstdlib>
+
+#include "common.cuh"
+#include "kernels.h"
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#include "wgmma_sp.cuh"
+#endif
+
+namespace hf_sparse {
+namespace {
+
+constexpr int kSm90Threads = 256;  // two consumer warpgroups
+
+// CTA tile: 128*WGM weight rows (each warpgroup WGM m64 tiles) x BN tokens, STAGES pipeline stages, and INFLIGHT
+// = 1 keeps one k-tile of wgmmas in flight while the next is issued (0: each iteration waits for its own).
+// AREG = 1: each warp loads its A fragments and metadata straight from global memory into registers, two k-tiles
+// ahead, instead of through the shared-memory stages (which then hold only X: less shared-memory traffic).
+template <int BN_, int WGM_, int STAGES_, int INFLIGHT_, int AREG_ = 0>
+struct Sm90Cfg {
+  static constexpr int BN = BN_, WGM = WGM_, STAGES = STAGES_, INFLIGHT = INFLIGHT_, AREG = AREG_;
+  static_assert(!AREG || !INFLIGHT, "register-prefetched A relies on each k-tile's wgmmas finishing in its iteration");
+  static constexpr int ROWS = 128 * WGM;
+  static constexpr int MT = ROWS / 16;                  // m16 tiles per CTA
+  static constexpr int B_BYTES = BN * 128;             // BN token rows x 64 k, bf16/fp16
+  static constexpr int A_BYTES = AREG ? 0 : 2 * MT * 512;  // 2 k-steps x MT m16 tiles x 32 lanes x 16 B
+  static constexpr int E_BYTES = AREG ? 0 : 2 * MT * 64;   // 2 k-steps x MT m16 tiles x 16 words
+  static constexpr int STAGE = B_BYTES + A_BYTES + E_BYTES;
+  static constexpr int SMEM = STAGES * STAGE + 1024;   // + alignment slack for the 1024-byte swizzle atoms
+  static_assert(STAGE % 1024 == 0, "each stage's B tile must start on a 1024-byte boundary");
+  static_assert(STAGES - 1 - INFLIGHT >= 1, "need at least one stage loading ahead");
+};
+
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+// Matrix descriptor of a K-major tile with 128-byte swizzle: start address >> 4, leading offset 1 (unused for
+// swizzled K-major), stride offset 1024 B (next 8-row group), layout type 1 (128B swizzle) in bits 62-63.
+__device__ __forceinline__ uint64_t desc_k128(uint32_t smem_addr) {
+  return (uint64_t)((smem_addr & 0x3FFFF) >> 4) | ((uint64_t)1 << 16) | ((uint64_t)(1024 >> 4) << 32) |
+         ((uint64_t)1 << 62);
+}
+#endif
+
+template <typename T, typename Cfg>
+__global__ void __launch_bounds__(kSm90Threads, 1)
+spmm_sm90_kernel(const T* __restrict__ x, const uint4* __restrict__ values, const uint32_t* __restrict__ meta,
+                 const T* __restrict__ bias, T* __restrict__ y, int n_tokens, int rows, int rows_padded, int k,
+                 int steps) {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr int BN = Cfg::BN, WGM = Cfg::WGM, STAGES = Cfg::STAGES, INFLIGHT = Cfg::INFLIGHT;
+  constexpr int THREADS = kSm90Threads, MT = Cfg::MT;
+  constexpr int ND = BN / 2;                    // accumulators per thread per m64 tile
+  constexpr int AHEAD = STAGES - 1 - INFLIGHT;  // k-tiles being copied while one is computed
+
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  // Offset arithmetic on smem_raw (not an integer round trip) keeps the pointer in the shared window for ptxas.
+  const uint32_t raw_u32 = (uint32_t)__cvta_generic_to_shared(smem_raw);
+  unsigned char* smem = smem_raw + ((1024u - (raw_u32 & 1023u)) & 1023u);
+  const uint32_t smem_u32 = (uint32_t)__cvta_generic_to_shared(smem);
+
+  const int tid = threadIdx.x;
+  const int lane = tid & 31, warp = tid >> 5;
+  const int wg = warp >> 2, wq = warp & 3;  // warpgroup, warp within it
+  const int g = lane >> 2, t = lane & 3;
+  const int n_base = blockIdx.y * BN;
+  const int cta_row0 = blockIdx.x * Cfg::ROWS;
+  const int mt_cta = cta_row0 >> 4;
+  const int mt_valid = (rows_padded - cta_row0) >> 4;  // m16 tiles of this CTA inside the packed weight
+  const int k_tiles = (steps + 1) >> 1;                 // 2 k-steps (64 columns of X) per stage
+
+  // Copy roles, fixed across stages. B: token row r = tid/8 + 32i, 16-byte chunk c = tid%8 (swizzled: r%8 is the
+  // same for every i). A: 16-byte chunks (j, mt, lane). Metadata: one 16-byte chunk (j, mt, quarter) per thread.
+  constexpr int B_ITERS = BN * 8 / THREADS;
+  static_assert(BN * 8 % THREADS == 0, "B chunks must split evenly over the threads");
+  const int b_r0 = tid >> 3, b_c = tid & 7;
+  const T* b_src = x + (size_t)(n_base + b_r0) * k + b_c * 8;
+  uint32_t b_tok_ok = 0;
+#pragma unroll
+  for (int i = 0; i < B_ITERS; ++i) b_tok_ok |= (uint32_t)(n_base + b_r0 + 32 * i < n_tokens) << i;
+  const uint32_t b_dst = b_r0 * 128 + ((b_c ^ (b_r0 & 7)) << 4);
+
+  constexpr int A_CHUNKS = 2 * MT * 32, A_ITERS = A_CHUNKS / THREADS;
+  static_assert(A_CHUNKS % THREADS == 0, "A chunks must split evenly over the threads");
+  const uint4* a_src[A_ITERS];
+  bool a_ok[A_ITERS];
+  int a_j[A_ITERS];
+#pragma unroll
+  for (int i = 0; i < A_ITERS; ++i) {
+    const int chunk = tid + i * THREADS;
+    const int j = chunk / (MT * 32), mt = (chunk / 32) % MT;
+    a_j[i] = j;
+    a_ok[i] = mt < mt_valid;
+    a_src[i] = values + ((size_t)(mt_cta + (a_ok[i] ? mt : 0)) * steps + j) * 32 + (chunk & 31);
+  }
+  static_assert(2 * MT * 4 <= THREADS, "one metadata chunk per thread at most");
+  const bool e_thread = tid < 2 * MT * 4;
+  const int e_j = tid / (MT * 4), e_mt = (tid / 4) % MT, e_q = tid & 3;
+  const bool e_ok = e_thread && e_mt < mt_valid;
+  const uint32_t* e_src = meta + ((size_t)(mt_cta + (e_ok ? e_mt : 0)) * steps + e_j) * 16 + e_q * 4;
+
+  auto load_stage = [&](int slot, int kt) {
+    unsigned char* base = smem + slot * Cfg::STAGE;
+    const int col = kt * 64 + b_c * 8;
+    const bool col_ok = col < k;
+#pragma unroll
+    for (int i = 0; i < B_ITERS; ++i) {
+      const bool ok = col_ok && ((b_tok_ok >> i) & 1u);
+      cp_async_16(base + b_dst + i * 32 * 128, ok ? b_src + (size_t)i * 32 * k + kt * 64 : x, ok);
+    }
+    if constexpr (!Cfg::AREG) {
+      unsigned char* ad = base + Cfg::B_BYTES;
+#pragma unroll
+      for (int i = 0; i < A_ITERS; ++i) {
+        const bool ok = a_ok[i] && 2 * kt + a_j[i] < steps;
+        cp_async_16(ad + (tid + i * THREADS) * 16, ok ? a_src[i] + (size_t)kt * 64 : values, ok);
+      }
+      if (e_thread) {
+        const bool ok = e_ok && 2 * kt + e_j < steps;
+        cp_async_16(ad + Cfg::A_BYTES + tid * 16, ok ? e_src + (size_t)kt * 32 : meta, ok);
+      }
+    }
+  };
+
+  float acc[WGM][ND];
+#pragma unroll
+  for (int i = 0; i < WGM; ++i)
+#pragma unroll
+    for (int j = 0; j < ND; ++j) acc[i][j] = 0.f;
+
+#pragma unroll
+  for (int st = 0; st < AHEAD; ++st) {
+    if (st < k_tiles) load_stage(st, st);
+    cp_async_commit();
+  }
+
+  // No branches around the wgmmas (ptxas serializes wgmmas across control flow): an inactive m64 tile (the 64
+  // padded rows past the packed weight) and the missing second k-step of an odd step count multiply zeros
+  // (zero-filled A) with valid metadata (positions 0 and 1), and their results are never stored.
+  constexpr uint32_t kMetaPad = 0x44444444u;
+  bool active[WGM];
+#pragma unroll
+  for (int i = 0; i < WGM; ++i) active[i] = (wg * WGM + i) * 4 < mt_valid;
+  // One k-tile: wait for its stage, load this warp's A fragments and metadata into `a`/`e`, issue its wgmmas, start
+  // the copy of the k-tile AHEAD stages on, and leave at most INFLIGHT wgmma groups unfinished. With INFLIGHT = 1
+  // the previous k-tile's wgmmas still read their A and metadata registers during this one's loads (reading a
+  // register an unfinished wgmma uses is undefined), so the loop is unrolled by two with separate register sets
+  // for even and odd k-tiles.
+  auto k_tile = [&](int kt, uint4 (&a)[WGM][2], uint32_t (&e)[WGM][2]) {
+    const int slot = kt % STAGES;
+    cp_async_wait<AHEAD - 1>();
+    fence_proxy_async();  // this thread's cp.async writes, visible to the async proxy (wgmma) after the barrier
+    __syncthreads();
+    const unsigned char* base = smem + slot * Cfg::STAGE;
+    const uint4* as = reinterpret_cast<const uint4*>(base + Cfg::B_BYTES);
+    const uint32_t* es = reinterpret_cast<const uint32_t*>(base + Cfg::B_BYTES + Cfg::A_BYTES);
+    const bool second = 2 * kt + 1 < steps;
+#pragma unroll
+    for (int i = 0; i < WGM; ++i) {
+      const int mt = (wg * WGM + i) * 4 + wq;
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        a[i][j] = as[(j * MT + mt) * 32 + lane];
+        const uint32_t ev = es[(j * MT + mt) * 16 + g * 2 + (t & 1)];
+        e[i][j] = (active[i] && (j == 0 || second)) ? ev : kMetaPad;
+      }
+    }
+    const uint64_t desc = desc_k128(smem_u32 + slot * Cfg::STAGE);
+    wgmma_fence();
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+#pragma unroll
+      for (int i = 0; i < WGM; ++i) WgmmaSp<BN, T>::run(acc[i], a[i][j], desc + j * (64 >> 4), e[i][j]);
+    wgmma_commit();
+    const int nxt = kt + AHEAD;  // its slot was read by k-tile kt - 1 - INFLIGHT, retired before the barrier
+    if (nxt < k_tiles) load_stage(nxt % STAGES, nxt);
+    cp_async_commit();
+    wgmma_wait<INFLIGHT>();
+  };
+  if constexpr (!Cfg::AREG) {
+    uint4 a_even[WGM][2], a_odd[WGM][2];
+    uint32_t e_even[WGM][2], e_odd[WGM][2];
+    int kt = 0;
+    for (; kt + 1 < k_tiles; kt += 2) {
+      k_tile(kt, a_even, e_even);
+      k_tile(kt + 1, a_odd, e_odd);
+    }
+    if (kt < k_tiles) k_tile(kt, a_even, e_even);
+  } else {
+    // A fragments and metadata from global memory (one coalesced 512-byte load per warp and k-step), fetched two
+    // k-tiles ahead into three register sets used in rotation: the set being refilled was read by the previous
+    // k-tile's wgmmas, which finished (wgmma.wait_group 0) before this k-tile started.
+    const uint4* ag[WGM];
+    const uint32_t* eg[WGM];
+#pragma unroll
+    for (int i = 0; i < WGM; ++i) {
+      const int mt = active[i] ? (wg * WGM + i) * 4 + wq : 0;
+      ag[i] = values + (size_t)(mt_cta + mt) * steps * 32 + lane;
+      eg[i] = meta + (size_t)(mt_cta + mt) * steps * 16 + g * 2 + (t & 1);
+    }
+    auto fetch = [&](int kt, uint4 (&a)[WGM][2], uint32_t (&e)[WGM][2]) {
+#pragma unroll
+      for (int i = 0; i < WGM; ++i)
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          const int s = 2 * kt + j;
+          uint4 av = make_uint4(0, 0, 0, 0);
+          uint32_t ev = kMetaPad;
+          if (active[i] && s < steps) {
+            av = ag[i][(size_t)s * 32];
+            ev = eg[i][(size_t)s * 16];
+          }
+          a[i][j] = av;
+          e[i][j] = ev;
+        }
+    };
+    auto k_tile_reg = [&](int kt, const uint4 (&a)[WGM][2], const uint32_t (&e)[WGM][2], uint4 (&a_next)[WGM][2],
+                          uint32_t (&e_next)[WGM][2]) {
+      const int slot = kt % STAGES;
+      cp_async_wait<AHEAD - 1>();
+      fence_proxy_async();
+      __syncthreads();
+      const uint64_t desc = desc_k128(smem_u32 + slot * Cfg::STAGE);
+      wgmma_fence();
+#pragma unroll
+      for (int j = 0; j < 2; ++j)
+#pragma unroll
+        for (int i = 0; i < WGM; ++i) WgmmaSp<BN, T>::run(acc[i], a[i][j], desc + j * (64 >> 4), e[i][j]);
+      wgmma_commit();
+      fetch(kt + 2, a_next, e_next);
+      const int nxt = kt + AHEAD;
+      if (nxt < k_tiles) load_stage(nxt % STAGES, nxt);
+      cp_async_commit();
+      wgmma_wait<0>();
+    };
+    uint4 a0[WGM][2], a1[WGM][2], a2[WGM][2];
+    uint32_t e0[WGM][2], e1[WGM][2], e2[WGM][2];
+    fetch(0, a0, e0);
+    fetch(1, a1, e1);
+    for (int kt = 0; kt < k_tiles; kt += 3) {
+      k_tile_reg(kt, a0, e0, a2, e2);
+      if (kt + 1 < k_tiles) k_tile_reg(kt + 1, a1, e1, a0, e0);
+      if (kt + 2 < k_tiles) k_tile_reg(kt + 2, a2, e2, a1, e1);
+    }
+  }
+  wgmma_wait<0>();
+  cp_async_wait<0>();
+#pragma unroll
+  for (int i = 0; i < WGM; ++i)
+#pragma unroll
+    for (int j = 0; j < ND; ++j) asm volatile("" : "+f"(acc[i][j])::"memory");  // reads after the wgmma wait
+
+  // acc[i][4*nt + c]: row 16*wq + g + 8*(c >> 1) of m64 tile i, token n = 8*nt + 2t + (c & 1).
+  // Lanes g and g^1 swap halves so each lane holds two adjacent rows of one token: 32-bit stores.
+  const bool odd = g & 1;
+#pragma unroll
+  for (int i = 0; i < WGM; ++i) {
+    if (!active[i]) continue;
+    const int row0 = cta_row0 + 64 * (wg * WGM + i) + 16 * wq;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int r_even = row0 + 8 * half + (g & ~1);
+      float b0 = 0.f, b1 = 0.f;
+      if (bias != nullptr) {
+        if (r_even < rows) b0 = MmaType<T>::to_float(bias[r_even]);
+        if (r_even + 1 < rows) b1 = MmaType<T>::to_float(bias[r_even + 1]);
+      }
+#pragma unroll
+      for (int nt = 0; nt < BN / 8; ++nt) {
+        const float v0 = acc[i][4 * nt + 2 * half], v1 = acc[i][4 * nt + 2 * half + 1];  // tokens n, n+1
+        const float send = odd ? v0 : v1;
+        const float recv = __shfl_xor_sync(0xffffffffu, send, 4);
+        const float lo = odd ? recv : v0;  // row r_even
+        const float hi = odd ? v1 : recv;  // row r_even + 1
+        const int n = n_base + nt * 8 + 2 * t + (odd ? 1 : 0);
+        if (n >= n_tokens) continue;
+        T* dst = y + (size_t)n * rows + r_even;
+        const T o0 = MmaType<T>::from_float(lo + b0), o1 = MmaType<T>::from_float(hi + b1);
+        if (r_even + 1 < rows && (rows & 1) == 0) {
+          *reinterpret_cast<uint32_t*>(dst) = MmaType<T>::pack(o0, o1);
+        } else {
+          if (r_even < rows) dst[0] = o0;
+          if (r_even + 1 < rows) dst[1] = o1;
+        }
+      }
+    }
+  }
+#elif defined(__CUDA_ARCH__)
+  __trap();  // built without sm_90a: the host never launches this (spmm_sm90_available() is false)
+#endif
+}
+
+template <typename T, typename Cfg>
+cudaError_t launch_sm90(const SpmmArgs& a, cudaStream_t stream) {
+  auto kernel = spmm_sm90_kernel<T, Cfg>;
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::SMEM);
+  if (err != cudaSuccess) return err;
+  // Row blocks vary fastest: CTAs resident together share a token tile of X (read once from L2) and walk W.
+  dim3 grid((a.rows_padded + Cfg::ROWS - 1) / Cfg::ROWS, (a.n_tokens + Cfg::BN - 1) / Cfg::BN);
+  if (grid.y > 65535) return cudaErrorInvalidConfiguration;  // the binding slices larger inputs
+  kernel<<<grid, kSm90Threads, Cfg::SMEM, stream>>>(
+      static_cast<const T*>(a.x), static_cast<const uint4*>(a.values), static_cast<const uint32_t*>(a.meta),
+      static_cast<const T*>(a.bias), static_cast<T*>(a.y), a.n_tokens, a.rows, a.rows_padded, a.k, a.steps);
+  return cudaGetLastError();
+}
+
+// Large-token configurations; HF_SPARSE_SM90_CONFIG (tuning runs only) picks one, default kDefaultConfig.
+constexpr int kDefaultConfig = 4;  // fastest measured on the H200 (benchmarks/RESULTS.md, run C)
+template <typename T>
+cudaError_t launch_large(const SpmmArgs& a, cudaStream_t stream) {
+  const char* env = std::getenv("HF_SPARSE_SM90_CONFIG");  // read per call so a tuning run can switch it
+  const int cfg = env ? std::atoi(env) : kDefaultConfig;
+  switch (cfg) {
+    case 1: return launch_sm90<T, Sm90Cfg<128, 2, 4, 0>>(a, stream);
+    case 2: return launch_sm90<T, Sm90Cfg<128, 2, 6, 1>>(a, stream);
+    case 3: return launch_sm90<T, Sm90Cfg<256, 1, 5, 1>>(a, stream);
+    case 5: return launch_sm90<T, Sm90Cfg<128, 2, 8, 0, 1>>(a, stream);
+    case 0: return launch_sm90<T, Sm90Cfg<256, 1, 4, 0>>(a, stream);
+    default: return launch_sm90<T, Sm90Cfg<256, 1, 6, 0, 1>>(a, stream);  // 4, and any other value
+  }
+}
+
+template <typename T>
+cudaError_t dispatch_bn(const SpmmArgs& a, cudaStream_t stream) {
+  if (a.n_tokens <= 64) return launch_sm90<T, Sm90Cfg<64, 1, 4, 0>>(a, stream);
+  if (a.n_tokens <= 128) return launch_sm90<T, Sm90Cfg<128, 1, 4, 0>>(a, stream);
+  return launch_large<T>(a, stream);
+}
+
+}  // namespace
+
+bool spmm_sm90_available() {
+#if defined(HF_SPARSE_HAS_SM90A)
+  int dev = 0, major = 0, minor = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) return false;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) return false;
+  if (cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) != cudaSuccess) return false;
+  return major == 9 && minor == 0;
+#else
+  return false;
+#endif
+}
+
+cudaError_t spmm_sm90(const SpmmArgs& a, cudaStream_t stream) {
+  if (a.m != 4) return cudaErrorInvalidValue;
+  if (!spmm_sm90_available()) return cudaErrorNoKernelImageForDevice;
+  if (a.n_tokens == 0) return cudaSuccess;
+  return a.is_bf16 ? dispatch_bn<__nv_bfloat16>(a, stream) : dispatch_bn<__half>(a, stream);
+}
+
+}  // namespace hf_sparse
