@@ -359,7 +359,6 @@ cudaError_t launch_sm90(const SpmmArgs& a, cudaStream_t stream) {
 // The token and K tails come from the tensor map's zero fill (rows past n_tokens, columns past k).
 constexpr int kTmaConsumerWarps = 8;
 constexpr int kTmaThreads = 32 * (kTmaConsumerWarps + 4);
-constexpr int kTmaProducerRegs = 40, kTmaConsumerRegs = 232;  // 128 x 40 + 256 x 232 <= 65536
 
 template <int BN, int STAGES>
 struct TmaSmem {
@@ -377,6 +376,7 @@ spmm_sm90_tma_kernel(const __grid_constant__ CUtensorMap x_map, const uint4* __r
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int ND = BN / 2;
   constexpr int B_BYTES = TmaSmem<BN, STAGES>::B_BYTES;
+  constexpr int kProducerRegs = 40, kConsumerRegs = 232;  // 128 x 40 + 256 x 232 <= 65536
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   const uint32_t raw_u32 = (uint32_t)__cvta_generic_to_shared(smem_raw);
   const uint32_t smem_u32 = raw_u32 + ((1024u - (raw_u32 & 1023u)) & 1023u);
@@ -398,7 +398,7 @@ spmm_sm90_tma_kernel(const __grid_constant__ CUtensorMap x_map, const uint4* __r
   __syncthreads();  // the only CTA-wide barrier: barriers initialised before anyone waits on them
 
   if (warp >= kTmaConsumerWarps) {  // producer warpgroup: one thread issues every copy, the others only exit
-    setmaxnreg_dec<kTmaProducerRegs>();
+    setmaxnreg_dec<kProducerRegs>();
     if (warp == kTmaConsumerWarps && lane == 0) {
       tma_prefetch_map(&x_map);
       for (int kt = 0; kt < k_tiles; ++kt) {
@@ -411,7 +411,7 @@ spmm_sm90_tma_kernel(const __grid_constant__ CUtensorMap x_map, const uint4* __r
     return;
   }
 
-  setmaxnreg_inc<kTmaConsumerRegs>();
+  setmaxnreg_inc<kConsumerRegs>();
   const int wg = warp >> 2, wq = warp & 3;
   const int g = lane >> 2, t = lane & 3;
   const int mt_cta = cta_row0 >> 4;
@@ -532,10 +532,13 @@ cudaError_t launch_sm90_tma(const SpmmArgs& a, cudaStream_t stream) {
 
 // Large-token configurations; HF_SPARSE_SM90_CONFIG (tuning runs only) picks one, default kDefaultConfig.
 constexpr int kDefaultConfig = 4;  // fastest measured on the H200 (benchmarks/RESULTS.md, run C)
-template <typename T>
-cudaError_t launch_large(const SpmmArgs& a, cudaStream_t stream) {
+int sm90_config() {
   const char* env = std::getenv("HF_SPARSE_SM90_CONFIG");  // read per call so a tuning run can switch it
-  const int cfg = env ? std::atoi(env) : kDefaultConfig;
+  return env ? std::atoi(env) : kDefaultConfig;
+}
+
+template <typename T>
+cudaError_t launch_large(const SpmmArgs& a, cudaStream_t stream, int cfg) {
   switch (cfg) {
     case 1: return launch_sm90<T, Sm90Cfg<128, 2, 4, 0>>(a, stream);
     case 2: return launch_sm90<T, Sm90Cfg<128, 2, 6, 1>>(a, stream);
@@ -550,9 +553,15 @@ cudaError_t launch_large(const SpmmArgs& a, cudaStream_t stream) {
 
 template <typename T>
 cudaError_t dispatch_bn(const SpmmArgs& a, cudaStream_t stream) {
-  if (a.n_tokens <= 64) return launch_sm90<T, Sm90Cfg<64, 1, 4, 0>>(a, stream);
-  if (a.n_tokens <= 128) return launch_sm90<T, Sm90Cfg<128, 1, 4, 0>>(a, stream);
-  return launch_large<T>(a, stream);
+  const int cfg = sm90_config();
+  // The TMA configurations handle any token count (the tensor map zero-fills missing tokens); selected explicitly
+  // they run at every size, so tests and tuning runs reach their tails. Configs 0-5 are large-token tiles only.
+  const bool tma_everywhere = (cfg == 6 || cfg == 7) && std::getenv("HF_SPARSE_SM90_CONFIG") != nullptr;
+  if (!tma_everywhere) {
+    if (a.n_tokens <= 64) return launch_sm90<T, Sm90Cfg<64, 1, 4, 0>>(a, stream);
+    if (a.n_tokens <= 128) return launch_sm90<T, Sm90Cfg<128, 1, 4, 0>>(a, stream);
+  }
+  return launch_large<T>(a, stream, cfg);
 }
 
 }  // namespace
