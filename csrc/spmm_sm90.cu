@@ -357,6 +357,11 @@ cudaError_t launch_sm90(const SpmmArgs& a, cudaStream_t stream) {
 // INFLIGHT = 1 leaves one k-tile of wgmmas running while the next is issued: the stage and the register set of k-tile
 // kt - 1 are released / refilled only after wgmma.wait_group 1 in iteration kt.
 // The token and K tails come from the tensor map's zero fill (rows past n_tokens, columns past k).
+// CLUSTER = 2 (configs 8/9): the two CTAs of a cluster (adjacent 128-row blocks, same tokens) share the X tile: each
+// producer loads half of it (BN/2 tokens) and multicasts it into both CTAs, so X crosses L2 once per 256 weight rows
+// instead of once per 128. A stage is then refilled only after the consumer warps of both CTAs released it (each
+// consumer warp arrives on the "empty" barrier of both), and both CTAs meet at a cluster barrier before exiting, so
+// no remote arrive reaches a finished CTA.
 constexpr int kTmaConsumerWarps = 8;
 constexpr int kTmaThreads = 32 * (kTmaConsumerWarps + 4);
 
@@ -368,7 +373,7 @@ struct TmaSmem {
   static_assert(BN <= 256, "a TMA box holds at most 256 rows");
 };
 
-template <typename T, int BN, int STAGES, int INFLIGHT>
+template <typename T, int BN, int STAGES, int INFLIGHT, int CLUSTER>
 __global__ void __launch_bounds__(kTmaThreads, 1)
 spmm_sm90_tma_kernel(const __grid_constant__ CUtensorMap x_map, const uint4* __restrict__ values,
                      const uint32_t* __restrict__ meta, const T* __restrict__ bias, T* __restrict__ y, int n_tokens,
@@ -388,26 +393,39 @@ spmm_sm90_tma_kernel(const __grid_constant__ CUtensorMap x_map, const uint4* __r
   const int cta_row0 = blockIdx.x * 128;
   const int k_tiles = (steps + 1) >> 1;  // 2 k-steps (64 columns of X) per stage
 
+  const uint32_t rank = CLUSTER > 1 ? cluster_cta_rank() : 0;
   if (tid == 0) {
     for (int s = 0; s < STAGES; ++s) {
-      mbar_init(full_bar + 8 * s, 1);                   // the producer's arrive.expect_tx (+ the TMA bytes)
-      mbar_init(empty_bar + 8 * s, kTmaConsumerWarps);  // one arrive per consumer warp
+      mbar_init(full_bar + 8 * s, 1);  // the producer's arrive.expect_tx (+ the TMA bytes)
+      mbar_init(empty_bar + 8 * s, kTmaConsumerWarps * CLUSTER);  // one arrive per consumer warp of the cluster
     }
     mbar_fence_init();
   }
-  __syncthreads();  // the only CTA-wide barrier: barriers initialised before anyone waits on them
+  // The only CTA-wide (cluster-wide) barrier before the epilogue: barriers initialised before anyone uses them.
+  if constexpr (CLUSTER > 1) {
+    cluster_sync();
+  } else {
+    __syncthreads();
+  }
 
-  if (warp >= kTmaConsumerWarps) {  // producer warpgroup: one thread issues every copy, the others only exit
+  if (warp >= kTmaConsumerWarps) {  // producer warpgroup: one thread issues every copy
     setmaxnreg_dec<kProducerRegs>();
     if (warp == kTmaConsumerWarps && lane == 0) {
       tma_prefetch_map(&x_map);
       for (int kt = 0; kt < k_tiles; ++kt) {
         const int slot = kt % STAGES;
         mbar_wait(empty_bar + 8 * slot, ((kt / STAGES) & 1) ^ 1);  // first pass: passes at once (fresh barrier)
-        mbar_arrive_expect_tx(full_bar + 8 * slot, B_BYTES);
-        tma_load_2d(smem_u32 + slot * B_BYTES, &x_map, kt * 64, n_base, full_bar + 8 * slot);
+        mbar_arrive_expect_tx(full_bar + 8 * slot, B_BYTES);       // the whole tile, both halves in a cluster
+        if constexpr (CLUSTER > 1) {
+          constexpr int HALF = BN / CLUSTER;
+          tma_load_2d_multicast(smem_u32 + slot * B_BYTES + rank * HALF * 128, &x_map, kt * 64, n_base + rank * HALF,
+                                full_bar + 8 * slot, (uint16_t)((1u << CLUSTER) - 1));
+        } else {
+          tma_load_2d(smem_u32 + slot * B_BYTES, &x_map, kt * 64, n_base, full_bar + 8 * slot);
+        }
       }
     }
+    if constexpr (CLUSTER > 1) cluster_sync();  // stay until the peer is done arriving on this CTA's barriers
     return;
   }
 
@@ -455,6 +473,9 @@ spmm_sm90_tma_kernel(const __grid_constant__ CUtensorMap x_map, const uint4* __r
     if (INFLIGHT == 0 || kt > 0) {
       const int done = kt - INFLIGHT;
       if (lane == 0) mbar_arrive(empty_bar + 8 * (done % STAGES));
+      if constexpr (CLUSTER > 1) {
+        if (lane == 1) mbar_arrive_cluster(empty_bar + 8 * (done % STAGES), rank ^ 1);
+      }
     }
     fetch(kt + 2, a_next, e_next);
   };
@@ -471,6 +492,7 @@ spmm_sm90_tma_kernel(const __grid_constant__ CUtensorMap x_map, const uint4* __r
 #pragma unroll
   for (int j = 0; j < ND; ++j) asm volatile("" : "+f"(acc[j])::"memory");  // reads after the wgmma wait
   if (active) store_tile<T, BN>(acc, cta_row0 + 64 * wg + 16 * wq, n_base, lane, bias, y, rows, n_tokens);
+  if constexpr (CLUSTER > 1) cluster_sync();
 #elif defined(__CUDA_ARCH__)
   __trap();  // built without sm_90a: the host never launches this (spmm_sm90_available() is false)
 #endif
@@ -514,20 +536,33 @@ bool encode_x_map(const SpmmArgs& a, int box_rows, CUtensorMap* map) {
   return res == CUDA_SUCCESS;
 }
 
-template <typename T, int BN, int STAGES, int INFLIGHT>
+template <typename T, int BN, int STAGES, int INFLIGHT, int CLUSTER = 1>
 cudaError_t launch_sm90_tma(const SpmmArgs& a, cudaStream_t stream) {
   CUtensorMap map;
-  if (!encode_x_map(a, BN, &map)) return launch_sm90<T, Sm90Cfg<256, 1, 6, 0, 1>>(a, stream);  // cp.async, config 4
-  auto kernel = spmm_sm90_tma_kernel<T, BN, STAGES, INFLIGHT>;
+  if (!encode_x_map(a, BN / CLUSTER, &map)) return launch_sm90<T, Sm90Cfg<256, 1, 6, 0, 1>>(a, stream);  // config 4
+  auto kernel = spmm_sm90_tma_kernel<T, BN, STAGES, INFLIGHT, CLUSTER>;
   constexpr int smem = TmaSmem<BN, STAGES>::BYTES;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return err;
-  dim3 grid((a.rows_padded + 127) / 128, (a.n_tokens + BN - 1) / BN);
+  int row_blocks = (a.rows_padded + 127) / 128;
+  row_blocks = (row_blocks + CLUSTER - 1) / CLUSTER * CLUSTER;  // whole clusters; extra blocks have no rows
+  const dim3 grid(row_blocks, (a.n_tokens + BN - 1) / BN);
   if (grid.y > 65535) return cudaErrorInvalidConfiguration;
-  kernel<<<grid, kTmaThreads, smem, stream>>>(map, static_cast<const uint4*>(a.values),
-                                              static_cast<const uint32_t*>(a.meta), static_cast<const T*>(a.bias),
-                                              static_cast<T*>(a.y), a.n_tokens, a.rows, a.rows_padded, a.steps);
-  return cudaGetLastError();
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = dim3(kTmaThreads);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = CLUSTER;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  return cudaLaunchKernelEx(&cfg, kernel, map, static_cast<const uint4*>(a.values),
+                            static_cast<const uint32_t*>(a.meta), static_cast<const T*>(a.bias), static_cast<T*>(a.y),
+                            a.n_tokens, a.rows, a.rows_padded, a.steps);
 }
 
 // Large-token configurations; HF_SPARSE_SM90_CONFIG (tuning runs only) picks one, default kDefaultConfig.
@@ -546,6 +581,8 @@ cudaError_t launch_large(const SpmmArgs& a, cudaStream_t stream, int cfg) {
     case 5: return launch_sm90<T, Sm90Cfg<128, 2, 8, 0, 1>>(a, stream);
     case 6: return launch_sm90_tma<T, 256, 6, 1>(a, stream);
     case 7: return launch_sm90_tma<T, 256, 6, 0>(a, stream);
+    case 8: return launch_sm90_tma<T, 256, 6, 1, 2>(a, stream);
+    case 9: return launch_sm90_tma<T, 256, 6, 0, 2>(a, stream);
     case 0: return launch_sm90<T, Sm90Cfg<256, 1, 4, 0>>(a, stream);
     default: return launch_sm90<T, Sm90Cfg<256, 1, 6, 0, 1>>(a, stream);  // 4, and any other value
   }
@@ -556,7 +593,7 @@ cudaError_t dispatch_bn(const SpmmArgs& a, cudaStream_t stream) {
   const int cfg = sm90_config();
   // The TMA configurations handle any token count (the tensor map zero-fills missing tokens); selected explicitly
   // they run at every size, so tests and tuning runs reach their tails. Configs 0-5 are large-token tiles only.
-  const bool tma_everywhere = (cfg == 6 || cfg == 7) && std::getenv("HF_SPARSE_SM90_CONFIG") != nullptr;
+  const bool tma_everywhere = cfg >= 6 && cfg <= 9 && std::getenv("HF_SPARSE_SM90_CONFIG") != nullptr;
   if (!tma_everywhere) {
     if (a.n_tokens <= 64) return launch_sm90<T, Sm90Cfg<64, 1, 4, 0>>(a, stream);
     if (a.n_tokens <= 128) return launch_sm90<T, Sm90Cfg<128, 1, 4, 0>>(a, stream);

@@ -200,7 +200,7 @@ def test_dense_from_packed_on_gpu_matches_master():
     assert torch.equal(dense_from_packed(p, torch.float32), w.bfloat16().float())
 
 
-@pytest.mark.parametrize("config", [0, 1, 2, 3, 4, 5, 6, 7])
+@pytest.mark.parametrize("config", list(range(10)))
 @pytest.mark.parametrize(("tokens", "rows", "cols"), [(300, 448, 136), (8191, 192, 1000)])
 def test_spmm_wgmma_tile_configs(config, tokens, rows, cols, monkeypatch):
     # Every large-token tile configuration of the sm_90a kernel (HF_SPARSE_SM90_CONFIG): 448 rows leave some m64
@@ -221,7 +221,7 @@ def test_spmm_wgmma_tile_configs(config, tokens, rows, cols, monkeypatch):
     assert rel_err(y, ref) <= 2 * rel_err(F.linear(x, wq, b), ref) + 1e-6
 
 
-@pytest.mark.parametrize("config", [6, 7])
+@pytest.mark.parametrize("config", [6, 7, 8, 9])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize(
@@ -232,7 +232,8 @@ def test_spmm_wgmma_tile_configs(config, tokens, rows, cols, monkeypatch):
     [(1, 64, 40), (7, 192, 96), (65, 320, 8), (200, 128, 1000), (257, 448, 264), (8191, 192, 136)],
 )
 def test_spmm_wgmma_tma_configs(config, dtype, bias, tokens, rows, cols, monkeypatch):
-    # Configs 6/7: warp-specialized TMA producer + mbarrier ring (csrc/spmm_sm90.cu), one vs zero k-tiles in flight.
+    # Configs 6-9: warp-specialized TMA producer + mbarrier ring (csrc/spmm_sm90.cu), one vs zero k-tiles in flight,
+    # without (6, 7) and with (8, 9) a 2-CTA cluster multicasting X.
     if not _wgmma_runs_here():
         pytest.skip("sparse wgmma needs a cc 9.0 GPU and an sm_90a build")
     monkeypatch.setenv("HF_SPARSE_SPMM_KERNEL", "wgmma")
