@@ -373,7 +373,7 @@ struct TmaSmem {
   static_assert(BN <= 256, "a TMA box holds at most 256 rows");
 };
 
-template <typename T, int BN, int STAGES, int INFLIGHT, int CLUSTER>
+template <typename T, int BN, int STAGES, int INFLIGHT, int CLUSTER, int GROUP, bool SHARE>
 __global__ void __launch_bounds__(kTmaThreads, 1)
 spmm_sm90_tma_kernel(const __grid_constant__ CUtensorMap x_map, const uint4* __restrict__ values,
                      const uint32_t* __restrict__ meta, const T* __restrict__ bias, T* __restrict__ y, int n_tokens,
@@ -389,15 +389,30 @@ spmm_sm90_tma_kernel(const __grid_constant__ CUtensorMap x_map, const uint4* __r
 
   const int tid = threadIdx.x;
   const int lane = tid & 31, warp = tid >> 5;
-  const int n_base = blockIdx.y * BN;
-  const int cta_row0 = blockIdx.x * 128;
+  static_assert(CLUSTER == 1 || GROUP == 1, "the grouped order would split a cluster's row-block pair");
+  constexpr bool MCAST = CLUSTER > 1 && SHARE;  // false with CLUSTER 2: cluster launch and barriers only (config 12)
+  int bx = blockIdx.x, by = blockIdx.y;
+  if constexpr (GROUP > 1) {
+    // Grouped order (configs 10/11): consecutive CTAs walk the row blocks of GROUP token tiles together, so the
+    // CTAs resident at once touch ~132/GROUP row blocks of W and GROUP tiles of X instead of all of W (which does
+    // not stay in L2 and is re-read from HBM for every token tile in the plain order).
+    const int id = blockIdx.x + blockIdx.y * gridDim.x;
+    const int per_group = GROUP * gridDim.x;
+    const int first = id / per_group * GROUP;
+    const int size = min((int)gridDim.y - first, GROUP);
+    const int within = id % per_group;
+    by = first + within % size;
+    bx = within / size;
+  }
+  const int n_base = by * BN;
+  const int cta_row0 = bx * 128;
   const int k_tiles = (steps + 1) >> 1;  // 2 k-steps (64 columns of X) per stage
 
   const uint32_t rank = CLUSTER > 1 ? cluster_cta_rank() : 0;
   if (tid == 0) {
     for (int s = 0; s < STAGES; ++s) {
       mbar_init(full_bar + 8 * s, 1);  // the producer's arrive.expect_tx (+ the TMA bytes)
-      mbar_init(empty_bar + 8 * s, kTmaConsumerWarps * CLUSTER);  // one arrive per consumer warp of the cluster
+      mbar_init(empty_bar + 8 * s, kTmaConsumerWarps * (MCAST ? CLUSTER : 1));  // per consumer warp (of the cluster)
     }
     mbar_fence_init();
   }
@@ -416,7 +431,7 @@ spmm_sm90_tma_kernel(const __grid_constant__ CUtensorMap x_map, const uint4* __r
         const int slot = kt % STAGES;
         mbar_wait(empty_bar + 8 * slot, ((kt / STAGES) & 1) ^ 1);  // first pass: passes at once (fresh barrier)
         mbar_arrive_expect_tx(full_bar + 8 * slot, B_BYTES);       // the whole tile, both halves in a cluster
-        if constexpr (CLUSTER > 1) {
+        if constexpr (MCAST) {
           constexpr int HALF = BN / CLUSTER;
           tma_load_2d_multicast(smem_u32 + slot * B_BYTES + rank * HALF * 128, &x_map, kt * 64, n_base + rank * HALF,
                                 full_bar + 8 * slot, (uint16_t)((1u << CLUSTER) - 1));
@@ -473,7 +488,7 @@ spmm_sm90_tma_kernel(const __grid_constant__ CUtensorMap x_map, const uint4* __r
     if (INFLIGHT == 0 || kt > 0) {
       const int done = kt - INFLIGHT;
       if (lane == 0) mbar_arrive(empty_bar + 8 * (done % STAGES));
-      if constexpr (CLUSTER > 1) {
+      if constexpr (MCAST) {
         if (lane == 1) mbar_arrive_cluster(empty_bar + 8 * (done % STAGES), rank ^ 1);
       }
     }
@@ -536,11 +551,11 @@ bool encode_x_map(const SpmmArgs& a, int box_rows, CUtensorMap* map) {
   return res == CUDA_SUCCESS;
 }
 
-template <typename T, int BN, int STAGES, int INFLIGHT, int CLUSTER = 1>
+template <typename T, int BN, int STAGES, int INFLIGHT, int CLUSTER = 1, int GROUP = 1, bool SHARE = true>
 cudaError_t launch_sm90_tma(const SpmmArgs& a, cudaStream_t stream) {
   CUtensorMap map;
-  if (!encode_x_map(a, BN / CLUSTER, &map)) return launch_sm90<T, Sm90Cfg<256, 1, 6, 0, 1>>(a, stream);  // config 4
-  auto kernel = spmm_sm90_tma_kernel<T, BN, STAGES, INFLIGHT, CLUSTER>;
+  if (!encode_x_map(a, SHARE ? BN / CLUSTER : BN, &map)) return launch_sm90<T, Sm90Cfg<256, 1, 6, 0, 1>>(a, stream);  // config 4
+  auto kernel = spmm_sm90_tma_kernel<T, BN, STAGES, INFLIGHT, CLUSTER, GROUP, SHARE>;
   constexpr int smem = TmaSmem<BN, STAGES>::BYTES;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return err;
@@ -583,6 +598,9 @@ cudaError_t launch_large(const SpmmArgs& a, cudaStream_t stream, int cfg) {
     case 7: return launch_sm90_tma<T, 256, 6, 0>(a, stream);
     case 8: return launch_sm90_tma<T, 256, 6, 1, 2>(a, stream);
     case 9: return launch_sm90_tma<T, 256, 6, 0, 2>(a, stream);
+    case 10: return launch_sm90_tma<T, 256, 6, 1, 1, 8>(a, stream);
+    case 11: return launch_sm90_tma<T, 256, 6, 1, 1, 4>(a, stream);
+    case 12: return launch_sm90_tma<T, 256, 6, 1, 2, 1, false>(a, stream);  // diagnostic: 8 without the sharing
     case 0: return launch_sm90<T, Sm90Cfg<256, 1, 4, 0>>(a, stream);
     default: return launch_sm90<T, Sm90Cfg<256, 1, 6, 0, 1>>(a, stream);  // 4, and any other value
   }
@@ -593,7 +611,7 @@ cudaError_t dispatch_bn(const SpmmArgs& a, cudaStream_t stream) {
   const int cfg = sm90_config();
   // The TMA configurations handle any token count (the tensor map zero-fills missing tokens); selected explicitly
   // they run at every size, so tests and tuning runs reach their tails. Configs 0-5 are large-token tiles only.
-  const bool tma_everywhere = cfg >= 6 && cfg <= 9 && std::getenv("HF_SPARSE_SM90_CONFIG") != nullptr;
+  const bool tma_everywhere = cfg >= 6 && cfg <= 12 && std::getenv("HF_SPARSE_SM90_CONFIG") != nullptr;
   if (!tma_everywhere) {
     if (a.n_tokens <= 64) return launch_sm90<T, Sm90Cfg<64, 1, 4, 0>>(a, stream);
     if (a.n_tokens <= 128) return launch_sm90<T, Sm90Cfg<128, 1, 4, 0>>(a, stream);
