@@ -21,6 +21,10 @@
 // STAGES-1 ahead (into the slot the previous iteration's wgmmas read), and waits for its own wgmmas. Other configs
 // (HF_SPARSE_SM90_CONFIG, tuning only) stage A and metadata through shared memory too, use 256 x 128 tiles, or
 // keep one k-tile of wgmmas in flight; on the H200 config 4 was 0-7% faster than those (benchmarks/RESULTS.md).
+// Configs 6-12 (warp-specialized, see spmm_sm90_tma_kernel): a producer warp streams the X tiles with TMA into an
+// mbarrier-guarded ring and the two consumer warpgroups never meet at a CTA-wide barrier in the main loop; 10/11
+// add a grouped CTA order (W stays in L2 across a wave), 8/9 share X across a 2-CTA cluster (multicast: slower).
+// Default: config 10 for packed weights of 24 MB and more, config 4 below (sm90_config).
 // Epilogue: accumulators (row r, token n) are written straight to Y[n, r] (+ bias), as spmm.cu does.
 //
 // Only the sm_90a pass compiles the body (__CUDA_ARCH_FEAT_SM90_ALL); other device passes get a trap so a wrong
@@ -580,11 +584,17 @@ cudaError_t launch_sm90_tma(const SpmmArgs& a, cudaStream_t stream) {
                             a.n_tokens, a.rows, a.rows_padded, a.steps);
 }
 
-// Large-token configurations; HF_SPARSE_SM90_CONFIG (tuning runs only) picks one, default kDefaultConfig.
-constexpr int kDefaultConfig = 4;  // fastest measured on the H200 (benchmarks/RESULTS.md, run C)
-int sm90_config() {
+// Large-token configurations; HF_SPARSE_SM90_CONFIG (tuning runs only) picks one. Default (benchmarks/RESULTS.md,
+// "TMA producer"): config 10 (TMA, grouped CTA order) where the packed weight is too large to stay in L2 across a
+// wave of CTAs (4096<->11008: 4-9% faster than config 4), config 4 otherwise (config 10 was 9-16% slower at
+// 1024->4096, whose 4 MB weight stays in L2 anyway). The 24 MB threshold lies between the measured sizes (4 and 45 MB).
+constexpr int kDefaultConfig = 4, kDefaultLargeWeightConfig = 10;
+constexpr long long kLargeWeightBytes = 24LL << 20;
+int sm90_config(const SpmmArgs& a) {
   const char* env = std::getenv("HF_SPARSE_SM90_CONFIG");  // read per call so a tuning run can switch it
-  return env ? std::atoi(env) : kDefaultConfig;
+  if (env) return std::atoi(env);
+  const long long weight_bytes = (long long)a.rows_padded * a.steps * 32;  // packed values, bf16/fp16
+  return weight_bytes >= kLargeWeightBytes ? kDefaultLargeWeightConfig : kDefaultConfig;
 }
 
 template <typename T>
@@ -608,7 +618,7 @@ cudaError_t launch_large(const SpmmArgs& a, cudaStream_t stream, int cfg) {
 
 template <typename T>
 cudaError_t dispatch_bn(const SpmmArgs& a, cudaStream_t stream) {
-  const int cfg = sm90_config();
+  const int cfg = sm90_config(a);
   // The TMA configurations handle any token count (the tensor map zero-fills missing tokens); selected explicitly
   // they run at every size, so tests and tuning runs reach their tails. Configs 0-5 are large-token tiles only.
   const bool tma_everywhere = cfg >= 6 && cfg <= 12 && std::getenv("HF_SPARSE_SM90_CONFIG") != nullptr;

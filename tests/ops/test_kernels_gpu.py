@@ -250,3 +250,22 @@ def test_spmm_wgmma_tma_configs(config, dtype, bias, tokens, rows, cols, monkeyp
     wq = w.to(dtype)
     ref = F.linear(x.double(), wq.double(), None if b is None else b.double())
     assert rel_err(y, ref) <= 2 * rel_err(F.linear(x, wq, b), ref) + 1e-6
+
+
+def test_spmm_wgmma_default_large_weight_uses_grouped_tma(monkeypatch):
+    # A packed weight of >= 24 MB (4096 x 6144: 25 MB) takes the default large-weight tile (config 10, TMA with
+    # grouped CTA order) without HF_SPARSE_SM90_CONFIG; 300 tokens end in a partial token tile.
+    if not _wgmma_runs_here():
+        pytest.skip("sparse wgmma needs a cc 9.0 GPU and an sm_90a build")
+    monkeypatch.setenv("HF_SPARSE_SPMM_KERNEL", "wgmma")
+    monkeypatch.delenv("HF_SPARSE_SM90_CONFIG", raising=False)
+    w, mask, p = _pack_cuda(4096, 6144, 64, 4, torch.bfloat16, seed=61)
+    x = torch.randn(300, 6144, device="cuda").bfloat16()
+    b = torch.randn(4096, device="cuda").bfloat16()
+    _poison_allocator()
+    y = spmm(x, p, b)
+    torch.cuda.synchronize()
+    assert not bool(torch.isnan(y).any()), "unwritten or NaN output"
+    wq = w.bfloat16()
+    ref = F.linear(x.double(), wq.double(), b.double())
+    assert rel_err(y, ref) <= 2 * rel_err(F.linear(x, wq, b), ref) + 1e-6
