@@ -55,10 +55,10 @@ def main() -> int:
             t = float(do_bench(lambda: spmm(x, p), warmup=10, rep=40, return_mode="median"))
             line += f" | {kern} err {err:.2e}{'' if ok else ' WRONG'} {t:.4f} ms x{t_dense / t:.2f}"
         print(line, flush=True)
-        if "wgmma" in kernels and tokens > 128:  # the large-token tile configurations (HF_SPARSE_SM90_CONFIG)
+        if "wgmma" in kernels:  # the tile configurations (HF_SPARSE_SM90_CONFIG); 6-12 (TMA) also run small
             os.environ["HF_SPARSE_SPMM_KERNEL"] = "wgmma"
             line = "      wgmma configs:"
-            for cfg in range(6):
+            for cfg in range(13) if tokens > 128 else (6, 7, 8, 9, 10, 11, 12):
                 os.environ["HF_SPARSE_SM90_CONFIG"] = str(cfg)
                 torch.full((64 << 20,), float("nan"), device="cuda")
                 y = spmm(x, p, b)

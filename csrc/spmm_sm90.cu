@@ -21,6 +21,10 @@
 // STAGES-1 ahead (into the slot the previous iteration's wgmmas read), and waits for its own wgmmas. Other configs
 // (HF_SPARSE_SM90_CONFIG, tuning only) stage A and metadata through shared memory too, use 256 x 128 tiles, or
 // keep one k-tile of wgmmas in flight; on the H200 config 4 was 0-7% faster than those (benchmarks/RESULTS.md).
+// Configs 6-12 (warp-specialized, see spmm_sm90_tma_kernel): a producer warp streams the X tiles with TMA into an
+// mbarrier-guarded ring and the two consumer warpgroups never meet at a CTA-wide barrier in the main loop; 10/11
+// add a grouped CTA order (W stays in L2 across a wave), 8/9 share X across a 2-CTA cluster (multicast: slower).
+// Default: config 10 for packed weights of 24 MB and more, config 4 below (sm90_config).
 // Epilogue: accumulators (row r, token n) are written straight to Y[n, r] (+ bias), as spmm.cu does.
 //
 // Only the sm_90a pass compiles the body (__CUDA_ARCH_FEAT_SM90_ALL); other device passes get a trap so a wrong
@@ -31,8 +35,11 @@
 #include "common.cuh"
 #include "kernels.h"
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#include "tma_sm90.cuh"
 #include "wgmma_sp.cuh"
 #endif
+#include <cuda.h>  // CUtensorMap and the cuTensorMapEncodeTiled types; the function itself comes from the runtime
+#include <cudaTypedefs.h>
 
 namespace hf_sparse {
 namespace {
@@ -72,6 +79,43 @@ __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.
 __device__ __forceinline__ uint64_t desc_k128(uint32_t smem_addr) {
   return (uint64_t)((smem_addr & 0x3FFFF) >> 4) | ((uint64_t)1 << 16) | ((uint64_t)(1024 >> 4) << 32) |
          ((uint64_t)1 << 62);
+}
+
+// Epilogue of one m64 x BN accumulator tile of a warpgroup: this warp's 16 rows start at row0. acc[4*nt + c]: row
+// g + 8*(c >> 1), token n_base + 8*nt + 2t + (c & 1). Lanes g and g^1 swap halves so each lane holds two adjacent
+// rows of one token: 32-bit stores of Y[n, r], r, r+1 (+ bias).
+template <typename T, int BN>
+__device__ __forceinline__ void store_tile(const float (&acc)[BN / 2], int row0, int n_base, int lane,
+                                           const T* __restrict__ bias, T* __restrict__ y, int rows, int n_tokens) {
+  const int g = lane >> 2, t = lane & 3;
+  const bool odd = g & 1;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int r_even = row0 + 8 * half + (g & ~1);
+    float b0 = 0.f, b1 = 0.f;
+    if (bias != nullptr) {
+      if (r_even < rows) b0 = MmaType<T>::to_float(bias[r_even]);
+      if (r_even + 1 < rows) b1 = MmaType<T>::to_float(bias[r_even + 1]);
+    }
+#pragma unroll
+    for (int nt = 0; nt < BN / 8; ++nt) {
+      const float v0 = acc[4 * nt + 2 * half], v1 = acc[4 * nt + 2 * half + 1];  // tokens n, n+1
+      const float send = odd ? v0 : v1;
+      const float recv = __shfl_xor_sync(0xffffffffu, send, 4);
+      const float lo = odd ? recv : v0;  // row r_even
+      const float hi = odd ? v1 : recv;  // row r_even + 1
+      const int n = n_base + nt * 8 + 2 * t + (odd ? 1 : 0);
+      if (n >= n_tokens) continue;
+      T* dst = y + (size_t)n * rows + r_even;
+      const T o0 = MmaType<T>::from_float(lo + b0), o1 = MmaType<T>::from_float(hi + b1);
+      if (r_even + 1 < rows && (rows & 1) == 0) {
+        *reinterpret_cast<uint32_t*>(dst) = MmaType<T>::pack(o0, o1);
+      } else {
+        if (r_even < rows) dst[0] = o0;
+        if (r_even + 1 < rows) dst[1] = o1;
+      }
+    }
+  }
 }
 #endif
 
@@ -283,41 +327,10 @@ spmm_sm90_kernel(const T* __restrict__ x, const uint4* __restrict__ values, cons
 #pragma unroll
     for (int j = 0; j < ND; ++j) asm volatile("" : "+f"(acc[i][j])::"memory");  // reads after the wgmma wait
 
-  // acc[i][4*nt + c]: row 16*wq + g + 8*(c >> 1) of m64 tile i, token n = 8*nt + 2t + (c & 1).
-  // Lanes g and g^1 swap halves so each lane holds two adjacent rows of one token: 32-bit stores.
-  const bool odd = g & 1;
 #pragma unroll
-  for (int i = 0; i < WGM; ++i) {
-    if (!active[i]) continue;
-    const int row0 = cta_row0 + 64 * (wg * WGM + i) + 16 * wq;
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int r_even = row0 + 8 * half + (g & ~1);
-      float b0 = 0.f, b1 = 0.f;
-      if (bias != nullptr) {
-        if (r_even < rows) b0 = MmaType<T>::to_float(bias[r_even]);
-        if (r_even + 1 < rows) b1 = MmaType<T>::to_float(bias[r_even + 1]);
-      }
-#pragma unroll
-      for (int nt = 0; nt < BN / 8; ++nt) {
-        const float v0 = acc[i][4 * nt + 2 * half], v1 = acc[i][4 * nt + 2 * half + 1];  // tokens n, n+1
-        const float send = odd ? v0 : v1;
-        const float recv = __shfl_xor_sync(0xffffffffu, send, 4);
-        const float lo = odd ? recv : v0;  // row r_even
-        const float hi = odd ? v1 : recv;  // row r_even + 1
-        const int n = n_base + nt * 8 + 2 * t + (odd ? 1 : 0);
-        if (n >= n_tokens) continue;
-        T* dst = y + (size_t)n * rows + r_even;
-        const T o0 = MmaType<T>::from_float(lo + b0), o1 = MmaType<T>::from_float(hi + b1);
-        if (r_even + 1 < rows && (rows & 1) == 0) {
-          *reinterpret_cast<uint32_t*>(dst) = MmaType<T>::pack(o0, o1);
-        } else {
-          if (r_even < rows) dst[0] = o0;
-          if (r_even + 1 < rows) dst[1] = o1;
-        }
-      }
-    }
-  }
+  for (int i = 0; i < WGM; ++i)
+    if (active[i]) store_tile<T, BN>(acc[i], cta_row0 + 64 * (wg * WGM + i) + 16 * wq, n_base, lane, bias, y, rows,
+                                     n_tokens);
 #elif defined(__CUDA_ARCH__)
   __trap();  // built without sm_90a: the host never launches this (spmm_sm90_available() is false)
 #endif
@@ -337,17 +350,267 @@ cudaError_t launch_sm90(const SpmmArgs& a, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-// Large-token configurations; HF_SPARSE_SM90_CONFIG (tuning runs only) picks one, default kDefaultConfig.
-constexpr int kDefaultConfig = 4;  // fastest measured on the H200 (benchmarks/RESULTS.md, run C)
-template <typename T>
-cudaError_t launch_large(const SpmmArgs& a, cudaStream_t stream) {
+// Warp-specialized variant (configs 6 and 7): 128 weight rows x BN tokens per CTA, 2 consumer warpgroups (warps
+// 0-7, rows 0-63 and 64-127) and a producer warpgroup (warps 8-11) that gives its registers to the consumers
+// (setmaxnreg: 9 warps would cap every thread at 168 registers, as ptxas splits the register file over 4
+// sub-partitions; the consumers need ~190 without spilling). The producer's lane 0 of warp 8 streams the X tiles (BN tokens x
+// 64 k, 128-byte swizzle, the layout desc_k128 describes) into a ring of STAGES stages with TMA, guarded by a "full"
+// and an "empty" mbarrier per stage (tma_sm90.cuh); the consumers wait only on their stage's "full" barrier (no
+// CTA-wide barrier in the main loop) and release it per warp once their wgmmas are done with it. A fragments and
+// metadata come from global memory into registers, two k-tiles ahead in three rotating sets (as config 4).
+// INFLIGHT = 1 leaves one k-tile of wgmmas running while the next is issued: the stage and the register set of k-tile
+// kt - 1 are released / refilled only after wgmma.wait_group 1 in iteration kt.
+// The token and K tails come from the tensor map's zero fill (rows past n_tokens, columns past k).
+// CLUSTER = 2 (configs 8/9): the two CTAs of a cluster (adjacent 128-row blocks, same tokens) share the X tile: each
+// producer loads half of it (BN/2 tokens) and multicasts it into both CTAs, so X crosses L2 once per 256 weight rows
+// instead of once per 128. A stage is then refilled only after the consumer warps of both CTAs released it (each
+// consumer warp arrives on the "empty" barrier of both), and both CTAs meet at a cluster barrier before exiting, so
+// no remote arrive reaches a finished CTA.
+constexpr int kTmaConsumerWarps = 8;
+constexpr int kTmaThreads = 32 * (kTmaConsumerWarps + 4);
+
+template <int BN, int STAGES>
+struct TmaSmem {
+  static constexpr int B_BYTES = BN * 128;  // one stage: BN token rows x 64 k (128 bytes), bf16/fp16
+  static constexpr int BYTES = STAGES * B_BYTES + 2 * 8 * STAGES + 1024;  // + full/empty barriers + alignment slack
+  static_assert(B_BYTES % 1024 == 0, "stages must start on 1024-byte boundaries (128-byte swizzle atoms)");
+  static_assert(BN <= 256, "a TMA box holds at most 256 rows");
+};
+
+template <typename T, int BN, int STAGES, int INFLIGHT, int CLUSTER, int GROUP, bool SHARE>
+__global__ void __launch_bounds__(kTmaThreads, 1)
+spmm_sm90_tma_kernel(const __grid_constant__ CUtensorMap x_map, const uint4* __restrict__ values,
+                     const uint32_t* __restrict__ meta, const T* __restrict__ bias, T* __restrict__ y, int n_tokens,
+                     int rows, int rows_padded, int steps) {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr int ND = BN / 2;
+  constexpr int B_BYTES = TmaSmem<BN, STAGES>::B_BYTES;
+  constexpr int kProducerRegs = 40, kConsumerRegs = 232;  // 128 x 40 + 256 x 232 <= 65536
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  const uint32_t raw_u32 = (uint32_t)__cvta_generic_to_shared(smem_raw);
+  const uint32_t smem_u32 = raw_u32 + ((1024u - (raw_u32 & 1023u)) & 1023u);
+  const uint32_t full_bar = smem_u32 + STAGES * B_BYTES, empty_bar = full_bar + 8 * STAGES;
+
+  const int tid = threadIdx.x;
+  const int lane = tid & 31, warp = tid >> 5;
+  static_assert(CLUSTER == 1 || GROUP == 1, "the grouped order would split a cluster's row-block pair");
+  constexpr bool MCAST = CLUSTER > 1 && SHARE;  // false with CLUSTER 2: cluster launch and barriers only (config 12)
+  int bx = blockIdx.x, by = blockIdx.y;
+  if constexpr (GROUP > 1) {
+    // Grouped order (configs 10/11): consecutive CTAs walk the row blocks of GROUP token tiles together, so the
+    // CTAs resident at once touch ~132/GROUP row blocks of W and GROUP tiles of X instead of all of W (which does
+    // not stay in L2 and is re-read from HBM for every token tile in the plain order).
+    const int id = blockIdx.x + blockIdx.y * gridDim.x;
+    const int per_group = GROUP * gridDim.x;
+    const int first = id / per_group * GROUP;
+    const int size = min((int)gridDim.y - first, GROUP);
+    const int within = id % per_group;
+    by = first + within % size;
+    bx = within / size;
+  }
+  const int n_base = by * BN;
+  const int cta_row0 = bx * 128;
+  const int k_tiles = (steps + 1) >> 1;  // 2 k-steps (64 columns of X) per stage
+
+  const uint32_t rank = CLUSTER > 1 ? cluster_cta_rank() : 0;
+  if (tid == 0) {
+    for (int s = 0; s < STAGES; ++s) {
+      mbar_init(full_bar + 8 * s, 1);  // the producer's arrive.expect_tx (+ the TMA bytes)
+      mbar_init(empty_bar + 8 * s, kTmaConsumerWarps * (MCAST ? CLUSTER : 1));  // per consumer warp (of the cluster)
+    }
+    mbar_fence_init();
+  }
+  // The only CTA-wide (cluster-wide) barrier before the epilogue: barriers initialised before anyone uses them.
+  if constexpr (CLUSTER > 1) {
+    cluster_sync();
+  } else {
+    __syncthreads();
+  }
+
+  if (warp >= kTmaConsumerWarps) {  // producer warpgroup: one thread issues every copy
+    setmaxnreg_dec<kProducerRegs>();
+    if (warp == kTmaConsumerWarps && lane == 0) {
+      tma_prefetch_map(&x_map);
+      for (int kt = 0; kt < k_tiles; ++kt) {
+        const int slot = kt % STAGES;
+        mbar_wait(empty_bar + 8 * slot, ((kt / STAGES) & 1) ^ 1);  // first pass: passes at once (fresh barrier)
+        mbar_arrive_expect_tx(full_bar + 8 * slot, B_BYTES);       // the whole tile, both halves in a cluster
+        if constexpr (MCAST) {
+          constexpr int HALF = BN / CLUSTER;
+          tma_load_2d_multicast(smem_u32 + slot * B_BYTES + rank * HALF * 128, &x_map, kt * 64, n_base + rank * HALF,
+                                full_bar + 8 * slot, (uint16_t)((1u << CLUSTER) - 1));
+        } else {
+          tma_load_2d(smem_u32 + slot * B_BYTES, &x_map, kt * 64, n_base, full_bar + 8 * slot);
+        }
+      }
+    }
+    if constexpr (CLUSTER > 1) cluster_sync();  // stay until the peer is done arriving on this CTA's barriers
+    return;
+  }
+
+  setmaxnreg_inc<kConsumerRegs>();
+  const int wg = warp >> 2, wq = warp & 3;
+  const int g = lane >> 2, t = lane & 3;
+  const int mt_cta = cta_row0 >> 4;
+  const int mt_valid = (rows_padded - cta_row0) >> 4;
+  // Inactive warpgroup (the 64 padded rows past the packed weight): zero A with valid metadata, never stored; it
+  // still waits and releases every stage, so the producer's empty-barrier counts stay right.
+  constexpr uint32_t kMetaPad = 0x44444444u;
+  const bool active = wg * 4 < mt_valid;
+  const int mt = active ? wg * 4 + wq : 0;
+  const uint4* ag = values + (size_t)(mt_cta + mt) * steps * 32 + lane;
+  const uint32_t* eg = meta + (size_t)(mt_cta + mt) * steps * 16 + g * 2 + (t & 1);
+
+  float acc[ND];
+#pragma unroll
+  for (int j = 0; j < ND; ++j) acc[j] = 0.f;
+
+  auto fetch = [&](int kt, uint4 (&a)[2], uint32_t (&e)[2]) {
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const int s = 2 * kt + j;
+      uint4 av = make_uint4(0, 0, 0, 0);
+      uint32_t ev = kMetaPad;
+      if (active && s < steps) {
+        av = ag[(size_t)s * 32];
+        ev = eg[(size_t)s * 16];
+      }
+      a[j] = av;
+      e[j] = ev;
+    }
+  };
+  // k-tile kt reads register set kt % 3 and refills set (kt + 2) % 3, last read by k-tile kt - 1.
+  auto k_tile = [&](int kt, const uint4 (&a)[2], const uint32_t (&e)[2], uint4 (&a_next)[2], uint32_t (&e_next)[2]) {
+    const int slot = kt % STAGES;
+    mbar_wait(full_bar + 8 * slot, (kt / STAGES) & 1);
+    const uint64_t desc = desc_k128(smem_u32 + slot * B_BYTES);
+    wgmma_fence();
+#pragma unroll
+    for (int j = 0; j < 2; ++j) WgmmaSp<BN, T>::run(acc, a[j], desc + j * (64 >> 4), e[j]);
+    wgmma_commit();
+    wgmma_wait<INFLIGHT>();  // k-tile kt - INFLIGHT is done with its stage and its registers
+    if (INFLIGHT == 0 || kt > 0) {
+      const int done = kt - INFLIGHT;
+      if (lane == 0) mbar_arrive(empty_bar + 8 * (done % STAGES));
+      if constexpr (MCAST) {
+        if (lane == 1) mbar_arrive_cluster(empty_bar + 8 * (done % STAGES), rank ^ 1);
+      }
+    }
+    fetch(kt + 2, a_next, e_next);
+  };
+  uint4 a0[2], a1[2], a2[2];
+  uint32_t e0[2], e1[2], e2[2];
+  fetch(0, a0, e0);
+  fetch(1, a1, e1);
+  for (int kt = 0; kt < k_tiles; kt += 3) {
+    k_tile(kt, a0, e0, a2, e2);
+    if (kt + 1 < k_tiles) k_tile(kt + 1, a1, e1, a0, e0);
+    if (kt + 2 < k_tiles) k_tile(kt + 2, a2, e2, a1, e1);
+  }
+  wgmma_wait<0>();
+#pragma unroll
+  for (int j = 0; j < ND; ++j) asm volatile("" : "+f"(acc[j])::"memory");  // reads after the wgmma wait
+  if (active) store_tile<T, BN>(acc, cta_row0 + 64 * wg + 16 * wq, n_base, lane, bias, y, rows, n_tokens);
+  if constexpr (CLUSTER > 1) cluster_sync();
+#elif defined(__CUDA_ARCH__)
+  __trap();  // built without sm_90a: the host never launches this (spmm_sm90_available() is false)
+#endif
+}
+
+// cuTensorMapEncodeTiled, looked up once through the runtime (cudaGetDriverEntryPoint*), so the extension does not
+// link libcuda itself. nullptr if the driver does not provide it.
+PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  static PFN_cuTensorMapEncodeTiled_v12000 fn = []() -> PFN_cuTensorMapEncodeTiled_v12000 {
+    void* ptr = nullptr;
+    cudaDriverEntryPointQueryResult status = cudaDriverEntryPointSymbolNotFound;
+#if CUDART_VERSION >= 12050
+    const cudaError_t err = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000,
+                                                             cudaEnableDefault, &status);
+#else
+    const cudaError_t err = cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &ptr, cudaEnableDefault, &status);
+#endif
+    if (err != cudaSuccess || status != cudaDriverEntryPointSuccess) {
+      (void)cudaGetLastError();
+      return nullptr;
+    }
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(ptr);
+  }();
+  return fn;
+}
+
+// Tensor map of X (n_tokens x k, row-major) in boxes of 64 k x box_rows tokens, 128-byte swizzle, zero fill out of
+// bounds. False where TMA cannot address X (alignment, stride) or the driver refuses: the caller falls back.
+bool encode_x_map(const SpmmArgs& a, int box_rows, CUtensorMap* map) {
+  if (reinterpret_cast<uintptr_t>(a.x) % 16 != 0 || a.k % 8 != 0) return false;  // 16-byte base and row stride
+  PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
+  if (encode == nullptr) return false;
+  const cuuint64_t dims[2] = {(cuuint64_t)a.k, (cuuint64_t)a.n_tokens};
+  const cuuint64_t strides[1] = {(cuuint64_t)a.k * 2};  // bytes between token rows
+  const cuuint32_t box[2] = {64, (cuuint32_t)box_rows};
+  const cuuint32_t elem_strides[2] = {1, 1};
+  const CUresult res =
+      encode(map, a.is_bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2,
+             const_cast<void*>(a.x), dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+             CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return res == CUDA_SUCCESS;
+}
+
+template <typename T, int BN, int STAGES, int INFLIGHT, int CLUSTER = 1, int GROUP = 1, bool SHARE = true>
+cudaError_t launch_sm90_tma(const SpmmArgs& a, cudaStream_t stream) {
+  CUtensorMap map;
+  if (!encode_x_map(a, SHARE ? BN / CLUSTER : BN, &map)) return launch_sm90<T, Sm90Cfg<256, 1, 6, 0, 1>>(a, stream);  // config 4
+  auto kernel = spmm_sm90_tma_kernel<T, BN, STAGES, INFLIGHT, CLUSTER, GROUP, SHARE>;
+  constexpr int smem = TmaSmem<BN, STAGES>::BYTES;
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (err != cudaSuccess) return err;
+  int row_blocks = (a.rows_padded + 127) / 128;
+  row_blocks = (row_blocks + CLUSTER - 1) / CLUSTER * CLUSTER;  // whole clusters; extra blocks have no rows
+  const dim3 grid(row_blocks, (a.n_tokens + BN - 1) / BN);
+  if (grid.y > 65535) return cudaErrorInvalidConfiguration;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = dim3(kTmaThreads);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = CLUSTER;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  return cudaLaunchKernelEx(&cfg, kernel, map, static_cast<const uint4*>(a.values),
+                            static_cast<const uint32_t*>(a.meta), static_cast<const T*>(a.bias), static_cast<T*>(a.y),
+                            a.n_tokens, a.rows, a.rows_padded, a.steps);
+}
+
+// Large-token configurations; HF_SPARSE_SM90_CONFIG (tuning runs only) picks one. Default (benchmarks/RESULTS.md,
+// "TMA producer"): config 10 (TMA, grouped CTA order) where the packed weight is too large to stay in L2 across a
+// wave of CTAs (4096<->11008: 4-9% faster than config 4), config 4 otherwise (config 10 was 9-16% slower at
+// 1024->4096, whose 4 MB weight stays in L2 anyway). The 24 MB threshold lies between the measured sizes (4 and 45 MB).
+constexpr int kDefaultConfig = 4, kDefaultLargeWeightConfig = 10;
+constexpr long long kLargeWeightBytes = 24LL << 20;
+int sm90_config(const SpmmArgs& a) {
   const char* env = std::getenv("HF_SPARSE_SM90_CONFIG");  // read per call so a tuning run can switch it
-  const int cfg = env ? std::atoi(env) : kDefaultConfig;
+  if (env) return std::atoi(env);
+  const long long weight_bytes = (long long)a.rows_padded * a.steps * 32;  // packed values, bf16/fp16
+  return weight_bytes >= kLargeWeightBytes ? kDefaultLargeWeightConfig : kDefaultConfig;
+}
+
+template <typename T>
+cudaError_t launch_large(const SpmmArgs& a, cudaStream_t stream, int cfg) {
   switch (cfg) {
     case 1: return launch_sm90<T, Sm90Cfg<128, 2, 4, 0>>(a, stream);
     case 2: return launch_sm90<T, Sm90Cfg<128, 2, 6, 1>>(a, stream);
     case 3: return launch_sm90<T, Sm90Cfg<256, 1, 5, 1>>(a, stream);
     case 5: return launch_sm90<T, Sm90Cfg<128, 2, 8, 0, 1>>(a, stream);
+    case 6: return launch_sm90_tma<T, 256, 6, 1>(a, stream);
+    case 7: return launch_sm90_tma<T, 256, 6, 0>(a, stream);
+    case 8: return launch_sm90_tma<T, 256, 6, 1, 2>(a, stream);
+    case 9: return launch_sm90_tma<T, 256, 6, 0, 2>(a, stream);
+    case 10: return launch_sm90_tma<T, 256, 6, 1, 1, 8>(a, stream);
+    case 11: return launch_sm90_tma<T, 256, 6, 1, 1, 4>(a, stream);
+    case 12: return launch_sm90_tma<T, 256, 6, 1, 2, 1, false>(a, stream);  // diagnostic: 8 without the sharing
     case 0: return launch_sm90<T, Sm90Cfg<256, 1, 4, 0>>(a, stream);
     default: return launch_sm90<T, Sm90Cfg<256, 1, 6, 0, 1>>(a, stream);  // 4, and any other value
   }
@@ -355,9 +618,15 @@ cudaError_t launch_large(const SpmmArgs& a, cudaStream_t stream) {
 
 template <typename T>
 cudaError_t dispatch_bn(const SpmmArgs& a, cudaStream_t stream) {
-  if (a.n_tokens <= 64) return launch_sm90<T, Sm90Cfg<64, 1, 4, 0>>(a, stream);
-  if (a.n_tokens <= 128) return launch_sm90<T, Sm90Cfg<128, 1, 4, 0>>(a, stream);
-  return launch_large<T>(a, stream);
+  const int cfg = sm90_config(a);
+  // The TMA configurations handle any token count (the tensor map zero-fills missing tokens); selected explicitly
+  // they run at every size, so tests and tuning runs reach their tails. Configs 0-5 are large-token tiles only.
+  const bool tma_everywhere = cfg >= 6 && cfg <= 12 && std::getenv("HF_SPARSE_SM90_CONFIG") != nullptr;
+  if (!tma_everywhere) {
+    if (a.n_tokens <= 64) return launch_sm90<T, Sm90Cfg<64, 1, 4, 0>>(a, stream);
+    if (a.n_tokens <= 128) return launch_sm90<T, Sm90Cfg<128, 1, 4, 0>>(a, stream);
+  }
+  return launch_large<T>(a, stream, cfg);
 }
 
 }  // namespace

@@ -200,7 +200,7 @@ def test_dense_from_packed_on_gpu_matches_master():
     assert torch.equal(dense_from_packed(p, torch.float32), w.bfloat16().float())
 
 
-@pytest.mark.parametrize("config", [0, 1, 2, 3, 4, 5])
+@pytest.mark.parametrize("config", list(range(13)))
 @pytest.mark.parametrize(("tokens", "rows", "cols"), [(300, 448, 136), (8191, 192, 1000)])
 def test_spmm_wgmma_tile_configs(config, tokens, rows, cols, monkeypatch):
     # Every large-token tile configuration of the sm_90a kernel (HF_SPARSE_SM90_CONFIG): 448 rows leave some m64
@@ -212,6 +212,56 @@ def test_spmm_wgmma_tile_configs(config, tokens, rows, cols, monkeypatch):
     w, mask, p = _pack_cuda(rows, cols, 64, 4, torch.bfloat16, seed=config + tokens)
     x = torch.randn(tokens, cols, device="cuda").bfloat16()
     b = torch.randn(rows, device="cuda").bfloat16()
+    _poison_allocator()
+    y = spmm(x, p, b)
+    torch.cuda.synchronize()
+    assert not bool(torch.isnan(y).any()), "unwritten or NaN output"
+    wq = w.bfloat16()
+    ref = F.linear(x.double(), wq.double(), b.double())
+    assert rel_err(y, ref) <= 2 * rel_err(F.linear(x, wq, b), ref) + 1e-6
+
+
+@pytest.mark.parametrize("config", [6, 7, 8, 9, 10, 11, 12])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize(
+    ("tokens", "rows", "cols"),
+    # Set explicitly, the TMA configurations run at every token count: 1 / 7 / 65 / 200 tokens leave most of the
+    # 256-token box past the end of X (zero fill), K = 40 / 8 is smaller than the 64-wide box, 1000 / 136 / 264 end
+    # in a partial k-tile, 96 has an odd step count, and 448 / 320 rows leave a consumer warpgroup idle.
+    # 2600 tokens = 11 token tiles: the grouped orders (8 / 4 tiles per group) end in a partial group.
+    [(1, 64, 40), (7, 192, 96), (65, 320, 8), (200, 128, 1000), (257, 448, 264), (2600, 320, 72), (8191, 192, 136)],
+)
+def test_spmm_wgmma_tma_configs(config, dtype, bias, tokens, rows, cols, monkeypatch):
+    # Configs 6-9: warp-specialized TMA producer + mbarrier ring (csrc/spmm_sm90.cu), one vs zero k-tiles in flight,
+    # without (6, 7) and with (8, 9) a 2-CTA cluster multicasting X; 10, 11: 6 with grouped CTA order (8, 4 token tiles);
+    # 12: 6 launched in 2-CTA clusters with the cluster barriers but no sharing (diagnostic).
+    if not _wgmma_runs_here():
+        pytest.skip("sparse wgmma needs a cc 9.0 GPU and an sm_90a build")
+    monkeypatch.setenv("HF_SPARSE_SPMM_KERNEL", "wgmma")
+    monkeypatch.setenv("HF_SPARSE_SM90_CONFIG", str(config))
+    w, mask, p = _pack_cuda(rows, cols, 64, 4, dtype, seed=config + tokens + cols)
+    x = torch.randn(tokens, cols, device="cuda").to(dtype)
+    b = torch.randn(rows, device="cuda").to(dtype) if bias else None
+    _poison_allocator()
+    y = spmm(x, p, b)
+    torch.cuda.synchronize()
+    assert not bool(torch.isnan(y).any()), "unwritten or NaN output"
+    wq = w.to(dtype)
+    ref = F.linear(x.double(), wq.double(), None if b is None else b.double())
+    assert rel_err(y, ref) <= 2 * rel_err(F.linear(x, wq, b), ref) + 1e-6
+
+
+def test_spmm_wgmma_default_large_weight_uses_grouped_tma(monkeypatch):
+    # A packed weight of >= 24 MB (4096 x 6144: 25 MB) takes the default large-weight tile (config 10, TMA with
+    # grouped CTA order) without HF_SPARSE_SM90_CONFIG; 300 tokens end in a partial token tile.
+    if not _wgmma_runs_here():
+        pytest.skip("sparse wgmma needs a cc 9.0 GPU and an sm_90a build")
+    monkeypatch.setenv("HF_SPARSE_SPMM_KERNEL", "wgmma")
+    monkeypatch.delenv("HF_SPARSE_SM90_CONFIG", raising=False)
+    w, mask, p = _pack_cuda(4096, 6144, 64, 4, torch.bfloat16, seed=61)
+    x = torch.randn(300, 6144, device="cuda").bfloat16()
+    b = torch.randn(4096, device="cuda").bfloat16()
     _poison_allocator()
     y = spmm(x, p, b)
     torch.cuda.synchronize()
