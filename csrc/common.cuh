@@ -100,4 +100,38 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* 
                : "r"(s));
 }
 
+// SpMM epilogue, shared by the mma.sp and wgmma kernels. Both leave each lane with (row r, tokens n, n+1) of Y^T;
+// Y is stored token-major, so lanes g and g^1 (xor 4) swap halves and each lane writes rows r_even, r_even+1 of one
+// token with a single 32-bit store (two 16-bit stores at an odd row count or the last row).
+template <typename T>
+__device__ __forceinline__ void load_bias_pair(const T* __restrict__ bias, int r_even, int rows, float& b0, float& b1) {
+  b0 = 0.f;
+  b1 = 0.f;
+  if (bias != nullptr) {
+    if (r_even < rows) b0 = MmaType<T>::to_float(bias[r_even]);
+    if (r_even + 1 < rows) b1 = MmaType<T>::to_float(bias[r_even + 1]);
+  }
+}
+
+// v0, v1: my row's tokens n_pair, n_pair+1. The even lane of a pair keeps token n_pair and receives the odd lane's
+// value of it; the odd lane keeps token n_pair+1. Every lane must call it (shuffle) before any of them returns.
+template <typename T>
+__device__ __forceinline__ void store_row_pair(T* __restrict__ y, float v0, float v1, bool odd, int n_pair, int r_even,
+                                               float b0, float b1, int rows, int n_tokens) {
+  const float send = odd ? v0 : v1;
+  const float recv = __shfl_xor_sync(0xffffffffu, send, 4);
+  const float lo = odd ? recv : v0;  // row r_even
+  const float hi = odd ? v1 : recv;  // row r_even + 1
+  const int n = n_pair + (odd ? 1 : 0);
+  if (n >= n_tokens) return;
+  T* dst = y + (size_t)n * rows + r_even;
+  const T o0 = MmaType<T>::from_float(lo + b0), o1 = MmaType<T>::from_float(hi + b1);
+  if (r_even + 1 < rows && (rows & 1) == 0) {
+    *reinterpret_cast<uint32_t*>(dst) = MmaType<T>::pack(o0, o1);
+  } else {
+    if (r_even < rows) dst[0] = o0;
+    if (r_even + 1 < rows) dst[1] = o1;
+  }
+}
+
 }  // namespace hf_sparse

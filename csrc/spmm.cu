@@ -194,30 +194,12 @@ spmm_kernel(const T* __restrict__ x, const uint4* __restrict__ values, const uin
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int r_even = row0 + 16 * mt + 8 * half + (g & ~1);
-      float b0 = 0.f, b1 = 0.f;
-      if (bias != nullptr) {
-        if (r_even < rows) b0 = MmaType<T>::to_float(bias[r_even]);
-        if (r_even + 1 < rows) b1 = MmaType<T>::to_float(bias[r_even + 1]);
-      }
+      float b0, b1;
+      load_bias_pair(bias, r_even, rows, b0, b1);
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-        const float v0 = acc[mt][nt][2 * half], v1 = acc[mt][nt][2 * half + 1];  // tokens n, n+1 at my row
-        // even lane keeps token n and receives the odd lane's token n; odd lane keeps token n+1.
-        const float send = odd ? v0 : v1;
-        const float recv = __shfl_xor_sync(0xffffffffu, send, 4);
-        const float lo = odd ? recv : v0;  // row r_even
-        const float hi = odd ? v1 : recv;  // row r_even + 1
-        const int n = n_base + wn * (BN / WN) + nt * 8 + 2 * t + (odd ? 1 : 0);
-        if (n >= n_tokens) continue;
-        T* dst = y + (size_t)n * rows + r_even;
-        const T o0 = MmaType<T>::from_float(lo + b0), o1 = MmaType<T>::from_float(hi + b1);
-        if (r_even + 1 < rows && (rows & 1) == 0) {
-          *reinterpret_cast<uint32_t*>(dst) = MmaType<T>::pack(o0, o1);
-        } else {
-          if (r_even < rows) dst[0] = o0;
-          if (r_even + 1 < rows) dst[1] = o1;
-        }
-      }
+      for (int nt = 0; nt < NT; ++nt)  // tokens n, n+1 at my row
+        store_row_pair(y, acc[mt][nt][2 * half], acc[mt][nt][2 * half + 1], odd,
+                       n_base + wn * (BN / WN) + nt * 8 + 2 * t, r_even, b0, b1, rows, n_tokens);
     }
   }
 }
