@@ -66,6 +66,22 @@ struct Sm90Cfg {
 };
 
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// K-tiles 0..k_tiles-1 with the A fragments and metadata in three register sets used in rotation, fetched two
+// k-tiles ahead: fetch(kt, a, e) fills a set; step(kt, a, e, a_next, e_next) computes k-tile kt from (a, e) and
+// refills (a_next, e_next) for kt + 2, the set k-tile kt - 1 read (its wgmmas are done by then). The loop is unrolled
+// by three so every set is a named register array (never indexed dynamically, which would spill it to local memory).
+template <typename ASet, typename ESet, typename Fetch, typename Step>
+__device__ __forceinline__ void k_tiles_with_register_rotation(int k_tiles, Fetch&& fetch, Step&& step) {
+  ASet a0, a1, a2;
+  ESet e0, e1, e2;
+  fetch(0, a0, e0);
+  fetch(1, a1, e1);
+  for (int kt = 0; kt < k_tiles; kt += 3) {
+    step(kt, a0, e0, a2, e2);
+    if (kt + 1 < k_tiles) step(kt + 1, a1, e1, a0, e0);
+    if (kt + 2 < k_tiles) step(kt + 2, a2, e2, a1, e1);
+  }
+}
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 template <int N>
@@ -293,15 +309,7 @@ spmm_sm90_kernel(const T* __restrict__ x, const uint4* __restrict__ values, cons
       cp_async_commit();
       wgmma_wait<0>();
     };
-    uint4 a0[WGM][2], a1[WGM][2], a2[WGM][2];
-    uint32_t e0[WGM][2], e1[WGM][2], e2[WGM][2];
-    fetch(0, a0, e0);
-    fetch(1, a1, e1);
-    for (int kt = 0; kt < k_tiles; kt += 3) {
-      k_tile_reg(kt, a0, e0, a2, e2);
-      if (kt + 1 < k_tiles) k_tile_reg(kt + 1, a1, e1, a0, e0);
-      if (kt + 2 < k_tiles) k_tile_reg(kt + 2, a2, e2, a1, e1);
-    }
+    k_tiles_with_register_rotation<uint4[WGM][2], uint32_t[WGM][2]>(k_tiles, fetch, k_tile_reg);
   }
   wgmma_wait<0>();
   cp_async_wait<0>();
@@ -481,15 +489,7 @@ spmm_sm90_tma_kernel(const __grid_constant__ CUtensorMap x_map, const uint4* __r
     }
     fetch(kt + 2, a_next, e_next);
   };
-  uint4 a0[2], a1[2], a2[2];
-  uint32_t e0[2], e1[2], e2[2];
-  fetch(0, a0, e0);
-  fetch(1, a1, e1);
-  for (int kt = 0; kt < k_tiles; kt += 3) {
-    k_tile(kt, a0, e0, a2, e2);
-    if (kt + 1 < k_tiles) k_tile(kt + 1, a1, e1, a0, e0);
-    if (kt + 2 < k_tiles) k_tile(kt + 2, a2, e2, a1, e1);
-  }
+  k_tiles_with_register_rotation<uint4[2], uint32_t[2]>(k_tiles, fetch, k_tile);
   wgmma_wait<0>();
 #pragma unroll
   for (int j = 0; j < ND; ++j) asm volatile("" : "+f"(acc[j])::"memory");  // reads after the wgmma wait
