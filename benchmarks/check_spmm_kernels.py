@@ -44,15 +44,20 @@ def main() -> int:
         ref = F.linear(x.double(), wd.double(), b.double())
         torch_err = rel(F.linear(x, wd, b), ref)
         t_dense = float(do_bench(lambda: F.linear(x, wd), warmup=10, rep=40, return_mode="median"))
-        line = f"{tokens:>5} {k:>5}->{r:<5} torch_err {torch_err:.2e} dense {t_dense:.4f} ms"
-        for kern in kernels:
-            os.environ["HF_SPARSE_SPMM_KERNEL"] = kern
+
+        def check_and_time(x=x, p=p, b=b, ref=ref, torch_err=torch_err):
+            """The current kernel/config on NaN-poisoned memory: (error, correct?, median ms)."""
             torch.full((64 << 20,), float("nan"), device="cuda")  # poison the allocator's free blocks
             y = spmm(x, p, b)
             err = rel(y, ref)
             ok = not bool(torch.isnan(y).any()) and err <= 2 * torch_err + 1e-6
+            return err, ok, float(do_bench(lambda: spmm(x, p), warmup=10, rep=40, return_mode="median"))
+
+        line = f"{tokens:>5} {k:>5}->{r:<5} torch_err {torch_err:.2e} dense {t_dense:.4f} ms"
+        for kern in kernels:
+            os.environ["HF_SPARSE_SPMM_KERNEL"] = kern
+            err, ok, t = check_and_time()
             bad += not ok
-            t = float(do_bench(lambda: spmm(x, p), warmup=10, rep=40, return_mode="median"))
             line += f" | {kern} err {err:.2e}{'' if ok else ' WRONG'} {t:.4f} ms x{t_dense / t:.2f}"
         print(line, flush=True)
         if "wgmma" in kernels:  # the tile configurations (HF_SPARSE_SM90_CONFIG); 6-12 (TMA) also run small
@@ -60,12 +65,8 @@ def main() -> int:
             line = "      wgmma configs:"
             for cfg in range(13) if tokens > 128 else (6, 7, 8, 9, 10, 11, 12):
                 os.environ["HF_SPARSE_SM90_CONFIG"] = str(cfg)
-                torch.full((64 << 20,), float("nan"), device="cuda")
-                y = spmm(x, p, b)
-                err = rel(y, ref)
-                ok = not bool(torch.isnan(y).any()) and err <= 2 * torch_err + 1e-6
+                _, ok, t = check_and_time()
                 bad += not ok
-                t = float(do_bench(lambda: spmm(x, p), warmup=10, rep=40, return_mode="median"))
                 line += f" | {cfg}: {t:.4f} ms x{t_dense / t:.2f}{'' if ok else ' WRONG'}"
             os.environ.pop("HF_SPARSE_SM90_CONFIG")
             print(line, flush=True)
