@@ -73,7 +73,7 @@ def full_tensor(tensor: Tensor) -> Tensor:
 
 
 def local_part(tensor: Tensor, mask: Tensor, transposed: bool) -> tuple[Tensor, Tensor]:
-    """``(t, m)`` such that ``t.masked_fill_(~m, 0)`` masks what this rank holds of ``tensor``.
+    """``(t, m)`` such that ``apply_mask(t, m)`` masks what this rank holds of ``tensor``.
 
     ``tensor`` is a weight or gradient as stored (GPT-2's ``Conv1D``: ``(in, out)``, ``transposed=True``);
     ``mask`` is the full logical ``(out, in)`` mask. A plain tensor gives its logical view and ``mask``; a

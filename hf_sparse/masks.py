@@ -162,5 +162,15 @@ def compute_mask(score: Tensor, pattern: Pattern, *, transposable: bool = False)
 
 @torch.no_grad()
 def apply_mask(weight: Tensor, mask: Tensor) -> Tensor:
-    """Zero ``weight`` in place where ``mask`` is False, writing ``+0.0``; returns ``weight``."""
-    return weight.masked_fill_(~mask, 0.0)
+    """Zero ``weight`` in place where ``mask`` is False, writing ``+0.0``; returns ``weight``.
+
+    One fused ``where`` pass: ``masked_fill_(~mask, 0)`` would launch a second kernel (and allocate) for ``~mask``,
+    and the pruner calls this for every gradient and every weight of every step.
+    """
+    return torch.where(mask, weight, _zero(weight.dtype), out=weight)
+
+
+@cache
+def _zero(dtype: torch.dtype) -> Tensor:
+    """A 0-dim CPU ``+0.0``: a scalar operand for ops on any device, allocated once per dtype."""
+    return torch.zeros((), dtype=dtype)

@@ -78,6 +78,17 @@ def test_apply_mask_writes_positive_zero():
     assert (pruned == 0).all() and not torch.signbit(pruned).any()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_apply_mask_in_place_keeps_kept_values_on_views(dtype):
+    stored = torch.randn(16, 8).to(dtype)  # GPT-2 Conv1D layout: the logical (8, 16) weight is stored transposed
+    original = stored.clone()
+    mask = torch.rand(8, 16) > 0.5
+    out = apply_mask(stored.T, mask)
+    assert out.data_ptr() == stored.data_ptr() and out.dtype == dtype
+    assert torch.equal(stored.T[mask], original.T[mask])
+    assert (stored.T[~mask] == 0).all() and not torch.signbit(stored.T[~mask]).any()
+
+
 def test_compute_mask_rejects_transposable_for_other_patterns():
     with pytest.raises(ValueError, match="2:4"):
         compute_mask(torch.rand(8, 8), NM(2, 8), transposable=True)
