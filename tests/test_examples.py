@@ -119,6 +119,12 @@ FAST = [
 ]
 
 
+def _glue_argv(files, tmp_path, task: str, out, *extra: str) -> list[str]:
+    """Flags every GLUE run here shares (the tiny model, 16-token sequences, ``FAST``), then the test's own."""
+    common = ["--model_name_or_path", str(files["model"]), "--task_name", task, "--max_seq_length", "16"]
+    return [*common, "--output_dir", str(out), "--cache_dir", str(tmp_path / "cache"), *extra, *FAST]
+
+
 # -------------------------------------------------------------------------------------------------- GLUE input
 
 
@@ -190,30 +196,8 @@ def test_shipped_recipes_are_valid():
 
 def test_run_glue_dense(files, tmp_path, run_glue):
     out = tmp_path / "dense"
-    metrics = run_glue.main(
-        [
-            "--model_name_or_path",
-            str(files["model"]),
-            "--task_name",
-            "sst2",
-            "--data_dir",
-            str(files["sst2"]),
-            "--do_train",
-            "--do_eval",
-            "--do_predict",
-            "--max_train_samples",
-            "8",
-            "--max_seq_length",
-            "16",
-            "--num_train_epochs",
-            "1",
-            "--output_dir",
-            str(out),
-            "--cache_dir",
-            str(tmp_path / "cache"),
-            *FAST,
-        ]
-    )
+    flags = "--do_train --do_eval --do_predict --max_train_samples 8 --num_train_epochs 1".split()
+    metrics = run_glue.main(_glue_argv(files, tmp_path, "sst2", out, "--data_dir", str(files["sst2"]), *flags))
     assert 0.0 <= metrics["eval_accuracy"] <= 1.0 and metrics["train_samples"] == 8
     assert json.loads((out / "eval_results.json").read_text())["eval_accuracy"] == metrics["eval_accuracy"]
     assert "eval_accuracy" in json.loads((out / "all_results.json").read_text())
@@ -233,37 +217,18 @@ def test_run_glue_sparse_recipe_loads_back(files, tmp_path, run_glue):
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text("pattern: '2:4'\nschedule: cubic\nstart: 0.0\nend: 0.5\nupdate_every: 1\n")
     out = tmp_path / "sparse"
-    metrics = run_glue.main(
-        [
-            "--model_name_or_path",
-            str(files["model"]),
-            "--task_name",
-            "sst2",
-            "--data_dir",
-            str(files["sst2"]),
-            "--do_train",
-            "--do_eval",
-            "--max_seq_length",
-            "16",
-            "--num_train_epochs",
-            "2",
-            "--output_dir",
-            str(out),
-            "--cache_dir",
-            str(tmp_path / "cache"),
-            "--recipe",
-            str(recipe),
-            "--sparsity_pattern",
-            "64:2:8",
-            "--logging_steps",
-            "1",
-            "--eval_strategy",
-            "steps",
-            "--eval_steps",
-            "3",
-            *FAST,
-        ]
-    )
+    flags = "--do_train --do_eval --num_train_epochs 2 --sparsity_pattern 64:2:8 --logging_steps 1".split()
+    flags += [
+        "--eval_strategy",
+        "steps",
+        "--eval_steps",
+        "3",
+        "--data_dir",
+        str(files["sst2"]),
+        "--recipe",
+        str(recipe),
+    ]
+    metrics = run_glue.main(_glue_argv(files, tmp_path, "sst2", out, *flags))
     assert "eval_accuracy" in metrics
     qconfig = json.loads((out / "config.json").read_text())["quantization_config"]
     assert qconfig["quant_method"] == "hf_sparse" and qconfig["sparsity_config"]["pattern"] == "64:2:8"  # flag wins
@@ -283,52 +248,15 @@ def test_run_glue_sparse_recipe_loads_back(files, tmp_path, run_glue):
 
 def test_run_glue_mnli_matched_and_mismatched(files, tmp_path, run_glue):
     out = tmp_path / "mnli"
-    metrics = run_glue.main(
-        [
-            "--model_name_or_path",
-            str(files["model"]),
-            "--task_name",
-            "mnli",
-            "--data_dir",
-            str(files["mnli"]),
-            "--do_eval",
-            "--max_seq_length",
-            "16",
-            "--output_dir",
-            str(out),
-            "--cache_dir",
-            str(tmp_path / "cache"),
-            *FAST,
-        ]
-    )
+    metrics = run_glue.main(_glue_argv(files, tmp_path, "mnli", out, "--data_dir", str(files["mnli"]), "--do_eval"))
     assert {"eval_accuracy", "eval_accuracy_mm", "eval_samples_mm"} <= set(metrics)
 
 
 def test_run_glue_stsb_regression_from_jsonl(files, tmp_path, run_glue):
     out = tmp_path / "stsb"
-    metrics = run_glue.main(
-        [
-            "--model_name_or_path",
-            str(files["model"]),
-            "--task_name",
-            "stsb",
-            "--train_file",
-            str(files["stsb"]),
-            "--validation_file",
-            str(files["stsb"]),
-            "--do_train",
-            "--do_eval",
-            "--max_seq_length",
-            "16",
-            "--num_train_epochs",
-            "1",
-            "--output_dir",
-            str(out),
-            "--cache_dir",
-            str(tmp_path / "cache"),
-            *FAST,
-        ]
-    )
+    data = ["--train_file", str(files["stsb"]), "--validation_file", str(files["stsb"])]
+    flags = "--do_train --do_eval --num_train_epochs 1".split()
+    metrics = run_glue.main(_glue_argv(files, tmp_path, "stsb", out, *data, *flags))
     assert {"eval_pearson", "eval_spearmanr", "eval_combined_score"} <= set(metrics)
 
 
@@ -488,33 +416,20 @@ def test_oracle_logits_recover_gold_answers_on_squad_dev(run_qa, tmp_path):
 
 
 def test_run_glue_distills_from_a_dense_run(files, tmp_path, run_glue):
-    common = [
-        "--model_name_or_path",
-        str(files["model"]),
-        "--task_name",
-        "sst2",
-        "--data_dir",
-        str(files["sst2"]),
-        "--do_train",
-        "--max_train_samples",
-        "8",
-        "--max_seq_length",
-        "16",
-        "--num_train_epochs",
-        "1",
-        "--cache_dir",
-        str(tmp_path / "cache"),
-        *FAST,
-    ]
+    flags = ["--data_dir", str(files["sst2"]), *"--do_train --max_train_samples 8 --num_train_epochs 1".split()]
+
+    def glue(out, *extra):
+        return run_glue.main(_glue_argv(files, tmp_path, "sst2", out, *flags, *extra))
+
     teacher = tmp_path / "teacher"
-    run_glue.main([*common, "--output_dir", str(teacher)])
+    glue(teacher)
     kd = ["--distill_from", str(teacher), "--distill_alpha", "0.7", "--distill_temperature", "3"]
     with pytest.raises(ValueError, match="needs a sparse run"):
-        run_glue.main([*common, "--output_dir", str(tmp_path / "dense-kd"), *kd])
+        glue(tmp_path / "dense-kd", *kd)
     student = tmp_path / "student"
-    metrics = run_glue.main([*common, "--output_dir", str(student), "--sparsity_pattern", "2:4", *kd])
+    metrics = glue(student, "--sparsity_pattern", "2:4", *kd)
     assert metrics["train_samples"] == 8 and (student / "config.json").is_file()
-    plain = run_glue.main([*common, "--output_dir", str(tmp_path / "plain"), "--sparsity_pattern", "2:4"])
+    plain = glue(tmp_path / "plain", "--sparsity_pattern", "2:4")
     assert metrics["train_loss"] != pytest.approx(plain["train_loss"], rel=1e-3)  # the teacher's loss was mixed in
 
 
