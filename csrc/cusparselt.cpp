@@ -1,9 +1,9 @@
 // cuSPARSELt 2:4 SpMM with everything but the matmul itself cached, so a call costs one cusparseLtMatmul.
 //
 // torch._cslt_sparse_mm re-creates descriptors, algorithm selection and plan on every call (~0.3-0.4 ms on an
-// H200, 4-10x a BERT-sized GEMM). Here one CsltWeight per compressed weight keeps the handle (shared per device),
-// the structured descriptor and the compressed buffer, and one plan per (token count, bias pointer) with the
-// algorithm cusparseLtMatmulSearch picked for that token count's power-of-two bucket. Recompressing new values
+// H200, 4-10x a BERT-sized GEMM). Here one CsltWeight per compressed weight keeps the structured descriptor and
+// the compressed buffer, and one plan per (token count, bias pointer) with the algorithm cusparseLtMatmulSearch
+// picked for that token count's power-of-two bucket. Recompressing new values
 // (after an optimizer step) writes into the same buffer and keeps every plan.
 //
 // Operands, chosen so nothing is copied or transposed: A = W (R x K, row-major, structured 2:4 along K),
@@ -48,7 +48,11 @@ void check(cusparseStatus_t s, const char* what) {
               " (", status_name(s), ")");
 }
 
-// One cuSPARSELt handle per device, shared by every weight on it and destroyed with the last of them.
+// One cuSPARSELt handle per device for the life of the process (as torch keeps its own), never destroyed. A first
+// version destroyed the handle with the last CsltWeight; on the H200 (cuSPARSELt 0.8) a test process then crashed
+// (segfault) in the first matmul after a new handle was made, while processes that never dropped their last handle
+// ran (benchmarks/RESULTS.md, 2026-11-22): the probable cause, not proven. A handle holds only light host
+// resources. Descriptors, plans and compressed buffers are still freed with their CsltWeight.
 struct Handle {
   cusparseLtHandle_t h;
   explicit Handle(int device) {
@@ -57,28 +61,21 @@ struct Handle {
     int version = 0;
     check(cusparseLtGetVersion(&h, &version), "cusparseLtGetVersion");
     // The opaque structs are sized by the header: a library of another minor version may lay them out differently.
-    if (version / 100 != CUSPARSELT_VERSION / 100) {
-      cusparseLtDestroy(&h);
-      TORCH_CHECK(false, "hf_sparse.cslt: the loaded cuSPARSELt is version ", version,
-                  " but the extension was compiled against cusparseLt.h version ", CUSPARSELT_VERSION,
-                  "; point HF_SPARSE_CUSPARSELT_DIR at the installation torch uses and clear the extension cache");
-    }
+    TORCH_CHECK(version / 100 == CUSPARSELT_VERSION / 100, "hf_sparse.cslt: the loaded cuSPARSELt is version ",
+                version, " but the extension was compiled against cusparseLt.h version ", CUSPARSELT_VERSION,
+                "; point HF_SPARSE_CUSPARSELT_DIR at the installation torch uses and clear the extension cache");
   }
-  ~Handle() { cusparseLtDestroy(&h); }
   Handle(const Handle&) = delete;
   Handle& operator=(const Handle&) = delete;
 };
 
-std::shared_ptr<Handle> handle_for(int device) {
+Handle* handle_for(int device) {
   static std::mutex mu;
-  static std::map<int, std::weak_ptr<Handle>> handles;
+  static std::map<int, Handle*>* handles = new std::map<int, Handle*>();  // never freed (see Handle)
   std::lock_guard<std::mutex> lock(mu);
-  auto sp = handles[device].lock();
-  if (!sp) {
-    sp = std::make_shared<Handle>(device);
-    handles[device] = sp;
-  }
-  return sp;
+  Handle*& slot = (*handles)[device];
+  if (slot == nullptr) slot = new Handle(device);
+  return slot;
 }
 
 cudaDataType cuda_type(at::ScalarType t) {
@@ -129,7 +126,7 @@ class CsltWeight {
   }
 
   ~CsltWeight() {
-    plans_.clear();  // plans before the descriptor and handle they were made with
+    plans_.clear();  // plans before the descriptor they were made with
     if (has_a_) cusparseLtMatDescriptorDestroy(&a_);
   }
 
@@ -291,7 +288,7 @@ class CsltWeight {
     return *slot.first;
   }
 
-  std::shared_ptr<Handle> handle_;
+  Handle* handle_ = nullptr;  // per device, lives as long as the process
   cusparseLtMatDescriptor_t a_{};
   bool has_a_ = false;
   int64_t rows_ = 0, cols_ = 0;

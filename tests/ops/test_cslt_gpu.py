@@ -20,7 +20,6 @@ pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
-DTYPES = [torch.bfloat16, torch.float16]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -56,11 +55,17 @@ def _assert_close_to_reference(y, x, wq, b):
     assert rel_err(y, ref) <= 2 * rel_err(F.linear(x, wq, b), ref) + 1e-6
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+SHAPES = [(16, 16), (48, 784), (256, 128), (1040, 336)]
+
+
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("tokens", [8, 24, 8184])
-@pytest.mark.parametrize(("rows", "cols"), [(16, 16), (48, 784), (256, 128), (1040, 336)])
-def test_cached_matmul_matches_reference(dtype, bias, tokens, rows, cols):
+@pytest.mark.parametrize(("rows", "cols"), SHAPES)
+def test_cached_matmul_matches_reference(bias, tokens, rows, cols):
+    _check_cached_matmul(torch.bfloat16, bias, tokens, rows, cols)
+
+
+def _check_cached_matmul(dtype, bias, tokens, rows, cols):
     from hf_sparse.ops import cslt
 
     wq = _weight(rows, cols, dtype, seed=rows + cols)
@@ -101,10 +106,10 @@ def test_plan_cache_hit_and_token_buckets():
 def test_recompress_gives_new_result_and_keeps_plans():
     from hf_sparse.ops import cslt
 
-    w1 = _weight(128, 256, torch.float16, seed=5)
-    w2 = _weight(128, 256, torch.float16, seed=6)  # another mask as well as other values
+    w1 = _weight(128, 256, torch.bfloat16, seed=5)
+    w2 = _weight(128, 256, torch.bfloat16, seed=6)  # another mask as well as other values
     cw = cslt.compress(w1)
-    x, b = _inputs(64, 256, 128, torch.float16, seed=7, bias=True)
+    x, b = _inputs(64, 256, 128, torch.bfloat16, seed=7, bias=True)
     _assert_close_to_reference(cw.matmul(x, b), x, w1, b)
     inits = cw.plan_inits()
     cw.compress(w2)
@@ -220,3 +225,23 @@ def test_transposed_weight_for_the_input_gradient():
     dy = torch.randn(64, 256, device="cuda").bfloat16()
     dx = dispatch._cslt_linear(dy, w.bfloat16().t(), pt, None)  # dY W, from the compressed W^T
     _assert_close_to_reference(dx, dy, w.bfloat16().t().contiguous(), None)
+
+
+def test_dispatch_fp16_keeps_torch_eager_cslt():
+    # fp16 stays on torch's eager op in the dispatcher until test_cached_matmul_fp16 has passed on a GPU
+    from hf_sparse.ops import dispatch
+
+    w, mask = random_masked(128, 256, 64, 4, device="cuda", seed=18)
+    p = pack(w, mask, 64, 4, torch.float16)
+    x = torch.randn(64, 256, device="cuda").half()
+    _assert_close_to_reference(dispatch._cslt_linear(x, w, p, None), x, w.half(), None)
+    assert dispatch._cslt_cached.get(p.meta) is None
+
+
+# Last in the file on purpose: the only GPU run so far crashed (segfault) at the first fp16 case of the cached path,
+# when every case still destroyed and re-made the cuSPARSELt handle (no longer done). `-n 1` (xdist) survives a crash.
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("tokens", [8, 24, 8184])
+@pytest.mark.parametrize(("rows", "cols"), SHAPES)
+def test_cached_matmul_fp16(bias, tokens, rows, cols):
+    _check_cached_matmul(torch.float16, bias, tokens, rows, cols)
