@@ -12,6 +12,10 @@ elsewhere (our SpMM or dense); ``CsltWeight.matmul`` raises a RuntimeError namin
 
 Nothing here runs at import; :func:`available` builds the extension on first use and is False where cuSPARSELt,
 nvcc or a GPU is missing.
+
+Status (H200, cuSPARSELt 0.8, 2026-11-22): bf16 measured and checked (``benchmarks/RESULTS.md``); the one GPU test
+run crashed at its first fp16 case, so the dispatcher sends only bf16 here until ``tests/ops/test_cslt_gpu.py``
+passes on a GPU with fp16 (``dispatch._CACHED_CSLT_DTYPES``).
 """
 
 from __future__ import annotations
