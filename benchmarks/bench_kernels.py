@@ -6,6 +6,11 @@ Times are medians of ``triton.testing.do_bench`` (CUDA events) on fresh random b
 ``baseline time / our time`` (> 1 means we are faster). Each SpMM result is also checked against the dense
 product before it is reported. *ours* is the ``mma.sp`` kernel; *wgmma* the sparse-``wgmma`` kernel (2:4 on an
 sm_90a build, ``n/a`` elsewhere); the dispatcher column uses the default (``auto``) kernel choice.
+
+cuSPARSELt (2:4 only): *cslt* = eager ``torch._cslt_sparse_mm``, default algorithm; *csltT* = the same with the
+algorithm of ``_cslt_sparse_mm_search`` (both rebuild descriptors and plan per call); *csltC* = the cached-plan path
+(``hf_sparse.ops.cslt``: one ``cusparseLtMatmul`` per call, algorithm searched once), with ``cC*D`` = dense / csltC
+and ``cC*O`` = our best kernel (wgmma where available, else mma.sp) / csltC.
 """
 # ruff: noqa: B023  (every benchmarked lambda is called at once, inside its own loop iteration)
 
@@ -76,6 +81,24 @@ def cslt_times(w_sparse: torch.Tensor, x: torch.Tensor) -> tuple[float, float]:
         return float("nan"), float("nan")
 
 
+def cslt_cached_time(w_sparse: torch.Tensor, x: torch.Tensor, ref: torch.Tensor) -> float:
+    """The cached-plan cuSPARSELt path (``hf_sparse.ops.cslt``) in ms, checked against ``ref``; nan if unavailable."""
+    from hf_sparse.ops import cslt
+
+    if not cslt.available():
+        print("  cached cuSPARSELt path unavailable (see the log of hf_sparse.ops.cslt)", file=sys.stderr)
+        return float("nan")
+    cw = cslt.compress(w_sparse.contiguous())
+    y = cw.matmul(x)  # makes the plan and searches the algorithm
+    err = float((y.float() - ref).norm() / ref.norm())
+    if not err < 2e-2:
+        print(f"  WRONG RESULT cached cuSPARSELt: rel err {err:.3g}", file=sys.stderr)
+    t = bench(lambda: cw.matmul(x))
+    if cw.plan_inits() != 1:
+        print(f"  cached cuSPARSELt made {cw.plan_inits()} plans for one shape", file=sys.stderr)
+    return t
+
+
 def train_section(tokens: int) -> None:
     """One layer's training step (fwd + bwd, and the per-step refresh = bf16 cast + values repack, as the kernel path
     does it) through sparse_linear with the dispatcher and the step's bf16 copy (weight_lp), against dense F.linear
@@ -137,6 +160,7 @@ def main() -> int:
     hdr = (
         f"{'tokens':>6} {'in->out':>12} {'pattern':>8} {'dense':>7} {'cslt':>7} {'csltT':>7} {'ours':>7} "
         f"{'xDense':>6} {'xCslt':>6} {'xCsltT':>6} | {'wgmma':>7} {'xDense':>6} {'xCsltT':>6} | "
+        f"{'csltC':>7} {'cC*D':>5} {'cC*O':>5} | "
         f"{'dWgemm':>7} {'sddmm':>7} {'xDW':>5} | {'pack':>6} {'%gemm':>5}"
         f" | {'repack':>6} {'%gemm':>5} {'rp_lp':>6} {'%gemm':>5} {'cast':>6} | {'xAuto':>5} choice"
     )
@@ -172,6 +196,8 @@ def main() -> int:
                             )
                         t_wg = bench(lambda: spmm(x, p))
                 t_c0, t_c1 = cslt_times(wm.bfloat16(), x) if m == 4 else (float("nan"), float("nan"))
+                t_cc = cslt_cached_time(wm.bfloat16(), x, ref) if m == 4 else float("nan")
+                t_best = t_wg if t_wg == t_wg else t_ours  # wgmma where it ran, else mma.sp
                 t_sd = float("nan") if args.no_sddmm else bench(lambda: sddmm(dy, x, p))
                 t_pack = bench(lambda: pack(wm, mask, v, m, torch.bfloat16, validate=False))
                 all_valid = bool(p.valid.all())
@@ -200,6 +226,9 @@ def main() -> int:
                     wgmma_x_dense=t_dense / t_wg,
                     wgmma_x_cslt_tuned=t_c1 / t_wg,
                     wgmma_err=err_wg,
+                    cslt_cached=t_cc,
+                    cslt_cached_x_dense=t_dense / t_cc,
+                    cslt_cached_x_ours=t_best / t_cc,
                     dw_gemm=t_dw,
                     sddmm=t_sd,
                     x_dw=t_dw / t_sd,
@@ -218,7 +247,8 @@ def main() -> int:
                 print(
                     f"{tokens:>6} {f'{k}->{r}':>12} {pat:>8} {t_dense:7.4f} {t_c0:7.4f} {t_c1:7.4f} {t_ours:7.4f} "
                     f"{row['x_dense']:6.2f} {row['x_cslt']:6.2f} {row['x_cslt_tuned']:6.2f} | {t_wg:7.4f} "
-                    f"{row['wgmma_x_dense']:6.2f} {row['wgmma_x_cslt_tuned']:6.2f} | {t_dw:7.4f} "
+                    f"{row['wgmma_x_dense']:6.2f} {row['wgmma_x_cslt_tuned']:6.2f} | {t_cc:7.4f} "
+                    f"{row['cslt_cached_x_dense']:5.2f} {row['cslt_cached_x_ours']:5.2f} | {t_dw:7.4f} "
                     f"{t_sd:7.4f} {row['x_dw']:5.2f} | {t_pack:6.4f} {row['pack_pct']:5.1f} | "
                     f"{t_repack:6.4f} {row['repack_pct']:5.1f} {t_repack_lp:6.4f} {row['repack_bf16_pct']:5.1f} "
                     f"{t_cast:6.4f} | "

@@ -11,6 +11,12 @@ Environment:
 ``HF_SPARSE_BUILD_VERBOSE``   ``1`` prints the compiler commands.
 ``HF_SPARSE_NVCC_FLAGS``      extra nvcc flags (tuning runs, e.g. ``-DHF_SPARSE_SPMM_VARIANT=1``); the extension
                               name gets a hash of them so differently built copies never share a cache entry.
+``HF_SPARSE_CUSPARSELT_DIR``  a cuSPARSELt installation (``include/cusparseLt.h`` and ``lib/libcusparseLt.so*``) for
+                              the cached cuSPARSELt path (:func:`load_cslt_extension`); default: the
+                              ``nvidia-cusparselt-cu1x`` pip package torch depends on, then ``CUDA_HOME``.
+
+The cuSPARSELt path (``csrc/cusparselt.cpp``) is a second, separate extension: where cuSPARSELt is missing only
+that path is unavailable (the dispatcher then falls back to torch's eager ``torch._cslt_sparse_mm``).
 """
 
 from __future__ import annotations
@@ -25,12 +31,21 @@ from types import ModuleType
 
 import torch
 
-__all__ = ["KernelUnavailableError", "arch_flags", "csrc_dir", "load_extension"]
+__all__ = [
+    "KernelUnavailableError",
+    "arch_flags",
+    "csrc_dir",
+    "find_cusparselt",
+    "load_cslt_extension",
+    "load_extension",
+]
 
 logger = logging.getLogger(__name__)
 
 EXTENSION_NAME = "hf_sparse_C"
 SOURCES = ("binding.cpp", "spmm.cu", "spmm_sm90.cu", "sddmm.cu", "pack.cu")
+CSLT_EXTENSION_NAME = "hf_sparse_cslt"
+CSLT_SOURCES = ("cusparselt.cpp",)
 
 
 class KernelUnavailableError(RuntimeError):
@@ -77,9 +92,8 @@ def arch_flags(archs: list[str] | None = None) -> list[str]:
     return flags
 
 
-@functools.cache
-def load_extension() -> ModuleType:
-    """Compile (first call only; cached on disk) and import the extension. Raises KernelUnavailableError."""
+def _check_toolchain() -> None:
+    """Raise KernelUnavailableError unless a CUDA GPU of cc >= 8.0 and nvcc are there."""
     if not torch.cuda.is_available():
         raise KernelUnavailableError(
             "hf_sparse: the sparse kernels need a CUDA GPU (sm_80 or newer) and none is visible; run on a GPU or "
@@ -101,10 +115,23 @@ def load_extension() -> ModuleType:
             f"torch.version.cuda={torch.version.cuda} and set CUDA_HOME, or build ahead of time with "
             "`python -m hf_sparse.ops.build` where nvcc exists"
         )
-    src = csrc_dir()
+
+
+def _build_dir() -> str | None:
     build_dir = os.environ.get("HF_SPARSE_BUILD_DIR")
     if build_dir:
         os.makedirs(build_dir, exist_ok=True)
+    return build_dir
+
+
+@functools.cache
+def load_extension() -> ModuleType:
+    """Compile (first call only; cached on disk) and import the extension. Raises KernelUnavailableError."""
+    _check_toolchain()
+    from torch.utils import cpp_extension
+
+    src = csrc_dir()
+    build_dir = _build_dir()
     extra = os.environ.get("HF_SPARSE_NVCC_FLAGS", "").split()
     flags = ["-O3", "-std=c++17", "-lineinfo", *arch_flags(), *extra]
     name = EXTENSION_NAME + ("_" + hashlib.sha1(" ".join(extra).encode()).hexdigest()[:8] if extra else "")
@@ -122,4 +149,76 @@ def load_extension() -> ModuleType:
         raise KernelUnavailableError(
             f"hf_sparse: building the CUDA kernels failed ({exc}); set HF_SPARSE_BUILD_VERBOSE=1 to see the compiler "
             "commands, check that nvcc matches torch.version.cuda, or use the dense path"
+        ) from exc
+
+
+def _cusparselt_prefixes() -> list[Path]:
+    """Folders that may hold ``include/cusparseLt.h`` and ``lib/libcusparseLt.so*``, best first."""
+    env = os.environ.get("HF_SPARSE_CUSPARSELT_DIR")
+    if env:
+        return [Path(env)]
+    prefixes: list[Path] = []
+    try:  # the pip wheels torch depends on: nvidia/cusparselt (cu12) or nvidia/cu13 (cu13)
+        import nvidia  # type: ignore[import-not-found]
+
+        for root in map(Path, getattr(nvidia, "__path__", [])):
+            prefixes += sorted(p.parent.parent for p in root.glob("*/include/cusparseLt.h"))
+    except ImportError:
+        pass
+    from torch.utils import cpp_extension
+
+    if cpp_extension.CUDA_HOME:
+        prefixes.append(Path(cpp_extension.CUDA_HOME))
+    prefixes.append(Path("/usr"))
+    return prefixes
+
+
+def find_cusparselt() -> tuple[Path, Path] | None:
+    """``(include dir, library file)`` of a cuSPARSELt installation with both header and library, or None."""
+    for prefix in _cusparselt_prefixes():
+        headers = [prefix / "include" / "cusparseLt.h", prefix / "include" / "x86_64-linux-gnu" / "cusparseLt.h"]
+        header = next((h for h in headers if h.is_file()), None)
+        if header is None:
+            continue
+        for libdir in ("lib", "lib64", "lib/x86_64-linux-gnu"):
+            libs = sorted((prefix / libdir).glob("libcusparseLt.so*"))
+            if libs:
+                return header.parent, libs[0]
+    return None
+
+
+@functools.cache
+def load_cslt_extension() -> ModuleType:
+    """Compile (first call only; cached) and import the cached-plan cuSPARSELt path. Raises KernelUnavailableError.
+
+    Linked against the same ``libcusparseLt.so.0`` torch loads (same soname, so one copy in the process).
+    """
+    _check_toolchain()
+    found = find_cusparselt()
+    if found is None:
+        raise KernelUnavailableError(
+            "hf_sparse: cuSPARSELt (cusparseLt.h and libcusparseLt.so) was not found, so the cached cuSPARSELt path "
+            "is unavailable; `pip install nvidia-cusparselt-cu12` (CUDA 12) or `nvidia-cusparselt-cu13` (CUDA 13), "
+            "or set HF_SPARSE_CUSPARSELT_DIR to a folder with include/ and lib/"
+        )
+    include, lib = found
+    from torch.utils import cpp_extension
+
+    tag = hashlib.sha1(f"{include}|{lib}|{(include / 'cusparseLt.h').stat().st_size}".encode()).hexdigest()[:8]
+    try:
+        return cpp_extension.load(
+            name=f"{CSLT_EXTENSION_NAME}_{tag}",
+            sources=[str(csrc_dir() / s) for s in CSLT_SOURCES],
+            extra_cflags=["-O3", "-std=c++17"],
+            extra_include_paths=[str(include)],
+            extra_ldflags=[f"-L{lib.parent}", f"-l:{lib.name}", f"-Wl,-rpath,{lib.parent}"],
+            with_cuda=True,
+            build_directory=_build_dir(),
+            verbose=os.environ.get("HF_SPARSE_BUILD_VERBOSE") == "1",
+        )
+    except Exception as exc:
+        raise KernelUnavailableError(
+            f"hf_sparse: building the cuSPARSELt path against {include} / {lib} failed ({exc}); set "
+            "HF_SPARSE_BUILD_VERBOSE=1 to see the compiler commands, or HF_SPARSE_CUSPARSELT_DIR to another "
+            "cuSPARSELt installation"
         ) from exc

@@ -1,7 +1,12 @@
 """Pick, per (kind, token bucket, shape, dtype, pattern), the fastest way to run a sparse linear: our kernel, dense
-cuBLAS on the masked master weight, or cuSPARSELt (2:4 only, tuned algorithm, compressed weight cached per packed
-weight). Each choice is measured once with CUDA events on the call's own tensors and cached, so turning sparsity
-on is never slower than dense.
+cuBLAS on the masked master weight, or cuSPARSELt (2:4 only). Each choice is measured once with CUDA events on the
+call's own tensors and cached, so turning sparsity on is never slower than dense.
+
+cuSPARSELt runs through :mod:`hf_sparse.ops.cslt` (``"cslt"``): one compressed weight per packed mask, its
+values recompressed in place after each repack, and one cached plan per token count with the algorithm searched
+once per token bucket, so a call is a single ``cusparseLtMatmul``. Where that extension cannot be built (no
+cuSPARSELt header or library), torch's eager ``torch._cslt_sparse_mm`` (searched algorithm, but descriptors and plan
+rebuilt on every call) is the fallback behind the same name.
 
 ``HF_SPARSE_BACKEND=sparse|dense|auto`` (default ``auto``) forces a choice, e.g. for tests. While a CUDA graph is
 being captured or torch.compile traces, nothing is measured and the cached (or sparse) choice is used.
@@ -19,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from . import cslt
 from ._layout import PackedWeight, kept_columns
 from .sddmm import scatter_dense, sddmm
 from .spmm import spmm
@@ -45,16 +51,32 @@ class _PerTensorCache:
         key = id(t)
         self._data[key] = (weakref.ref(t, lambda _, key=key: self._data.pop(key, None)), value)
 
+    def clear(self) -> None:
+        self._data.clear()
 
-_cslt = _PerTensorCache()  # packed.values -> cuSPARSELt-compressed weight (new values after a repack: recompressed)
-_cslt_algs: dict[tuple, int] = {}  # shape key -> algorithm found by _cslt_sparse_mm_search (searched once per shape)
+
+class _CachedCslt:
+    """A ``CsltWeight`` (compressed weight + plans) and the packed values it was last compressed from."""
+
+    __slots__ = ("values", "weight")
+
+    def __init__(self, weight, values: Tensor) -> None:
+        self.weight = weight
+        self.values = weakref.ref(values)
+
+
+_cslt_cached = _PerTensorCache()  # packed.meta -> _CachedCslt (one per mask: plans survive repacks)
+_bias_lp = _PerTensorCache()  # bias -> (its version, its copy in the compute dtype at a fixed address)
+_cslt = _PerTensorCache()  # eager fallback: packed.values -> torch._cslt_compress of the weight
+_cslt_algs: dict[tuple, int] = {}  # eager fallback: shape key -> algorithm found by _cslt_sparse_mm_search
 _masks = _PerTensorCache()  # packed.meta -> dense bool mask (meta is shared by every repack of one mask)
 
 
 def clear_cache() -> None:
-    """Forget every measured choice (e.g. after changing GPU clocks or library versions)."""
+    """Forget every measured choice (e.g. after changing GPU clocks or library versions), cuSPARSELt plans too."""
     _choices.clear()
     _cslt_algs.clear()
+    _cslt_cached.clear()
 
 
 def choices() -> dict[tuple, str]:
@@ -106,7 +128,7 @@ def _key(kind: str, tokens: int, p: PackedWeight, device: torch.device) -> tuple
     return (kind, _bucket(tokens), p.rows, p.cols, p.v, p.m, p.dtype, device.index)
 
 
-def _cslt_state(weight: Tensor, p: PackedWeight, x2: Tensor):
+def _cslt_eager_state(weight: Tensor, p: PackedWeight, x2: Tensor):
     comp = _cslt.get(p.values)
     if comp is None:
         comp = torch._cslt_compress(weight.to(p.dtype).contiguous())
@@ -118,9 +140,53 @@ def _cslt_state(weight: Tensor, p: PackedWeight, x2: Tensor):
     return comp, alg
 
 
+def _cslt_weight(weight: Tensor, p: PackedWeight):
+    """The cached ``CsltWeight`` of ``p``'s mask, holding ``weight``'s current values (recompressed after a repack)."""
+    st = _cslt_cached.get(p.meta)
+    if st is None:
+        st = _CachedCslt(cslt.compress(weight.to(p.dtype).contiguous()), p.values)
+        _cslt_cached.put(p.meta, st)
+    elif st.values() is not p.values:
+        st.weight.compress(weight.to(p.dtype).contiguous())
+        st.values = weakref.ref(p.values)
+    return st.weight
+
+
+def _stable_bias(bias: Tensor | None, dtype: torch.dtype) -> Tensor | None:
+    """``bias`` in ``dtype`` at an address that stays the same across calls (a cuSPARSELt plan holds the bias
+    pointer, so a fresh cast per call would cost a new plan per call); re-cast in place when the bias changes."""
+    if bias is None or (bias.dtype == dtype and bias.is_contiguous()):
+        return bias
+    try:
+        version = bias._version
+    except RuntimeError:  # inference tensors keep no version: cast per call
+        return bias.to(dtype).contiguous()
+    hit = _bias_lp.get(bias)
+    if hit is None:
+        hit = (version, bias.detach().to(dtype).contiguous())
+        _bias_lp.put(bias, hit)
+    elif hit[0] != version:
+        hit[1].copy_(bias.detach())
+        _bias_lp.put(bias, (version, hit[1]))
+    return hit[1]
+
+
+# dtypes run through the cached plan. fp16 waits for a GPU run of tests/ops/test_cslt_gpu.py: the only one so far
+# crashed at its first fp16 case (benchmarks/RESULTS.md, 2026-11-22); fp16 keeps torch's eager op until then.
+_CACHED_CSLT_DTYPES = (torch.bfloat16,)
+
+
+def _cslt_usable() -> bool:
+    return cslt.available() or hasattr(torch, "_cslt_compress")
+
+
 def _cslt_linear(x2: Tensor, weight: Tensor, p: PackedWeight, bias: Tensor | None) -> Tensor:
-    comp, alg = _cslt_state(weight, p, x2)
-    return torch._cslt_sparse_mm(comp, x2.t(), bias, alg_id=alg, transpose_result=True)
+    """``x2 @ weight^T + bias`` by cuSPARSELt: the cached plan when the extension builds here, else torch's eager op."""
+    if p.dtype in _CACHED_CSLT_DTYPES and cslt.available():
+        return _cslt_weight(weight, p).matmul(x2, _stable_bias(bias, p.dtype), _can_measure())
+    comp, alg = _cslt_eager_state(weight, p, x2)
+    b = None if bias is None else bias.to(p.dtype)
+    return torch._cslt_sparse_mm(comp, x2.t(), b, alg_id=alg, transpose_result=True)
 
 
 def linear_forward(x: Tensor, weight: Tensor, p: PackedWeight, bias: Tensor | None) -> Tensor:
@@ -140,8 +206,8 @@ def linear_forward(x: Tensor, weight: Tensor, p: PackedWeight, bias: Tensor | No
         "sparse": lambda: spmm(x2, p, b),
         "dense": lambda: F.linear(x2, weight.to(p.dtype), b),
     }
-    if p.m == 4 and hasattr(torch, "_cslt_compress") and x2.shape[0] % 8 == 0 and x2.is_contiguous():
-        candidates["cslt"] = lambda: _cslt_linear(x2, weight, p, b)
+    if p.m == 4 and cslt.supports(p.rows, p.cols, x2.shape[0], p.dtype) and x2.is_contiguous() and _cslt_usable():
+        candidates["cslt"] = lambda: _cslt_linear(x2, weight, p, bias)
     choice = _choices.get(key)
     if choice is None:
         if not _can_measure():
