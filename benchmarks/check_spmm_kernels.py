@@ -60,10 +60,10 @@ def main() -> int:
             bad += not ok
             line += f" | {kern} err {err:.2e}{'' if ok else ' WRONG'} {t:.4f} ms x{t_dense / t:.2f}"
         print(line, flush=True)
-        if "wgmma" in kernels:  # the tile configurations (HF_SPARSE_SM90_CONFIG); 6-12 (TMA) also run small
+        if "wgmma" in kernels:  # the tile configurations (HF_SPARSE_SM90_CONFIG); 6-16 (TMA) also run small
             os.environ["HF_SPARSE_SPMM_KERNEL"] = "wgmma"
             line = "      wgmma configs:"
-            for cfg in range(13) if tokens > 128 else (6, 7, 8, 9, 10, 11, 12):
+            for cfg in range(17) if tokens > 128 else range(6, 17):
                 os.environ["HF_SPARSE_SM90_CONFIG"] = str(cfg)
                 _, ok, t = check_and_time()
                 bad += not ok

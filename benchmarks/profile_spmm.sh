@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # ncu profiles of the 2:4 sparse-wgmma SpMM and dense cuBLAS at two shapes (8192 tokens), text reports into $1.
-#   bash benchmarks/profile_spmm.sh OUTDIR [CONFIG ...]      (default configs: 4 10)
+#   [NODENSE=1] bash benchmarks/profile_spmm.sh OUTDIR [CONFIG ...]   (default configs: 4 10; NODENSE: no cuBLAS)
 # One launch each (the 4th call: the first three warm up), clocks as the GPU runs them (--clock-control none).
 set -u
 out=${1:?outdir}; shift
@@ -35,5 +35,5 @@ prof() {  # name, kernel regex, profile_spmm.py args
 for shape in "1024 4096" "4096 11008"; do
   set -- $shape
   for c in $configs; do prof "k$1_r$2_cfg$c" spmm_sm90 --k $1 --r $2 --config $c; done
-  prof "k$1_r$2_dense" 'nvjet|gemm|xmma|cutlass' --k $1 --r $2 --mode dense
+  [ -n "${NODENSE:-}" ] || prof "k$1_r$2_dense" 'nvjet|gemm|xmma|cutlass' --k $1 --r $2 --mode dense
 done

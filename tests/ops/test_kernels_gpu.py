@@ -199,7 +199,7 @@ def test_dense_from_packed_on_gpu_matches_master():
     assert torch.equal(dense_from_packed(p, torch.float32), w.bfloat16().float())
 
 
-@pytest.mark.parametrize("config", list(range(13)))
+@pytest.mark.parametrize("config", list(range(17)))
 @pytest.mark.parametrize(("tokens", "rows", "cols"), [(300, 448, 136), (8191, 192, 1000)])
 def test_spmm_wgmma_tile_configs(config, tokens, rows, cols, monkeypatch):
     # Every large-token tile configuration of the sm_90a kernel (HF_SPARSE_SM90_CONFIG): 448 rows leave some m64
@@ -214,7 +214,7 @@ def test_spmm_wgmma_tile_configs(config, tokens, rows, cols, monkeypatch):
     _assert_spmm_matches_reference(x, w, p, b)
 
 
-@pytest.mark.parametrize("config", [6, 7, 8, 9, 10, 11, 12])
+@pytest.mark.parametrize("config", [6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize(
@@ -228,12 +228,34 @@ def test_spmm_wgmma_tile_configs(config, tokens, rows, cols, monkeypatch):
 def test_spmm_wgmma_tma_configs(config, dtype, bias, tokens, rows, cols, monkeypatch):
     # Configs 6-9: warp-specialized TMA producer + mbarrier ring (csrc/spmm_sm90.cu), one vs zero k-tiles in flight,
     # without (6, 7) and with (8, 9) a 2-CTA cluster multicasting X; 10, 11: 6 with grouped CTA order (8, 4 token tiles);
-    # 12: 6 launched in 2-CTA clusters with the cluster barriers but no sharing (diagnostic).
+    # 12: 6 launched in 2-CTA clusters with the cluster barriers but no sharing (diagnostic); 13-16: A fragments and
+    # metadata by TMA too, 16 = persistent (one CTA per SM walking the tiles) with grouped order.
     if not _wgmma_runs_here():
         pytest.skip("sparse wgmma needs a cc 9.0 GPU and an sm_90a build")
     monkeypatch.setenv("HF_SPARSE_SPMM_KERNEL", "wgmma")
     monkeypatch.setenv("HF_SPARSE_SM90_CONFIG", str(config))
     w, mask, p = _pack_cuda(rows, cols, 64, 4, dtype, seed=config + tokens + cols)
+    x = torch.randn(tokens, cols, device="cuda").to(dtype)
+    b = torch.randn(rows, device="cuda").to(dtype) if bias else None
+    _assert_spmm_matches_reference(x, w, p, b)
+
+
+@pytest.mark.parametrize("config", [13, 14, 15, 16])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize(
+    ("tokens", "rows", "cols"),
+    # More output tiles than an H200 has SMs (132), so the persistent configs 15/16 walk several tiles per CTA and
+    # carry the ring's phase across tiles: 9 x 32 = 288 tiles (the last row block half empty: an idle warpgroup in
+    # some tiles only, K = 200: odd step count), 33 x 12 = 396 tiles (3 per CTA, K = 264: partial k-tile).
+    [(8191, 1088, 200), (3000, 4160, 264)],
+)
+def test_spmm_wgmma_tma_a_configs_many_tiles(config, dtype, bias, tokens, rows, cols, monkeypatch):
+    if not _wgmma_runs_here():
+        pytest.skip("sparse wgmma needs a cc 9.0 GPU and an sm_90a build")
+    monkeypatch.setenv("HF_SPARSE_SPMM_KERNEL", "wgmma")
+    monkeypatch.setenv("HF_SPARSE_SM90_CONFIG", str(config))
+    w, mask, p = _pack_cuda(rows, cols, 64, 4, dtype, seed=config + rows + cols)
     x = torch.randn(tokens, cols, device="cuda").to(dtype)
     b = torch.randn(rows, device="cuda").to(dtype) if bias else None
     _assert_spmm_matches_reference(x, w, p, b)
