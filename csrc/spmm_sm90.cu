@@ -818,7 +818,7 @@ cudaError_t launch_sm90_tma_a(const SpmmArgs& a, cudaStream_t stream) {
 }
 
 // Large-token configurations; HF_SPARSE_SM90_CONFIG (tuning runs only) picks one. Default (benchmarks/RESULTS.md,
-// "Profile, then A by TMA, a check-free epilogue and a persistent walk"): config 15 (persistent, 128 x 256 tiles),
+// "Profile of the 2:4 sparse-wgmma SpMM, then A by TMA, ..."): config 15 (persistent, 128 x 256 tiles),
 // the fastest in the H200 check at 1024->4096, 4096->11008 and 11008->4096 (before: config 10 for packed weights
 // >= 24 MB, config 4 below); config 19 (128 x 128 tiles) where 256-token tiles would leave most SMs idle in the last
 // round and 128-token tiles would not (3072->768 at 8192 tokens: 192 tiles on 132 SMs fill 73% of two rounds, 384
