@@ -20,7 +20,16 @@ from hf_sparse.masks import nm_mask
 from hf_sparse.ops import pack, spmm
 from hf_sparse.ops.spmm import _wgmma_available
 
-SHAPES = [(1, 768, 3072), (7, 4096, 1024), (8191, 1024, 4096), (8192, 4096, 11008), (8192, 11008, 4096)]
+SHAPES = [
+    (1, 768, 3072),
+    (7, 4096, 1024),
+    (8192, 768, 3072),
+    (8192, 3072, 768),
+    (8191, 1024, 4096),
+    (8192, 4096, 1024),
+    (8192, 4096, 11008),
+    (8192, 11008, 4096),
+]
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -60,10 +69,10 @@ def main() -> int:
             bad += not ok
             line += f" | {kern} err {err:.2e}{'' if ok else ' WRONG'} {t:.4f} ms x{t_dense / t:.2f}"
         print(line, flush=True)
-        if "wgmma" in kernels:  # the tile configurations (HF_SPARSE_SM90_CONFIG); 6-12 (TMA) also run small
+        if "wgmma" in kernels:  # the tile configurations (HF_SPARSE_SM90_CONFIG); 6-19 (TMA) also run small
             os.environ["HF_SPARSE_SPMM_KERNEL"] = "wgmma"
             line = "      wgmma configs:"
-            for cfg in range(13) if tokens > 128 else (6, 7, 8, 9, 10, 11, 12):
+            for cfg in range(20) if tokens > 128 else range(6, 20):
                 os.environ["HF_SPARSE_SM90_CONFIG"] = str(cfg)
                 _, ok, t = check_and_time()
                 bad += not ok

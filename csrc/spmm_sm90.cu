@@ -24,12 +24,16 @@
 // Configs 6-12 (warp-specialized, see spmm_sm90_tma_kernel): a producer warp streams the X tiles with TMA into an
 // mbarrier-guarded ring and the two consumer warpgroups never meet at a CTA-wide barrier in the main loop; 10/11
 // add a grouped CTA order (W stays in L2 across a wave), 8/9 share X across a 2-CTA cluster (multicast: slower).
-// Default: config 10 for packed weights of 24 MB and more, config 4 below (sm90_config).
+// Configs 13-18 (spmm_sm90_tma_a_kernel): the producer streams the A fragments and metadata by TMA too, full tiles
+// take a check-free epilogue, 15-18 are persistent (one CTA per SM walking the output tiles), 17/18 keep the two
+// consumer warpgroups two k-tiles apart, 19 = 15 with 128-token tiles. Default: config 15, or 19 where 256-token tiles
+// would leave most SMs idle in the last round (sm90_config).
 // Epilogue: accumulators (row r, token n) are written straight to Y[n, r] (+ bias), as spmm.cu does.
 //
 // Only the sm_90a pass compiles the body (__CUDA_ARCH_FEAT_SM90_ALL); other device passes get a trap so a wrong
 // build fails loudly, and the host only launches it on cc 9.0 when the build included sm_90a (HF_SPARSE_HAS_SM90A,
 // set by hf_sparse/ops/_build.py).
+#include <algorithm>
 #include <cstdlib>
 
 #include "common.cuh"
@@ -500,6 +504,208 @@ spmm_sm90_tma_kernel(const __grid_constant__ CUtensorMap x_map, const uint4* __r
 #endif
 }
 
+// Configs 13-16 (spmm_sm90_tma_a_kernel): what the ncu profile of configs 4 and 10 showed (benchmarks/RESULTS.md,
+// "Profile"): the tensor pipe is busy 30-42% of the time and the top stall is "long scoreboard". In SASS every A
+// fragment / metadata LDG of configs 4-12 sets the same scoreboard, and WARPGROUP.ARRIVE (wgmma.fence) before each
+// k-tile's wgmmas waits on that scoreboard, i.e. on every LDG still in flight, including those just issued for the
+// next k-tiles: the "two k-tiles ahead" prefetch is in effect at most one, and the L2 latency (~1000+ cycles under
+// load) is paid per k-tile. Here the producer also streams the A fragments and metadata with TMA, into the same
+// ring stage as the X tile (tensor maps over `values` and `meta` viewed as u32 matrices, one row per m16 tile), so
+// they are prefetched STAGES - 1 k-tiles ahead like X; consumers read them from shared memory (ld.shared, ~30
+// cycles) right before their wgmmas. One stage: X BN tokens x 64 k (BN = 256: 32 KB, 128-byte swizzle) + A 8 m16
+// tiles x 2 k-steps x 512 B (8 KB) + metadata 8 x 2 x 64 B (1 KB); 5 stages (BN = 128, config 19: 8 stages).
+// PERSIST = 1 (configs 15/16): one CTA per SM walks the output tiles (tile = blockIdx.x, + gridDim.x, ...). The ring
+// runs on across tiles, so the producer loads the next tile's first stages while the consumers run the epilogue of
+// the current one, and the CTA launch, barrier set-up and pipeline fill are paid once per SM instead of per tile.
+// GROUP > 1 (14/16): grouped tile order as config 10 (GROUP token tiles walk the row blocks together).
+// The token, K and row tails come from the tensor maps' zero fill; an inactive warpgroup (rows past the packed
+// weight) or a missing second k-step (odd step count) multiplies zeros with valid metadata (kMetaPad) and is never
+// stored.
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// Epilogue of a full m64 x BN accumulator tile (every row < rows, every token < n_tokens, rows even): the same
+// lane-pair exchange and 32-bit stores of Y[n, r], r + 1 as store_tile, without its per-store bounds checks. The
+// general store_tile compiles to ~3000 SASS instructions per warp for BN = 256 (bound predicates packed into
+// registers, a branch per store), which the profile showed as the main cost of a tile at K = 768-1024; this is
+// ~8 per pair of outputs.
+template <typename T, int BN>
+__device__ __forceinline__ void store_tile_full(const float (&acc)[BN / 2], int row0, int n_base, int lane,
+                                                const T* __restrict__ bias, T* __restrict__ y, int rows) {
+  const int g = lane >> 2, t = lane & 3;
+  const bool odd = g & 1;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int r_even = row0 + 8 * half + (g & ~1);
+    float b0 = 0.f, b1 = 0.f;
+    if (bias != nullptr) {
+      b0 = MmaType<T>::to_float(bias[r_even]);
+      b1 = MmaType<T>::to_float(bias[r_even + 1]);
+    }
+    T* dst = y + (size_t)(n_base + 2 * t + (odd ? 1 : 0)) * rows + r_even;
+#pragma unroll
+    for (int nt = 0; nt < BN / 8; ++nt) {
+      const float v0 = acc[4 * nt + 2 * half], v1 = acc[4 * nt + 2 * half + 1];
+      const float recv = __shfl_xor_sync(0xffffffffu, odd ? v0 : v1, 4);
+      const float lo = odd ? recv : v0, hi = odd ? v1 : recv;
+      *reinterpret_cast<uint32_t*>(dst + (size_t)nt * 8 * rows) =
+          MmaType<T>::pack(MmaType<T>::from_float(lo + b0), MmaType<T>::from_float(hi + b1));
+    }
+  }
+}
+
+// Named barrier 1 between the two consumer warpgroups (256 threads): one side arrives, the other waits.
+__device__ __forceinline__ void consumers_bar_arrive() { asm volatile("bar.arrive 1, 256;\n" ::: "memory"); }
+__device__ __forceinline__ void consumers_bar_sync() { asm volatile("bar.sync 1, 256;\n" ::: "memory"); }
+#endif
+
+template <int BN, int STAGES>
+struct TmaASmem {
+  static constexpr int X_BYTES = BN * 128;  // BN tokens x 64 k, bf16/fp16
+  static constexpr int A_BYTES = 8 * 2 * 512;  // 8 m16 tiles x 2 k-steps x 32 lanes x 16 B
+  static constexpr int E_BYTES = 8 * 2 * 64;   // 8 m16 tiles x 2 k-steps x 16 words
+  static constexpr int STAGE = X_BYTES + A_BYTES + E_BYTES;
+  static constexpr int BYTES = STAGES * STAGE + 2 * 8 * STAGES + 1024;  // + full/empty barriers + alignment slack
+  static_assert(STAGE % 1024 == 0, "each stage's X tile must start on a 1024-byte boundary (128-byte swizzle)");
+};
+
+// Tile t of a row_blocks x token_tiles grid -> (row block, token tile): row blocks fastest, or in groups of GROUP
+// token tiles that walk the row blocks together (config 10's order).
+template <int GROUP>
+__device__ __forceinline__ void tile_coords(int t, int row_blocks, int token_tiles, int& bx, int& by) {
+  if constexpr (GROUP > 1) {
+    const int per_group = GROUP * row_blocks;
+    const int first = t / per_group * GROUP;
+    const int size = min(token_tiles - first, GROUP);
+    const int within = t % per_group;
+    by = first + within % size;
+    bx = within / size;
+  } else {
+    bx = t % row_blocks;
+    by = t / row_blocks;
+  }
+}
+
+template <typename T, int BN, int STAGES, int GROUP, int PERSIST, int SKEW>
+__global__ void __launch_bounds__(kTmaThreads, 1)
+spmm_sm90_tma_a_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_constant__ CUtensorMap a_map,
+                       const __grid_constant__ CUtensorMap e_map, const T* __restrict__ bias, T* __restrict__ y,
+                       int n_tokens, int rows, int rows_padded, int steps) {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr int ND = BN / 2;
+  using S = TmaASmem<BN, STAGES>;
+  constexpr int kProducerRegs = 40, kConsumerRegs = 232;
+  constexpr uint32_t kMetaPad = 0x44444444u;
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  const uint32_t raw_u32 = (uint32_t)__cvta_generic_to_shared(smem_raw);
+  const uint32_t pad = (1024u - (raw_u32 & 1023u)) & 1023u;
+  const unsigned char* smem = smem_raw + pad;
+  const uint32_t smem_u32 = raw_u32 + pad;
+  const uint32_t full_bar = smem_u32 + STAGES * S::STAGE, empty_bar = full_bar + 8 * STAGES;
+
+  const int tid = threadIdx.x;
+  const int lane = tid & 31, warp = tid >> 5;
+  const int k_tiles = (steps + 1) >> 1;
+  const int row_blocks = (rows_padded + 127) / 128, token_tiles = (n_tokens + BN - 1) / BN;
+  const int n_tiles = row_blocks * token_tiles;
+  const int first_tile = blockIdx.x, tile_step = PERSIST ? (int)gridDim.x : n_tiles;
+
+  if (tid == 0) {
+    for (int s = 0; s < STAGES; ++s) {
+      mbar_init(full_bar + 8 * s, 1);
+      mbar_init(empty_bar + 8 * s, kTmaConsumerWarps);
+    }
+    mbar_fence_init();
+  }
+  __syncthreads();
+
+  if (warp >= kTmaConsumerWarps) {  // producer warpgroup: one thread issues every copy, across all of its tiles
+    setmaxnreg_dec<kProducerRegs>();
+    if (warp == kTmaConsumerWarps && lane == 0) {
+      tma_prefetch_map(&x_map);
+      tma_prefetch_map(&a_map);
+      tma_prefetch_map(&e_map);
+      int it = 0;  // k-tiles issued so far (ring position and phase)
+      for (int tile = first_tile; tile < n_tiles; tile += tile_step) {
+        int bx, by;
+        tile_coords<GROUP>(tile, row_blocks, token_tiles, bx, by);
+        for (int kt = 0; kt < k_tiles; ++kt, ++it) {
+          const int slot = it % STAGES;
+          const uint32_t dst = smem_u32 + slot * S::STAGE, bar = full_bar + 8 * slot;
+          mbar_wait(empty_bar + 8 * slot, ((it / STAGES) & 1) ^ 1);
+          mbar_arrive_expect_tx(bar, S::STAGE);
+          tma_load_2d(dst, &x_map, kt * 64, by * BN, bar);
+          tma_load_2d(dst + S::X_BYTES, &a_map, kt * 256, bx * 8, bar);  // 2 k-steps x 128 words, 8 m16 tiles
+          tma_load_2d(dst + S::X_BYTES + S::A_BYTES, &e_map, kt * 32, bx * 8, bar);
+        }
+      }
+    }
+    return;
+  }
+
+  setmaxnreg_inc<kConsumerRegs>();
+  const int wg = warp >> 2, wq = warp & 3;
+  const int g = lane >> 2, t = lane & 3;
+  const int mt = wg * 4 + wq;  // this warp's m16 tile within the CTA's 8
+  const int a_off = mt * 1024 + lane * 16, e_off = mt * 128 + (g * 2 + (t & 1)) * 4;
+
+  // SKEW = 2 (configs 17/18, persistent): warpgroup 1 starts its first tile two k-tiles after warpgroup 0 and keeps
+  // that distance, so each warpgroup's epilogue overlaps the other's last (or first) k-tiles of a tile instead of
+  // both leaving the tensor pipe idle at once. The ring (5 stages) absorbs the distance.
+  if (SKEW && wg == 1 && first_tile < n_tiles) consumers_bar_sync();
+  float acc[ND];
+  int it = 0;  // k-tiles consumed so far
+  for (int tile = first_tile; tile < n_tiles; tile += tile_step) {
+    int bx, by;
+    tile_coords<GROUP>(tile, row_blocks, token_tiles, bx, by);
+    const int cta_row0 = bx * 128;
+    const bool active = wg * 4 < ((rows_padded - cta_row0) >> 4);
+#pragma unroll
+    for (int j = 0; j < ND; ++j) acc[j] = 0.f;
+    // One k-tile: wait for its stage, read this warp's A fragments and metadata from it into (a, e), issue its two
+    // wgmmas, and wait until only they are in flight: k-tile kt - 1 is done with its stage and its register set, so
+    // its stage goes back to the producer. Register sets alternate by k-tile parity (unrolled by two below) because
+    // the wgmmas of kt - 1 still read theirs while kt's are loaded.
+    auto k_tile = [&](int kt, uint4 (&a)[2], uint32_t (&e)[2]) {
+      const int slot = (it + kt) % STAGES;
+      mbar_wait(full_bar + 8 * slot, ((it + kt) / STAGES) & 1);
+      const unsigned char* st = smem + slot * S::STAGE;
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        a[j] = *reinterpret_cast<const uint4*>(st + S::X_BYTES + a_off + j * 512);
+        const uint32_t ev = *reinterpret_cast<const uint32_t*>(st + S::X_BYTES + S::A_BYTES + e_off + j * 64);
+        e[j] = (active && 2 * kt + j < steps) ? ev : kMetaPad;
+      }
+      const uint64_t desc = desc_k128(smem_u32 + slot * S::STAGE);
+      wgmma_fence();
+#pragma unroll
+      for (int j = 0; j < 2; ++j) WgmmaSp<BN, T>::run(acc, a[j], desc + j * (64 >> 4), e[j]);
+      wgmma_commit();
+      wgmma_wait<1>();
+      if (kt > 0 && lane == 0) mbar_arrive(empty_bar + 8 * ((it + kt - 1) % STAGES));
+    };
+    uint4 a0[2], a1[2];
+    uint32_t e0[2], e1[2];
+    for (int kt = 0; kt < k_tiles; kt += 2) {
+      k_tile(kt, a0, e0);
+      if (kt + 1 < k_tiles) k_tile(kt + 1, a1, e1);
+      if (SKEW && wg == 0 && kt == 0 && tile == first_tile) consumers_bar_arrive();  // let warpgroup 1 start
+    }
+    wgmma_wait<0>();
+    it += k_tiles;
+    if (lane == 0) mbar_arrive(empty_bar + 8 * ((it - 1) % STAGES));  // the last k-tile's stage
+#pragma unroll
+    for (int j = 0; j < ND; ++j) asm volatile("" : "+f"(acc[j])::"memory");  // reads after the wgmma wait
+    const int row0 = cta_row0 + 64 * wg + 16 * wq;
+    if ((by + 1) * BN <= n_tokens && cta_row0 + 128 <= rows && (rows & 1) == 0) {
+      store_tile_full<T, BN>(acc, row0, by * BN, lane, bias, y, rows);
+    } else if (active) {
+      store_tile<T, BN>(acc, row0, by * BN, lane, bias, y, rows, n_tokens);
+    }
+  }
+#elif defined(__CUDA_ARCH__)
+  __trap();  // built without sm_90a: the host never launches this (spmm_sm90_available() is false)
+#endif
+}
+
 // cuTensorMapEncodeTiled, looked up once through the runtime (cudaGetDriverEntryPoint*), so the extension does not
 // link libcuda itself. nullptr if the driver does not provide it.
 PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
@@ -567,17 +773,68 @@ cudaError_t launch_sm90_tma(const SpmmArgs& a, cudaStream_t stream) {
                             a.n_tokens, a.rows, a.rows_padded, a.steps);
 }
 
+// Tensor map of a packed operand (values or metadata) viewed as a u32 matrix with one row per m16 tile
+// (row_words u32 each), boxes of box_words x 8 rows, no swizzle, zero fill past the last row or word.
+bool encode_u32_rows_map(const void* base, int row_words, int n_rows, int box_words, CUtensorMap* map) {
+  if (reinterpret_cast<uintptr_t>(base) % 16 != 0 || (row_words * 4) % 16 != 0) return false;
+  PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
+  if (encode == nullptr) return false;
+  const cuuint64_t dims[2] = {(cuuint64_t)row_words, (cuuint64_t)n_rows};
+  const cuuint64_t strides[1] = {(cuuint64_t)row_words * 4};
+  const cuuint32_t box[2] = {(cuuint32_t)box_words, 8};
+  const cuuint32_t elem_strides[2] = {1, 1};
+  const CUresult res = encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT32, 2, const_cast<void*>(base), dims, strides, box,
+                              elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE,
+                              CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return res == CUDA_SUCCESS;
+}
+
+int sm_count() {
+  int dev = 0, n = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
+    return 132;
+  return n;
+}
+
+// Configs 13-16; fall back to config 4 where a tensor map cannot be made (as launch_sm90_tma does).
+template <typename T, int BN, int STAGES, int GROUP, int PERSIST, int SKEW = 0>
+cudaError_t launch_sm90_tma_a(const SpmmArgs& a, cudaStream_t stream) {
+  CUtensorMap x_map, a_map, e_map;
+  const int mts = a.rows_padded / 16;
+  if (!encode_x_map(a, BN, &x_map) || !encode_u32_rows_map(a.values, a.steps * 128, mts, 256, &a_map) ||
+      !encode_u32_rows_map(a.meta, a.steps * 16, mts, 32, &e_map))
+    return launch_sm90<T, Sm90Cfg<256, 1, 6, 0, 1>>(a, stream);  // config 4
+  auto kernel = spmm_sm90_tma_a_kernel<T, BN, STAGES, GROUP, PERSIST, SKEW>;
+  constexpr int smem = TmaASmem<BN, STAGES>::BYTES;
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (err != cudaSuccess) return err;
+  const long long tiles = (long long)((a.rows_padded + 127) / 128) * ((a.n_tokens + BN - 1) / BN);
+  if (tiles > (1LL << 31) - 1) return cudaErrorInvalidConfiguration;
+  static const int sms = sm_count();  // one device per process in practice; at worst a grid of the wrong size
+  const int grid = PERSIST ? (int)std::min<long long>(tiles, sms) : (int)tiles;
+  kernel<<<grid, kTmaThreads, smem, stream>>>(x_map, a_map, e_map, static_cast<const T*>(a.bias),
+                                              static_cast<T*>(a.y), a.n_tokens, a.rows, a.rows_padded, a.steps);
+  return cudaGetLastError();
+}
+
 // Large-token configurations; HF_SPARSE_SM90_CONFIG (tuning runs only) picks one. Default (benchmarks/RESULTS.md,
-// "TMA producer"): config 10 (TMA, grouped CTA order) where the packed weight is too large to stay in L2 across a
-// wave of CTAs (4096<->11008: 4-9% faster than config 4), config 4 otherwise (config 10 was 9-16% slower at
-// 1024->4096, whose 4 MB weight stays in L2 anyway). The 24 MB threshold lies between the measured sizes (4 and 45 MB).
-constexpr int kDefaultConfig = 4, kDefaultLargeWeightConfig = 10;
-constexpr long long kLargeWeightBytes = 24LL << 20;
+// "Profile of the 2:4 sparse-wgmma SpMM, then A by TMA, ..."): config 15 (persistent, 128 x 256 tiles),
+// the fastest in the H200 check at 1024->4096, 4096->11008 and 11008->4096 (before: config 10 for packed weights
+// >= 24 MB, config 4 below); config 19 (128 x 128 tiles) where 256-token tiles would leave most SMs idle in the last
+// round and 128-token tiles would not (3072->768 at 8192 tokens: 192 tiles on 132 SMs fill 73% of two rounds, 384
+// fill 97% of three; 4096 -> 1024 at 512 tokens: 64 tiles, 128 of them).
+constexpr int kDefaultConfig = 15, kDefaultSmallGridConfig = 19;
 int sm90_config(const SpmmArgs& a) {
   const char* env = std::getenv("HF_SPARSE_SM90_CONFIG");  // read per call so a tuning run can switch it
   if (env) return std::atoi(env);
-  const long long weight_bytes = (long long)a.rows_padded * a.steps * 32;  // packed values, bf16/fp16
-  return weight_bytes >= kLargeWeightBytes ? kDefaultLargeWeightConfig : kDefaultConfig;
+  static const int sms = sm_count();
+  const long long row_blocks = (a.rows_padded + 127) / 128;
+  auto fill = [&](int bn) {  // share of the SM slots of all rounds that hold a tile
+    const long long tiles = row_blocks * ((a.n_tokens + bn - 1) / bn), rounds = (tiles + sms - 1) / sms;
+    return (double)tiles / (double)(rounds * sms);
+  };
+  const double fill256 = fill(256), fill128 = fill(128);
+  return fill256 < 0.85 && fill128 > fill256 + 0.1 ? kDefaultSmallGridConfig : kDefaultConfig;
 }
 
 template <typename T>
@@ -594,6 +851,13 @@ cudaError_t launch_large(const SpmmArgs& a, cudaStream_t stream, int cfg) {
     case 10: return launch_sm90_tma<T, 256, 6, 1, 1, 8>(a, stream);
     case 11: return launch_sm90_tma<T, 256, 6, 1, 1, 4>(a, stream);
     case 12: return launch_sm90_tma<T, 256, 6, 1, 2, 1, false>(a, stream);  // diagnostic: 8 without the sharing
+    case 13: return launch_sm90_tma_a<T, 256, 5, 1, 0>(a, stream);
+    case 14: return launch_sm90_tma_a<T, 256, 5, 8, 0>(a, stream);
+    case 15: return launch_sm90_tma_a<T, 256, 5, 1, 1>(a, stream);
+    case 16: return launch_sm90_tma_a<T, 256, 5, 8, 1>(a, stream);
+    case 17: return launch_sm90_tma_a<T, 256, 5, 1, 1, 2>(a, stream);
+    case 18: return launch_sm90_tma_a<T, 256, 5, 8, 1, 2>(a, stream);
+    case 19: return launch_sm90_tma_a<T, 128, 8, 1, 1>(a, stream);
     case 0: return launch_sm90<T, Sm90Cfg<256, 1, 4, 0>>(a, stream);
     default: return launch_sm90<T, Sm90Cfg<256, 1, 6, 0, 1>>(a, stream);  // 4, and any other value
   }
@@ -604,7 +868,7 @@ cudaError_t dispatch_bn(const SpmmArgs& a, cudaStream_t stream) {
   const int cfg = sm90_config(a);
   // The TMA configurations handle any token count (the tensor map zero-fills missing tokens); selected explicitly
   // they run at every size, so tests and tuning runs reach their tails. Configs 0-5 are large-token tiles only.
-  const bool tma_everywhere = cfg >= 6 && cfg <= 12 && std::getenv("HF_SPARSE_SM90_CONFIG") != nullptr;
+  const bool tma_everywhere = cfg >= 6 && cfg <= 19 && std::getenv("HF_SPARSE_SM90_CONFIG") != nullptr;
   if (!tma_everywhere) {
     if (a.n_tokens <= 64) return launch_sm90<T, Sm90Cfg<64, 1, 4, 0>>(a, stream);
     if (a.n_tokens <= 128) return launch_sm90<T, Sm90Cfg<128, 1, 4, 0>>(a, stream);

@@ -199,7 +199,7 @@ def test_dense_from_packed_on_gpu_matches_master():
     assert torch.equal(dense_from_packed(p, torch.float32), w.bfloat16().float())
 
 
-@pytest.mark.parametrize("config", list(range(13)))
+@pytest.mark.parametrize("config", list(range(20)))
 @pytest.mark.parametrize(("tokens", "rows", "cols"), [(300, 448, 136), (8191, 192, 1000)])
 def test_spmm_wgmma_tile_configs(config, tokens, rows, cols, monkeypatch):
     # Every large-token tile configuration of the sm_90a kernel (HF_SPARSE_SM90_CONFIG): 448 rows leave some m64
@@ -214,7 +214,7 @@ def test_spmm_wgmma_tile_configs(config, tokens, rows, cols, monkeypatch):
     _assert_spmm_matches_reference(x, w, p, b)
 
 
-@pytest.mark.parametrize("config", [6, 7, 8, 9, 10, 11, 12])
+@pytest.mark.parametrize("config", [6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize(
@@ -228,7 +228,9 @@ def test_spmm_wgmma_tile_configs(config, tokens, rows, cols, monkeypatch):
 def test_spmm_wgmma_tma_configs(config, dtype, bias, tokens, rows, cols, monkeypatch):
     # Configs 6-9: warp-specialized TMA producer + mbarrier ring (csrc/spmm_sm90.cu), one vs zero k-tiles in flight,
     # without (6, 7) and with (8, 9) a 2-CTA cluster multicasting X; 10, 11: 6 with grouped CTA order (8, 4 token tiles);
-    # 12: 6 launched in 2-CTA clusters with the cluster barriers but no sharing (diagnostic).
+    # 12: 6 launched in 2-CTA clusters with the cluster barriers but no sharing (diagnostic); 13-16: A fragments and
+    # metadata by TMA too, 15/16 persistent (one CTA per SM walking the tiles), 17/18 persistent with the two consumer
+    # warpgroups two k-tiles apart, 19 = 15 with 128-token tiles.
     if not _wgmma_runs_here():
         pytest.skip("sparse wgmma needs a cc 9.0 GPU and an sm_90a build")
     monkeypatch.setenv("HF_SPARSE_SPMM_KERNEL", "wgmma")
@@ -239,14 +241,39 @@ def test_spmm_wgmma_tma_configs(config, dtype, bias, tokens, rows, cols, monkeyp
     _assert_spmm_matches_reference(x, w, p, b)
 
 
-def test_spmm_wgmma_default_large_weight_uses_grouped_tma(monkeypatch):
-    # A packed weight of >= 24 MB (4096 x 6144: 25 MB) takes the default large-weight tile (config 10, TMA with
-    # grouped CTA order) without HF_SPARSE_SM90_CONFIG; 300 tokens end in a partial token tile.
+@pytest.mark.parametrize("config", [13, 14, 15, 16, 17, 18, 19])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize(
+    ("tokens", "rows", "cols"),
+    # More output tiles than an H200 has SMs (132), so the persistent configs 15/16 walk several tiles per CTA and
+    # carry the ring's phase across tiles: 9 x 32 = 288 tiles (the last row block half empty: an idle warpgroup in
+    # some tiles only, K = 200: odd step count), 33 x 12 = 396 tiles (3 per CTA, K = 264: partial k-tile). Full tiles
+    # take the check-free epilogue (store_tile_full), the last row block / token tile the general one; 1031 rows (odd:
+    # no 32-bit row-pair stores) send every tile of that case to the general epilogue.
+    [(8191, 1088, 200), (3000, 4160, 264), (2048, 1031, 136)],
+)
+def test_spmm_wgmma_tma_a_configs_many_tiles(config, dtype, bias, tokens, rows, cols, monkeypatch):
+    if not _wgmma_runs_here():
+        pytest.skip("sparse wgmma needs a cc 9.0 GPU and an sm_90a build")
+    monkeypatch.setenv("HF_SPARSE_SPMM_KERNEL", "wgmma")
+    monkeypatch.setenv("HF_SPARSE_SM90_CONFIG", str(config))
+    w, mask, p = _pack_cuda(rows, cols, 64, 4, dtype, seed=config + rows + cols)
+    x = torch.randn(tokens, cols, device="cuda").to(dtype)
+    b = torch.randn(rows, device="cuda").to(dtype) if bias else None
+    _assert_spmm_matches_reference(x, w, p, b)
+
+
+@pytest.mark.parametrize("tokens", [300, 4100, 8190])
+def test_spmm_wgmma_default_config_matches_reference(tokens, monkeypatch):
+    # The default large-token tile without HF_SPARSE_SM90_CONFIG on a 4096 x 6144 weight (25 MB packed): 300 tokens
+    # = 64 256-token tiles, too few for the SMs, so config 19 (128-token tiles, 96 of them, a partial one); 4100 tokens
+    # = 544 tiles, config 15 (several per CTA, the last tile 4 tokens wide); 8190: 1024 tiles, config 15.
     if not _wgmma_runs_here():
         pytest.skip("sparse wgmma needs a cc 9.0 GPU and an sm_90a build")
     monkeypatch.setenv("HF_SPARSE_SPMM_KERNEL", "wgmma")
     monkeypatch.delenv("HF_SPARSE_SM90_CONFIG", raising=False)
     w, mask, p = _pack_cuda(4096, 6144, 64, 4, torch.bfloat16, seed=61)
-    x = torch.randn(300, 6144, device="cuda").bfloat16()
+    x = torch.randn(tokens, 6144, device="cuda").bfloat16()
     b = torch.randn(4096, device="cuda").bfloat16()
     _assert_spmm_matches_reference(x, w, p, b)

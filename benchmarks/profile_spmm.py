@@ -1,0 +1,54 @@
+"""One SpMM (or dense ``F.linear``) shape, called a few times: the target of an ``ncu`` profile.
+
+    ncu --clock-control none -k regex:spmm_sm90 --launch-skip 3 --launch-count 1 \
+        python benchmarks/profile_spmm.py --k 1024 --r 4096 --tokens 8192 --mode wgmma --config 4
+
+``--mode dense`` runs ``F.linear`` on the masked bf16 weight (cuBLAS) instead. The inputs are random (never zeros);
+the first call is checked against fp64 so a profile is never taken of a wrong kernel. Used by
+``benchmarks/profile_spmm.sh``, which runs ncu over the configurations and shapes of interest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from hf_sparse.masks import nm_mask
+from hf_sparse.ops import pack, spmm
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--k", type=int, required=True, help="in_features")
+    ap.add_argument("--r", type=int, required=True, help="out_features")
+    ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--mode", choices=["wgmma", "dense"], default="wgmma")
+    ap.add_argument("--config", type=int, default=None, help="HF_SPARSE_SM90_CONFIG (default: the kernel's own)")
+    ap.add_argument("--calls", type=int, default=4)
+    args = ap.parse_args()
+    if args.config is not None:
+        os.environ["HF_SPARSE_SM90_CONFIG"] = str(args.config)
+    os.environ["HF_SPARSE_SPMM_KERNEL"] = "wgmma"
+    torch.manual_seed(0)
+    w = torch.randn(args.r, args.k, device="cuda")
+    mask = nm_mask(w.abs(), 2, 4)
+    wd = torch.where(mask, w, 0.0).bfloat16()
+    x = torch.randn(args.tokens, args.k, device="cuda").bfloat16()
+    p = pack(wd.float(), mask, 64, 4, torch.bfloat16)
+    ref = F.linear(x.double(), wd.double())
+    fn = (lambda: F.linear(x, wd)) if args.mode == "dense" else (lambda: spmm(x, p))
+    y = fn()
+    err = float((y.double() - ref).norm() / ref.norm())
+    print(f"{args.mode} cfg={args.config} {args.tokens}x{args.k}->{args.r}: rel err {err:.2e}", flush=True)
+    for _ in range(args.calls - 1):
+        fn()
+    torch.cuda.synchronize()
+    return 0 if err < 1e-2 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
