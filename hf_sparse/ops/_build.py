@@ -30,7 +30,7 @@ __all__ = ["KernelUnavailableError", "arch_flags", "csrc_dir", "load_extension"]
 logger = logging.getLogger(__name__)
 
 EXTENSION_NAME = "hf_sparse_C"
-SOURCES = ("binding.cpp", "spmm.cu", "spmm_sm90.cu", "sddmm.cu", "pack.cu")
+SOURCES = ("binding.cpp", "spmm.cu", "spmm_sm90.cu", "spmm_vnm_sm90.cu", "sddmm.cu", "pack.cu")
 
 
 class KernelUnavailableError(RuntimeError):
