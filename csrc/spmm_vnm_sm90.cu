@@ -54,8 +54,8 @@ struct VnmCfg {
 };
 
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-// Registers of one k-tile's gather, loaded two k-tiles before their shared stores.
-template <int M, int BN, bool CHUNK = (M == 8)>  // one 16-byte load per group; else four 32-bit words per slab
+// Registers of one k-tile's gather, loaded one k-tile before their shared stores.
+template <int M, int BN, bool CHUNK = (M == 8)>
 struct GatherRegs;
 template <int M, int BN>
 struct GatherRegs<M, BN, true> {
@@ -64,8 +64,8 @@ struct GatherRegs<M, BN, true> {
 };
 template <int M, int BN>
 struct GatherRegs<M, BN, false> {
-  uint32_t w[BN / 16][2][4];  // the word holding kept column j, per token and slab
-  uint32_t sel[2][2];         // prmt selectors of output words 0 / 1, per slab
+  uint32_t w[BN / 2];  // the word holding my kept column, per token
+  uint32_t sel;        // prmt selector pairing my half with my partner lane's (j ^ 1)
 };
 #endif
 
@@ -77,8 +77,9 @@ spmm_vnm_sm90_kernel(const T* __restrict__ x, const uint4* __restrict__ values, 
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using Cfg = VnmCfg<M, BN>;
   using Regs = GatherRegs<M, BN>;
-  constexpr int ND = BN / 2, TI = BN / 16;  // accumulators, tokens per thread per k-tile
+  constexpr int ND = BN / 2;  // accumulators per thread
   constexpr bool CHUNK = M == 8;
+  static_assert(CHUNK || BN == 64, "the word gather's lane roles cover 64 tokens");
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   const uint32_t raw_u32 = (uint32_t)__cvta_generic_to_shared(smem_raw);
   unsigned char* smem = smem_raw + ((1024u - (raw_u32 & 1023u)) & 1023u);
@@ -95,74 +96,95 @@ spmm_vnm_sm90_kernel(const T* __restrict__ x, const uint4* __restrict__ values, 
   const int k_tiles = (steps + 1) >> 1;  // 16 groups (2 k-steps) per k-tile
   const int groups = k / M, groups_padded = 8 * steps;
   const int slabs = rows_padded >> 6;
-
-  // Gather role: group gg of every k-tile, tokens t0 + 16i (rows past n_tokens read the last row).
-  const int gg = tid & 15, t0 = tid >> 4;
-  const T* rowp[TI];
-#pragma unroll
-  for (int i = 0; i < TI; ++i) rowp[i] = x + (size_t)min(n_base + t0 + 16 * i, n_tokens - 1) * k;
   const uint32_t* colp[2];
 #pragma unroll
   for (int s = 0; s < 2; ++s) colp[s] = columns + (size_t)min((cta_row0 >> 6) + s, slabs - 1) * groups_padded;
-  // Shared-store offset of my 8 bytes in token row t0 + 16i of a slab's tile: + i * 2048 (row & 7 is t0 & 7).
-  const uint32_t st_off = t0 * 128 + ((((uint32_t)gg >> 1) ^ (t0 & 7)) << 4) + 8 * (gg & 1);
+
+  // Gather roles.
+  //  chunk (M = 8): thread (gg = tid % 16, t0 = tid / 16) owns group gg of every k-tile, tokens t0 + 16i, both slabs;
+  //    a warp reads 2 token rows x 16 consecutive 16-byte chunks. Its 8 bytes of token row r of a slab's tile sit at
+  //    chunk (gg/2) ^ (r & 7), byte 8(gg & 1): the same offset + 2048i for every i.
+  //  word (M >= 16): lane (q = lane / 8, slab sl = lane / 4 % 2, jj = lane % 4) of warp w owns kept column jj of
+  //    slab sl in group gg = 4(w % 4) + q, tokens 32(w / 4) + i; a warp reads the 4 groups x 8 words of one token
+  //    row (1-8 cache lines: few L1 wavefronts per load). Lanes jj and jj^1 pair their halves with one shuffle;
+  //    lanes jj = 0, 2 store output words 0, 1 (4 bytes each).
+  const int gg = CHUNK ? (tid & 15) : (4 * (warp & 3) + (lane >> 3));
+  const int sl = (lane >> 2) & 1, jj = lane & 3;
+  constexpr int TI = CHUNK ? BN / 16 : BN / 2;  // tokens per thread per k-tile
+  const int tok0 = CHUNK ? (tid >> 4) : 32 * (warp >> 2);
+  const T* rowp[CHUNK ? TI : 1];  // chunk: each token's row (rows past n_tokens read the last); word: the first's
+#pragma unroll
+  for (int i = 0; i < (CHUNK ? TI : 1); ++i)
+    rowp[i] = x + (size_t)min(n_base + tok0 + 16 * i, n_tokens - 1) * k;
+  const int last_tok = n_tokens - 1 - (n_base + tok0);  // word: tokens i > last_tok are not loaded (never stored)
+  uint32_t st_off[CHUNK ? 1 : 8];
+  if constexpr (CHUNK) {
+    st_off[0] = tok0 * 128 + ((((uint32_t)gg >> 1) ^ (tok0 & 7)) << 4) + 8 * (gg & 1);
+  } else {
+#pragma unroll
+    for (int r = 0; r < 8; ++r)  // token row tok0 + r (+ 8 * 128 per further 8 rows); slab sl's tile
+      st_off[r] = sl * Cfg::B_BYTES + (tok0 + r) * 128 + ((((uint32_t)gg >> 1) ^ r) << 4) + 8 * (gg & 1) + 2 * jj;
+  }
 
   auto group_of = [&](int kt) { return min(kt * 16 + gg, groups - 1); };  // clamped: never past K
-  auto load_cw = [&](int kt, uint32_t (&cw)[2]) {
+  const uint32_t* colp_mine = sl ? colp[1] : colp[0];  // word mode: my slab's offsets (no dynamic array index)
+  auto load_cw = [&](int kt) { return colp_mine[group_of(kt)]; };
+  // Issue the global loads of k-tile kt (word mode: cw = its offsets, loaded one k-tile earlier).
+  auto load_x = [&](int kt, uint32_t cw, Regs& r) {
     const int grp = group_of(kt);
-#pragma unroll
-    for (int s = 0; s < 2; ++s) cw[s] = colp[s][grp];
-  };
-  // Issue the global loads of k-tile kt (cw: its column offsets, loaded one k-tile earlier).
-  auto load_x = [&](int kt, const uint32_t (&cw)[2], Regs& r) {
-    const int col0 = group_of(kt) * M;
     if constexpr (CHUNK) {
 #pragma unroll
-      for (int i = 0; i < TI; ++i) r.x[i] = *reinterpret_cast<const uint4*>(rowp[i] + col0);
+      for (int i = 0; i < TI; ++i) r.x[i] = *reinterpret_cast<const uint4*>(rowp[i] + grp * M);
 #pragma unroll
-      for (int s = 0; s < 2; ++s) r.cw[s] = cw[s];
+      for (int s = 0; s < 2; ++s) r.cw[s] = colp[s][grp];
     } else {
+      const uint32_t mine = cw >> (8 * jj), partner = cw >> (8 * (jj ^ 1));
+      // bytes 2h, 2h+1 of my word (h: my column's half), then bytes 2h', 2h'+1 of the partner's
+      r.sel = 0x5410u + (mine & 1u) * 0x22u + (partner & 1u) * 0x2200u;
+      const T* p = rowp[0] + grp * M + (int)(mine & 0xFEu);
+      if (last_tok >= TI - 1) {
 #pragma unroll
-      for (int s = 0; s < 2; ++s) {
-        // Output word o = (column 2o, column 2o+1): half (c & 1) of word c >> 1; prmt picks bytes 2h, 2h+1 of the
-        // first source and 4 + 2h, 5 + 2h of the second.
-        r.sel[s][0] = (cw[s] & 0x0101u) * 0x22u + 0x5410u;
-        r.sel[s][1] = ((cw[s] >> 16) & 0x0101u) * 0x22u + 0x5410u;
+        for (int i = 0; i < TI; ++i) r.w[i] = *reinterpret_cast<const uint32_t*>(p + (size_t)i * k);
+      } else {
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const int off = col0 + (int)((cw[s] >> (8 * j)) & 0xFEu);
-#pragma unroll
-          for (int i = 0; i < TI; ++i) r.w[i][s][j] = *reinterpret_cast<const uint32_t*>(rowp[i] + off);
-        }
+        for (int i = 0; i < TI; ++i)
+          if (i <= last_tok) r.w[i] = *reinterpret_cast<const uint32_t*>(p + (size_t)i * k);
       }
     }
   };
   // Select the 4 kept halves of each group and store them into buffer `buf`'s B tiles (both slabs).
   auto store_b = [&](const Regs& r, int buf) {
-    unsigned char* base = smem + buf * Cfg::STAGE + st_off;
+    unsigned char* base = smem + buf * Cfg::STAGE;
+    if constexpr (CHUNK) {
 #pragma unroll
-    for (int s = 0; s < 2; ++s) {
-      uint32_t sa[2], sb[2];
-      if constexpr (CHUNK) {
-        // Element c (0..7) of the chunk: bytes 2(c&3), +1 of the low (c < 4) or high 8 bytes, then a choice.
-        const uint32_t cw = r.cw[s];
-        sa[0] = (cw & 0x0303u) * 0x22u + 0x1010u;
-        sa[1] = ((cw >> 16) & 0x0303u) * 0x22u + 0x1010u;
-        sb[0] = ((cw >> 2) & 0x0101u) * 0x44u + 0x3210u;
-        sb[1] = ((cw >> 18) & 0x0101u) * 0x44u + 0x3210u;
+      for (int s = 0; s < 2; ++s) {
+        // Output word o takes columns 2o, 2o+1: word 0 lies in chunk words 0-2, word 1 in words 1-3. One prmt picks
+        // from the pair (0,1) resp. (2,3) (bytes 2(c&3), +1), a second takes a half from the third word instead
+        // where the column lies there (c >= 4 for word 0, c < 4 for word 1).
+        uint32_t sa[2], sb[2];
+#pragma unroll
+        for (int o = 0; o < 2; ++o) {
+          const uint32_t c = (r.cw[s] >> (16 * o)) & 0xFFFFu;
+          sa[o] = (c & 0x0303u) * 0x22u + 0x1010u;
+          const uint32_t m = ((c >> 2) & 0x0101u) ^ (o ? 0x0101u : 0u);  // per half: from the third word
+          const uint32_t d = (m << 2) + ((m & c & 0x0101u) << 1) - ((m & 0x0100u) << 1);
+          sb[o] = 0x3210u + d * 0x11u;
+        }
+#pragma unroll
+        for (int i = 0; i < TI; ++i) {
+          const uint4 v = r.x[i];
+          uint2 o;
+          o.x = __byte_perm(__byte_perm(v.x, v.y, sa[0]), v.z, sb[0]);
+          o.y = __byte_perm(__byte_perm(v.z, v.w, sa[1]), v.y, sb[1]);
+          *reinterpret_cast<uint2*>(base + st_off[0] + s * Cfg::B_BYTES + i * 2048) = o;
+        }
       }
+    } else {
 #pragma unroll
       for (int i = 0; i < TI; ++i) {
-        uint2 o;
-        if constexpr (CHUNK) {
-          const uint4 v = r.x[i];
-          o.x = __byte_perm(__byte_perm(v.x, v.y, sa[0]), __byte_perm(v.z, v.w, sa[0]), sb[0]);
-          o.y = __byte_perm(__byte_perm(v.x, v.y, sa[1]), __byte_perm(v.z, v.w, sa[1]), sb[1]);
-        } else {
-          o.x = __byte_perm(r.w[i][s][0], r.w[i][s][1], r.sel[s][0]);
-          o.y = __byte_perm(r.w[i][s][2], r.w[i][s][3], r.sel[s][1]);
-        }
-        *reinterpret_cast<uint2*>(base + s * Cfg::B_BYTES + i * 2048) = o;
+        const uint32_t other = __shfl_xor_sync(0xffffffffu, r.w[i], 1);
+        const uint32_t o = __byte_perm(r.w[i], other, r.sel);
+        if ((jj & 1) == 0) *reinterpret_cast<uint32_t*>(base + st_off[i & 7] + (i >> 3) * 1024) = o;
       }
     }
   };
@@ -194,43 +216,42 @@ spmm_vnm_sm90_kernel(const T* __restrict__ x, const uint4* __restrict__ values, 
 #pragma unroll
   for (int j = 0; j < ND; ++j) acc[j] = 0.f;
 
-  // Prologue: k-tile 0 stored into buffer 0, k-tiles 1 and 2 loaded, offsets of k-tile 3 in flight.
+  // Prologue: k-tile 0 stored into buffer 0, k-tile 1 loaded, the offsets of k-tile 2 loaded (word mode).
   Regs r0, r1;
   uint4 a0[2], a1[2];
   uint32_t e0[2], e1[2];
-  uint32_t cw[2];
   fetch_a(0, a0, e0);
-  fetch_a(1, a1, e1);
-  load_cw(0, cw);
+  uint32_t cw = CHUNK ? 0u : load_cw(0);
   load_x(0, cw, r0);
-  load_cw(1, cw);
+  if (!CHUNK) cw = load_cw(1);
   if (1 < k_tiles) load_x(1, cw, r1);
-  load_cw(2, cw);
+  if (!CHUNK) cw = load_cw(2);
   store_b(r0, 0);
-  if (2 < k_tiles) load_x(2, cw, r0);
-  load_cw(3, cw);
   fence_proxy_async();
   __syncthreads();
 
-  // K-tile kt (buffer kt & 1, A set a/e): issue its wgmmas, store k-tile kt+1 (register set `nxt`) into the other
-  // buffer and reload `nxt` with k-tile kt+3, then wait for the wgmmas, refill a/e with k-tile kt+2, and publish.
-  auto step = [&](int kt, int buf, uint4 (&a)[2], uint32_t (&e)[2], Regs& nxt) {
+  // K-tile kt (buffer buf = kt & 1, A set a/e, X of k-tile kt+1 in `cur`): first issue the loads of k-tile kt+2
+  // (into `nxt`) and the A fragments of kt+1, so they land while this k-tile's wgmmas run and `cur` is selected and
+  // stored into the other buffer; the fence.proxy.async that publishes the stores waits for this thread's
+  // outstanding loads, so loads issued earlier than this iteration would not help.
+  auto step = [&](int kt, int buf, const uint4 (&a)[2], const uint32_t (&e)[2], uint4 (&a_nx)[2],
+                  uint32_t (&e_nx)[2], const Regs& cur, Regs& nxt) {
+    if (kt + 2 < k_tiles) load_x(kt + 2, cw, nxt);
+    if (!CHUNK) cw = load_cw(kt + 3);
+    if (kt + 1 < k_tiles) fetch_a(kt + 1, a_nx, e_nx);
     const uint64_t desc = desc_k128(smem_u32 + buf * Cfg::STAGE + wg * Cfg::B_BYTES);
     wgmma_fence();
 #pragma unroll
     for (int j = 0; j < 2; ++j) WgmmaSp<BN, T>::run(acc, a[j], desc + j * (64 >> 4), e[j]);
     wgmma_commit();
-    if (kt + 1 < k_tiles) store_b(nxt, buf ^ 1);
-    if (kt + 3 < k_tiles) load_x(kt + 3, cw, nxt);
-    load_cw(kt + 4, cw);
+    if (kt + 1 < k_tiles) store_b(cur, buf ^ 1);
     wgmma_wait<0>();
-    fetch_a(kt + 2, a, e);
     fence_proxy_async();
     __syncthreads();
   };
   for (int kt = 0; kt < k_tiles; kt += 2) {
-    step(kt, 0, a0, e0, r1);
-    if (kt + 1 < k_tiles) step(kt + 1, 1, a1, e1, r0);
+    step(kt, 0, a0, e0, a1, e1, r1, r0);
+    if (kt + 1 < k_tiles) step(kt + 1, 1, a1, e1, a0, e0, r0, r1);
   }
 #pragma unroll
   for (int j = 0; j < ND; ++j) asm volatile("" : "+f"(acc[j])::"memory");  // reads after the wgmma wait
