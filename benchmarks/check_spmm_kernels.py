@@ -5,7 +5,8 @@
 For each pattern and shape: relative error of each kernel and of torch's own bf16 product against an fp64 reference
 (poisoned output allocator, random data), then median times (``triton.testing.do_bench``), the ratio to dense and
 (wgmma) to mma.sp. For 2:4 also every tile configuration of the 2:4 wgmma kernel (``HF_SPARSE_SM90_CONFIG``), for
-64:2:8 / 128:2:8 both token tiles of the V:2:M wgmma kernel (``HF_SPARSE_VNM_TILE``). Meant as the first thing a
+V:2:M both pipelines of the V:2:M wgmma kernel (``HF_SPARSE_VNM_PIPE``) and, at M = 8, both token tiles
+(``HF_SPARSE_VNM_TILE``). Meant as the first thing a
 device run does: it fails fast (exit 1) if a kernel is wrong, before any long benchmark.
 """
 # ruff: noqa: B023  (every benchmarked lambda is called at once, inside its own loop iteration)
@@ -73,14 +74,18 @@ def main() -> int:
         if "wgmma" in times:
             line += f" | wgmma x mma_sp {times['mma_sp'] / times['wgmma']:.2f}"
         print(line, flush=True)
-        if "wgmma" in kernels and m == 8 and tokens > 64 and not args.no_configs:  # V:2:M token tiles
+        if "wgmma" in kernels and m >= 8 and not args.no_configs:  # V:2:M pipelines and token tiles
             os.environ["HF_SPARSE_SPMM_KERNEL"] = "wgmma"
-            line = "      wgmma tiles:"
-            for tile in (64, 128):
-                os.environ["HF_SPARSE_VNM_TILE"] = str(tile)
-                _, ok, t = check_and_time()
-                bad += not ok
-                line += f" | {tile}: {t:.4f} ms x{t_dense / t:.2f}{'' if ok else ' WRONG'}"
+            line = "      wgmma pipe/tile:"
+            for pipe in ("1", "0"):
+                for tile in (128, 64) if m == 8 and tokens > 64 else (64,):
+                    os.environ["HF_SPARSE_VNM_PIPE"] = pipe
+                    os.environ["HF_SPARSE_VNM_TILE"] = str(tile)
+                    _, ok, t = check_and_time()
+                    bad += not ok
+                    line += f" | {'staged' if pipe == '1' else 'regs'}/{tile}: {t:.4f} ms x{t_dense / t:.2f}"
+                    line += "" if ok else " WRONG"
+            os.environ.pop("HF_SPARSE_VNM_PIPE")
             os.environ.pop("HF_SPARSE_VNM_TILE")
             print(line, flush=True)
         if "wgmma" in kernels and m == 4 and not args.no_configs:  # HF_SPARSE_SM90_CONFIG; 6-12 (TMA) also run small

@@ -140,13 +140,31 @@ def test_spmm_auto_picks_wgmma_on_sm90a(monkeypatch):
     # last k-tile has one k-step and 15 padded groups). Tokens straddle the V:2:M kernel's token tiles (64 / 128).
     [(1, 25), (7, 17), (65, 25), (257, 17), (8191, 25)],
 )
-def test_spmm_vnm_ragged_k_and_token_tiles(v, m, dtype, bias, tokens, groups, spmm_kernel_env):
+@pytest.mark.parametrize("pipe", ["1", "0"])
+def test_spmm_vnm_ragged_k_and_token_tiles(v, m, dtype, bias, tokens, groups, pipe, spmm_kernel_env, monkeypatch):
+    # pipe (HF_SPARSE_VNM_PIPE): the V:2:M wgmma kernel's staged (cp.async ring) and register pipelines
+    if spmm_kernel_env == "mma_sp" and pipe == "0":
+        pytest.skip("the pipeline only selects between wgmma kernels")
+    monkeypatch.setenv("HF_SPARSE_VNM_PIPE", pipe)
     rows = 3 * v  # V = 64: 192 rows, the last 128-row block has one idle slab; V = 128: two blocks of one V-block
     cols = groups * m
     w, mask, p = _pack_cuda(rows, cols, v, m, dtype, seed=tokens + groups + m)
     x = torch.randn(tokens, cols, device="cuda").to(dtype)
     b = torch.randn(rows, device="cuda").to(dtype) if bias else None
     _assert_spmm_matches_reference(x, w, p, b)
+
+
+@pytest.mark.parametrize(("m", "groups"), [(8, 2056), (16, 2100)])
+def test_spmm_vnm_long_k_falls_back_to_register_pipeline(m, groups, monkeypatch):
+    # More than 2048 padded groups: the column offsets of a CTA's two slabs do not fit the staged pipeline's 16 KB, so
+    # the default (staged) choice runs the register pipeline; both must agree with the reference.
+    if not _wgmma_runs_here():
+        pytest.skip("sparse wgmma needs a cc 9.0 GPU and an sm_90a build")
+    monkeypatch.setenv("HF_SPARSE_SPMM_KERNEL", "wgmma")
+    monkeypatch.delenv("HF_SPARSE_VNM_PIPE", raising=False)
+    w, mask, p = _pack_cuda(192, groups * m, 64, m, torch.bfloat16, seed=groups)
+    x = torch.randn(65, groups * m, device="cuda").bfloat16()
+    _assert_spmm_matches_reference(x, w, p, torch.randn(192, device="cuda").bfloat16())
 
 
 def _mask_with_distinct_slab_columns(rows: int, cols: int, v: int, m: int, seed: int) -> torch.Tensor:
@@ -171,12 +189,14 @@ def _mask_with_distinct_slab_columns(rows: int, cols: int, v: int, m: int, seed:
 
 
 @pytest.mark.parametrize(("v", "m"), [(64, 8), (128, 8), (64, 16), (64, 32), (64, 128)])
-def test_spmm_vnm_gather_uses_each_slabs_columns(v, m, monkeypatch):
+@pytest.mark.parametrize("pipe", ["1", "0"])
+def test_spmm_vnm_gather_uses_each_slabs_columns(v, m, pipe, monkeypatch):
     # A gather that reused one slab's column offsets for the other slab of a CTA, or mixed up groups / offsets, gives
     # a wrong product here: every consecutive pair of 64-row slabs (V = 64) keeps different columns in every group.
     if not _wgmma_runs_here():
         pytest.skip("sparse wgmma needs a cc 9.0 GPU and an sm_90a build")
     monkeypatch.setenv("HF_SPARSE_SPMM_KERNEL", "wgmma")
+    monkeypatch.setenv("HF_SPARSE_VNM_PIPE", pipe)
     rows, cols = 256, 24 * m
     mask = _mask_with_distinct_slab_columns(rows, cols, v, m, seed=m + v).cuda()
     w = torch.randn(rows, cols, device="cuda") * mask
