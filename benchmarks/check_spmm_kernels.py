@@ -5,9 +5,9 @@
 For each pattern and shape: relative error of each kernel and of torch's own bf16 product against an fp64 reference
 (poisoned output allocator, random data), then median times (``triton.testing.do_bench``), the ratio to dense and
 (wgmma) to mma.sp. For 2:4 also every tile configuration of the 2:4 wgmma kernel (``HF_SPARSE_SM90_CONFIG``), for
-V:2:M both pipelines of the V:2:M wgmma kernel (``HF_SPARSE_VNM_PIPE``) and, at M = 8, both token tiles
-(``HF_SPARSE_VNM_TILE``). Meant as the first thing a
-device run does: it fails fast (exit 1) if a kernel is wrong, before any long benchmark.
+V:2:M every pipeline of the V:2:M wgmma kernel (``HF_SPARSE_VNM_PIPE``) and, at M = 8, both token tiles
+(``HF_SPARSE_VNM_TILE``). Meant as the first thing a device run does: it fails fast (exit 1) if a kernel is wrong,
+before any long benchmark.
 """
 # ruff: noqa: B023  (every benchmarked lambda is called at once, inside its own loop iteration)
 
@@ -77,13 +77,14 @@ def main() -> int:
         if "wgmma" in kernels and m >= 8 and not args.no_configs:  # V:2:M pipelines and token tiles
             os.environ["HF_SPARSE_SPMM_KERNEL"] = "wgmma"
             line = "      wgmma pipe/tile:"
-            for pipe in ("1", "0"):
+            for pipe in ("1", "0", "2"):
                 for tile in (128, 64) if m == 8 and tokens > 64 else (64,):
                     os.environ["HF_SPARSE_VNM_PIPE"] = pipe
                     os.environ["HF_SPARSE_VNM_TILE"] = str(tile)
                     _, ok, t = check_and_time()
                     bad += not ok
-                    line += f" | {'staged' if pipe == '1' else 'regs'}/{tile}: {t:.4f} ms x{t_dense / t:.2f}"
+                    name = {"1": "staged", "0": "regs", "2": "regs+pf"}[pipe]
+                    line += f" | {name}/{tile}: {t:.4f} ms x{t_dense / t:.2f}"
                     line += "" if ok else " WRONG"
             os.environ.pop("HF_SPARSE_VNM_PIPE")
             os.environ.pop("HF_SPARSE_VNM_TILE")

@@ -71,7 +71,7 @@ struct GatherRegs<M, BN, false> {
 };
 #endif
 
-template <typename T, int M, int BN>
+template <typename T, int M, int BN, bool PF>
 __global__ void __launch_bounds__(kVnmThreads, 1)
 spmm_vnm_sm90_kernel(const T* __restrict__ x, const uint4* __restrict__ values, const uint32_t* __restrict__ meta,
                      const uint32_t* __restrict__ columns, const T* __restrict__ bias, T* __restrict__ y,
@@ -155,6 +155,27 @@ spmm_vnm_sm90_kernel(const T* __restrict__ x, const uint4* __restrict__ values, 
     }
   };
   // Select the 4 kept halves of each group and store them into buffer `buf`'s B tiles (both slabs).
+  // PF (HF_SPARSE_VNM_PIPE=2): prefetch into L1 the lines the loads of the next step will read (X of k-tile kt+3,
+  // A and metadata of kt+2, column offsets), so that the loads the fence waits for hit L1 instead of L2.
+  auto prefetch_l1 = [&](const void* ptr) { asm volatile("prefetch.global.L1 [%0];\n" ::"l"(ptr)); };
+  auto prefetch_x = [&](int kt) {
+    const int grp = group_of(kt);
+    if constexpr (CHUNK) {
+#pragma unroll
+      for (int i = 0; i < TI; ++i) prefetch_l1(rowp[i] + grp * M);
+#pragma unroll
+      for (int s = 0; s < 2; ++s) prefetch_l1(colp[s] + grp);
+    } else {
+      // The 8 lanes of a group (per token: its M/64 lines, or 1) share the prefetches of its TI tokens.
+      constexpr int L = M >= 128 ? 2 : 1, PER = TI * L / 8;
+#pragma unroll
+      for (int u = 0; u < PER; ++u) {
+        const int idx = 8 * u + (lane & 7), i = idx / L, l = idx % L;
+        if (i <= last_tok) prefetch_l1(rowp[0] + (size_t)i * k + grp * M + l * 64);
+      }
+      prefetch_l1(colp_mine + group_of(kt + 1));
+    }
+  };
   auto store_b = [&](const Regs& r, int buf) {
     unsigned char* base = smem + buf * Cfg::STAGE;
     if constexpr (CHUNK) {
@@ -238,6 +259,16 @@ spmm_vnm_sm90_kernel(const T* __restrict__ x, const uint4* __restrict__ values, 
   // outstanding loads, so loads issued earlier than this iteration would not help.
   auto step = [&](int kt, int buf, const uint4 (&a)[2], const uint32_t (&e)[2], uint4 (&a_nx)[2],
                   uint32_t (&e_nx)[2], const Regs& cur, Regs& nxt) {
+    if constexpr (PF) {
+      if (kt + 3 < k_tiles) prefetch_x(kt + 3);
+      if (kt + 2 < k_tiles && active) {
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          prefetch_l1(ag + (size_t)min(2 * (kt + 2) + j, steps - 1) * 32);
+          prefetch_l1(eg + (size_t)min(2 * (kt + 2) + j, steps - 1) * 16);
+        }
+      }
+    }
     if (kt + 2 < k_tiles) load_x(kt + 2, cw, nxt);
     if (!CHUNK) cw = load_cw(kt + 3);
     if (kt + 1 < k_tiles) fetch_a(kt + 1, a_nx, e_nx);
@@ -495,10 +526,10 @@ cudaError_t launch_vnm_staged(const SpmmArgs& a, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-template <typename T, int M, int BN>
+template <typename T, int M, int BN, bool PF>
 cudaError_t launch_vnm(const SpmmArgs& a, cudaStream_t stream) {
   using Cfg = VnmCfg<M, BN>;
-  auto kernel = spmm_vnm_sm90_kernel<T, M, BN>;
+  auto kernel = spmm_vnm_sm90_kernel<T, M, BN, PF>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::SMEM);
   if (err != cudaSuccess) return err;
   // Row blocks vary fastest: CTAs resident together share a token tile of X (read once from L2) and walk W.
@@ -512,19 +543,36 @@ cudaError_t launch_vnm(const SpmmArgs& a, cudaStream_t stream) {
 }
 
 // Tokens per CTA: 128 for M = 8 above 64 tokens (HF_SPARSE_VNM_TILE=64 forces 64, tuning only), 64 otherwise (the
-// word gather holds 4x the registers per token). Pipeline: HF_SPARSE_VNM_PIPE = 1 staged (default where the
-// column offsets of the CTA's two slabs fit its 16 KB, i.e. K / M <= 2048), 0 registers.
+// word gather holds 4x the registers per token). Pipeline (HF_SPARSE_VNM_PIPE): 1 staged (default where the column
+// offsets of the CTA's two slabs fit its 16 KB, i.e. K / M <= 2048), 0 registers, 2 registers + L1 prefetch; the
+// register pipelines serve any K.
+enum class VnmPipe { kRegs = 0, kStaged = 1, kRegsPrefetch = 2 };
+inline VnmPipe vnm_pipe(const SpmmArgs& a) {
+  const char* env = std::getenv("HF_SPARSE_VNM_PIPE");
+  const int want = env == nullptr ? 1 : std::atoi(env);
+  const bool fits = 2 * 8 * a.steps * 4 <= (16 << 10);
+  if (want == 1) return fits ? VnmPipe::kStaged : VnmPipe::kRegs;
+  return want == 2 ? VnmPipe::kRegsPrefetch : VnmPipe::kRegs;
+}
+
+template <typename T, int M, int BN, int S>
+cudaError_t launch_pipe(const SpmmArgs& a, cudaStream_t stream) {
+  switch (vnm_pipe(a)) {
+    case VnmPipe::kStaged: return launch_vnm_staged<T, M, BN, S>(a, stream);
+    case VnmPipe::kRegsPrefetch: return launch_vnm<T, M, BN, true>(a, stream);
+    default: return launch_vnm<T, M, BN, false>(a, stream);
+  }
+}
+
 template <typename T, int M>
 cudaError_t dispatch_tile(const SpmmArgs& a, cudaStream_t stream) {
-  const char* pipe = std::getenv("HF_SPARSE_VNM_PIPE");
-  const bool staged = (pipe == nullptr || std::atoi(pipe) != 0) && 2 * 8 * a.steps * 4 <= (16 << 10);
   if constexpr (M == 8) {
     const char* env = std::getenv("HF_SPARSE_VNM_TILE");
     const bool small = a.n_tokens <= 64 || (env != nullptr && std::atoi(env) == 64);
-    if (!small) return staged ? launch_vnm_staged<T, M, 128, 3>(a, stream) : launch_vnm<T, M, 128>(a, stream);
-    return staged ? launch_vnm_staged<T, M, 64, 3>(a, stream) : launch_vnm<T, M, 64>(a, stream);
+    if (!small) return launch_pipe<T, M, 128, 3>(a, stream);
+    return launch_pipe<T, M, 64, 3>(a, stream);
   }
-  return staged ? launch_vnm_staged<T, M, 64, 4>(a, stream) : launch_vnm<T, M, 64>(a, stream);
+  return launch_pipe<T, M, 64, 4>(a, stream);
 }
 
 template <typename T>
