@@ -23,9 +23,12 @@
 // Pipeline (128 weight rows = 2 slabs / 2 consumer warpgroups x BN tokens, 256 threads, two B buffers): per k-tile
 // each thread first issues the loads of k-tile kt+2 (X) and kt+1 (A fragments, metadata), then the wgmmas of kt, then
 // selects and stores k-tile kt+1 (loaded one iteration earlier) into the other buffer, waits for its wgmmas and
-// publishes the stores with fence.proxy.async + one CTA barrier. The fence (MEMBAR + FENCE.VIEW.ASYNC in SASS) waits
-// for the thread's outstanding loads, so loads are issued at the start of the k-tile that consumes them next,
-// not further ahead. Two register sets (named, loop unrolled by two) hold the X words of kt+1 and kt+2.
+// publishes the stores with fence.proxy.async + one CTA barrier. Two register sets (named, loop unrolled by two) hold
+// the X words of kt+1 and kt+2. Measured on the H200 (ncu, 64:2:8, 4096->11008, 8192 tokens): ~1660 cycles per
+// k-tile against 256 for its wgmmas at the sparse peak, 6 cycles per issued instruction with 2 warps per scheduler,
+// L2 52% and L1 59% busy: latency-bound. Loading X two k-tiles ahead (the first version) was no faster than one,
+// which fits the fence (MEMBAR.ALL.CTA + FENCE.VIEW.ASYNC in SASS) waiting for the thread's in-flight loads; neither
+// the staged pipeline nor L1 prefetches (below) helped.
 // Tails: tokens past n_tokens read the last token's row (chunk) or are not loaded (word); their outputs are never
 // stored. Groups past G (the padded groups up to 8*steps, whose A values are zero) read group G-1's columns, so
 // nothing past K is ever read.
@@ -155,8 +158,9 @@ spmm_vnm_sm90_kernel(const T* __restrict__ x, const uint4* __restrict__ values, 
     }
   };
   // Select the 4 kept halves of each group and store them into buffer `buf`'s B tiles (both slabs).
-  // PF (HF_SPARSE_VNM_PIPE=2): prefetch into L1 the lines the loads of the next step will read (X of k-tile kt+3,
-  // A and metadata of kt+2, column offsets), so that the loads the fence waits for hit L1 instead of L2.
+  // PF (HF_SPARSE_VNM_PIPE=2, tuning only): prefetch into L1 the lines the loads of the next step will read (X of
+  // k-tile kt+3, A and metadata of kt+2, column offsets), so that the loads the fence waits for hit L1 instead of L2.
+  // Measured 1.05-1.15x slower than without at 8192 tokens (the prefetch instructions cost more than they hide).
   auto prefetch_l1 = [&](const void* ptr) { asm volatile("prefetch.global.L1 [%0];\n" ::"l"(ptr)); };
   auto prefetch_x = [&](int kt) {
     const int grp = group_of(kt);
@@ -294,12 +298,14 @@ spmm_vnm_sm90_kernel(const T* __restrict__ x, const uint4* __restrict__ values, 
 #endif
 }
 
-// Staged pipeline (HF_SPARSE_VNM_PIPE, default where the columns fit): every global read goes through cp.async
-// into a ring of S shared-memory stages (the X words / chunks each thread will select, in per-thread slots, plus the
-// A fragments and metadata of the k-tile), and the column offsets of both slabs are copied into shared memory once.
-// Why: the register pipeline above must drain its in-flight loads at every k-tile's fence.proxy.async (MEMBAR), so
-// each k-tile waits for a full L2 round trip; cp.async copies are completed by cp.async.wait_group instead, so S-1
-// k-tiles stay in flight. The cost is one more shared-memory write and read of the loaded X bytes.
+// Staged pipeline (HF_SPARSE_VNM_PIPE=1, tuning only): every global read goes through cp.async into a ring of S
+// shared-memory stages (the X words / chunks each thread will select, in per-thread slots, plus the A fragments and
+// metadata of the k-tile), and the column offsets of both slabs are copied into shared memory once.
+// Why it was tried: if the fence.proxy.async of every k-tile (MEMBAR.ALL.CTA + FENCE.VIEW.ASYNC in SASS) waits for
+// the thread's in-flight loads, the register pipeline pays a full L2 round trip per k-tile, while cp.async copies
+// are completed by cp.async.wait_group and S-1 k-tiles stay in flight. Measured 1.13-1.8x slower than the register
+// pipeline: one more shared-memory write and read of every loaded X byte, on top of the B tile's store and the
+// wgmmas' reads, costs more than it hides.
 template <int M, int BN, int S>
 struct VnmStagedCfg {
   static constexpr int TI = M == 8 ? BN / 16 : BN / 2;                    // tokens per thread per k-tile
@@ -543,13 +549,14 @@ cudaError_t launch_vnm(const SpmmArgs& a, cudaStream_t stream) {
 }
 
 // Tokens per CTA: 128 for M = 8 above 64 tokens (HF_SPARSE_VNM_TILE=64 forces 64, tuning only), 64 otherwise (the
-// word gather holds 4x the registers per token). Pipeline (HF_SPARSE_VNM_PIPE): 1 staged (default where the column
-// offsets of the CTA's two slabs fit its 16 KB, i.e. K / M <= 2048), 0 registers, 2 registers + L1 prefetch; the
-// register pipelines serve any K.
+// word gather holds 4x the registers per token). Pipeline (HF_SPARSE_VNM_PIPE, tuning only): 0 registers (default),
+// 1 staged (where the column offsets of the CTA's two slabs fit its 16 KB, i.e. K / M <= 2048; registers otherwise),
+// 2 registers + L1 prefetch. On the H200 (benchmarks/RESULTS.md, "V:2:M sparse wgmma") 1 was 1.13-1.8x and 2 was
+// 1.05-1.15x slower than 0 at 8192 tokens.
 enum class VnmPipe { kRegs = 0, kStaged = 1, kRegsPrefetch = 2 };
 inline VnmPipe vnm_pipe(const SpmmArgs& a) {
   const char* env = std::getenv("HF_SPARSE_VNM_PIPE");
-  const int want = env == nullptr ? 1 : std::atoi(env);
+  const int want = env == nullptr ? 0 : std::atoi(env);
   const bool fits = 2 * 8 * a.steps * 4 <= (16 << 10);
   if (want == 1) return fits ? VnmPipe::kStaged : VnmPipe::kRegs;
   return want == 2 ? VnmPipe::kRegsPrefetch : VnmPipe::kRegs;

@@ -37,8 +37,10 @@ def _kernel_ok(x: Tensor, cols: int) -> bool:
 
 SPMM_KERNELS = ("auto", "mma_sp", "wgmma")
 # Group sizes M for which ``auto`` picks the sparse-wgmma kernel where it can run: those where it was measured faster
-# than mma.sp on the H200 at every shape of benchmarks/bench_kernels.py (benchmarks/RESULTS.md, "V:2:M sparse wgmma").
-AUTO_WGMMA_M = frozenset({4})
+# than mma.sp on the H200 at 8192 tokens at every shape of benchmarks/bench_kernels.py (benchmarks/RESULTS.md, "V:2:M
+# sparse wgmma": 1.14-1.46x at M = 8). M = 16 and 32 stay on mma.sp (the wgmma kernel is 0.64-0.81x of it there);
+# M = 64 and 128 were not measured.
+AUTO_WGMMA_M = frozenset({4, 8})
 
 
 _wgmma_ok: dict[int, bool] = {}  # device index -> the sm_90a kernel can run there (asked once per device)

@@ -140,10 +140,11 @@ def test_spmm_auto_picks_wgmma_on_sm90a(monkeypatch):
     # last k-tile has one k-step and 15 padded groups). Tokens straddle the V:2:M kernel's token tiles (64 / 128).
     [(1, 25), (7, 17), (65, 25), (257, 17), (8191, 25)],
 )
-@pytest.mark.parametrize("pipe", ["1", "0", "2"])
+@pytest.mark.parametrize("pipe", ["0", "1", "2"])
 def test_spmm_vnm_ragged_k_and_token_tiles(v, m, dtype, bias, tokens, groups, pipe, spmm_kernel_env, monkeypatch):
-    # pipe (HF_SPARSE_VNM_PIPE): the V:2:M wgmma kernel's staged (cp.async ring), register, register + L1 prefetch
-    if spmm_kernel_env == "mma_sp" and pipe != "1":
+    # pipe (HF_SPARSE_VNM_PIPE): the V:2:M wgmma kernel's register (default), staged (cp.async ring), register + L1
+    # prefetch pipelines
+    if spmm_kernel_env == "mma_sp" and pipe != "0":
         pytest.skip("the pipeline only selects between wgmma kernels")
     monkeypatch.setenv("HF_SPARSE_VNM_PIPE", pipe)
     rows = 3 * v  # V = 64: 192 rows, the last 128-row block has one idle slab; V = 128: two blocks of one V-block
@@ -155,13 +156,17 @@ def test_spmm_vnm_ragged_k_and_token_tiles(v, m, dtype, bias, tokens, groups, pi
 
 
 @pytest.mark.parametrize(("m", "groups"), [(8, 2056), (16, 2100)])
-def test_spmm_vnm_long_k_falls_back_to_register_pipeline(m, groups, monkeypatch):
+@pytest.mark.parametrize("pipe", ["1", None])
+def test_spmm_vnm_long_k_falls_back_to_register_pipeline(m, groups, pipe, monkeypatch):
     # More than 2048 padded groups: the column offsets of a CTA's two slabs do not fit the staged pipeline's 16 KB, so
-    # the default (staged) choice runs the register pipeline; both must agree with the reference.
+    # asking for it (pipe 1) runs the register pipeline, as the default does; both must agree with the reference.
     if not _wgmma_runs_here():
         pytest.skip("sparse wgmma needs a cc 9.0 GPU and an sm_90a build")
     monkeypatch.setenv("HF_SPARSE_SPMM_KERNEL", "wgmma")
-    monkeypatch.delenv("HF_SPARSE_VNM_PIPE", raising=False)
+    if pipe is None:
+        monkeypatch.delenv("HF_SPARSE_VNM_PIPE", raising=False)
+    else:
+        monkeypatch.setenv("HF_SPARSE_VNM_PIPE", pipe)
     w, mask, p = _pack_cuda(192, groups * m, 64, m, torch.bfloat16, seed=groups)
     x = torch.randn(65, groups * m, device="cuda").bfloat16()
     _assert_spmm_matches_reference(x, w, p, torch.randn(192, device="cuda").bfloat16())
