@@ -1,22 +1,26 @@
-"""Quick check of the 2:4 SpMM kernels (mma.sp and sparse wgmma) against fp64 and dense cuBLAS, in one short run.
+"""Quick check of the SpMM kernels (mma.sp and sparse wgmma) against fp64 and dense cuBLAS, in one short run.
 
-    python benchmarks/check_spmm_kernels.py
+    python benchmarks/check_spmm_kernels.py [--patterns 2:4 64:2:8 ...] [--no-configs]
 
-For each shape: relative error of each kernel and of torch's own bf16 product against an fp64 reference (poisoned
-output allocator, random data), then median times (``triton.testing.do_bench``) and the ratio to dense. Meant as
-the first thing a device run does: it fails fast (exit 1) if a kernel is wrong, before any long benchmark.
+For each pattern and shape: relative error of each kernel and of torch's own bf16 product against an fp64 reference
+(poisoned output allocator, random data), then median times (``triton.testing.do_bench``), the ratio to dense and
+(wgmma) to mma.sp. For 2:4 also every tile configuration of the 2:4 wgmma kernel (``HF_SPARSE_SM90_CONFIG``), for
+V:2:M every pipeline of the V:2:M wgmma kernel (``HF_SPARSE_VNM_PIPE``) and, at M = 8, both token tiles
+(``HF_SPARSE_VNM_TILE``). Meant as the first thing a device run does: it fails fast (exit 1) if a kernel is wrong,
+before any long benchmark.
 """
 # ruff: noqa: B023  (every benchmarked lambda is called at once, inside its own loop iteration)
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 
 import torch
 import torch.nn.functional as F
 
-from hf_sparse.masks import nm_mask
+from hf_sparse.masks import nm_mask, vnm_mask
 from hf_sparse.ops import pack, spmm
 from hf_sparse.ops.spmm import _wgmma_available
 
@@ -39,14 +43,20 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def main() -> int:
     from triton.testing import do_bench
 
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--patterns", nargs="+", default=["2:4"])
+    ap.add_argument("--no-configs", action="store_true", help="skip the per-tile-configuration timings")
+    args = ap.parse_args()
     kernels = ["mma_sp"] + (["wgmma"] if _wgmma_available(torch.device("cuda")) else [])
     print(f"# {torch.cuda.get_device_name()}, kernels: {kernels}")
     bad = 0
-    for tokens, k, r in SHAPES:
+    for pat, (tokens, k, r) in ((pat, shape) for pat in args.patterns for shape in SHAPES):
+        parts = [int(s) for s in pat.split(":")]
+        v, m = (64, 4) if len(parts) == 2 else (parts[0], parts[2])
         w = torch.randn(r, k, device="cuda")
-        mask = nm_mask(w.abs(), 2, 4)
+        mask = nm_mask(w.abs(), 2, 4) if m == 4 else vnm_mask(w.abs(), v, 2, m)
         wm = torch.where(mask, w, 0.0)
-        p = pack(wm, mask, 64, 4, torch.bfloat16)
+        p = pack(wm, mask, v, m, torch.bfloat16)
         x = torch.randn(tokens, k, device="cuda").bfloat16()
         b = torch.randn(r, device="cuda").bfloat16()
         wd = wm.bfloat16()
@@ -62,14 +72,33 @@ def main() -> int:
             ok = not bool(torch.isnan(y).any()) and err <= 2 * torch_err + 1e-6
             return err, ok, float(do_bench(lambda: spmm(x, p), warmup=10, rep=40, return_mode="median"))
 
-        line = f"{tokens:>5} {k:>5}->{r:<5} torch_err {torch_err:.2e} dense {t_dense:.4f} ms"
+        line = f"{pat:>7} {tokens:>5} {k:>5}->{r:<5} torch_err {torch_err:.2e} dense {t_dense:.4f} ms"
+        times = {}
         for kern in kernels:
             os.environ["HF_SPARSE_SPMM_KERNEL"] = kern
             err, ok, t = check_and_time()
+            times[kern] = t
             bad += not ok
             line += f" | {kern} err {err:.2e}{'' if ok else ' WRONG'} {t:.4f} ms x{t_dense / t:.2f}"
+        if "wgmma" in times:
+            line += f" | wgmma x mma_sp {times['mma_sp'] / times['wgmma']:.2f}"
         print(line, flush=True)
-        if "wgmma" in kernels:  # the tile configurations (HF_SPARSE_SM90_CONFIG); 6-19 (TMA) also run small
+        if "wgmma" in kernels and m >= 8 and not args.no_configs:  # V:2:M pipelines and token tiles
+            os.environ["HF_SPARSE_SPMM_KERNEL"] = "wgmma"
+            line = "      wgmma pipe/tile:"
+            for pipe in ("1", "0", "2"):
+                for tile in (128, 64) if m == 8 and tokens > 64 else (64,):
+                    os.environ["HF_SPARSE_VNM_PIPE"] = pipe
+                    os.environ["HF_SPARSE_VNM_TILE"] = str(tile)
+                    _, ok, t = check_and_time()
+                    bad += not ok
+                    name = {"1": "staged", "0": "regs", "2": "regs+pf"}[pipe]
+                    line += f" | {name}/{tile}: {t:.4f} ms x{t_dense / t:.2f}"
+                    line += "" if ok else " WRONG"
+            os.environ.pop("HF_SPARSE_VNM_PIPE")
+            os.environ.pop("HF_SPARSE_VNM_TILE")
+            print(line, flush=True)
+        if "wgmma" in kernels and m == 4 and not args.no_configs:  # HF_SPARSE_SM90_CONFIG; 6-19 (TMA) also run small
             os.environ["HF_SPARSE_SPMM_KERNEL"] = "wgmma"
             line = "      wgmma configs:"
             for cfg in range(20) if tokens > 128 else range(6, 20):

@@ -56,8 +56,6 @@ at::Tensor spmm_impl(const char* op, bool wgmma, const at::Tensor& x, const at::
   check_activation(op, "x", x, k, dtype);
   check_packed(op, values, meta, columns, rows, k, m, dtype);
   if (wgmma) {
-    TORCH_CHECK(m == 4, "hf_sparse.", op, ": the sparse-wgmma kernel handles plain 2:4 (m=4) only, got m=", m,
-                "; use the mma.sp kernel (HF_SPARSE_SPMM_KERNEL=mma_sp or auto)");
     TORCH_CHECK(hf_sparse::spmm_sm90_available(), "hf_sparse.", op,
                 ": the sparse-wgmma kernel needs a cc 9.0 GPU and an extension built with sm_90a "
                 "(HF_SPARSE_CUDA_ARCH_LIST containing 9.0); set HF_SPARSE_SPMM_KERNEL=auto or mma_sp");
@@ -93,7 +91,10 @@ at::Tensor spmm_impl(const char* op, bool wgmma, const at::Tensor& x, const at::
   a.steps = (int)values.size(1);
   a.is_bf16 = dtype == at::kBFloat16;
   const auto stream = c10::cuda::getCurrentCUDAStream().stream();
-  check_cuda(wgmma ? hf_sparse::spmm_sm90(a, stream) : hf_sparse::spmm(a, stream), op);
+  // wgmma: plain 2:4 on spmm_sm90, V:2:M (m >= 8) on spmm_vnm_sm90 (the same packed layout over the kept columns)
+  check_cuda(wgmma ? (m == 4 ? hf_sparse::spmm_sm90(a, stream) : hf_sparse::spmm_vnm_sm90(a, stream))
+                   : hf_sparse::spmm(a, stream),
+             op);
   return y;
 }
 
@@ -240,7 +241,7 @@ at::Tensor pack_values(const at::Tensor& weight, const at::Tensor& meta, const a
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.doc() = "hf_sparse CUDA kernels (SpMM, SDDMM, pack) for V:2:M sparse weights";
   mod.def("spmm", &spmm, "Y = X W^T (+bias), W packed V:2:M");
-  mod.def("spmm_wgmma", &spmm_wgmma, "as spmm, with sparse wgmma (sm_90a, m=4 only)");
+  mod.def("spmm_wgmma", &spmm_wgmma, "as spmm, with sparse wgmma (sm_90a; 2:4 and V:2:M)");
   mod.def("spmm_wgmma_available", &spmm_wgmma_available,
           "True on a cc 9.0 GPU when the extension was built with sm_90a");
   mod.def("sddmm", &sddmm, "dW at kept positions, fp32, logical order (R, 2G)");

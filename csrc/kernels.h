@@ -23,6 +23,9 @@ cudaError_t spmm(const SpmmArgs& args, cudaStream_t stream);
 // (HF_SPARSE_HAS_SM90A); otherwise it returns cudaErrorNoKernelImageForDevice.
 bool spmm_sm90_available();
 cudaError_t spmm_sm90(const SpmmArgs& args, cudaStream_t stream);
+// V:2:M (m >= 8) SpMM with sparse wgmma (csrc/spmm_vnm_sm90.cu), gathering the kept columns of X into shared
+// memory; same arguments and layout as spmm, same availability as spmm_sm90.
+cudaError_t spmm_vnm_sm90(const SpmmArgs& args, cudaStream_t stream);
 
 struct SddmmArgs {
   const void* dy;         // (n_tokens, rows) row-major

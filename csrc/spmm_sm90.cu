@@ -39,6 +39,7 @@
 #include "common.cuh"
 #include "kernels.h"
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#include "sm90_common.cuh"
 #include "tma_sm90.cuh"
 #include "wgmma_sp.cuh"
 #endif
@@ -84,40 +85,6 @@ __device__ __forceinline__ void k_tiles_with_register_rotation(int k_tiles, Fetc
     step(kt, a0, e0, a2, e2);
     if (kt + 1 < k_tiles) step(kt + 1, a1, e1, a0, e0);
     if (kt + 2 < k_tiles) step(kt + 2, a2, e2, a1, e1);
-  }
-}
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void wgmma_wait() {
-  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
-}
-__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
-
-// Matrix descriptor of a K-major tile with 128-byte swizzle: start address >> 4, leading offset 1 (unused for
-// swizzled K-major), stride offset 1024 B (next 8-row group), layout type 1 (128B swizzle) in bits 62-63.
-__device__ __forceinline__ uint64_t desc_k128(uint32_t smem_addr) {
-  return (uint64_t)((smem_addr & 0x3FFFF) >> 4) | ((uint64_t)1 << 16) | ((uint64_t)(1024 >> 4) << 32) |
-         ((uint64_t)1 << 62);
-}
-
-// Epilogue of one m64 x BN accumulator tile of a warpgroup: this warp's 16 rows start at row0. acc[4*nt + c]: row
-// g + 8*(c >> 1), token n_base + 8*nt + 2t + (c & 1). Lanes g and g^1 swap halves so each lane holds two adjacent
-// rows of one token: 32-bit stores of Y[n, r], r, r+1 (+ bias).
-template <typename T, int BN>
-__device__ __forceinline__ void store_tile(const float (&acc)[BN / 2], int row0, int n_base, int lane,
-                                           const T* __restrict__ bias, T* __restrict__ y, int rows, int n_tokens) {
-  const int g = lane >> 2, t = lane & 3;
-  const bool odd = g & 1;
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int r_even = row0 + 8 * half + (g & ~1);
-    float b0, b1;
-    load_bias_pair(bias, r_even, rows, b0, b1);
-#pragma unroll
-    for (int nt = 0; nt < BN / 8; ++nt)  // tokens n, n+1
-      store_row_pair(y, acc[4 * nt + 2 * half], acc[4 * nt + 2 * half + 1], odd, n_base + nt * 8 + 2 * t, r_even, b0,
-                     b1, rows, n_tokens);
   }
 }
 #endif

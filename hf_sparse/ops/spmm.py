@@ -1,9 +1,10 @@
 """``hf_sparse::spmm``: ``Y = X W^T (+ bias)`` with W packed V:2:M; X and Y exactly as nn.Linear sees them.
 
-CUDA: the ``mma.sp`` kernel (``csrc/spmm.cu``), or for plain 2:4 on a cc 9.0 GPU with an sm_90a build the
-sparse-``wgmma`` kernel (``csrc/spmm_sm90.cu``, same packed layout). ``HF_SPARSE_SPMM_KERNEL`` = ``auto`` (default:
-wgmma where it can run) | ``mma_sp`` | ``wgmma`` (an error where it cannot run) picks the 2:4 kernel, for tests
-and benchmarks; V:2:M with M >= 8 always runs on ``mma.sp``.
+CUDA: the ``mma.sp`` kernel (``csrc/spmm.cu``), or on a cc 9.0 GPU with an sm_90a build a sparse-``wgmma`` kernel
+with the same packed layout: ``csrc/spmm_sm90.cu`` for plain 2:4, ``csrc/spmm_vnm_sm90.cu`` for V:2:M with M >= 8
+(it gathers the kept columns of X into shared memory). ``HF_SPARSE_SPMM_KERNEL`` = ``auto`` (default: wgmma where it
+can run and was measured faster, see :data:`AUTO_WGMMA_M`) | ``mma_sp`` | ``wgmma`` (an error where it cannot run)
+picks the kernel, for tests and benchmarks.
 CPU (and CUDA shapes the kernels cannot take, e.g. ``K % 8 != 0``): the reference, which decompresses W and
 multiplies in fp32.
 """
@@ -18,7 +19,7 @@ from torch import Tensor
 
 from ._layout import PackedWeight, dense_from_packed
 
-__all__ = ["spmm", "spmm_kernel", "spmm_reference"]
+__all__ = ["AUTO_WGMMA_M", "spmm", "spmm_kernel", "spmm_reference"]
 
 
 def spmm_reference(x: Tensor, p: PackedWeight, bias: Tensor | None = None) -> Tensor:
@@ -35,6 +36,11 @@ def _kernel_ok(x: Tensor, cols: int) -> bool:
 
 
 SPMM_KERNELS = ("auto", "mma_sp", "wgmma")
+# Group sizes M for which ``auto`` picks the sparse-wgmma kernel where it can run: those where it was measured faster
+# than mma.sp on the H200 at 8192 tokens at every shape of benchmarks/bench_kernels.py (benchmarks/RESULTS.md, "V:2:M
+# sparse wgmma": 1.14-1.46x at M = 8). M = 16 and 32 stay on mma.sp (the wgmma kernel is 0.64-0.81x of it there);
+# M = 64 and 128 were not measured.
+AUTO_WGMMA_M = frozenset({4, 8})
 
 
 _wgmma_ok: dict[int, bool] = {}  # device index -> the sm_90a kernel can run there (asked once per device)
@@ -60,10 +66,12 @@ def spmm_kernel(m: int, device: torch.device | None = None) -> str:
     mode = os.environ.get("HF_SPARSE_SPMM_KERNEL", "auto")
     if mode not in SPMM_KERNELS:
         raise ValueError(f"hf_sparse: HF_SPARSE_SPMM_KERNEL={mode!r}; use one of {SPMM_KERNELS}")
-    if mode == "mma_sp" or m != 4:  # V:2:M with M >= 8 has only the mma.sp kernel
+    if mode == "mma_sp":
         return "mma_sp"
     if mode == "wgmma":
         return "wgmma"  # forced: the binding raises, saying why, where it cannot run
+    if m not in AUTO_WGMMA_M:
+        return "mma_sp"
     return "wgmma" if _wgmma_available(device or torch.device("cuda")) else "mma_sp"
 
 

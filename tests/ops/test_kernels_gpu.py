@@ -37,11 +37,6 @@ def spmm_kernel_env(request, monkeypatch):
     return request.param
 
 
-def _skip_duplicate(kernel: str, m: int) -> None:
-    if kernel == "wgmma" and m != 4:
-        pytest.skip("V:2:M with M >= 8 always runs on mma.sp: the mma_sp case covers it")
-
-
 def _poison_allocator():
     """Fill freed caching-allocator blocks with NaN so an output element the kernel forgets stays NaN."""
     junk = torch.full((64 << 20,), float("nan"), device="cuda", dtype=torch.float32)
@@ -82,7 +77,6 @@ def test_pack_kernel_matches_reference(v, m, dtype):
     ("tokens", "rows", "cols"), [(1, 128, 256), (7, 192, 512), (8191, 256, 1024), (300, 768, 3072)]
 )
 def test_spmm_kernel(v, m, dtype, tokens, rows, cols, spmm_kernel_env):
-    _skip_duplicate(spmm_kernel_env, m)
     if rows % v and m != 4:
         pytest.skip("rows not a multiple of v")
     w, mask, p = _pack_cuda(rows, cols, v, m, dtype, seed=tokens)
@@ -93,7 +87,6 @@ def test_spmm_kernel(v, m, dtype, tokens, rows, cols, spmm_kernel_env):
 
 @pytest.mark.parametrize(("v", "m"), [(64, 4), (64, 8), (128, 16), (64, 32)])
 def test_spmm_odd_shapes_and_batch_dims(v, m, spmm_kernel_env):
-    _skip_duplicate(spmm_kernel_env, m)
     # tokens spread over leading dims, K with a partial last k-step, rows not a multiple of 256 (R padded).
     rows = 64 * 3 if m == 4 else v * 3
     cols = 8 * m * 2 + 4 * m if (8 * m * 2 + 4 * m) % 8 == 0 else 8 * m * 3
@@ -130,12 +123,96 @@ def test_spmm_2to4_ragged_k_and_token_tiles(dtype, bias, tokens, rows, cols, spm
 
 
 def test_spmm_auto_picks_wgmma_on_sm90a(monkeypatch):
-    from hf_sparse.ops.spmm import spmm_kernel
+    from hf_sparse.ops.spmm import AUTO_WGMMA_M, spmm_kernel
 
     monkeypatch.setenv("HF_SPARSE_SPMM_KERNEL", "auto")
     device = torch.device("cuda")
-    assert spmm_kernel(8, device) == "mma_sp"
-    assert spmm_kernel(4, device) == ("wgmma" if _wgmma_runs_here() else "mma_sp")
+    for m in (4, 8, 16, 32, 64, 128):
+        assert spmm_kernel(m, device) == ("wgmma" if _wgmma_runs_here() and m in AUTO_WGMMA_M else "mma_sp")
+
+
+@pytest.mark.parametrize(("v", "m"), [p for p in PATTERNS if p[1] >= 8])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize(
+    ("tokens", "groups"),
+    # K = groups * M: 25 groups end inside the second k-tile of 16 (4 k-steps), 17 give an odd step count (3: the
+    # last k-tile has one k-step and 15 padded groups). Tokens straddle the V:2:M kernel's token tiles (64 / 128).
+    [(1, 25), (7, 17), (65, 25), (257, 17), (8191, 25)],
+)
+@pytest.mark.parametrize("pipe", ["0", "1", "2"])
+def test_spmm_vnm_ragged_k_and_token_tiles(v, m, dtype, bias, tokens, groups, pipe, spmm_kernel_env, monkeypatch):
+    # pipe (HF_SPARSE_VNM_PIPE): the V:2:M wgmma kernel's register (default), staged (cp.async ring), register + L1
+    # prefetch pipelines
+    if spmm_kernel_env == "mma_sp" and pipe != "0":
+        pytest.skip("the pipeline only selects between wgmma kernels")
+    monkeypatch.setenv("HF_SPARSE_VNM_PIPE", pipe)
+    rows = 3 * v  # V = 64: 192 rows, the last 128-row block has one idle slab; V = 128: two blocks of one V-block
+    cols = groups * m
+    w, mask, p = _pack_cuda(rows, cols, v, m, dtype, seed=tokens + groups + m)
+    x = torch.randn(tokens, cols, device="cuda").to(dtype)
+    b = torch.randn(rows, device="cuda").to(dtype) if bias else None
+    _assert_spmm_matches_reference(x, w, p, b)
+
+
+@pytest.mark.parametrize(("m", "groups"), [(8, 2056), (16, 2100)])
+@pytest.mark.parametrize("pipe", ["1", None])
+def test_spmm_vnm_long_k_falls_back_to_register_pipeline(m, groups, pipe, monkeypatch):
+    # More than 2048 padded groups: the column offsets of a CTA's two slabs do not fit the staged pipeline's 16 KB, so
+    # asking for it (pipe 1) runs the register pipeline, as the default does; both must agree with the reference.
+    if not _wgmma_runs_here():
+        pytest.skip("sparse wgmma needs a cc 9.0 GPU and an sm_90a build")
+    monkeypatch.setenv("HF_SPARSE_SPMM_KERNEL", "wgmma")
+    if pipe is None:
+        monkeypatch.delenv("HF_SPARSE_VNM_PIPE", raising=False)
+    else:
+        monkeypatch.setenv("HF_SPARSE_VNM_PIPE", pipe)
+    w, mask, p = _pack_cuda(192, groups * m, 64, m, torch.bfloat16, seed=groups)
+    x = torch.randn(65, groups * m, device="cuda").bfloat16()
+    _assert_spmm_matches_reference(x, w, p, torch.randn(192, device="cuda").bfloat16())
+
+
+def _mask_with_distinct_slab_columns(rows: int, cols: int, v: int, m: int, seed: int) -> torch.Tensor:
+    """A V:2:M mask whose 4 kept columns differ between consecutive 64-row slabs in every group where V = 64 (slab s
+    keeps a random 4-subset, slab s+1 a different one), each row keeping a random 2 of its block's 4."""
+    gen = torch.Generator().manual_seed(seed)
+    groups = cols // m
+    mask = torch.zeros(rows, groups, m, dtype=torch.bool)
+    prev = None
+    for blk in range(rows // v):
+        chosen = torch.stack([torch.randperm(m, generator=gen)[:4].sort().values for _ in range(groups)])
+        if prev is not None and v == 64:
+            same = (chosen == prev).all(-1)
+            chosen[same] = (chosen[same] + 1) % m  # a shifted 4-subset of Z_m is never the same subset
+            chosen = chosen.sort(-1).values
+        prev = chosen
+        for r in range(blk * v, (blk + 1) * v):
+            pick = torch.stack([torch.randperm(4, generator=gen)[:2] for _ in range(groups)])
+            idx = torch.gather(chosen, 1, pick)
+            mask[r].scatter_(1, idx, True)
+    return mask.reshape(rows, cols)
+
+
+@pytest.mark.parametrize(("v", "m"), [(64, 8), (128, 8), (64, 16), (64, 32), (64, 128)])
+@pytest.mark.parametrize("pipe", ["1", "0", "2"])
+def test_spmm_vnm_gather_uses_each_slabs_columns(v, m, pipe, monkeypatch):
+    # A gather that reused one slab's column offsets for the other slab of a CTA, or mixed up groups / offsets, gives
+    # a wrong product here: every consecutive pair of 64-row slabs (V = 64) keeps different columns in every group.
+    if not _wgmma_runs_here():
+        pytest.skip("sparse wgmma needs a cc 9.0 GPU and an sm_90a build")
+    monkeypatch.setenv("HF_SPARSE_SPMM_KERNEL", "wgmma")
+    monkeypatch.setenv("HF_SPARSE_VNM_PIPE", pipe)
+    rows, cols = 256, 24 * m
+    mask = _mask_with_distinct_slab_columns(rows, cols, v, m, seed=m + v).cuda()
+    w = torch.randn(rows, cols, device="cuda") * mask
+    p = pack(w, mask, v, m, torch.bfloat16)
+    if v == 64:
+        assert not bool((p.columns[0] == p.columns[1]).all(-1)[: cols // m].any())
+    x = torch.randn(300, cols, device="cuda").bfloat16()
+    _assert_spmm_matches_reference(x, w, p)
+    # Each kept column on its own: X = one-hot columns picks W's column back (exact in bf16).
+    eye = torch.eye(cols, device="cuda").bfloat16()
+    assert torch.equal(spmm(eye, p).float(), w.bfloat16().float().t())
 
 
 @pytest.mark.parametrize(("v", "m"), PATTERNS)

@@ -130,19 +130,20 @@ def test_kernel_without_gpu_says_what_to_do():
         load_extension()
 
 
-def test_spmm_kernel_env_is_validated_and_m_gt_4_stays_on_mma_sp(monkeypatch):
-    from hf_sparse.ops.spmm import spmm_kernel
+def test_spmm_kernel_env_is_validated_and_forces_the_kernel(monkeypatch):
+    from hf_sparse.ops.spmm import AUTO_WGMMA_M, spmm_kernel
 
     monkeypatch.setenv("HF_SPARSE_SPMM_KERNEL", "fastest")
     with pytest.raises(ValueError, match="HF_SPARSE_SPMM_KERNEL"):
         spmm_kernel(4)
-    for mode in ("auto", "mma_sp", "wgmma"):  # none of these needs the extension for m > 4
-        monkeypatch.setenv("HF_SPARSE_SPMM_KERNEL", mode)
-        assert spmm_kernel(8) == "mma_sp"
-    monkeypatch.setenv("HF_SPARSE_SPMM_KERNEL", "wgmma")
-    assert spmm_kernel(4) == "wgmma"
-    monkeypatch.setenv("HF_SPARSE_SPMM_KERNEL", "mma_sp")
-    assert spmm_kernel(4) == "mma_sp"
+    for m in (4, 8, 16, 32, 64, 128):  # forced choices never need the extension
+        monkeypatch.setenv("HF_SPARSE_SPMM_KERNEL", "wgmma")
+        assert spmm_kernel(m) == "wgmma"
+        monkeypatch.setenv("HF_SPARSE_SPMM_KERNEL", "mma_sp")
+        assert spmm_kernel(m) == "mma_sp"
+    monkeypatch.setenv("HF_SPARSE_SPMM_KERNEL", "auto")
+    for m in {8, 16, 32, 64, 128} - AUTO_WGMMA_M:  # not measured faster: mma.sp, without asking the extension
+        assert spmm_kernel(m) == "mma_sp"
 
 
 def test_sm90a_flag_only_with_arch_90():

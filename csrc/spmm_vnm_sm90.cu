@@ -1,0 +1,606 @@
+// SpMM for V:2:M weights (M >= 8) on sm_90a with sparse wgmma: Y (N x R) = X (N x K) * W^T (+ bias).
+//
+// Why: the mma.sp kernel (spmm.cu) is capped by warp-level mma.sp's peak and by its two 16-bit shared loads per B
+// register; sparse wgmma has twice dense wgmma's peak, and at V:2:M it runs on the condensed columns only (4 of
+// every M), i.e. half the MMAs of 2:4 at M = 8.
+//
+// Operands (as spmm_sm90.cu, which computes tiles of Y^T = W * X^T):
+//  * A = 64 weight rows per warpgroup, straight from global memory into registers. The packed values / meta of a
+//    V:2:M weight have exactly the 2:4 layout over the *condensed* columns (the 4 kept columns of each group of M,
+//    per 64-row slab), so the fragments and metadata are the 2:4 kernel's.
+//  * B = the condensed X tile of the warpgroup's slab in shared memory: token rows of 64 condensed k (16 groups x 4
+//    kept columns, 128 bytes), 128-byte swizzle (16-byte chunk c of row r at chunk c ^ (r & 7)): group g of the
+//    k-tile is the 8 bytes X[n, g*M + columns[slab, g, 0..3]] at chunk g/2, byte 8*(g&1).
+// The gather (X is tokens x K row-major; TMA cannot gather 2-byte elements) runs in every thread, in registers, and
+// each thread keeps one group of every k-tile, so its selection constants (byte-permute selectors, made from the 4
+// packed uint8 offsets with a few integer ops) are computed once per k-tile and reused for all its tokens:
+//  * M = 8 ("chunk" gather): a group is one aligned 16-byte chunk. Thread (group tid % 16, tokens tid / 16 + 16i)
+//    loads it once for both slabs of the CTA (a warp reads 2 token rows x 256 contiguous bytes), then per slab and
+//    output word 2 prmt (the word's columns lie in 3 of the chunk's 4 words) and one 8-byte shared store.
+//  * M >= 16 ("word" gather): most of a group's chunks hold no kept column, so each lane owns one kept column (of
+//    one slab) and loads the aligned 32-bit word holding it, for 32 tokens; a warp's load covers 4 groups of one
+//    token row (1-8 cache lines, few L1 wavefronts), partner lanes pair their halves with one shuffle + prmt.
+// Pipeline (128 weight rows = 2 slabs / 2 consumer warpgroups x BN tokens, 256 threads, two B buffers): per k-tile
+// each thread first issues the loads of k-tile kt+2 (X) and kt+1 (A fragments, metadata), then the wgmmas of kt, then
+// selects and stores k-tile kt+1 (loaded one iteration earlier) into the other buffer, waits for its wgmmas and
+// publishes the stores with fence.proxy.async + one CTA barrier. Two register sets (named, loop unrolled by two) hold
+// the X words of kt+1 and kt+2. Measured on the H200 (ncu, 64:2:8, 4096->11008, 8192 tokens): ~1660 cycles per
+// k-tile against 256 for its wgmmas at the sparse peak, 6 cycles per issued instruction with 2 warps per scheduler,
+// L2 52% and L1 59% busy: latency-bound. Loading X two k-tiles ahead (the first version) was no faster than one,
+// which fits the fence (MEMBAR.ALL.CTA + FENCE.VIEW.ASYNC in SASS) waiting for the thread's in-flight loads; neither
+// the staged pipeline nor L1 prefetches (below) helped.
+// Tails: tokens past n_tokens read the last token's row (chunk) or are not loaded (word); their outputs are never
+// stored. Groups past G (the padded groups up to 8*steps, whose A values are zero) read group G-1's columns, so
+// nothing past K is ever read.
+//
+// Only the sm_90a pass compiles the body; other device passes get a trap and the host launches it only where
+// spmm_sm90_available() (cc 9.0 and an sm_90a build).
+#include <cstdlib>
+
+#include "common.cuh"
+#include "kernels.h"
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#include "sm90_common.cuh"
+#include "wgmma_sp.cuh"
+#endif
+
+namespace hf_sparse {
+namespace {
+
+constexpr int kVnmThreads = 256;  // two consumer warpgroups, which also gather
+
+template <int M, int BN>
+struct VnmCfg {
+  static constexpr int B_BYTES = BN * 128;          // one slab's B tile: BN token rows x 64 condensed k
+  static constexpr int STAGE = 2 * B_BYTES;         // both slabs
+  static constexpr int SMEM = 2 * STAGE + 1024;     // two buffers + alignment slack for the swizzle atoms
+  static_assert(B_BYTES % 1024 == 0, "B tiles must start on 1024-byte boundaries");
+  static_assert(M == 8 || M == 16 || M == 32 || M == 64 || M == 128, "M must be 8..128");
+};
+
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// Registers of one k-tile's gather, loaded one k-tile before their shared stores.
+template <int M, int BN, bool CHUNK = (M == 8)>
+struct GatherRegs;
+template <int M, int BN>
+struct GatherRegs<M, BN, true> {
+  uint4 x[BN / 16];  // group g's 16-byte chunk of each of my tokens
+  uint32_t cw[2];    // the 4 offsets of group g, per slab (packed uint8)
+};
+template <int M, int BN>
+struct GatherRegs<M, BN, false> {
+  uint32_t w[BN / 2];  // the word holding my kept column, per token
+  uint32_t sel;        // prmt selector pairing my half with my partner lane's (j ^ 1)
+};
+#endif
+
+template <typename T, int M, int BN, bool PF>
+__global__ void __launch_bounds__(kVnmThreads, 1)
+spmm_vnm_sm90_kernel(const T* __restrict__ x, const uint4* __restrict__ values, const uint32_t* __restrict__ meta,
+                     const uint32_t* __restrict__ columns, const T* __restrict__ bias, T* __restrict__ y,
+                     int n_tokens, int rows, int rows_padded, int k, int steps) {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using Cfg = VnmCfg<M, BN>;
+  using Regs = GatherRegs<M, BN>;
+  constexpr int ND = BN / 2;  // accumulators per thread
+  constexpr bool CHUNK = M == 8;
+  static_assert(CHUNK || BN == 64, "the word gather's lane roles cover 64 tokens");
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  const uint32_t raw_u32 = (uint32_t)__cvta_generic_to_shared(smem_raw);
+  unsigned char* smem = smem_raw + ((1024u - (raw_u32 & 1023u)) & 1023u);
+  const uint32_t smem_u32 = (uint32_t)__cvta_generic_to_shared(smem);
+
+  const int tid = threadIdx.x;
+  const int lane = tid & 31, warp = tid >> 5;
+  const int wg = warp >> 2, wq = warp & 3;
+  const int g = lane >> 2, t = lane & 3;
+  const int n_base = blockIdx.y * BN;
+  const int cta_row0 = blockIdx.x * 128;
+  const int mt_cta = cta_row0 >> 4;
+  const int mt_valid = (rows_padded - cta_row0) >> 4;
+  const int k_tiles = (steps + 1) >> 1;  // 16 groups (2 k-steps) per k-tile
+  const int groups = k / M, groups_padded = 8 * steps;
+  const int slabs = rows_padded >> 6;
+  const uint32_t* colp[2];
+#pragma unroll
+  for (int s = 0; s < 2; ++s) colp[s] = columns + (size_t)min((cta_row0 >> 6) + s, slabs - 1) * groups_padded;
+
+  // Gather roles.
+  //  chunk (M = 8): thread (gg = tid % 16, t0 = tid / 16) owns group gg of every k-tile, tokens t0 + 16i, both slabs;
+  //    a warp reads 2 token rows x 16 consecutive 16-byte chunks. Its 8 bytes of token row r of a slab's tile sit at
+  //    chunk (gg/2) ^ (r & 7), byte 8(gg & 1): the same offset + 2048i for every i.
+  //  word (M >= 16): lane (q = lane / 8, slab sl = lane / 4 % 2, jj = lane % 4) of warp w owns kept column jj of
+  //    slab sl in group gg = 4(w % 4) + q, tokens 32(w / 4) + i; a warp reads the 4 groups x 8 words of one token
+  //    row (1-8 cache lines: few L1 wavefronts per load). Lanes jj and jj^1 pair their halves with one shuffle;
+  //    lanes jj = 0, 2 store output words 0, 1 (4 bytes each).
+  const int gg = CHUNK ? (tid & 15) : (4 * (warp & 3) + (lane >> 3));
+  const int sl = (lane >> 2) & 1, jj = lane & 3;
+  constexpr int TI = CHUNK ? BN / 16 : BN / 2;  // tokens per thread per k-tile
+  const int tok0 = CHUNK ? (tid >> 4) : 32 * (warp >> 2);
+  const T* rowp[CHUNK ? TI : 1];  // chunk: each token's row (rows past n_tokens read the last); word: the first's
+#pragma unroll
+  for (int i = 0; i < (CHUNK ? TI : 1); ++i)
+    rowp[i] = x + (size_t)min(n_base + tok0 + 16 * i, n_tokens - 1) * k;
+  const int last_tok = n_tokens - 1 - (n_base + tok0);  // word: tokens i > last_tok are not loaded (never stored)
+  uint32_t st_off[CHUNK ? 1 : 8];
+  if constexpr (CHUNK) {
+    st_off[0] = tok0 * 128 + ((((uint32_t)gg >> 1) ^ (tok0 & 7)) << 4) + 8 * (gg & 1);
+  } else {
+#pragma unroll
+    for (int r = 0; r < 8; ++r)  // token row tok0 + r (+ 8 * 128 per further 8 rows); slab sl's tile
+      st_off[r] = sl * Cfg::B_BYTES + (tok0 + r) * 128 + ((((uint32_t)gg >> 1) ^ r) << 4) + 8 * (gg & 1) + 2 * jj;
+  }
+
+  auto group_of = [&](int kt) { return min(kt * 16 + gg, groups - 1); };  // clamped: never past K
+  const uint32_t* colp_mine = sl ? colp[1] : colp[0];  // word mode: my slab's offsets (no dynamic array index)
+  auto load_cw = [&](int kt) { return colp_mine[group_of(kt)]; };
+  // Issue the global loads of k-tile kt (word mode: cw = its offsets, loaded one k-tile earlier).
+  auto load_x = [&](int kt, uint32_t cw, Regs& r) {
+    const int grp = group_of(kt);
+    if constexpr (CHUNK) {
+#pragma unroll
+      for (int i = 0; i < TI; ++i) r.x[i] = *reinterpret_cast<const uint4*>(rowp[i] + grp * M);
+#pragma unroll
+      for (int s = 0; s < 2; ++s) r.cw[s] = colp[s][grp];
+    } else {
+      const uint32_t mine = cw >> (8 * jj), partner = cw >> (8 * (jj ^ 1));
+      // bytes 2h, 2h+1 of my word (h: my column's half), then bytes 2h', 2h'+1 of the partner's
+      r.sel = 0x5410u + (mine & 1u) * 0x22u + (partner & 1u) * 0x2200u;
+      const T* p = rowp[0] + grp * M + (int)(mine & 0xFEu);
+      if (last_tok >= TI - 1) {
+#pragma unroll
+        for (int i = 0; i < TI; ++i) r.w[i] = *reinterpret_cast<const uint32_t*>(p + (size_t)i * k);
+      } else {
+#pragma unroll
+        for (int i = 0; i < TI; ++i)
+          if (i <= last_tok) r.w[i] = *reinterpret_cast<const uint32_t*>(p + (size_t)i * k);
+      }
+    }
+  };
+  // Select the 4 kept halves of each group and store them into buffer `buf`'s B tiles (both slabs).
+  // PF (HF_SPARSE_VNM_PIPE=2, tuning only): prefetch into L1 the lines the loads of the next step will read (X of
+  // k-tile kt+3, A and metadata of kt+2, column offsets), so that the loads the fence waits for hit L1 instead of L2.
+  // Measured 1.05-1.15x slower than without at 8192 tokens (the prefetch instructions cost more than they hide).
+  auto prefetch_l1 = [&](const void* ptr) { asm volatile("prefetch.global.L1 [%0];\n" ::"l"(ptr)); };
+  auto prefetch_x = [&](int kt) {
+    const int grp = group_of(kt);
+    if constexpr (CHUNK) {
+#pragma unroll
+      for (int i = 0; i < TI; ++i) prefetch_l1(rowp[i] + grp * M);
+#pragma unroll
+      for (int s = 0; s < 2; ++s) prefetch_l1(colp[s] + grp);
+    } else {
+      // The 8 lanes of a group (per token: its M/64 lines, or 1) share the prefetches of its TI tokens.
+      constexpr int L = M >= 128 ? 2 : 1, PER = TI * L / 8;
+#pragma unroll
+      for (int u = 0; u < PER; ++u) {
+        const int idx = 8 * u + (lane & 7), i = idx / L, l = idx % L;
+        if (i <= last_tok) prefetch_l1(rowp[0] + (size_t)i * k + grp * M + l * 64);
+      }
+      prefetch_l1(colp_mine + group_of(kt + 1));
+    }
+  };
+  auto store_b = [&](const Regs& r, int buf) {
+    unsigned char* base = smem + buf * Cfg::STAGE;
+    if constexpr (CHUNK) {
+#pragma unroll
+      for (int s = 0; s < 2; ++s) {
+        // Output word o takes columns 2o, 2o+1: word 0 lies in chunk words 0-2, word 1 in words 1-3. One prmt picks
+        // from the pair (0,1) resp. (2,3) (bytes 2(c&3), +1), a second takes a half from the third word instead
+        // where the column lies there (c >= 4 for word 0, c < 4 for word 1).
+        uint32_t sa[2], sb[2];
+#pragma unroll
+        for (int o = 0; o < 2; ++o) {
+          const uint32_t c = (r.cw[s] >> (16 * o)) & 0xFFFFu;
+          sa[o] = (c & 0x0303u) * 0x22u + 0x1010u;
+          const uint32_t m = ((c >> 2) & 0x0101u) ^ (o ? 0x0101u : 0u);  // per half: from the third word
+          const uint32_t d = (m << 2) + ((m & c & 0x0101u) << 1) - ((m & 0x0100u) << 1);
+          sb[o] = 0x3210u + d * 0x11u;
+        }
+#pragma unroll
+        for (int i = 0; i < TI; ++i) {
+          const uint4 v = r.x[i];
+          uint2 o;
+          o.x = __byte_perm(__byte_perm(v.x, v.y, sa[0]), v.z, sb[0]);
+          o.y = __byte_perm(__byte_perm(v.z, v.w, sa[1]), v.y, sb[1]);
+          *reinterpret_cast<uint2*>(base + st_off[0] + s * Cfg::B_BYTES + i * 2048) = o;
+        }
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < TI; ++i) {
+        const uint32_t other = __shfl_xor_sync(0xffffffffu, r.w[i], 1);
+        const uint32_t o = __byte_perm(r.w[i], other, r.sel);
+        if ((jj & 1) == 0) *reinterpret_cast<uint32_t*>(base + st_off[i & 7] + (i >> 3) * 1024) = o;
+      }
+    }
+  };
+
+  // A fragments and metadata of this warp (m16 tile wq of slab wg), from global memory; an inactive warpgroup (the
+  // 64 padded rows past the packed weight) and the missing second k-step of an odd step count multiply zeros with
+  // valid metadata, never stored.
+  constexpr uint32_t kMetaPad = 0x44444444u;
+  const bool active = wg * 4 < mt_valid;
+  const int mt = active ? wg * 4 + wq : 0;
+  const uint4* ag = values + (size_t)(mt_cta + mt) * steps * 32 + lane;
+  const uint32_t* eg = meta + (size_t)(mt_cta + mt) * steps * 16 + g * 2 + (t & 1);
+  auto fetch_a = [&](int kt, uint4 (&a)[2], uint32_t (&e)[2]) {
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const int s = 2 * kt + j;
+      uint4 av = make_uint4(0, 0, 0, 0);
+      uint32_t ev = kMetaPad;
+      if (active && s < steps) {
+        av = ag[(size_t)s * 32];
+        ev = eg[(size_t)s * 16];
+      }
+      a[j] = av;
+      e[j] = ev;
+    }
+  };
+
+  float acc[ND];
+#pragma unroll
+  for (int j = 0; j < ND; ++j) acc[j] = 0.f;
+
+  // Prologue: k-tile 0 stored into buffer 0, k-tile 1 loaded, the offsets of k-tile 2 loaded (word mode).
+  Regs r0, r1;
+  uint4 a0[2], a1[2];
+  uint32_t e0[2], e1[2];
+  fetch_a(0, a0, e0);
+  uint32_t cw = CHUNK ? 0u : load_cw(0);
+  load_x(0, cw, r0);
+  if (!CHUNK) cw = load_cw(1);
+  if (1 < k_tiles) load_x(1, cw, r1);
+  if (!CHUNK) cw = load_cw(2);
+  store_b(r0, 0);
+  fence_proxy_async();
+  __syncthreads();
+
+  // K-tile kt (buffer buf = kt & 1, A set a/e, X of k-tile kt+1 in `cur`): first issue the loads of k-tile kt+2
+  // (into `nxt`) and the A fragments of kt+1, so they land while this k-tile's wgmmas run and `cur` is selected and
+  // stored into the other buffer; the fence.proxy.async that publishes the stores waits for this thread's
+  // outstanding loads, so loads issued earlier than this iteration would not help.
+  auto step = [&](int kt, int buf, const uint4 (&a)[2], const uint32_t (&e)[2], uint4 (&a_nx)[2],
+                  uint32_t (&e_nx)[2], const Regs& cur, Regs& nxt) {
+    if constexpr (PF) {
+      if (kt + 3 < k_tiles) prefetch_x(kt + 3);
+      if (kt + 2 < k_tiles && active) {
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          prefetch_l1(ag + (size_t)min(2 * (kt + 2) + j, steps - 1) * 32);
+          prefetch_l1(eg + (size_t)min(2 * (kt + 2) + j, steps - 1) * 16);
+        }
+      }
+    }
+    if (kt + 2 < k_tiles) load_x(kt + 2, cw, nxt);
+    if (!CHUNK) cw = load_cw(kt + 3);
+    if (kt + 1 < k_tiles) fetch_a(kt + 1, a_nx, e_nx);
+    const uint64_t desc = desc_k128(smem_u32 + buf * Cfg::STAGE + wg * Cfg::B_BYTES);
+    wgmma_fence();
+#pragma unroll
+    for (int j = 0; j < 2; ++j) WgmmaSp<BN, T>::run(acc, a[j], desc + j * (64 >> 4), e[j]);
+    wgmma_commit();
+    if (kt + 1 < k_tiles) store_b(cur, buf ^ 1);
+    wgmma_wait<0>();
+    fence_proxy_async();
+    __syncthreads();
+  };
+  for (int kt = 0; kt < k_tiles; kt += 2) {
+    step(kt, 0, a0, e0, a1, e1, r1, r0);
+    if (kt + 1 < k_tiles) step(kt + 1, 1, a1, e1, a0, e0, r0, r1);
+  }
+#pragma unroll
+  for (int j = 0; j < ND; ++j) asm volatile("" : "+f"(acc[j])::"memory");  // reads after the wgmma wait
+  if (active) store_tile<T, BN>(acc, cta_row0 + 64 * wg + 16 * wq, n_base, lane, bias, y, rows, n_tokens);
+#elif defined(__CUDA_ARCH__)
+  __trap();  // built without sm_90a: the host never launches this (spmm_sm90_available() is false)
+#endif
+}
+
+// Staged pipeline (HF_SPARSE_VNM_PIPE=1, tuning only): every global read goes through cp.async into a ring of S
+// shared-memory stages (the X words / chunks each thread will select, in per-thread slots, plus the A fragments and
+// metadata of the k-tile), and the column offsets of both slabs are copied into shared memory once.
+// Why it was tried: if the fence.proxy.async of every k-tile (MEMBAR.ALL.CTA + FENCE.VIEW.ASYNC in SASS) waits for
+// the thread's in-flight loads, the register pipeline pays a full L2 round trip per k-tile, while cp.async copies
+// are completed by cp.async.wait_group and S-1 k-tiles stay in flight. Measured 1.13-1.8x slower than the register
+// pipeline: one more shared-memory write and read of every loaded X byte, on top of the B tile's store and the
+// wgmmas' reads, costs more than it hides.
+template <int M, int BN, int S>
+struct VnmStagedCfg {
+  static constexpr int TI = M == 8 ? BN / 16 : BN / 2;                    // tokens per thread per k-tile
+  static constexpr int X_BYTES = TI * kVnmThreads * (M == 8 ? 16 : 4);    // slot (i, tid): 16-byte chunk / word
+  static constexpr int A_BYTES = 2 * 8 * 512, E_BYTES = 2 * 8 * 64;       // 2 k-steps x 8 m16 tiles
+  static constexpr int STAGE = X_BYTES + A_BYTES + E_BYTES;
+  static constexpr int B_BYTES = BN * 128, B_STAGE = 2 * B_BYTES;         // both slabs' B tiles, two buffers
+  static constexpr int COL_BYTES = 16 << 10;                              // up to 2048 padded groups, 2 slabs
+  static constexpr int SMEM = 2 * B_STAGE + S * STAGE + COL_BYTES + 1024;
+  static_assert(SMEM <= 227 * 1024, "over the sm_90 shared-memory limit");
+  static_assert(B_STAGE % 1024 == 0 && STAGE % 16 == 0, "alignment of the B tiles and the stages");
+};
+
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// 4-byte global->shared copy; valid == false writes zeros (src must still be a mapped address).
+__device__ __forceinline__ void cp_async_4(void* smem, const void* gmem, bool valid) {
+  const uint32_t s = (uint32_t)__cvta_generic_to_shared(smem);
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(s), "l"(gmem), "r"(valid ? 4 : 0));
+}
+#endif
+
+template <typename T, int M, int BN, int S>
+__global__ void __launch_bounds__(kVnmThreads, 1)
+spmm_vnm_sm90_staged_kernel(const T* __restrict__ x, const uint4* __restrict__ values,
+                            const uint32_t* __restrict__ meta, const uint32_t* __restrict__ columns,
+                            const T* __restrict__ bias, T* __restrict__ y, int n_tokens, int rows, int rows_padded,
+                            int k, int steps) {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using Cfg = VnmStagedCfg<M, BN, S>;
+  constexpr int ND = BN / 2, TI = Cfg::TI;
+  constexpr bool CHUNK = M == 8;
+  static_assert(CHUNK || BN == 64, "the word gather's lane roles cover 64 tokens");
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  const uint32_t raw_u32 = (uint32_t)__cvta_generic_to_shared(smem_raw);
+  unsigned char* smem = smem_raw + ((1024u - (raw_u32 & 1023u)) & 1023u);
+  const uint32_t smem_u32 = (uint32_t)__cvta_generic_to_shared(smem);
+  unsigned char* ring = smem + 2 * Cfg::B_STAGE;
+  uint32_t* cols_s = reinterpret_cast<uint32_t*>(ring + S * Cfg::STAGE);
+
+  const int tid = threadIdx.x;
+  const int lane = tid & 31, warp = tid >> 5;
+  const int wg = warp >> 2, wq = warp & 3;
+  const int g = lane >> 2, t = lane & 3;
+  const int n_base = blockIdx.y * BN;
+  const int cta_row0 = blockIdx.x * 128;
+  const int mt_cta = cta_row0 >> 4;
+  const int mt_valid = (rows_padded - cta_row0) >> 4;
+  const int k_tiles = (steps + 1) >> 1;
+  const int groups = k / M, groups_padded = 8 * steps;
+  const int slabs = rows_padded >> 6;
+
+  // Column offsets of both slabs into shared memory (plain loads: once, before the pipeline starts).
+  for (int i = tid; i < 2 * groups_padded; i += kVnmThreads) {
+    const int s = i >= groups_padded;
+    cols_s[i] = columns[(size_t)min((cta_row0 >> 6) + s, slabs - 1) * groups_padded + (i - s * groups_padded)];
+  }
+
+  // Gather roles: as the register kernel (chunk: group tid % 16, tokens tid / 16 + 16i; word: lane (q, sl, jj)).
+  const int gg = CHUNK ? (tid & 15) : (4 * (warp & 3) + (lane >> 3));
+  const int sl = (lane >> 2) & 1, jj = lane & 3;
+  const int tok0 = CHUNK ? (tid >> 4) : 32 * (warp >> 2);
+  const T* rowp[CHUNK ? TI : 1];
+#pragma unroll
+  for (int i = 0; i < (CHUNK ? TI : 1); ++i)
+    rowp[i] = x + (size_t)min(n_base + tok0 + 16 * i, n_tokens - 1) * k;
+  const int last_tok = n_tokens - 1 - (n_base + tok0);
+  uint32_t st_off[CHUNK ? 1 : 8];
+  if constexpr (CHUNK) {
+    st_off[0] = tok0 * 128 + ((((uint32_t)gg >> 1) ^ (tok0 & 7)) << 4) + 8 * (gg & 1);
+  } else {
+#pragma unroll
+    for (int r = 0; r < 8; ++r)
+      st_off[r] = sl * Cfg::B_BYTES + (tok0 + r) * 128 + ((((uint32_t)gg >> 1) ^ r) << 4) + 8 * (gg & 1) + 2 * jj;
+  }
+  auto group_of = [&](int kt) { return min(kt * 16 + gg, groups - 1); };  // clamped: never past K
+  constexpr uint32_t kMetaPad = 0x44444444u;
+  const bool active = wg * 4 < mt_valid;
+  const int mt_me = wg * 4 + wq;
+
+  // cp.async copies of k-tile kt into ring slot kt % S: my X chunks / words, and a share of A and metadata.
+  auto issue = [&](int kt) {
+    unsigned char* st = ring + (kt % S) * Cfg::STAGE;
+    const int grp = group_of(kt);
+    if constexpr (CHUNK) {
+#pragma unroll
+      for (int i = 0; i < TI; ++i) cp_async_16(st + (i * kVnmThreads + tid) * 16, rowp[i] + grp * M, true);
+    } else {
+      const uint32_t cw = cols_s[sl * groups_padded + grp];
+      const T* p = rowp[0] + grp * M + (int)((cw >> (8 * jj)) & 0xFEu);
+      if (last_tok >= TI - 1) {  // all my tokens exist (every tile but the last)
+#pragma unroll
+        for (int i = 0; i < TI; ++i) cp_async_4(st + (i * kVnmThreads + tid) * 4, p + (size_t)i * k, true);
+      } else {
+#pragma unroll
+        for (int i = 0; i < TI; ++i) {
+          const bool ok = i <= last_tok;
+          cp_async_4(st + (i * kVnmThreads + tid) * 4, ok ? p + (size_t)i * k : p, ok);
+        }
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {  // A: 512 chunks (k-step j, m16 tile mt, lane)
+      const int c = tid + i * kVnmThreads;
+      const int j = c >> 8, mt = (c >> 5) & 7, s = 2 * kt + j;
+      const bool ok = mt < mt_valid && s < steps;
+      cp_async_16(st + Cfg::X_BYTES + c * 16, ok ? values + ((size_t)(mt_cta + mt) * steps + s) * 32 + (c & 31) : values,
+                  ok);
+    }
+    if (tid < 64) {  // metadata: 64 chunks (k-step j, m16 tile mt, quarter)
+      const int j = tid >> 5, mt = (tid >> 2) & 7, s = 2 * kt + j;
+      const bool ok = mt < mt_valid && s < steps;
+      cp_async_16(st + Cfg::X_BYTES + Cfg::A_BYTES + tid * 16,
+                  ok ? meta + ((size_t)(mt_cta + mt) * steps + s) * 16 + (tid & 3) * 4 : meta, ok);
+    }
+  };
+  // Select k-tile kt's kept halves from my ring slots and store them into B buffer buf.
+  auto gather = [&](int kt, int buf) {
+    const unsigned char* st = ring + (kt % S) * Cfg::STAGE;
+    unsigned char* base = smem + buf * Cfg::B_STAGE;
+    const int grp = group_of(kt);
+    if constexpr (CHUNK) {
+      uint32_t sa[2][2], sb[2][2];
+#pragma unroll
+      for (int s = 0; s < 2; ++s) {
+        const uint32_t cw = cols_s[s * groups_padded + grp];
+#pragma unroll
+        for (int o = 0; o < 2; ++o) {  // as the register kernel's store_b
+          const uint32_t c = (cw >> (16 * o)) & 0xFFFFu;
+          sa[s][o] = (c & 0x0303u) * 0x22u + 0x1010u;
+          const uint32_t m = ((c >> 2) & 0x0101u) ^ (o ? 0x0101u : 0u);
+          const uint32_t d = (m << 2) + ((m & c & 0x0101u) << 1) - ((m & 0x0100u) << 1);
+          sb[s][o] = 0x3210u + d * 0x11u;
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < TI; ++i) {
+        const uint4 v = reinterpret_cast<const uint4*>(st)[i * kVnmThreads + tid];
+#pragma unroll
+        for (int s = 0; s < 2; ++s) {
+          uint2 o;
+          o.x = __byte_perm(__byte_perm(v.x, v.y, sa[s][0]), v.z, sb[s][0]);
+          o.y = __byte_perm(__byte_perm(v.z, v.w, sa[s][1]), v.y, sb[s][1]);
+          *reinterpret_cast<uint2*>(base + st_off[0] + s * Cfg::B_BYTES + i * 2048) = o;
+        }
+      }
+    } else {
+      const uint32_t cw = cols_s[sl * groups_padded + grp];
+      const uint32_t mine = cw >> (8 * jj), partner = cw >> (8 * (jj ^ 1));
+      const uint32_t sel = 0x5410u + (mine & 1u) * 0x22u + (partner & 1u) * 0x2200u;
+#pragma unroll
+      for (int i = 0; i < TI; ++i) {
+        const uint32_t w = reinterpret_cast<const uint32_t*>(st)[i * kVnmThreads + tid];
+        const uint32_t other = __shfl_xor_sync(0xffffffffu, w, 1);
+        const uint32_t o = __byte_perm(w, other, sel);
+        if ((jj & 1) == 0) *reinterpret_cast<uint32_t*>(base + st_off[i & 7] + (i >> 3) * 1024) = o;
+      }
+    }
+  };
+
+  float acc[ND];
+#pragma unroll
+  for (int j = 0; j < ND; ++j) acc[j] = 0.f;
+
+  __syncthreads();  // the columns in shared memory
+#pragma unroll
+  for (int st = 0; st < S - 1; ++st) {
+    if (st < k_tiles) issue(st);
+    cp_async_commit();
+  }
+  cp_async_wait<S - 2>();  // k-tile 0: my copies landed
+  __syncthreads();         // everyone's (A and metadata are read by other threads)
+  gather(0, 0);
+  fence_proxy_async();
+  __syncthreads();
+
+  // K-tile kt: its A fragments and metadata from the ring, its wgmmas on B buffer kt & 1, the copies of k-tile
+  // kt+S-1 into the slot k-tile kt-1 used, then k-tile kt+1 selected into the other B buffer; one fence + barrier.
+  for (int kt = 0; kt < k_tiles; ++kt) {
+    const unsigned char* st = ring + (kt % S) * Cfg::STAGE;
+    uint4 a[2];
+    uint32_t e[2];
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      a[j] = reinterpret_cast<const uint4*>(st + Cfg::X_BYTES)[(j * 8 + mt_me) * 32 + lane];
+      const uint32_t ev = reinterpret_cast<const uint32_t*>(st + Cfg::X_BYTES + Cfg::A_BYTES)[(j * 8 + mt_me) * 16 +
+                                                                                             g * 2 + (t & 1)];
+      e[j] = (active && 2 * kt + j < steps) ? ev : kMetaPad;
+    }
+    const int buf = kt & 1;
+    const uint64_t desc = desc_k128(smem_u32 + buf * Cfg::B_STAGE + wg * Cfg::B_BYTES);
+    wgmma_fence();
+#pragma unroll
+    for (int j = 0; j < 2; ++j) WgmmaSp<BN, T>::run(acc, a[j], desc + j * (64 >> 4), e[j]);
+    wgmma_commit();
+    if (kt + S - 1 < k_tiles) issue(kt + S - 1);
+    cp_async_commit();
+    cp_async_wait<S - 2>();  // my copies of k-tile kt+1
+    if (kt + 1 < k_tiles) gather(kt + 1, buf ^ 1);
+    wgmma_wait<0>();
+    fence_proxy_async();
+    __syncthreads();
+  }
+  cp_async_wait<0>();
+#pragma unroll
+  for (int j = 0; j < ND; ++j) asm volatile("" : "+f"(acc[j])::"memory");  // reads after the wgmma wait
+  if (active) store_tile<T, BN>(acc, cta_row0 + 64 * wg + 16 * wq, n_base, lane, bias, y, rows, n_tokens);
+#elif defined(__CUDA_ARCH__)
+  __trap();  // built without sm_90a: the host never launches this (spmm_sm90_available() is false)
+#endif
+}
+
+template <typename T, int M, int BN, int S>
+cudaError_t launch_vnm_staged(const SpmmArgs& a, cudaStream_t stream) {
+  using Cfg = VnmStagedCfg<M, BN, S>;
+  auto kernel = spmm_vnm_sm90_staged_kernel<T, M, BN, S>;
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::SMEM);
+  if (err != cudaSuccess) return err;
+  const dim3 grid((a.rows_padded + 127) / 128, (a.n_tokens + BN - 1) / BN);
+  if (grid.y > 65535) return cudaErrorInvalidConfiguration;
+  kernel<<<grid, kVnmThreads, Cfg::SMEM, stream>>>(
+      static_cast<const T*>(a.x), static_cast<const uint4*>(a.values), static_cast<const uint32_t*>(a.meta),
+      reinterpret_cast<const uint32_t*>(a.columns), static_cast<const T*>(a.bias), static_cast<T*>(a.y), a.n_tokens,
+      a.rows, a.rows_padded, a.k, a.steps);
+  return cudaGetLastError();
+}
+
+template <typename T, int M, int BN, bool PF>
+cudaError_t launch_vnm(const SpmmArgs& a, cudaStream_t stream) {
+  using Cfg = VnmCfg<M, BN>;
+  auto kernel = spmm_vnm_sm90_kernel<T, M, BN, PF>;
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::SMEM);
+  if (err != cudaSuccess) return err;
+  // Row blocks vary fastest: CTAs resident together share a token tile of X (read once from L2) and walk W.
+  const dim3 grid((a.rows_padded + 127) / 128, (a.n_tokens + BN - 1) / BN);
+  if (grid.y > 65535) return cudaErrorInvalidConfiguration;  // the binding slices larger inputs
+  kernel<<<grid, kVnmThreads, Cfg::SMEM, stream>>>(
+      static_cast<const T*>(a.x), static_cast<const uint4*>(a.values), static_cast<const uint32_t*>(a.meta),
+      reinterpret_cast<const uint32_t*>(a.columns), static_cast<const T*>(a.bias), static_cast<T*>(a.y), a.n_tokens,
+      a.rows, a.rows_padded, a.k, a.steps);
+  return cudaGetLastError();
+}
+
+// Tokens per CTA: 128 for M = 8 above 64 tokens (HF_SPARSE_VNM_TILE=64 forces 64, tuning only), 64 otherwise (the
+// word gather holds 4x the registers per token). Pipeline (HF_SPARSE_VNM_PIPE, tuning only): 0 registers (default),
+// 1 staged (where the column offsets of the CTA's two slabs fit its 16 KB, i.e. K / M <= 2048; registers otherwise),
+// 2 registers + L1 prefetch. On the H200 (benchmarks/RESULTS.md, "V:2:M sparse wgmma") 1 was 1.13-1.8x and 2 was
+// 1.05-1.15x slower than 0 at 8192 tokens.
+enum class VnmPipe { kRegs = 0, kStaged = 1, kRegsPrefetch = 2 };
+inline VnmPipe vnm_pipe(const SpmmArgs& a) {
+  const char* env = std::getenv("HF_SPARSE_VNM_PIPE");
+  const int want = env == nullptr ? 0 : std::atoi(env);
+  const bool fits = 2 * 8 * a.steps * 4 <= (16 << 10);
+  if (want == 1) return fits ? VnmPipe::kStaged : VnmPipe::kRegs;
+  return want == 2 ? VnmPipe::kRegsPrefetch : VnmPipe::kRegs;
+}
+
+template <typename T, int M, int BN, int S>
+cudaError_t launch_pipe(const SpmmArgs& a, cudaStream_t stream) {
+  switch (vnm_pipe(a)) {
+    case VnmPipe::kStaged: return launch_vnm_staged<T, M, BN, S>(a, stream);
+    case VnmPipe::kRegsPrefetch: return launch_vnm<T, M, BN, true>(a, stream);
+    default: return launch_vnm<T, M, BN, false>(a, stream);
+  }
+}
+
+template <typename T, int M>
+cudaError_t dispatch_tile(const SpmmArgs& a, cudaStream_t stream) {
+  if constexpr (M == 8) {
+    const char* env = std::getenv("HF_SPARSE_VNM_TILE");
+    const bool small = a.n_tokens <= 64 || (env != nullptr && std::atoi(env) == 64);
+    if (!small) return launch_pipe<T, M, 128, 3>(a, stream);
+    return launch_pipe<T, M, 64, 3>(a, stream);
+  }
+  return launch_pipe<T, M, 64, 4>(a, stream);
+}
+
+template <typename T>
+cudaError_t dispatch_m(const SpmmArgs& a, cudaStream_t stream) {
+  switch (a.m) {
+    case 8: return dispatch_tile<T, 8>(a, stream);
+    case 16: return dispatch_tile<T, 16>(a, stream);
+    case 32: return dispatch_tile<T, 32>(a, stream);
+    case 64: return dispatch_tile<T, 64>(a, stream);
+    case 128: return dispatch_tile<T, 128>(a, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+}  // namespace
+
+cudaError_t spmm_vnm_sm90(const SpmmArgs& a, cudaStream_t stream) {
+  if (a.m < 8) return cudaErrorInvalidValue;
+  if (!spmm_sm90_available()) return cudaErrorNoKernelImageForDevice;
+  if (a.n_tokens == 0) return cudaSuccess;
+  return a.is_bf16 ? dispatch_m<__nv_bfloat16>(a, stream) : dispatch_m<__half>(a, stream);
+}
+
+}  // namespace hf_sparse
