@@ -155,12 +155,14 @@ class _LayerKernel:
             self.routes[key] = _KERNEL
             return _KERNEL
         assert self.packed is not None
-        parts = [dispatch.choice("fwd", tokens, self.packed, device)]
+        trains = grad and self.module.weight.requires_grad  # the kind sparse_linear's forward measures under
+        fwd = "fwd_train" if trains else "fwd"
+        parts = [dispatch.choice(fwd, tokens, self.packed, device)]
         if grad:
             if self.module.weight.requires_grad:
                 parts.append(dispatch.choice("dw", tokens, self.packed, device))
             if self.packed_t is not None:
-                parts.append(dispatch.choice("fwd", tokens, self.packed_t, device))
+                parts.append(dispatch.choice(fwd, tokens, self.packed_t, device))
         if None in parts:
             self.tries[key] = self.tries.get(key, 0) + 1
             if parts[0] is None or self.tries[key] < _DECIDE_AFTER:

@@ -39,9 +39,12 @@ class _SparseLinearFn(torch.autograd.Function):
     ) -> Tensor:
         xc = x.to(packed.dtype)
         w = weight_lp if weight_lp is not None else weight
-        y = linear_forward(xc, w, packed, bias)
+        # a weight that trains changes every optimizer step: the dispatcher prices in what that costs a backend
+        static = not (torch.is_grad_enabled() and weight.requires_grad)
+        y = linear_forward(xc, w, packed, bias, static_weight=static)
         ctx.packed = packed
         ctx.packed_t = packed_t
+        ctx.static = static
         ctx.x_dtype = x.dtype
         ctx.w_dtype = weight.dtype
         ctx.has_bias = bias is not None
@@ -57,7 +60,7 @@ class _SparseLinearFn(torch.autograd.Function):
         dy = dy.to(packed.dtype)
         if ctx.needs_input_grad[0]:
             if ctx.packed_t is not None:
-                dx = linear_forward(dy, w.t(), ctx.packed_t, None).to(ctx.x_dtype)
+                dx = linear_forward(dy, w.t(), ctx.packed_t, None, static_weight=ctx.static).to(ctx.x_dtype)
             else:
                 dx = (dy @ w.to(dy.dtype)).to(ctx.x_dtype)
         if ctx.needs_input_grad[1]:

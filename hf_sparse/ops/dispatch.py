@@ -84,8 +84,10 @@ def choices() -> dict[tuple, str]:
     return dict(_choices)
 
 
-def choice(kind: Literal["fwd", "dw"], tokens: int, p: PackedWeight, device: torch.device) -> str | None:
-    """The measured backend for this call shape (``"sparse"``, ``"dense"``, ``"cslt"``), or None if not measured."""
+def choice(kind: Literal["fwd", "fwd_train", "dw"], tokens: int, p: PackedWeight, device: torch.device) -> str | None:
+    """The measured backend for this call shape (``"sparse"``, ``"dense"``, ``"cslt"``), or None if not measured.
+
+    ``"fwd"``: a forward on a static weight; ``"fwd_train"``: on a weight that trains (see :func:`linear_forward`)."""
     return _choices.get(_key(kind, tokens, p, device))
 
 
@@ -140,13 +142,14 @@ def _cslt_eager_state(weight: Tensor, p: PackedWeight, x2: Tensor):
     return comp, alg
 
 
-def _cslt_weight(weight: Tensor, p: PackedWeight):
-    """The cached ``CsltWeight`` of ``p``'s mask, holding ``weight``'s current values (recompressed after a repack)."""
+def _cslt_weight(weight: Tensor, p: PackedWeight, recompress: bool = False):
+    """The cached ``CsltWeight`` of ``p``'s mask, holding ``weight``'s current values (recompressed after a repack,
+    or always with ``recompress``: how the dispatcher prices a call whose weight changes every optimizer step)."""
     st = _cslt_cached.get(p.meta)
     if st is None:
         st = _CachedCslt(cslt.compress(weight.to(p.dtype).contiguous()), p.values)
         _cslt_cached.put(p.meta, st)
-    elif st.values() is not p.values:
+    elif recompress or st.values() is not p.values:
         st.weight.compress(weight.to(p.dtype).contiguous())
         st.values = weakref.ref(p.values)
     return st.weight
@@ -180,23 +183,31 @@ def _cslt_usable() -> bool:
     return cslt.available() or hasattr(torch, "_cslt_compress")
 
 
-def _cslt_linear(x2: Tensor, weight: Tensor, p: PackedWeight, bias: Tensor | None) -> Tensor:
+def _cslt_linear(x2: Tensor, weight: Tensor, p: PackedWeight, bias: Tensor | None, recompress: bool = False) -> Tensor:
     """``x2 @ weight^T + bias`` by cuSPARSELt: the cached plan when the extension builds here, else torch's eager op."""
     if p.dtype in _CACHED_CSLT_DTYPES and cslt.available():
-        return _cslt_weight(weight, p).matmul(x2, _stable_bias(bias, p.dtype), _can_measure())
+        return _cslt_weight(weight, p, recompress).matmul(x2, _stable_bias(bias, p.dtype), _can_measure())
     comp, alg = _cslt_eager_state(weight, p, x2)
     b = None if bias is None else bias.to(p.dtype)
     return torch._cslt_sparse_mm(comp, x2.t(), b, alg_id=alg, transpose_result=True)
 
 
-def linear_forward(x: Tensor, weight: Tensor, p: PackedWeight, bias: Tensor | None) -> Tensor:
-    """``x @ weight^T + bias`` in ``p.dtype``; ``weight`` is the masked master (same values as ``p``)."""
+def linear_forward(
+    x: Tensor, weight: Tensor, p: PackedWeight, bias: Tensor | None, *, static_weight: bool = True
+) -> Tensor:
+    """``x @ weight^T + bias`` in ``p.dtype``; ``weight`` is the masked master (same values as ``p``).
+
+    ``static_weight=False`` (training: the weight changes after every optimizer step) is measured and cached apart
+    (kind ``"fwd_train"``), and there the cuSPARSELt candidate is timed with the recompression it then needs on every
+    step: on the H200 that recompression costs more than cuSPARSELt saves over cuBLAS at BERT shapes
+    (``benchmarks/RESULTS.md``), and pricing it into the measurement keeps the choice honest at every shape.
+    """
     mode = _mode()
     if mode == "dense":
         return F.linear(x, weight.to(p.dtype), None if bias is None else bias.to(p.dtype))
     if not x.is_cuda or mode == "sparse":
         return spmm(x, p, bias)
-    key = _key("fwd", x.numel() // p.cols if p.cols else 0, p, x.device)
+    key = _key("fwd" if static_weight else "fwd_train", x.numel() // p.cols if p.cols else 0, p, x.device)
     if _choices.get(key) == "dense":  # the common case once measured: no candidate table, no reshapes
         return F.linear(x, weight.to(p.dtype), None if bias is None else bias.to(p.dtype))
     lead = x.shape[:-1]
@@ -213,8 +224,11 @@ def linear_forward(x: Tensor, weight: Tensor, p: PackedWeight, bias: Tensor | No
         if not _can_measure():
             choice = "sparse"
         else:
+            timed = dict(candidates)
+            if "cslt" in timed and not static_weight:
+                timed["cslt"] = lambda: _cslt_linear(x2, weight, p, bias, recompress=True)
             times = {}
-            for name, fn in candidates.items():
+            for name, fn in timed.items():
                 try:
                     times[name] = _time(fn)
                 except RuntimeError:  # e.g. cuSPARSELt refusing a shape: just not a candidate
