@@ -36,11 +36,10 @@ class _SparseLinearFn(torch.autograd.Function):
         bias: Tensor | None,
         packed_t: PackedWeight | None,
         weight_lp: Tensor | None,
+        static: bool,
     ) -> Tensor:
         xc = x.to(packed.dtype)
         w = weight_lp if weight_lp is not None else weight
-        # a weight that trains changes every optimizer step: the dispatcher prices in what that costs a backend
-        static = not (torch.is_grad_enabled() and weight.requires_grad)
         y = linear_forward(xc, w, packed, bias, static_weight=static)
         ctx.packed = packed
         ctx.packed_t = packed_t
@@ -67,7 +66,7 @@ class _SparseLinearFn(torch.autograd.Function):
             dw = weight_grad(dy, xc, packed, ctx.w_dtype)
         if ctx.has_bias and ctx.needs_input_grad[3]:
             db = dy.reshape(-1, dy.shape[-1]).sum(0, dtype=torch.float32).to(ctx.bias_dtype)
-        return dx, dw, None, db, None, None
+        return dx, dw, None, db, None, None, None
 
 
 def sparse_linear(
@@ -101,4 +100,7 @@ def sparse_linear(
             f"hf_sparse.sparse_linear: weight_lp must be weight cast to {packed.dtype} with shape "
             f"{tuple(weight.shape)}, got {weight_lp.dtype} {tuple(weight_lp.shape)}"
         )
-    return _SparseLinearFn.apply(x, weight, packed, bias, packed_t, weight_lp)
+    # a weight that trains changes every optimizer step, and the dispatcher prices in what that costs a backend;
+    # decided here because autograd runs Function.forward with grad mode off
+    static = not (torch.is_grad_enabled() and weight.requires_grad)
+    return _SparseLinearFn.apply(x, weight, packed, bias, packed_t, weight_lp, static)

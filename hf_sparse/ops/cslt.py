@@ -8,7 +8,10 @@ values after an optimizer step and keeps the plans.
 
 cuSPARSELt's rules for 16-bit operands (:func:`supports`): weight rows and columns multiples of 16 (structured
 operand), token count a multiple of 8 (dense operand), 16-byte aligned contiguous tensors. Other calls must go
-elsewhere (our SpMM or dense); ``CsltWeight.matmul`` raises a RuntimeError naming the rule.
+elsewhere (our SpMM or dense); :class:`CachedWeight` raises a ValueError naming the rule before anything reaches
+C++. That order matters: on the H200 (torch 2.11, 2026-11-22) an argument error raised *inside* the extension
+crashed the process (segfault while the error was being built; cause not found), so the extension's own checks
+are a last line that no hf_sparse path reaches.
 
 Nothing here runs at import; :func:`available` builds the extension on first use and is False where cuSPARSELt,
 nvcc or a GPU is missing.
@@ -28,7 +31,7 @@ from torch import Tensor
 
 from ._build import KernelUnavailableError, load_cslt_extension
 
-__all__ = ["available", "compress", "supports", "versions"]
+__all__ = ["CachedWeight", "available", "compress", "supports", "versions"]
 
 logger = logging.getLogger(__name__)
 
@@ -59,12 +62,89 @@ def available() -> bool:
     return True
 
 
-def compress(weight: Tensor):
-    """A ``CsltWeight`` holding ``weight`` (R x K, bf16/fp16, 2:4 along K, zeros at pruned positions) compressed.
+def _aligned(t: Tensor) -> bool:
+    return t.is_contiguous() and t.data_ptr() % 16 == 0
+
+
+def _check_weight(weight: Tensor, op: str) -> None:
+    if not (weight.is_cuda and weight.dim() == 2):
+        raise ValueError(
+            f"hf_sparse.cslt.{op}: weight must be a 2-D CUDA tensor, got {weight.dim()}-D on {weight.device}"
+        )
+    if weight.dtype not in DTYPES:
+        raise ValueError(f"hf_sparse.cslt.{op}: weight must be bfloat16 or float16, got {weight.dtype}")
+    if not _aligned(weight):
+        raise ValueError(f"hf_sparse.cslt.{op}: weight must be contiguous and 16-byte aligned (pass w.contiguous())")
+    rows, cols = weight.shape
+    if rows <= 0 or cols <= 0 or rows % 16 or cols % 16:
+        raise ValueError(
+            f"hf_sparse.cslt.{op}: cuSPARSELt needs both weight dimensions to be multiples of 16, got {(rows, cols)}; "
+            "use hf_sparse.ops.spmm or dense F.linear for this layer"
+        )
+
+
+class CachedWeight:
+    """A compressed 2:4 weight with its cuSPARSELt plans (``csrc/cusparselt.cpp``), arguments checked here first.
+
+    ``matmul(x, bias=None, search=True)``: ``x @ W^T (+ bias)`` as one ``cusparseLtMatmul`` once the plan for this
+    token count exists (``search``: let cuSPARSELt pick the algorithm for a new token bucket; never while a CUDA
+    graph captures). ``compress(w)``: new values (same shape, dtype, device) into the same buffer; plans are kept.
+    The counters ``plan_inits()``, ``searches()``, ``compressions()``, ``algorithms()`` are the extension's.
+    """
+
+    def __init__(self, weight: Tensor) -> None:
+        _check_weight(weight, "compress")
+        self.rows, self.cols = weight.shape
+        self.dtype, self.device = weight.dtype, weight.device
+        self._impl = load_cslt_extension().CsltWeight(weight)
+
+    def compress(self, weight: Tensor) -> None:
+        _check_weight(weight, "compress")
+        if (tuple(weight.shape), weight.dtype, weight.device) != ((self.rows, self.cols), self.dtype, self.device):
+            raise ValueError(
+                f"hf_sparse.cslt.compress: weight is {weight.dtype} {tuple(weight.shape)} on {weight.device}, this "
+                f"compressed weight is {self.dtype} {(self.rows, self.cols)} on {self.device}"
+            )
+        self._impl.compress(weight)
+
+    def matmul(self, x: Tensor, bias: Tensor | None = None, search: bool = True) -> Tensor:
+        if x.device != self.device or x.dtype != self.dtype:
+            raise ValueError(
+                f"hf_sparse.cslt.matmul: x must be {self.dtype} on {self.device} like the weight, got {x.dtype} on "
+                f"{x.device}"
+            )
+        if x.dim() != 2 or x.shape[1] != self.cols or not _aligned(x):
+            raise ValueError(
+                f"hf_sparse.cslt.matmul: x must be a contiguous, 16-byte aligned (tokens, {self.cols}) tensor, got "
+                f"{tuple(x.shape)}"
+            )
+        if x.shape[0] <= 0 or x.shape[0] % 8:
+            raise ValueError(
+                f"hf_sparse.cslt.matmul: cuSPARSELt needs a token count that is a multiple of 8, got {x.shape[0]}; "
+                "use hf_sparse.ops.spmm or dense F.linear for this call"
+            )
+        if bias is not None and (
+            bias.device != self.device
+            or bias.dtype != self.dtype
+            or tuple(bias.shape) != (self.rows,)
+            or not _aligned(bias)
+        ):
+            raise ValueError(
+                f"hf_sparse.cslt.matmul: bias must be a contiguous, 16-byte aligned {self.dtype} vector of {self.rows} "
+                f"entries on {self.device}, got {bias.dtype} {tuple(bias.shape)} on {bias.device}"
+            )
+        return self._impl.matmul(x, bias, search)
+
+    def __getattr__(self, name: str):  # the extension's counters and accessors
+        return getattr(self.__dict__["_impl"], name)
+
+
+def compress(weight: Tensor) -> CachedWeight:
+    """A :class:`CachedWeight` holding ``weight`` (R x K, bf16/fp16, 2:4 along K, zeros at pruned positions).
 
     ``weight`` must be contiguous: pass ``w.t().contiguous()`` for a transposed weight (once per optimizer step).
     """
-    return load_cslt_extension().CsltWeight(weight)
+    return CachedWeight(weight)
 
 
 def versions() -> tuple[int, int]:

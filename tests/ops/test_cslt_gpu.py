@@ -123,21 +123,23 @@ def test_recompress_gives_new_result_and_keeps_plans():
 def test_refuses_what_cusparselt_cannot_run():
     from hf_sparse.ops import cslt
 
+    # checked in Python before the extension is called (an error raised inside it crashed the process on the H200)
     cw = cslt.compress(_weight(64, 128, torch.bfloat16, seed=8))
-    with pytest.raises(RuntimeError, match="multiple of 8"):
+    with pytest.raises(ValueError, match="multiple of 8"):
         cw.matmul(torch.randn(7, 128, device="cuda").bfloat16())
-    with pytest.raises(RuntimeError, match="(?i)bfloat16"):
+    with pytest.raises(ValueError, match="bfloat16"):
         cw.matmul(torch.randn(8, 128, device="cuda").half())
-    with pytest.raises(RuntimeError, match="tokens, 128"):
+    with pytest.raises(ValueError, match="tokens, 128"):
         cw.matmul(torch.randn(8, 96, device="cuda").bfloat16())
-    with pytest.raises(RuntimeError, match="bias"):
+    with pytest.raises(ValueError, match="bias"):
         cw.matmul(torch.randn(8, 128, device="cuda").bfloat16(), torch.randn(63, device="cuda").bfloat16())
-    with pytest.raises(RuntimeError, match="multiples of 16"):
+    with pytest.raises(ValueError, match="multiples of 16"):
         cslt.compress(_weight(24, 128, torch.bfloat16, seed=9))
-    with pytest.raises(RuntimeError, match="bfloat16 or float16"):
+    with pytest.raises(ValueError, match="bfloat16 or float16"):
         cslt.compress(torch.randn(64, 128, device="cuda"))
-    with pytest.raises(RuntimeError, match="compress"):
+    with pytest.raises(ValueError, match="compress"):
         cw.compress(_weight(64, 256, torch.bfloat16, seed=10))
+    assert cw.compressions() == 1  # nothing reached the extension
     assert not cslt.supports(64, 128, 7, torch.bfloat16) and cslt.supports(64, 128, 8, torch.bfloat16)
 
 

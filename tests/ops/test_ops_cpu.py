@@ -103,6 +103,35 @@ def test_sparse_linear_transposable_input_grad():
         sparse_linear(x, weight, p, None, p)
 
 
+def test_training_calls_reach_the_dispatcher_as_non_static(monkeypatch):
+    """Autograd runs Function.forward with grad mode off, so whether the weight trains must be decided before it."""
+    import hf_sparse.nn.sparse_matmul as sm
+
+    seen = []
+    real = sm.linear_forward
+
+    def spy(*args, static_weight=True):
+        seen.append(static_weight)
+        return real(*args, static_weight=static_weight)
+
+    monkeypatch.setattr(sm, "linear_forward", spy)
+    from hf_sparse.masks import transposable_2to4_mask
+
+    w = torch.randn(64, 64)
+    mask = transposable_2to4_mask(w.abs())
+    w = torch.where(mask, w, 0.0)
+    p = pack(w, mask, 64, 4, torch.bfloat16)
+    p_t = pack(w.t().contiguous(), mask.t().contiguous(), 64, 4, torch.bfloat16)
+    x = torch.randn(5, 64).bfloat16()
+    weight = torch.nn.Parameter(w.clone())
+    sparse_linear(x, weight, p, None, p_t)
+    with torch.no_grad():
+        sparse_linear(x, weight, p, None)
+    frozen = torch.nn.Parameter(w.clone(), requires_grad=False)
+    sparse_linear(x.requires_grad_(), frozen, p, None, p_t).sum().backward()
+    assert seen == [False, True, True, True]  # training fwd; no_grad fwd; frozen weight: fwd and dX see it static
+
+
 def test_backend_env_is_validated(monkeypatch):
     from hf_sparse.ops.dispatch import linear_forward
 
