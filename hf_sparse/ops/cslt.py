@@ -16,9 +16,9 @@ are a last line that no hf_sparse path reaches.
 Nothing here runs at import; :func:`available` builds the extension on first use and is False where cuSPARSELt,
 nvcc or a GPU is missing.
 
-Status (H200, cuSPARSELt 0.8, 2026-11-22): bf16 measured and checked (``benchmarks/RESULTS.md``); the one GPU test
-run crashed at its first fp16 case, so the dispatcher sends only bf16 here until ``tests/ops/test_cslt_gpu.py``
-passes on a GPU with fp16 (``dispatch._CACHED_CSLT_DTYPES``).
+Status (H200, cuSPARSELt 0.8, 2026-11-22): bf16 measured and checked (``benchmarks/RESULTS.md``); fp16 crashed the
+process at its first cached matmul in every GPU run, so :data:`CACHED_DTYPES` is bf16 only and the dispatcher sends
+fp16 to torch's eager op.
 """
 
 from __future__ import annotations
@@ -35,7 +35,10 @@ __all__ = ["CachedWeight", "available", "compress", "supports", "versions"]
 
 logger = logging.getLogger(__name__)
 
-DTYPES = (torch.bfloat16, torch.float16)
+DTYPES = (torch.bfloat16, torch.float16)  # what cuSPARSELt runs (shape rules of :func:`supports`)
+# What the cached path accepts. fp16 is refused: its first cusparseLtMatmul crashed the process (segfault) on the H200
+# in every GPU run of 2026-11-22 (tests/ops/test_cslt_gpu.py), cause not found; fp16 goes to torch's eager op.
+CACHED_DTYPES = (torch.bfloat16,)
 
 
 def supports(rows: int, cols: int, tokens: int, dtype: torch.dtype) -> bool:
@@ -71,8 +74,11 @@ def _check_weight(weight: Tensor, op: str) -> None:
         raise ValueError(
             f"hf_sparse.cslt.{op}: weight must be a 2-D CUDA tensor, got {weight.dim()}-D on {weight.device}"
         )
-    if weight.dtype not in DTYPES:
-        raise ValueError(f"hf_sparse.cslt.{op}: weight must be bfloat16 or float16, got {weight.dtype}")
+    if weight.dtype not in CACHED_DTYPES:
+        raise ValueError(
+            f"hf_sparse.cslt.{op}: the cached cuSPARSELt path runs bfloat16 only, got {weight.dtype} (float16 crashed "
+            "in cuSPARSELt on an H200; use torch._cslt_sparse_mm, as the dispatcher does)"
+        )
     if not _aligned(weight):
         raise ValueError(f"hf_sparse.cslt.{op}: weight must be contiguous and 16-byte aligned (pass w.contiguous())")
     rows, cols = weight.shape

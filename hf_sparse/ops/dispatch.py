@@ -174,9 +174,7 @@ def _stable_bias(bias: Tensor | None, dtype: torch.dtype) -> Tensor | None:
     return hit[1]
 
 
-# dtypes run through the cached plan. fp16 waits for a GPU run of tests/ops/test_cslt_gpu.py: the only one so far
-# crashed at its first fp16 case (benchmarks/RESULTS.md, 2026-11-22); fp16 keeps torch's eager op until then.
-_CACHED_CSLT_DTYPES = (torch.bfloat16,)
+_CACHED_CSLT_DTYPES = cslt.CACHED_DTYPES  # bf16; fp16 keeps torch's eager op (see hf_sparse.ops.cslt)
 
 
 def _cslt_usable() -> bool:
