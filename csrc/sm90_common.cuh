@@ -15,6 +15,27 @@ __device__ __forceinline__ void wgmma_wait() {
 }
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
+// One warp's A fragments and metadata of k-tile kt (k-steps 2kt, 2kt+1) straight from global memory into registers:
+// ag / eg point at this lane's k-step 0 (packed layout of hf_sparse/ops/_layout.py). An inactive tile (rows past the
+// packed weight) or a k-step past `steps` gets zero A with the metadata of positions 0 and 1, so the wgmmas need no
+// branch around them (ptxas serializes wgmmas across control flow).
+__device__ __forceinline__ void fetch_a_tile(const uint4* ag, const uint32_t* eg, bool active, int kt, int steps,
+                                             uint4 (&a)[2], uint32_t (&e)[2]) {
+  constexpr uint32_t kMetaPad = 0x44444444u;  // a local constant: an immediate, never a load
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    const int s = 2 * kt + j;
+    uint4 av = make_uint4(0, 0, 0, 0);
+    uint32_t ev = kMetaPad;
+    if (active && s < steps) {
+      av = ag[(size_t)s * 32];
+      ev = eg[(size_t)s * 16];
+    }
+    a[j] = av;
+    e[j] = ev;
+  }
+}
+
 // Matrix descriptor of a K-major tile with 128-byte swizzle: start address >> 4, leading offset 1 (unused for
 // swizzled K-major), stride offset 1024 B (next 8-row group), layout type 1 (128B swizzle) in bits 62-63.
 __device__ __forceinline__ uint64_t desc_k128(uint32_t smem_addr) {

@@ -247,19 +247,7 @@ spmm_sm90_kernel(const T* __restrict__ x, const uint4* __restrict__ values, cons
     }
     auto fetch = [&](int kt, uint4 (&a)[WGM][2], uint32_t (&e)[WGM][2]) {
 #pragma unroll
-      for (int i = 0; i < WGM; ++i)
-#pragma unroll
-        for (int j = 0; j < 2; ++j) {
-          const int s = 2 * kt + j;
-          uint4 av = make_uint4(0, 0, 0, 0);
-          uint32_t ev = kMetaPad;
-          if (active[i] && s < steps) {
-            av = ag[i][(size_t)s * 32];
-            ev = eg[i][(size_t)s * 16];
-          }
-          a[i][j] = av;
-          e[i][j] = ev;
-        }
+      for (int i = 0; i < WGM; ++i) fetch_a_tile(ag[i], eg[i], active[i], kt, steps, a[i], e[i]);
     };
     auto k_tile_reg = [&](int kt, const uint4 (&a)[WGM][2], const uint32_t (&e)[WGM][2], uint4 (&a_next)[WGM][2],
                           uint32_t (&e_next)[WGM][2]) {
@@ -415,9 +403,8 @@ spmm_sm90_tma_kernel(const __grid_constant__ CUtensorMap x_map, const uint4* __r
   const int g = lane >> 2, t = lane & 3;
   const int mt_cta = cta_row0 >> 4;
   const int mt_valid = (rows_padded - cta_row0) >> 4;
-  // Inactive warpgroup (the 64 padded rows past the packed weight): zero A with valid metadata, never stored; it
+  // Inactive warpgroup (the 64 padded rows past the packed weight): zero A with valid metadata (fetch_a_tile), never stored; it
   // still waits and releases every stage, so the producer's empty-barrier counts stay right.
-  constexpr uint32_t kMetaPad = 0x44444444u;
   const bool active = wg * 4 < mt_valid;
   const int mt = active ? wg * 4 + wq : 0;
   const uint4* ag = values + (size_t)(mt_cta + mt) * steps * 32 + lane;
@@ -427,20 +414,7 @@ spmm_sm90_tma_kernel(const __grid_constant__ CUtensorMap x_map, const uint4* __r
 #pragma unroll
   for (int j = 0; j < ND; ++j) acc[j] = 0.f;
 
-  auto fetch = [&](int kt, uint4 (&a)[2], uint32_t (&e)[2]) {
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      const int s = 2 * kt + j;
-      uint4 av = make_uint4(0, 0, 0, 0);
-      uint32_t ev = kMetaPad;
-      if (active && s < steps) {
-        av = ag[(size_t)s * 32];
-        ev = eg[(size_t)s * 16];
-      }
-      a[j] = av;
-      e[j] = ev;
-    }
-  };
+  auto fetch = [&](int kt, uint4 (&a)[2], uint32_t (&e)[2]) { fetch_a_tile(ag, eg, active, kt, steps, a, e); };
   // k-tile kt reads register set kt % 3 and refills set (kt + 2) % 3, last read by k-tile kt - 1.
   auto k_tile = [&](int kt, const uint4 (&a)[2], const uint32_t (&e)[2], uint4 (&a_next)[2], uint32_t (&e_next)[2]) {
     const int slot = kt % STAGES;

@@ -218,26 +218,12 @@ spmm_vnm_sm90_kernel(const T* __restrict__ x, const uint4* __restrict__ values, 
 
   // A fragments and metadata of this warp (m16 tile wq of slab wg), from global memory; an inactive warpgroup (the
   // 64 padded rows past the packed weight) and the missing second k-step of an odd step count multiply zeros with
-  // valid metadata, never stored.
-  constexpr uint32_t kMetaPad = 0x44444444u;
+  // valid metadata (fetch_a_tile), never stored.
   const bool active = wg * 4 < mt_valid;
   const int mt = active ? wg * 4 + wq : 0;
   const uint4* ag = values + (size_t)(mt_cta + mt) * steps * 32 + lane;
   const uint32_t* eg = meta + (size_t)(mt_cta + mt) * steps * 16 + g * 2 + (t & 1);
-  auto fetch_a = [&](int kt, uint4 (&a)[2], uint32_t (&e)[2]) {
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      const int s = 2 * kt + j;
-      uint4 av = make_uint4(0, 0, 0, 0);
-      uint32_t ev = kMetaPad;
-      if (active && s < steps) {
-        av = ag[(size_t)s * 32];
-        ev = eg[(size_t)s * 16];
-      }
-      a[j] = av;
-      e[j] = ev;
-    }
-  };
+  auto fetch_a = [&](int kt, uint4 (&a)[2], uint32_t (&e)[2]) { fetch_a_tile(ag, eg, active, kt, steps, a, e); };
 
   float acc[ND];
 #pragma unroll
