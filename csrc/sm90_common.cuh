@@ -21,7 +21,8 @@ __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.
 // branch around them (ptxas serializes wgmmas across control flow).
 __device__ __forceinline__ void fetch_a_tile(const uint4* ag, const uint32_t* eg, bool active, int kt, int steps,
                                              uint4 (&a)[2], uint32_t (&e)[2]) {
-  constexpr uint32_t kMetaPad = 0x44444444u;  // a local constant: an immediate, never a load
+  // a local constant: declared at namespace scope instead, it made ptxas serialize the wgmmas of configs 13-19
+  constexpr uint32_t kMetaPad = 0x44444444u;
 #pragma unroll
   for (int j = 0; j < 2; ++j) {
     const int s = 2 * kt + j;
