@@ -15,6 +15,11 @@ __device__ __forceinline__ void wgmma_wait() {
 }
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
+// Bytes from a shared-memory address to the next 1024-byte boundary, where every 128-byte-swizzled tile must start
+// (the swizzle pattern repeats every 8 rows of 128 bytes). Kernels add it to their dynamic shared-memory base; adding
+// it to the pointer (not converting an integer back) keeps the pointer in the shared window for ptxas.
+__device__ __forceinline__ uint32_t pad_to_1024(uint32_t smem_addr) { return (1024u - (smem_addr & 1023u)) & 1023u; }
+
 // One warp's A fragments and metadata of k-tile kt (k-steps 2kt, 2kt+1) straight from global memory into registers:
 // ag / eg point at this lane's k-step 0 (packed layout of hf_sparse/ops/_layout.py). An inactive tile (rows past the
 // packed weight) or a k-step past `steps` gets zero A with the metadata of positions 0 and 1, so the wgmmas need no

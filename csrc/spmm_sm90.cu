@@ -101,9 +101,7 @@ spmm_sm90_kernel(const T* __restrict__ x, const uint4* __restrict__ values, cons
   constexpr int AHEAD = STAGES - 1 - INFLIGHT;  // k-tiles being copied while one is computed
 
   extern __shared__ __align__(1024) unsigned char smem_raw[];
-  // Offset arithmetic on smem_raw (not an integer round trip) keeps the pointer in the shared window for ptxas.
-  const uint32_t raw_u32 = (uint32_t)__cvta_generic_to_shared(smem_raw);
-  unsigned char* smem = smem_raw + ((1024u - (raw_u32 & 1023u)) & 1023u);
+  unsigned char* smem = smem_raw + pad_to_1024((uint32_t)__cvta_generic_to_shared(smem_raw));
   const uint32_t smem_u32 = (uint32_t)__cvta_generic_to_shared(smem);
 
   const int tid = threadIdx.x;
@@ -193,6 +191,16 @@ spmm_sm90_kernel(const T* __restrict__ x, const uint4* __restrict__ values, cons
   // the previous k-tile's wgmmas still read their A and metadata registers during this one's loads (reading a
   // register an unfinished wgmma uses is undefined), so the loop is unrolled by two with separate register sets
   // for even and odd k-tiles.
+  // Both k-steps of one k-tile for every m64 tile of this warpgroup, from the stage in `slot`, as one wgmma group.
+  auto issue_wgmmas = [&](int slot, const uint4 (&a)[WGM][2], const uint32_t (&e)[WGM][2]) {
+    const uint64_t desc = desc_k128(smem_u32 + slot * Cfg::STAGE);
+    wgmma_fence();
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+#pragma unroll
+      for (int i = 0; i < WGM; ++i) WgmmaSp<BN, T>::run(acc[i], a[i][j], desc + j * (64 >> 4), e[i][j]);
+    wgmma_commit();
+  };
   auto k_tile = [&](int kt, uint4 (&a)[WGM][2], uint32_t (&e)[WGM][2]) {
     const int slot = kt % STAGES;
     cp_async_wait<AHEAD - 1>();
@@ -212,13 +220,7 @@ spmm_sm90_kernel(const T* __restrict__ x, const uint4* __restrict__ values, cons
         e[i][j] = (active[i] && (j == 0 || second)) ? ev : kMetaPad;
       }
     }
-    const uint64_t desc = desc_k128(smem_u32 + slot * Cfg::STAGE);
-    wgmma_fence();
-#pragma unroll
-    for (int j = 0; j < 2; ++j)
-#pragma unroll
-      for (int i = 0; i < WGM; ++i) WgmmaSp<BN, T>::run(acc[i], a[i][j], desc + j * (64 >> 4), e[i][j]);
-    wgmma_commit();
+    issue_wgmmas(slot, a, e);
     const int nxt = kt + AHEAD;  // its slot was read by k-tile kt - 1 - INFLIGHT, retired before the barrier
     if (nxt < k_tiles) load_stage(nxt % STAGES, nxt);
     cp_async_commit();
@@ -255,13 +257,7 @@ spmm_sm90_kernel(const T* __restrict__ x, const uint4* __restrict__ values, cons
       cp_async_wait<AHEAD - 1>();
       fence_proxy_async();
       __syncthreads();
-      const uint64_t desc = desc_k128(smem_u32 + slot * Cfg::STAGE);
-      wgmma_fence();
-#pragma unroll
-      for (int j = 0; j < 2; ++j)
-#pragma unroll
-        for (int i = 0; i < WGM; ++i) WgmmaSp<BN, T>::run(acc[i], a[i][j], desc + j * (64 >> 4), e[i][j]);
-      wgmma_commit();
+      issue_wgmmas(slot, a, e);
       fetch(kt + 2, a_next, e_next);
       const int nxt = kt + AHEAD;
       if (nxt < k_tiles) load_stage(nxt % STAGES, nxt);
@@ -338,7 +334,7 @@ spmm_sm90_tma_kernel(const __grid_constant__ CUtensorMap x_map, const uint4* __r
   constexpr int kProducerRegs = 40, kConsumerRegs = 232;  // 128 x 40 + 256 x 232 <= 65536
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   const uint32_t raw_u32 = (uint32_t)__cvta_generic_to_shared(smem_raw);
-  const uint32_t smem_u32 = raw_u32 + ((1024u - (raw_u32 & 1023u)) & 1023u);
+  const uint32_t smem_u32 = raw_u32 + pad_to_1024(raw_u32);
   const uint32_t full_bar = smem_u32 + STAGES * B_BYTES, empty_bar = full_bar + 8 * STAGES;
 
   const int tid = threadIdx.x;
@@ -537,7 +533,7 @@ spmm_sm90_tma_a_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_c
   constexpr uint32_t kMetaPad = 0x44444444u;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   const uint32_t raw_u32 = (uint32_t)__cvta_generic_to_shared(smem_raw);
-  const uint32_t pad = (1024u - (raw_u32 & 1023u)) & 1023u;
+  const uint32_t pad = pad_to_1024(raw_u32);
   const unsigned char* smem = smem_raw + pad;
   const uint32_t smem_u32 = raw_u32 + pad;
   const uint32_t full_bar = smem_u32 + STAGES * S::STAGE, empty_bar = full_bar + 8 * STAGES;

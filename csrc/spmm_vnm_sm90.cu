@@ -86,8 +86,7 @@ spmm_vnm_sm90_kernel(const T* __restrict__ x, const uint4* __restrict__ values, 
   constexpr bool CHUNK = M == 8;
   static_assert(CHUNK || BN == 64, "the word gather's lane roles cover 64 tokens");
   extern __shared__ __align__(1024) unsigned char smem_raw[];
-  const uint32_t raw_u32 = (uint32_t)__cvta_generic_to_shared(smem_raw);
-  unsigned char* smem = smem_raw + ((1024u - (raw_u32 & 1023u)) & 1023u);
+  unsigned char* smem = smem_raw + pad_to_1024((uint32_t)__cvta_generic_to_shared(smem_raw));
   const uint32_t smem_u32 = (uint32_t)__cvta_generic_to_shared(smem);
 
   const int tid = threadIdx.x;
@@ -325,8 +324,7 @@ spmm_vnm_sm90_staged_kernel(const T* __restrict__ x, const uint4* __restrict__ v
   constexpr bool CHUNK = M == 8;
   static_assert(CHUNK || BN == 64, "the word gather's lane roles cover 64 tokens");
   extern __shared__ __align__(1024) unsigned char smem_raw[];
-  const uint32_t raw_u32 = (uint32_t)__cvta_generic_to_shared(smem_raw);
-  unsigned char* smem = smem_raw + ((1024u - (raw_u32 & 1023u)) & 1023u);
+  unsigned char* smem = smem_raw + pad_to_1024((uint32_t)__cvta_generic_to_shared(smem_raw));
   const uint32_t smem_u32 = (uint32_t)__cvta_generic_to_shared(smem);
   unsigned char* ring = smem + 2 * Cfg::B_STAGE;
   uint32_t* cols_s = reinterpret_cast<uint32_t*>(ring + S * Cfg::STAGE);
