@@ -276,19 +276,24 @@ def test_dense_from_packed_on_gpu_matches_master():
     assert torch.equal(dense_from_packed(p, torch.float32), w.bfloat16().float())
 
 
+def _check_wgmma_config(config, dtype, bias, tokens, rows, cols, seed, monkeypatch):
+    """2:4 on the sparse-wgmma kernel forced to tile configuration ``config`` against the reference."""
+    if not _wgmma_runs_here():
+        pytest.skip("sparse wgmma needs a cc 9.0 GPU and an sm_90a build")
+    monkeypatch.setenv("HF_SPARSE_SPMM_KERNEL", "wgmma")
+    monkeypatch.setenv("HF_SPARSE_SM90_CONFIG", str(config))
+    w, mask, p = _pack_cuda(rows, cols, 64, 4, dtype, seed=seed)
+    x = torch.randn(tokens, cols, device="cuda").to(dtype)
+    b = torch.randn(rows, device="cuda").to(dtype) if bias else None
+    _assert_spmm_matches_reference(x, w, p, b)
+
+
 @pytest.mark.parametrize("config", list(range(20)))
 @pytest.mark.parametrize(("tokens", "rows", "cols"), [(300, 448, 136), (8191, 192, 1000)])
 def test_spmm_wgmma_tile_configs(config, tokens, rows, cols, monkeypatch):
     # Every large-token tile configuration of the sm_90a kernel (HF_SPARSE_SM90_CONFIG): 448 rows leave some m64
     # tiles of the 256-row configurations idle, and 136 / 1000 columns end in a partial k-tile.
-    if not _wgmma_runs_here():
-        pytest.skip("sparse wgmma needs a cc 9.0 GPU and an sm_90a build")
-    monkeypatch.setenv("HF_SPARSE_SPMM_KERNEL", "wgmma")
-    monkeypatch.setenv("HF_SPARSE_SM90_CONFIG", str(config))
-    w, mask, p = _pack_cuda(rows, cols, 64, 4, torch.bfloat16, seed=config + tokens)
-    x = torch.randn(tokens, cols, device="cuda").bfloat16()
-    b = torch.randn(rows, device="cuda").bfloat16()
-    _assert_spmm_matches_reference(x, w, p, b)
+    _check_wgmma_config(config, torch.bfloat16, True, tokens, rows, cols, config + tokens, monkeypatch)
 
 
 @pytest.mark.parametrize("config", [6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19])
@@ -308,14 +313,7 @@ def test_spmm_wgmma_tma_configs(config, dtype, bias, tokens, rows, cols, monkeyp
     # 12: 6 launched in 2-CTA clusters with the cluster barriers but no sharing (diagnostic); 13-16: A fragments and
     # metadata by TMA too, 15/16 persistent (one CTA per SM walking the tiles), 17/18 persistent with the two consumer
     # warpgroups two k-tiles apart, 19 = 15 with 128-token tiles.
-    if not _wgmma_runs_here():
-        pytest.skip("sparse wgmma needs a cc 9.0 GPU and an sm_90a build")
-    monkeypatch.setenv("HF_SPARSE_SPMM_KERNEL", "wgmma")
-    monkeypatch.setenv("HF_SPARSE_SM90_CONFIG", str(config))
-    w, mask, p = _pack_cuda(rows, cols, 64, 4, dtype, seed=config + tokens + cols)
-    x = torch.randn(tokens, cols, device="cuda").to(dtype)
-    b = torch.randn(rows, device="cuda").to(dtype) if bias else None
-    _assert_spmm_matches_reference(x, w, p, b)
+    _check_wgmma_config(config, dtype, bias, tokens, rows, cols, config + tokens + cols, monkeypatch)
 
 
 @pytest.mark.parametrize("config", [13, 14, 15, 16, 17, 18, 19])
@@ -331,14 +329,7 @@ def test_spmm_wgmma_tma_configs(config, dtype, bias, tokens, rows, cols, monkeyp
     [(8191, 1088, 200), (3000, 4160, 264), (2048, 1031, 136)],
 )
 def test_spmm_wgmma_tma_a_configs_many_tiles(config, dtype, bias, tokens, rows, cols, monkeypatch):
-    if not _wgmma_runs_here():
-        pytest.skip("sparse wgmma needs a cc 9.0 GPU and an sm_90a build")
-    monkeypatch.setenv("HF_SPARSE_SPMM_KERNEL", "wgmma")
-    monkeypatch.setenv("HF_SPARSE_SM90_CONFIG", str(config))
-    w, mask, p = _pack_cuda(rows, cols, 64, 4, dtype, seed=config + rows + cols)
-    x = torch.randn(tokens, cols, device="cuda").to(dtype)
-    b = torch.randn(rows, device="cuda").to(dtype) if bias else None
-    _assert_spmm_matches_reference(x, w, p, b)
+    _check_wgmma_config(config, dtype, bias, tokens, rows, cols, config + rows + cols, monkeypatch)
 
 
 @pytest.mark.parametrize("tokens", [300, 4100, 8190])
