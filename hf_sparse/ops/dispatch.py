@@ -130,9 +130,9 @@ def _key(kind: str, tokens: int, p: PackedWeight, device: torch.device) -> tuple
     return (kind, _bucket(tokens), p.rows, p.cols, p.v, p.m, p.dtype, device.index)
 
 
-def _cslt_eager_state(weight: Tensor, p: PackedWeight, x2: Tensor):
+def _cslt_eager_state(weight: Tensor, p: PackedWeight, x2: Tensor, recompress: bool = False):
     comp = _cslt.get(p.values)
-    if comp is None:
+    if comp is None or recompress:
         comp = torch._cslt_compress(weight.to(p.dtype).contiguous())
         _cslt.put(p.values, comp)
     key = _key("cslt", x2.shape[0], p, x2.device)
@@ -174,18 +174,16 @@ def _stable_bias(bias: Tensor | None, dtype: torch.dtype) -> Tensor | None:
     return hit[1]
 
 
-_CACHED_CSLT_DTYPES = cslt.CACHED_DTYPES  # bf16; fp16 keeps torch's eager op (see hf_sparse.ops.cslt)
-
-
 def _cslt_usable() -> bool:
     return cslt.available() or hasattr(torch, "_cslt_compress")
 
 
 def _cslt_linear(x2: Tensor, weight: Tensor, p: PackedWeight, bias: Tensor | None, recompress: bool = False) -> Tensor:
-    """``x2 @ weight^T + bias`` by cuSPARSELt: the cached plan when the extension builds here, else torch's eager op."""
-    if p.dtype in _CACHED_CSLT_DTYPES and cslt.available():
+    """``x2 @ weight^T + bias`` by cuSPARSELt: the cached plan when the extension builds here and takes the dtype
+    (bf16), else torch's eager op. ``recompress``: compress the weight again first, on either path."""
+    if p.dtype in cslt.CACHED_DTYPES and cslt.available():
         return _cslt_weight(weight, p, recompress).matmul(x2, _stable_bias(bias, p.dtype), _can_measure())
-    comp, alg = _cslt_eager_state(weight, p, x2)
+    comp, alg = _cslt_eager_state(weight, p, x2, recompress)
     b = None if bias is None else bias.to(p.dtype)
     return torch._cslt_sparse_mm(comp, x2.t(), b, alg_id=alg, transpose_result=True)
 

@@ -242,6 +242,31 @@ def test_training_calls_are_measured_apart_with_the_recompression_priced_in(monk
     assert dispatch.choice("fwd", 4096, p, x.device) is not None
 
 
+def test_training_calls_on_torch_eager_cslt_are_priced_with_recompression(monkeypatch):
+    """fp16 runs on torch's eager cuSPARSELt op: its training measurement must include the recompression too."""
+    from hf_sparse.nn.sparse_matmul import sparse_linear
+    from hf_sparse.ops import dispatch
+
+    compressions = []
+    real = torch._cslt_compress
+
+    def counting(w):
+        compressions.append(1)
+        return real(w)
+
+    monkeypatch.setattr(torch, "_cslt_compress", counting)
+    monkeypatch.setenv("HF_SPARSE_BACKEND", "auto")
+    dispatch.clear_cache()
+    w, mask = random_masked(1024, 1024, 64, 4, device="cuda", seed=20)
+    master = torch.nn.Parameter(w.clone())
+    p = pack(w, mask, 64, 4, torch.float16)
+    x = torch.randn(4096, 1024, device="cuda").half()
+    y = sparse_linear(x, master, p, None, None, master.detach().half())
+    assert dispatch.choice("fwd_train", 4096, p, x.device) is not None
+    assert len(compressions) >= 6  # one per timed call (warm-up + 5)
+    _assert_close_to_reference(y, x, w.half(), None)
+
+
 def test_transposed_weight_for_the_input_gradient():
     from hf_sparse.ops import dispatch
 
