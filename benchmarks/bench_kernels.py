@@ -8,10 +8,12 @@ product before it is reported. *ours* is the ``mma.sp`` kernel; *wgmma* the spar
 (``spmm_sm90.cu`` for 2:4, ``spmm_vnm_sm90.cu`` for V:2:M; sm_90a builds only, ``n/a`` elsewhere) with its ratio to
 dense and to ``mma.sp`` (*xMma*); the dispatcher column uses the default (``auto``) kernel choice.
 
-cuSPARSELt (2:4 only): *cslt* = eager ``torch._cslt_sparse_mm``, default algorithm; *csltT* = the same with the
-algorithm of ``_cslt_sparse_mm_search`` (both rebuild descriptors and plan per call); *csltC* = the cached-plan path
-(``hf_sparse.ops.cslt``: one ``cusparseLtMatmul`` per call, algorithm searched once), with ``cC*D`` = dense / csltC
-and ``cC*O`` = our best kernel (wgmma where available, else mma.sp) / csltC.
+cuSPARSELt (2:4; a V:2:M weight keeps <= 2 of every 4 columns, so it runs as 2:4 too): *cslt* = eager
+``torch._cslt_sparse_mm``, default algorithm; *csltT* = the same with the algorithm of ``_cslt_sparse_mm_search``
+(both rebuild descriptors and plan per call); *csltC* = the cached-plan path (``hf_sparse.ops.cslt``: one
+``cusparseLtMatmul`` per call, algorithm searched once), with ``cC*D`` = dense / csltC and ``cC*O`` = our best kernel
+(wgmma where available, else mma.sp) / csltC. *v24* (V:2:M only): our 2:4 SpMM on the weight packed as 2:4 (the
+dispatcher's ``sparse24`` candidate), ``v24*D`` = dense / v24.
 """
 # ruff: noqa: B023  (every benchmarked lambda is called at once, inside its own loop iteration)
 
@@ -100,6 +102,16 @@ def cslt_cached_time(w_sparse: torch.Tensor, x: torch.Tensor, ref: torch.Tensor)
     return t
 
 
+def view24_time(wm: torch.Tensor, mask: torch.Tensor, x: torch.Tensor, ref: torch.Tensor) -> float:
+    """Our 2:4 SpMM (default kernel) on a V:2:M weight packed as 2:4, in ms, checked against ``ref``."""
+    view = pack(wm, mask, 64, 4, torch.bfloat16, validate=False)
+    y = spmm(x, view)
+    err = float((y.float() - ref).norm() / ref.norm())
+    if not err < 2e-2:
+        print(f"  WRONG RESULT 2:4 view: rel err {err:.3g}", file=sys.stderr)
+    return bench(lambda: spmm(x, view))
+
+
 def train_section(tokens: int) -> None:
     """One layer's training step (fwd + bwd, and the per-step refresh = bf16 cast + values repack, as the kernel path
     does it) through sparse_linear with the dispatcher and the step's bf16 copy (weight_lp), against dense F.linear
@@ -161,7 +173,7 @@ def main() -> int:
     hdr = (
         f"{'tokens':>6} {'in->out':>12} {'pattern':>8} {'dense':>7} {'cslt':>7} {'csltT':>7} {'ours':>7} "
         f"{'xDense':>6} {'xCslt':>6} {'xCsltT':>6} | {'wgmma':>7} {'xDense':>6} {'xMma':>5} {'xCsltT':>6} | "
-        f"{'csltC':>7} {'cC*D':>5} {'cC*O':>5} | "
+        f"{'csltC':>7} {'cC*D':>5} {'cC*O':>5} | {'v24':>7} {'v24*D':>5} | "
         f"{'dWgemm':>7} {'sddmm':>7} {'xDW':>5} | {'pack':>6} {'%gemm':>5}"
         f" | {'repack':>6} {'%gemm':>5} {'rp_lp':>6} {'%gemm':>5} {'cast':>6} | {'xAuto':>5} choice"
     )
@@ -197,8 +209,11 @@ def main() -> int:
                                 file=sys.stderr,
                             )
                         t_wg = bench(lambda: spmm(x, p))
-                t_c0, t_c1 = cslt_times(wm.bfloat16(), x) if m == 4 else (float("nan"), float("nan"))
-                t_cc = cslt_cached_time(wm.bfloat16(), x, ref) if m == 4 else float("nan")
+                # a V:2:M weight is also 2:4 (<= 2 kept of every 4 columns): cuSPARSELt and our 2:4 kernel run it as
+                # such (the dispatcher's "cslt" and "sparse24" candidates)
+                t_c0, t_c1 = cslt_times(wm.bfloat16(), x)
+                t_cc = cslt_cached_time(wm.bfloat16(), x, ref)
+                t_v24 = view24_time(wm, mask, x, ref) if m > 4 else float("nan")
                 t_best = t_wg if t_wg == t_wg else t_ours  # wgmma where it ran, else mma.sp
                 t_sd = float("nan") if args.no_sddmm else bench(lambda: sddmm(dy, x, p))
                 t_pack = bench(lambda: pack(wm, mask, v, m, torch.bfloat16, validate=False))
@@ -232,6 +247,8 @@ def main() -> int:
                     cslt_cached=t_cc,
                     cslt_cached_x_dense=t_dense / t_cc,
                     cslt_cached_x_ours=t_best / t_cc,
+                    ours_2to4_view=t_v24,
+                    ours_2to4_view_x_dense=t_dense / t_v24,
                     dw_gemm=t_dw,
                     sddmm=t_sd,
                     x_dw=t_dw / t_sd,
@@ -251,7 +268,8 @@ def main() -> int:
                     f"{tokens:>6} {f'{k}->{r}':>12} {pat:>8} {t_dense:7.4f} {t_c0:7.4f} {t_c1:7.4f} {t_ours:7.4f} "
                     f"{row['x_dense']:6.2f} {row['x_cslt']:6.2f} {row['x_cslt_tuned']:6.2f} | {t_wg:7.4f} "
                     f"{row['wgmma_x_dense']:6.2f} {row['wgmma_x_mma_sp']:5.2f} {row['wgmma_x_cslt_tuned']:6.2f} | {t_cc:7.4f} "
-                    f"{row['cslt_cached_x_dense']:5.2f} {row['cslt_cached_x_ours']:5.2f} | {t_dw:7.4f} "
+                    f"{row['cslt_cached_x_dense']:5.2f} {row['cslt_cached_x_ours']:5.2f} | {t_v24:7.4f} "
+                    f"{row['ours_2to4_view_x_dense']:5.2f} | {t_dw:7.4f} "
                     f"{t_sd:7.4f} {row['x_dw']:5.2f} | {t_pack:6.4f} {row['pack_pct']:5.1f} | "
                     f"{t_repack:6.4f} {row['repack_pct']:5.1f} {t_repack_lp:6.4f} {row['repack_bf16_pct']:5.1f} "
                     f"{t_cast:6.4f} | "

@@ -1,6 +1,13 @@
 """Pick, per (kind, token bucket, shape, dtype, pattern), the fastest way to run a sparse linear: our kernel, dense
-cuBLAS on the masked master weight, or cuSPARSELt (2:4 only). Each choice is measured once with CUDA events on the
-call's own tensors and cached, so turning sparsity on is never slower than dense.
+cuBLAS on the masked master weight, or cuSPARSELt. Each choice is measured once with CUDA events on the call's own
+tensors and cached, so turning sparsity on is never slower than dense.
+
+A V:2:M weight (M >= 8) keeps at most 2 of every M columns of a row, so every aligned 4-wide chunk of a row holds at
+most 2 nonzeros: it is also a 2:4 weight (with more zeros than 2:4 needs). The 2:4 backends therefore run it too,
+at 2:4 speed and without the gather of the kept columns that the V:2:M kernels pay: cuSPARSELt straight from the
+masked weight, and our 2:4 kernel on a 2:4 pack of it (``"sparse24"``, built once per mask and repacked when the
+values change). They leave the extra sparsity unused, but on the H200 the V:2:M kernels are slower than 2:4 at
+M = 8 and 16 (``benchmarks/RESULTS.md``), so the measurement decides.
 
 cuSPARSELt runs through :mod:`hf_sparse.ops.cslt` (``"cslt"``): one compressed weight per packed mask, its
 values recompressed in place after each repack, and one cached plan per token count with the algorithm searched
@@ -16,6 +23,7 @@ from __future__ import annotations
 
 import os
 import statistics
+import time
 import weakref
 from collections.abc import Callable
 from typing import Literal
@@ -26,12 +34,13 @@ from torch import Tensor
 
 from . import cslt
 from ._layout import PackedWeight, kept_columns
+from .pack import pack, repack
 from .sddmm import scatter_dense, sddmm
 from .spmm import spmm
 
 __all__ = ["backend_mode", "choice", "choices", "clear_cache", "linear_forward", "weight_grad"]
 
-Forward = Literal["sparse", "dense", "cslt"]
+Forward = Literal["sparse", "sparse24", "dense", "cslt"]
 WeightGrad = Literal["sparse", "dense"]
 
 _choices: dict[tuple, str] = {}
@@ -50,6 +59,10 @@ class _PerTensorCache:
     def put(self, t: Tensor, value: object) -> None:
         key = id(t)
         self._data[key] = (weakref.ref(t, lambda _, key=key: self._data.pop(key, None)), value)
+
+    def pop(self, t: Tensor) -> None:
+        if self.get(t) is not None:
+            del self._data[id(t)]
 
     def clear(self) -> None:
         self._data.clear()
@@ -70,13 +83,26 @@ _bias_lp = _PerTensorCache()  # bias -> (its version, its copy in the compute dt
 _cslt = _PerTensorCache()  # eager fallback: packed.values -> torch._cslt_compress of the weight
 _cslt_algs: dict[tuple, int] = {}  # eager fallback: shape key -> algorithm found by _cslt_sparse_mm_search
 _masks = _PerTensorCache()  # packed.meta -> dense bool mask (meta is shared by every repack of one mask)
+_views24 = _PerTensorCache()  # V:2:M packed.meta -> _View24 (its weight packed as 2:4)
+
+
+class _View24:
+    """The 2:4 pack of a V:2:M weight and the V:2:M values it was last packed from."""
+
+    __slots__ = ("packed", "values")
+
+    def __init__(self, packed: PackedWeight, values: Tensor) -> None:
+        self.packed = packed
+        self.values = weakref.ref(values)
 
 
 def clear_cache() -> None:
-    """Forget every measured choice (e.g. after changing GPU clocks or library versions), cuSPARSELt plans too."""
+    """Forget every measured choice (e.g. after changing GPU clocks or library versions), cuSPARSELt plans and
+    2:4 views too."""
     _choices.clear()
     _cslt_algs.clear()
     _cslt_cached.clear()
+    _views24.clear()
 
 
 def choices() -> dict[tuple, str]:
@@ -113,17 +139,29 @@ def _can_measure() -> bool:
     return not torch.cuda.is_current_stream_capturing()
 
 
+_BUSY_CYCLES = 2_000_000  # ~1 ms of GPU spin ahead of each timed call (longer than any candidate's host work)
+
+
 def _time(fn: Callable[[], object], reps: int = 5) -> float:
+    """Cost of one call in ms: the larger of its GPU time and its host time, medians over ``reps``.
+
+    A call in a stream of calls costs whichever is longer, the GPU executing it or the host issuing it. Timing the
+    GPU from an idle start would add the host's issue time to the GPU's (and penalise the backend with the more
+    Python), so the GPU is first kept busy with a spin kernel while the host enqueues the timed call; the host's
+    own time is taken around the same call."""
     fn()
-    times = []
+    gpu, host = [], []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(_BUSY_CYCLES)
         start.record()
+        t0 = time.perf_counter()
         fn()
+        host.append((time.perf_counter() - t0) * 1e3)
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+        gpu.append(start.elapsed_time(end))
+    return max(statistics.median(gpu), statistics.median(host))
 
 
 def _key(kind: str, tokens: int, p: PackedWeight, device: torch.device) -> tuple:
@@ -174,6 +212,21 @@ def _stable_bias(bias: Tensor | None, dtype: torch.dtype) -> Tensor | None:
     return hit[1]
 
 
+def _view24(weight: Tensor, p: PackedWeight, repack_values: bool = False) -> PackedWeight:
+    """``weight`` (the V:2:M weight ``p`` packs) packed as 2:4 for our 2:4 kernel: built in full once per mask, then
+    only its values re-gathered when ``p`` was repacked (or always with ``repack_values``: how the dispatcher prices
+    a call whose weight changes every optimizer step)."""
+    st = _views24.get(p.meta)
+    if st is None:
+        view = pack(weight.to(p.dtype).contiguous(), _dense_mask(p), 64, 4, p.dtype, validate=False)
+        st = _View24(view, p.values)
+        _views24.put(p.meta, st)
+    elif repack_values or st.values() is not p.values:
+        st.packed = repack(weight, st.packed)
+        st.values = weakref.ref(p.values)
+    return st.packed
+
+
 def _cslt_usable() -> bool:
     return cslt.available() or hasattr(torch, "_cslt_compress")
 
@@ -194,9 +247,10 @@ def linear_forward(
     """``x @ weight^T + bias`` in ``p.dtype``; ``weight`` is the masked master (same values as ``p``).
 
     ``static_weight=False`` (training: the weight changes after every optimizer step) is measured and cached apart
-    (kind ``"fwd_train"``), and there the cuSPARSELt candidate is timed with the recompression it then needs on every
-    step: on the H200 that recompression costs more than cuSPARSELt saves over cuBLAS at BERT shapes
-    (``benchmarks/RESULTS.md``), and pricing it into the measurement keeps the choice honest at every shape.
+    (kind ``"fwd_train"``), and there every candidate but dense cuBLAS is timed with what it must redo after every
+    step (:func:`_training_timed`): on the H200 cuSPARSELt's recompression costs more than it saves over cuBLAS at
+    BERT shapes (``benchmarks/RESULTS.md``), and pricing it into the measurement keeps the choice honest at every
+    shape. For a V:2:M ``p`` (M >= 8) the 2:4 backends are candidates too (module docstring).
     """
     mode = _mode()
     if mode == "dense":
@@ -213,16 +267,16 @@ def linear_forward(
         "sparse": lambda: spmm(x2, p, b),
         "dense": lambda: F.linear(x2, weight.to(p.dtype), b),
     }
-    if p.m == 4 and cslt.supports(p.rows, p.cols, x2.shape[0], p.dtype) and x2.is_contiguous() and _cslt_usable():
+    if p.m > 4:  # V:2:M is also 2:4 (module docstring)
+        candidates["sparse24"] = lambda: spmm(x2, _view24(weight, p), b)
+    if cslt.supports(p.rows, p.cols, x2.shape[0], p.dtype) and x2.is_contiguous() and _cslt_usable():
         candidates["cslt"] = lambda: _cslt_linear(x2, weight, p, bias)
     choice = _choices.get(key)
     if choice is None:
         if not _can_measure():
             choice = "sparse"
         else:
-            timed = dict(candidates)
-            if "cslt" in timed and not static_weight:
-                timed["cslt"] = lambda: _cslt_linear(x2, weight, p, bias, recompress=True)
+            timed = dict(candidates) if static_weight else _training_timed(candidates, x2, weight, p, b, bias)
             times = {}
             for name, fn in timed.items():
                 try:
@@ -231,8 +285,37 @@ def linear_forward(
                     continue
             choice = min(times, key=times.get)
             _choices[key] = choice
+            if choice != "sparse24" and "sparse24" in candidates and not _chosen_elsewhere("sparse24", p):
+                _views24.pop(p.meta)  # not worth its memory
     y = candidates.get(choice, candidates["sparse"])()
     return y.reshape(*lead, p.rows)
+
+
+def _training_timed(
+    candidates: dict[str, Callable[[], Tensor]],
+    x2: Tensor,
+    weight: Tensor,
+    p: PackedWeight,
+    b: Tensor | None,
+    bias: Tensor | None,
+) -> dict[str, Callable[[], Tensor]]:
+    """The candidates of a call on a weight that trains, each timed with what it costs again after every optimizer
+    step: the kernel path repacks ``p`` once per step whenever a layer leaves dense cuBLAS, the 2:4 view is repacked
+    too, cuSPARSELt recompresses. Dense cuBLAS needs nothing (its cast to ``p.dtype`` is autocast's anyway)."""
+    timed = {"dense": candidates["dense"]}
+    timed["sparse"] = lambda: (repack(weight, p), spmm(x2, p, b))[1]
+    if "sparse24" in candidates:
+        timed["sparse24"] = lambda: (repack(weight, p), spmm(x2, _view24(weight, p, repack_values=True), b))[1]
+    if "cslt" in candidates:
+        timed["cslt"] = lambda: (repack(weight, p), _cslt_linear(x2, weight, p, bias, recompress=True))[1]
+    return timed
+
+
+def _chosen_elsewhere(name: str, p: PackedWeight) -> bool:
+    """Whether a measured choice for ``p``'s weight shape, pattern and dtype (any kind, any token bucket) uses
+    backend ``name``: choices are per shape, so every layer of that shape may still call it."""
+    shape = (p.rows, p.cols, p.v, p.m, p.dtype)
+    return any(v == name and k[2:7] == shape for k, v in _choices.items())
 
 
 def _dense_mask(p: PackedWeight) -> Tensor:

@@ -75,6 +75,17 @@ def spmm_kernel(m: int, device: torch.device | None = None) -> str:
     return "wgmma" if _wgmma_available(device or torch.device("cuda")) else "mma_sp"
 
 
+def _run_kernel(
+    x: Tensor, values: Tensor, meta: Tensor, columns: Tensor, bias: Tensor | None, rows: int, cols: int, m: int
+) -> Tensor:
+    """The CUDA kernel call itself (``x`` 2-D, contiguous, 16-byte aligned, ``cols % 8 == 0``)."""
+    from ._build import load_extension
+
+    ext = load_extension()
+    fn = ext.spmm_wgmma if spmm_kernel(m, x.device) == "wgmma" else ext.spmm
+    return fn(x, values, meta, columns, bias, rows, cols, m)
+
+
 @torch.library.custom_op("hf_sparse::spmm", mutates_args=())
 def _spmm_op(
     x: Tensor,
@@ -91,11 +102,7 @@ def _spmm_op(
     p = PackedWeight(values, meta, columns, valid, rows, cols, v, m)
     if x.is_cuda:
         if _kernel_ok(x, cols):
-            from ._build import load_extension
-
-            ext = load_extension()
-            fn = ext.spmm_wgmma if spmm_kernel(m, x.device) == "wgmma" else ext.spmm
-            return fn(x, values, meta, columns, bias, rows, cols, m)
+            return _run_kernel(x, values, meta, columns, bias, rows, cols, m)
         warnings.warn(
             f"hf_sparse.spmm: in_features={cols} is not a multiple of 8 (or x is misaligned); using the slow "
             "reference path. Pad the layer to a multiple of 8 for the kernel.",
@@ -123,6 +130,11 @@ def spmm(x: Tensor, packed: PackedWeight, bias: Tensor | None = None) -> Tensor:
     x2 = x.reshape(-1, packed.cols)
     if not x2.is_contiguous():
         x2 = x2.contiguous()
+    if x2.is_cuda and _kernel_ok(x2, packed.cols) and not torch.compiler.is_compiling():
+        # hot path (every sparse linear call): straight to the kernel, without the host time of the custom op's
+        # Python dispatch; the op below is the same call, kept for torch.compile and opcheck
+        y = _run_kernel(x2, packed.values, packed.meta, packed.columns, bias, packed.rows, packed.cols, packed.m)
+        return y.reshape(*lead, packed.rows)
     y = _spmm_op(
         x2,
         packed.values,

@@ -289,3 +289,34 @@ def test_dispatch_fp16_keeps_torch_eager_cslt():
     x = torch.randn(64, 256, device="cuda").half()
     _assert_close_to_reference(dispatch._cslt_linear(x, w, p, None), x, w.half(), None)
     assert dispatch._cslt_cached.get(p.meta) is None
+
+
+@pytest.mark.parametrize(("v", "m"), [(64, 8), (128, 16), (64, 32)])
+@pytest.mark.parametrize("tokens", [8, 8184])
+def test_vnm_weight_runs_on_cusparselt_as_2to4(v, m, tokens):
+    """A V:2:M weight keeps <= 2 of every 4 columns of a row: cuSPARSELt runs it as 2:4 (the dispatcher's candidate
+    for V:2:M layers), through the cached plan, and gets the right product."""
+    from hf_sparse.ops import dispatch
+
+    w, mask = random_masked(256, 32 * m, v, m, device="cuda", seed=m)
+    p = pack(w, mask, v, m, torch.bfloat16)
+    bias = torch.randn(256, device="cuda").bfloat16()
+    x = torch.randn(tokens, 32 * m, device="cuda").bfloat16()
+    _poison_allocator()
+    _assert_close_to_reference(dispatch._cslt_linear(x, w, p, bias), x, w.bfloat16(), bias)
+    assert dispatch._cslt_cached.get(p.meta) is not None
+    dispatch.clear_cache()
+
+
+def test_dispatcher_offers_cusparselt_for_a_vnm_weight(monkeypatch):
+    from hf_sparse.ops import dispatch
+
+    monkeypatch.setenv("HF_SPARSE_BACKEND", "auto")
+    dispatch.clear_cache()
+    w, mask = random_masked(1024, 1024, 64, 8, device="cuda", seed=21)
+    p = pack(w, mask, 64, 8, torch.bfloat16)
+    x = torch.randn(4096, 1024, device="cuda").bfloat16()
+    y = dispatch.linear_forward(x, w, p, None)
+    assert dispatch._cslt_cached.get(p.meta) is not None, "cuSPARSELt was not a candidate for the V:2:M weight"
+    _assert_close_to_reference(y, x, w.bfloat16(), None)
+    dispatch.clear_cache()

@@ -49,6 +49,26 @@ def _op_args(seed=0):
     return w, mask, p, x, dy
 
 
+@pytest.mark.parametrize(("v", "m"), [(64, 8), (128, 16), (64, 32), (64, 128)])
+def test_vnm_weight_has_an_exact_2to4_view_that_follows_repacks(v, m):
+    """A V:2:M weight keeps <= 2 of every 4 columns of a row, so the dispatcher's 2:4 view must hold it exactly, and
+    must follow the weight once the V:2:M pack is repacked after an optimizer step."""
+    from hf_sparse.ops import dispatch, repack
+    from hf_sparse.ops._layout import dense_from_packed
+
+    w, mask = random_masked(128, 8 * m, v, m, seed=m)
+    p = pack(w, mask, v, m, torch.bfloat16)
+    assert int(mask.view(128, -1, 4).sum(-1).max()) <= 2
+    view = dispatch._view24(w, p)
+    assert (view.v, view.m, view.rows, view.cols) == (64, 4, 128, 8 * m)
+    assert torch.equal(dense_from_packed(view, torch.float32), w.bfloat16().float())
+    assert dispatch._view24(w, p) is view  # cached per mask while the values do not change
+    w2 = torch.where(mask, torch.randn(w.shape), 0.0)  # an optimizer step: new values, same mask
+    p2 = repack(w2, p)
+    assert torch.equal(dense_from_packed(dispatch._view24(w2, p2), torch.float32), w2.bfloat16().float())
+    dispatch.clear_cache()
+
+
 def test_opcheck_all_ops():
     w, mask, p, x, dy = _op_args()
     pargs = (p.values, p.meta, p.columns, p.valid, p.rows, p.cols, p.v, p.m)

@@ -1,0 +1,105 @@
+"""GPU: the dispatcher's measurement and its 2:4 view of V:2:M weights (our 2:4 kernel on a 2:4 pack of them).
+
+Fresh random weights and inputs (never zeros), NaN-poisoned allocator, error within 2x of PyTorch's own ``F.linear``
+error in the same dtype against fp64. cuSPARSELt on V:2:M weights is tested in ``test_cslt_gpu.py`` (run apart).
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hf_sparse.ops import dispatch, pack, repack, spmm
+
+from ._helpers import random_masked, rel_err
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dispatcher(monkeypatch):
+    monkeypatch.setenv("HF_SPARSE_BACKEND", "auto")
+    dispatch.clear_cache()
+    yield
+    dispatch.clear_cache()
+
+
+def _assert_close(y, x, w, b=None):
+    torch.cuda.synchronize()
+    assert y.shape == (*x.shape[:-1], w.shape[0]) and y.dtype == x.dtype
+    assert not bool(torch.isnan(y).any()), "unwritten or NaN output"
+    wq = w.to(x.dtype)
+    ref = F.linear(x.double(), wq.double(), None if b is None else b.double())
+    assert rel_err(y, ref) <= 2 * rel_err(F.linear(x, wq, b), ref) + 1e-6
+
+
+def _poison_allocator():
+    junk = torch.full((64 << 20,), float("nan"), device="cuda", dtype=torch.float32)
+    del junk
+
+
+@pytest.mark.parametrize(("v", "m"), [(64, 8), (128, 8), (64, 16), (64, 32), (128, 64)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("tokens", [1, 7, 300, 8191])
+def test_vnm_weight_on_the_2to4_kernel_matches_reference(v, m, dtype, tokens):
+    w, mask = random_masked(256, 16 * m + 8 * m, v, m, device="cuda", seed=m + tokens)
+    p = pack(w, mask, v, m, dtype)
+    x = torch.randn(tokens, w.shape[1], device="cuda").to(dtype)
+    b = torch.randn(256, device="cuda").to(dtype)
+    _poison_allocator()
+    _assert_close(spmm(x, dispatch._view24(w, p), b), x, w, b)
+
+
+def test_2to4_view_follows_the_weight_after_a_repack():
+    w, mask = random_masked(192, 512, 64, 8, device="cuda", seed=3)
+    p = pack(w, mask, 64, 8, torch.bfloat16)
+    x = torch.randn(64, 512, device="cuda").bfloat16()
+    _assert_close(spmm(x, dispatch._view24(w, p)), x, w)
+    w2 = torch.where(mask, torch.randn_like(w), 0.0)  # optimizer step: same mask, new values
+    p2 = repack(w2, p)
+    _poison_allocator()
+    _assert_close(spmm(x, dispatch._view24(w2, p2)), x, w2)
+
+
+@pytest.mark.parametrize("static", [True, False])
+def test_dispatcher_measures_the_2to4_view_of_a_vnm_weight(static):
+    w, mask = random_masked(1024, 1024, 64, 8, device="cuda", seed=4)
+    p = pack(w, mask, 64, 8, torch.bfloat16)
+    x = torch.randn(4096, 1024, device="cuda").bfloat16()
+    y = dispatch.linear_forward(x, w.bfloat16(), p, None, static_weight=static)
+    kind = "fwd" if static else "fwd_train"
+    choice = dispatch.choice(kind, 4096, p, x.device)
+    assert choice in ("sparse", "sparse24", "dense", "cslt")
+    # the view is kept only while some measured choice for this shape uses it
+    assert (dispatch._views24.get(p.meta) is not None) == (choice == "sparse24")
+    _assert_close(y, x, w)
+    _poison_allocator()
+    _assert_close(dispatch.linear_forward(x, w.bfloat16(), p, None, static_weight=static), x, w)
+
+
+def test_measurement_counts_host_time_and_gpu_time_not_their_sum():
+    a = torch.randn(2048, 2048, device="cuda")
+
+    def host_heavy():  # ~5 ms of host work, almost no GPU work
+        time.sleep(0.005)
+        return a[:1] + 1
+
+    def gpu_heavy():  # GPU work, little host work
+        return a @ a
+
+    gpu_ms = dispatch._time(gpu_heavy)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(20):
+        gpu_heavy()
+    end.record()
+    end.synchronize()
+    assert gpu_ms == pytest.approx(start.elapsed_time(end) / 20, rel=0.5)
+    assert dispatch._time(host_heavy) >= 4.5
