@@ -2,7 +2,7 @@
 ``from_pretrained``-loaded compressed checkpoint. All in one run; prints markdown tables.
 
     python benchmarks/bench_train_step.py [--patterns 2:4T 64:2:8 64:2:16] [--steps 10] [--masked-dense]
-                                          [--no-inference]
+                                          [--no-inference] [--no-train]
 
 Model: ``BertForMaskedLM`` built from ``BertConfig`` (24 layers, hidden 1024, 16 heads, FFN 4096, vocab 30522; no
 download), batch 16 x 512 random tokens, fp32 master weights, bf16 autocast, fused AdamW, SDPA attention.
@@ -14,6 +14,11 @@ Step time: median over ``--steps`` steps of CUDA-event time after 3 warm-up step
 the first). Breakdown: ``torch.profiler`` over 3 more steps, device time of every kernel summed by category.
 Amdahl bound: the step time if the pruned layers' GEMMs ran at the ideal sparse speed (1/density) and nothing else
 changed; the pruned layers' share of GEMM time is estimated from their FLOP share of all GEMM FLOPs.
+
+Inference: the forward of a checkpoint saved with ``hf_sparse.save_pretrained`` and loaded with ``from_pretrained``
+(``SparseLinear`` layers, the dispatcher's choices) against the dense model with the same pruned weights, timed three
+ways: eager (CUDA events around the forward: host-bound where Python issues slower than the GPU runs), the sum of its
+CUDA kernel times (``torch.profiler``), and the replay of the forward captured in a CUDA graph (no host work).
 """
 
 from __future__ import annotations
@@ -205,10 +210,26 @@ def train_section(args) -> None:
         print(f"| {pattern} | {density:.3f} | {bound:.3f}x | {total / (total - pruned_ms):.3f}x |")
 
 
+def gemm_ms(cats: dict[str, float]) -> float:
+    return cats.get("linear GEMM", 0.0) + cats.get("sparse kernels", 0.0)
+
+
+def graph_ms(run, n: int) -> float:
+    """Median CUDA-event time of replaying ``run`` captured in a CUDA graph (no host work per replay)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up on a side stream, as torch.cuda.graph's documentation asks
+        for _ in range(3):
+            run()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    return time_steps(graph.replay, n)
+
+
 def inference_section(args) -> None:
     print("\n### Inference forward of a from_pretrained-loaded checkpoint, batch 16 x 512, bf16 (ms)\n")
-    print("| model | forward | x dense |")
-    print("|---|---|---|")
     model = build().eval()
     ids = torch.randint(0, 30522, (args.batch, args.seq), device="cuda")
     pruner = prune(model, args.inference_pattern)
@@ -226,27 +247,43 @@ def inference_section(args) -> None:
         save_pretrained(model, tmp, pruner)
         del model
         loaded = AutoModelForMaskedLM.from_pretrained(tmp, dtype=torch.bfloat16).cuda().eval()
-    results = {}
+    rows = {}
     models = (("dense (same pruned weights)", dense), (f"loaded {args.inference_pattern}", loaded))
     for name, m in models:
         run = fwd(m)
-        for _ in range(3):
+        for _ in range(3):  # the first call measures the dispatcher's choices (never during a capture)
             run()
-        results[name] = time_steps(run, args.steps)
+        eager = time_steps(run, args.steps)
         start = time.perf_counter()  # host time to issue one forward (no sync): shows when Python is the limit
         for _ in range(args.steps):
             run()
         host = (time.perf_counter() - start) / args.steps * 1e3
         torch.cuda.synchronize()
-        print(f"  {name}: host time to launch one forward {host:.2f} ms")
+        cats, _ = breakdown(run)
+        rows[name] = (eager, host, sum(cats.values()), gemm_ms(cats), graph_ms(run, args.steps))
     to_dense(loaded)
     run = fwd(loaded)
     for _ in range(3):
         run()
-    results[f"loaded {args.inference_pattern}, then hf_sparse.to_dense"] = time_steps(run, args.steps)
-    base = next(iter(results.values()))
-    for name, ms in results.items():
-        print(f"| {name} | {ms:.2f} | {base / ms:.3f} |")
+    cats, _ = breakdown(run)
+    rows[f"loaded {args.inference_pattern}, then hf_sparse.to_dense"] = (
+        time_steps(run, args.steps),
+        float("nan"),
+        sum(cats.values()),
+        gemm_ms(cats),
+        graph_ms(run, args.steps),
+    )
+    print(
+        "| model | forward (eager) | x dense | host time to issue it | CUDA kernel time | x dense | linear GEMM + "
+        "sparse | CUDA graph replay | x dense |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    base = next(iter(rows.values()))
+    for name, (eager, host, kern, gemm, graph) in rows.items():
+        print(
+            f"| {name} | {eager:.2f} | {base[0] / eager:.3f} | {host:.2f} | {kern:.2f} | {base[2] / kern:.3f} | "
+            f"{gemm:.2f} | {graph:.2f} | {base[4] / graph:.3f} |"
+        )
 
 
 def main() -> int:
@@ -257,6 +294,7 @@ def main() -> int:
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--inference-pattern", default="64:2:8")
     ap.add_argument("--no-inference", action="store_true")
+    ap.add_argument("--no-train", action="store_true", help="inference section only")
     ap.add_argument(
         "--masked-dense", action="store_true", help="also time each pattern with the pruner but no kernel path"
     )
@@ -264,7 +302,8 @@ def main() -> int:
     print(
         f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, {datetime.datetime.utcnow():%Y-%m-%d %H:%M} UTC"
     )
-    train_section(args)
+    if not args.no_train:
+        train_section(args)
     if not args.no_inference:
         inference_section(args)
     print("\ndispatcher choices:", {k: v for k, v in dispatch.choices().items()})

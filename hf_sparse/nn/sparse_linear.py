@@ -153,7 +153,7 @@ class SparseLinear(nn.Module):
             return F.linear(x, self.dense_weight(), self.bias)
         packed = self.packed_weight(dtype)
         y = dispatch.linear_forward(x.to(dtype), self.dense_weight(), packed, self.bias)
-        if auto:
+        if auto and route_key not in self._routes:
             choice = dispatch.choice("fwd", tokens, packed, x.device)
             if choice is not None:
                 self._routes[route_key] = "dense" if choice == "dense" else "kernel"

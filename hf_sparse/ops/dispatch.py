@@ -254,14 +254,40 @@ def linear_forward(
     """
     mode = _mode()
     if mode == "dense":
-        return F.linear(x, weight.to(p.dtype), None if bias is None else bias.to(p.dtype))
+        return _run_forward("dense", x, weight, p, bias)
     if not x.is_cuda or mode == "sparse":
         return spmm(x, p, bias)
     key = _key("fwd" if static_weight else "fwd_train", x.numel() // p.cols if p.cols else 0, p, x.device)
-    if _choices.get(key) == "dense":  # the common case once measured: no candidate table, no reshapes
-        return F.linear(x, weight.to(p.dtype), None if bias is None else bias.to(p.dtype))
+    choice = _choices.get(key)
+    if choice is None:
+        choice = _measure_forward(key, x.reshape(-1, p.cols), weight, p, bias, static_weight)
+    return _run_forward(choice, x, weight, p, bias)
+
+
+def _run_forward(choice: str, x: Tensor, weight: Tensor, p: PackedWeight, bias: Tensor | None) -> Tensor:
+    """One forward on backend ``choice``, with as little host work as possible (this runs on every call). A
+    "cslt" choice made for a token bucket falls back to our kernel for a count cuSPARSELt cannot take."""
+    b = None if bias is None else bias.to(p.dtype)
+    if choice == "dense":
+        return F.linear(x, weight.to(p.dtype), b)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, p.cols)
+    if choice == "cslt" and x2.is_contiguous() and cslt.supports(p.rows, p.cols, x2.shape[0], p.dtype):
+        y = _cslt_linear(x2, weight, p, bias)
+    elif choice == "sparse24":
+        y = spmm(x2, _view24(weight, p), b)
+    else:
+        y = spmm(x2, p, b)
+    return y.reshape(*lead, p.rows)
+
+
+def _measure_forward(
+    key: tuple, x2: Tensor, weight: Tensor, p: PackedWeight, bias: Tensor | None, static_weight: bool
+) -> str:
+    """Time every backend that can run this call, cache the fastest under ``key`` and return it (``"sparse"``,
+    uncached, while nothing can be measured: CUDA-graph capture, torch.compile tracing)."""
+    if not _can_measure():
+        return "sparse"
     b = None if bias is None else bias.to(p.dtype)
     candidates: dict[str, Callable[[], Tensor]] = {
         "sparse": lambda: spmm(x2, p, b),
@@ -271,24 +297,18 @@ def linear_forward(
         candidates["sparse24"] = lambda: spmm(x2, _view24(weight, p), b)
     if cslt.supports(p.rows, p.cols, x2.shape[0], p.dtype) and x2.is_contiguous() and _cslt_usable():
         candidates["cslt"] = lambda: _cslt_linear(x2, weight, p, bias)
-    choice = _choices.get(key)
-    if choice is None:
-        if not _can_measure():
-            choice = "sparse"
-        else:
-            timed = dict(candidates) if static_weight else _training_timed(candidates, x2, weight, p, b, bias)
-            times = {}
-            for name, fn in timed.items():
-                try:
-                    times[name] = _time(fn)
-                except RuntimeError:  # e.g. cuSPARSELt refusing a shape: just not a candidate
-                    continue
-            choice = min(times, key=times.get)
-            _choices[key] = choice
-            if choice != "sparse24" and "sparse24" in candidates and not _chosen_elsewhere("sparse24", p):
-                _views24.pop(p.meta)  # not worth its memory
-    y = candidates.get(choice, candidates["sparse"])()
-    return y.reshape(*lead, p.rows)
+    timed = candidates if static_weight else _training_timed(candidates, x2, weight, p, b, bias)
+    times = {}
+    for name, fn in timed.items():
+        try:
+            times[name] = _time(fn)
+        except RuntimeError:  # e.g. cuSPARSELt refusing a shape: just not a candidate
+            continue
+    choice = min(times, key=times.get)
+    _choices[key] = choice
+    if choice != "sparse24" and "sparse24" in candidates and not _chosen_elsewhere("sparse24", p):
+        _views24.pop(p.meta)  # not worth its memory
+    return choice
 
 
 def _training_timed(
