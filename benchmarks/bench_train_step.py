@@ -223,8 +223,12 @@ def graph_ms(run, n: int) -> float:
             run()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
+    try:
+        with torch.cuda.graph(graph):
+            run()
+    except Exception as exc:  # report, never hide
+        print(f"  CUDA graph capture failed: {type(exc).__name__}: {exc}")
+        return float("nan")
     return time_steps(graph.replay, n)
 
 
