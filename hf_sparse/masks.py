@@ -164,13 +164,15 @@ def compute_mask(score: Tensor, pattern: Pattern, *, transposable: bool = False)
 def apply_mask(weight: Tensor, mask: Tensor) -> Tensor:
     """Zero ``weight`` in place where ``mask`` is False, writing ``+0.0``; returns ``weight``.
 
-    One fused ``where`` pass: ``masked_fill_(~mask, 0)`` would launch a second kernel (and allocate) for ``~mask``,
-    and the pruner calls this for every gradient and every weight of every step.
+    One ``where`` pass with a zero that lives on the weight's device: the pruner calls this for every gradient and
+    every weight of every step. A CPU zero would be copied to the GPU on every call (a host-blocking copy), and on an
+    H200 that made the pass 2.6x slower (``benchmarks/bench_apply_mask.py``); ``masked_fill_(~mask, 0)`` costs a
+    second kernel (and an allocation) for ``~mask``.
     """
-    return torch.where(mask, weight, _zero(weight.dtype), out=weight)
+    return torch.where(mask, weight, _zero(weight.dtype, weight.device), out=weight)
 
 
 @cache
-def _zero(dtype: torch.dtype) -> Tensor:
-    """A 0-dim CPU ``+0.0``: a scalar operand for ops on any device, allocated once per dtype."""
-    return torch.zeros((), dtype=dtype)
+def _zero(dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A 0-dim ``+0.0`` on ``device``: a scalar operand for ``where``, allocated once per dtype and device."""
+    return torch.zeros((), dtype=dtype, device=device)

@@ -89,6 +89,19 @@ def test_apply_mask_in_place_keeps_kept_values_on_views(dtype):
     assert (stored.T[~mask] == 0).all() and not torch.signbit(stored.T[~mask]).any()
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_apply_mask_on_cuda_keeps_kept_values_and_writes_positive_zero(dtype):
+    stored = (torch.randn(64, 48, device="cuda") - 2.0).to(dtype)  # mostly negative: -0.0 would show
+    original = stored.clone()
+    mask = torch.rand(48, 64, device="cuda") > 0.5
+    out = apply_mask(stored.T, mask)
+    assert out.data_ptr() == stored.data_ptr()
+    assert torch.equal(stored.T[mask], original.T[mask])
+    assert (stored.T[~mask] == 0).all() and not torch.signbit(stored.T[~mask]).any()
+
+
 def test_compute_mask_rejects_transposable_for_other_patterns():
     with pytest.raises(ValueError, match="2:4"):
         compute_mask(torch.rand(8, 8), NM(2, 8), transposable=True)
