@@ -16,9 +16,9 @@ Amdahl bound: the step time if the pruned layers' GEMMs ran at the ideal sparse 
 changed; the pruned layers' share of GEMM time is estimated from their FLOP share of all GEMM FLOPs.
 
 Inference: the forward of a checkpoint saved with ``hf_sparse.save_pretrained`` and loaded with ``from_pretrained``
-(``SparseLinear`` layers, the dispatcher's choices) against the dense model with the same pruned weights, timed three
-ways: eager (CUDA events around the forward: host-bound where Python issues slower than the GPU runs), the sum of its
-CUDA kernel times (``torch.profiler``), and the replay of the forward captured in a CUDA graph (no host work).
+(``SparseLinear`` layers, the dispatcher's choices) against the dense model with the same pruned weights, timed two
+ways: CUDA events around the forward (host-bound where Python issues work slower than the GPU runs it; the host time
+to issue one forward is printed too) and the sum of its CUDA kernel times (``torch.profiler``: the GPU's work).
 """
 
 from __future__ import annotations
@@ -214,24 +214,6 @@ def gemm_ms(cats: dict[str, float]) -> float:
     return cats.get("linear GEMM", 0.0) + cats.get("sparse kernels", 0.0)
 
 
-def graph_ms(run, n: int) -> float:
-    """Median CUDA-event time of replaying ``run`` captured in a CUDA graph (no host work per replay)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # warm-up on a side stream, as torch.cuda.graph's documentation asks
-        for _ in range(3):
-            run()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    try:
-        with torch.cuda.graph(graph):
-            run()
-    except Exception as exc:  # report, never hide
-        print(f"  CUDA graph capture failed: {type(exc).__name__}: {exc}")
-        return float("nan")
-    return time_steps(graph.replay, n)
-
-
 def inference_section(args) -> None:
     print("\n### Inference forward of a from_pretrained-loaded checkpoint, batch 16 x 512, bf16 (ms)\n")
     model = build().eval()
@@ -264,7 +246,7 @@ def inference_section(args) -> None:
         host = (time.perf_counter() - start) / args.steps * 1e3
         torch.cuda.synchronize()
         cats, _ = breakdown(run)
-        rows[name] = (eager, host, sum(cats.values()), gemm_ms(cats), graph_ms(run, args.steps))
+        rows[name] = (eager, host, sum(cats.values()), gemm_ms(cats))
     to_dense(loaded)
     run = fwd(loaded)
     for _ in range(3):
@@ -275,7 +257,6 @@ def inference_section(args) -> None:
         float("nan"),
         sum(cats.values()),
         gemm_ms(cats),
-        graph_ms(run, args.steps),
     )
     print(
         "| model | forward (eager) | x dense | host time to issue it | CUDA kernel time | x dense | linear GEMM + "
@@ -283,10 +264,10 @@ def inference_section(args) -> None:
     )
     print("|---|---|---|---|---|---|---|---|---|")
     base = next(iter(rows.values()))
-    for name, (eager, host, kern, gemm, graph) in rows.items():
+    for name, (eager, host, kern, gemm) in rows.items():
         print(
             f"| {name} | {eager:.2f} | {base[0] / eager:.3f} | {host:.2f} | {kern:.2f} | {base[2] / kern:.3f} | "
-            f"{gemm:.2f} | {graph:.2f} | {base[4] / graph:.3f} |"
+            f"{gemm:.2f} |"
         )
 
 
