@@ -267,9 +267,9 @@ def linear_forward(
 def _run_forward(choice: str, x: Tensor, weight: Tensor, p: PackedWeight, bias: Tensor | None) -> Tensor:
     """One forward on backend ``choice``, with as little host work as possible (this runs on every call). A
     "cslt" choice made for a token bucket falls back to our kernel for a count cuSPARSELt cannot take."""
-    b = None if bias is None else bias.to(p.dtype)
+    b = bias if bias is None or bias.dtype == p.dtype else bias.to(p.dtype)
     if choice == "dense":
-        return F.linear(x, weight.to(p.dtype), b)
+        return F.linear(x, weight if weight.dtype == p.dtype else weight.to(p.dtype), b)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, p.cols)
     if choice == "cslt" and x2.is_contiguous() and cslt.supports(p.rows, p.cols, x2.shape[0], p.dtype):
