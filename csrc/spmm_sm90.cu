@@ -500,7 +500,7 @@ __device__ __forceinline__ void store_tile_full(const float (&acc)[BN / 2], int 
 // after the copy engine has read it, bulk_wait_group_read) and to the next tile's main loop. The tensor map clips
 // rows >= rows and tokens >= n_tokens, so partial tiles need no checks. Named barrier bar_id (128 threads) orders the
 // warpgroup's buffer writes against the store (fence.proxy.async: generic writes, read by the async proxy).
-template <typename T, int BN, int EPI_N, int EPI_BUFS>
+template <typename T, int BN, int EPI_N, int EPI_BUFS, bool EVICT_FIRST>
 __device__ __forceinline__ void store_tile_staged(const float (&acc)[BN / 2], int row0, int wg_row0, int n_base,
                                                   int lane, int wq, uint32_t stage_u32, int bar_id,
                                                   const T* __restrict__ bias, int rows, int n_tokens,
@@ -536,7 +536,13 @@ __device__ __forceinline__ void store_tile_staged(const float (&acc)[BN / 2], in
     fence_proxy_async();  // this thread's stmatrix writes, visible to the copy engine after the barrier
     named_bar_sync(bar_id, 128);
     if (leader) {
-      if (n_base + c * EPI_N < n_tokens) tma_store_2d(y_map, wg_row0, n_base + c * EPI_N, buf);  // not wholly past
+      if (n_base + c * EPI_N < n_tokens) {  // a chunk wholly past the last token is skipped
+        if constexpr (EVICT_FIRST) {
+          tma_store_2d_hint(y_map, wg_row0, n_base + c * EPI_N, buf, l2_policy_evict_first());
+        } else {
+          tma_store_2d(y_map, wg_row0, n_base + c * EPI_N, buf);
+        }
+      }
       bulk_commit_group();  // (an empty group past the last token keeps the buffer rotation's count)
     }
   }
@@ -580,7 +586,7 @@ __device__ __forceinline__ void tile_coords(int t, int row_blocks, int token_til
   }
 }
 
-template <typename T, int BN, int STAGES, int GROUP, int PERSIST, int SKEW, int EPI_N, int EPI_BUFS>
+template <typename T, int BN, int STAGES, int GROUP, int PERSIST, int SKEW, int EPI_N, int EPI_BUFS, bool EVICT_FIRST>
 __global__ void __launch_bounds__(kTmaThreads, 1)
 spmm_sm90_tma_a_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_constant__ CUtensorMap a_map,
                        const __grid_constant__ CUtensorMap e_map, const __grid_constant__ CUtensorMap y_map,
@@ -694,9 +700,10 @@ spmm_sm90_tma_a_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_c
     for (int j = 0; j < ND; ++j) asm volatile("" : "+f"(acc[j])::"memory");  // reads after the wgmma wait
     const int row0 = cta_row0 + 64 * wg + 16 * wq;
     if constexpr (EPI_N > 0) {
-      if (active) store_tile_staged<T, BN, EPI_N, EPI_BUFS>(acc, row0, cta_row0 + 64 * wg, by * BN, lane, wq,
-                                                             epi_u32 + wg * EPI_BUFS * S::EPI_CHUNK, 2 + wg, bias,
-                                                             rows, n_tokens, &y_map);
+      if (active)
+        store_tile_staged<T, BN, EPI_N, EPI_BUFS, EVICT_FIRST>(acc, row0, cta_row0 + 64 * wg, by * BN, lane, wq,
+                                                               epi_u32 + wg * EPI_BUFS * S::EPI_CHUNK, 2 + wg, bias,
+                                                               rows, n_tokens, &y_map);
     } else if ((by + 1) * BN <= n_tokens && cta_row0 + 128 <= rows && (rows & 1) == 0) {
       store_tile_full<T, BN>(acc, row0, by * BN, lane, bias, y, rows);
     } else if (active) {
@@ -820,9 +827,10 @@ bool encode_y_map(const SpmmArgs& a, int box_tokens, CUtensorMap* map) {
   return res == CUDA_SUCCESS;
 }
 
-// Configs 13-24; fall back to config 4 where a tensor map of X or the weight cannot be made (as launch_sm90_tma
-// does), and the staged-epilogue configs (EPI_N > 0) to config 15 where Y's cannot.
-template <typename T, int BN, int STAGES, int GROUP, int PERSIST, int SKEW = 0, int EPI_N = 0, int EPI_BUFS = 0>
+// Configs 13-26; fall back to config 4 where a tensor map of X or the weight cannot be made (as launch_sm90_tma
+// does), and the staged-epilogue configs (EPI_N > 0) to config 15 (19 for 128-token tiles) where Y's cannot.
+template <typename T, int BN, int STAGES, int GROUP, int PERSIST, int SKEW = 0, int EPI_N = 0, int EPI_BUFS = 0,
+          bool EVICT_FIRST = false>
 cudaError_t launch_sm90_tma_a(const SpmmArgs& a, cudaStream_t stream) {
   CUtensorMap x_map, a_map, e_map, y_map;
   const int mts = a.rows_padded / 16;
@@ -830,11 +838,12 @@ cudaError_t launch_sm90_tma_a(const SpmmArgs& a, cudaStream_t stream) {
       !encode_u32_rows_map(a.meta, a.steps * 16, mts, 32, &e_map))
     return launch_sm90<T, Sm90Cfg<256, 1, 6, 0, 1>>(a, stream);  // config 4
   if constexpr (EPI_N > 0) {
-    if (!encode_y_map(a, EPI_N, &y_map)) return launch_sm90_tma_a<T, 256, 5, 1, 1>(a, stream);  // config 15
+    if (!encode_y_map(a, EPI_N, &y_map))  // config 15, or 19 for the 128-token tiles
+      return BN == 256 ? launch_sm90_tma_a<T, 256, 5, 1, 1>(a, stream) : launch_sm90_tma_a<T, 128, 8, 1, 1>(a, stream);
   } else {
     y_map = x_map;  // unused by the direct-store epilogue
   }
-  auto kernel = spmm_sm90_tma_a_kernel<T, BN, STAGES, GROUP, PERSIST, SKEW, EPI_N, EPI_BUFS>;
+  auto kernel = spmm_sm90_tma_a_kernel<T, BN, STAGES, GROUP, PERSIST, SKEW, EPI_N, EPI_BUFS, EVICT_FIRST>;
   constexpr int smem = TmaASmem<BN, STAGES, EPI_N, EPI_BUFS>::BYTES;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return err;
@@ -853,8 +862,11 @@ cudaError_t launch_sm90_tma_a(const SpmmArgs& a, cudaStream_t stream) {
 // >= 24 MB, config 4 below); config 19 (128 x 128 tiles) where 256-token tiles would leave most SMs idle in the last
 // round and 128-token tiles would not (3072->768 at 8192 tokens: 192 tiles on 132 SMs fill 73% of two rounds, 384
 // fill 97% of three; 4096 -> 1024 at 512 tokens: 64 tiles, 128 of them).
-constexpr int kDefaultConfig = 15, kDefaultSmallGridConfig = 19;
-constexpr int kMaxConfig = 24;  // HF_SPARSE_SM90_CONFIG 0..kMaxConfig
+// Since 2026-11-22 (benchmarks/RESULTS.md, "Staged epilogue"): the same two classes with the staged epilogue, config
+// 20 instead of 15 (1.06-1.57x faster at the seven bench shapes that take it) and 23 instead of 19 (1.06x at
+// 3072->768); where Y cannot be stored by TMA (rows % 8 != 0) they fall back to 15 and 19.
+constexpr int kDefaultConfig = 20, kDefaultSmallGridConfig = 23;
+constexpr int kMaxConfig = 26;  // HF_SPARSE_SM90_CONFIG 0..kMaxConfig
 int sm90_config(const SpmmArgs& a) {
   const char* env = std::getenv("HF_SPARSE_SM90_CONFIG");  // read per call so a tuning run can switch it
   if (env) return std::atoi(env);
@@ -895,6 +907,8 @@ cudaError_t launch_large(const SpmmArgs& a, cudaStream_t stream, int cfg) {
     case 22: return launch_sm90_tma_a<T, 256, 5, 1, 1, 0, 32, 2>(a, stream);   // 5 stages + 16 KB
     case 23: return launch_sm90_tma_a<T, 128, 7, 1, 1, 0, 64, 2>(a, stream);   // 19 with 7 stages + the whole tile
     case 24: return launch_sm90_tma_a<T, 256, 4, 1, 1, 2, 64, 2>(a, stream);   // 20 with the warpgroup skew of 17
+    case 25: return launch_sm90_tma_a<T, 256, 4, 1, 1, 0, 64, 2, true>(a, stream);  // 20, Y stores L2 evict-first
+    case 26: return launch_sm90_tma_a<T, 256, 5, 1, 1, 2, 32, 2>(a, stream);   // 22 with the warpgroup skew
     case 0: return launch_sm90<T, Sm90Cfg<256, 1, 4, 0>>(a, stream);
     default: return launch_sm90<T, Sm90Cfg<256, 1, 6, 0, 1>>(a, stream);  // 4, and any other value
   }
