@@ -37,7 +37,7 @@ SHAPES = [
 ]
 
 
-N_SM90_CONFIGS = 27  # HF_SPARSE_SM90_CONFIG 0..26 (csrc/spmm_sm90.cu, launch_large)
+N_SM90_CONFIGS = 28  # HF_SPARSE_SM90_CONFIG 0..27 (csrc/spmm_sm90.cu, launch_large)
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -102,7 +102,7 @@ def main() -> int:
             os.environ.pop("HF_SPARSE_VNM_PIPE")
             os.environ.pop("HF_SPARSE_VNM_TILE")
             print(line, flush=True)
-        if "wgmma" in kernels and m == 4 and not args.no_configs:  # HF_SPARSE_SM90_CONFIG; 6-26 (TMA) also run small
+        if "wgmma" in kernels and m == 4 and not args.no_configs:  # HF_SPARSE_SM90_CONFIG; 6-27 (TMA) also run small
             os.environ["HF_SPARSE_SPMM_KERNEL"] = "wgmma"
             line = "      wgmma configs:"
             for cfg in range(N_SM90_CONFIGS) if tokens > 128 else range(6, N_SM90_CONFIGS):

@@ -548,6 +548,24 @@ __device__ __forceinline__ void store_tile_staged(const float (&acc)[BN / 2], in
   }
 }
 
+// One sparse wgmma k-step over a BN-token B tile: the generated m64nBNk32 wrapper, or for BN = 192 (config 27, which
+// wgmma_sp.cuh does not generate) an m64n128k32 on tokens 0-127 and an m64n64k32 on tokens 128-191 (16 KB further
+// into the tile: whole 1024-byte swizzle atoms, so the same descriptor layout), with the same A fragment and metadata.
+// The accumulator layout stays that of one m64nBN tile: d[4 nt + c] for token block nt.
+template <int BN, typename T>
+struct WgmmaSpTile {
+  static __device__ __forceinline__ void run(float (&d)[BN / 2], const uint4& a, uint64_t desc, uint32_t e) {
+    WgmmaSp<BN, T>::run(d, a, desc, e);
+  }
+};
+template <typename T>
+struct WgmmaSpTile<192, T> {
+  static __device__ __forceinline__ void run(float (&d)[96], const uint4& a, uint64_t desc, uint32_t e) {
+    WgmmaSp<128, T>::run(*reinterpret_cast<float(*)[64]>(&d[0]), a, desc, e);
+    WgmmaSp<64, T>::run(*reinterpret_cast<float(*)[32]>(&d[64]), a, desc + ((128 * 128) >> 4), e);
+  }
+};
+
 // Named barrier 1 between the two consumer warpgroups (256 threads): one side arrives, the other waits.
 __device__ __forceinline__ void consumers_bar_arrive() { asm volatile("bar.arrive 1, 256;\n" ::: "memory"); }
 __device__ __forceinline__ void consumers_bar_sync() { asm volatile("bar.sync 1, 256;\n" ::: "memory"); }
@@ -681,7 +699,7 @@ spmm_sm90_tma_a_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_c
       const uint64_t desc = desc_k128(smem_u32 + slot * S::STAGE);
       wgmma_fence();
 #pragma unroll
-      for (int j = 0; j < 2; ++j) WgmmaSp<BN, T>::run(acc, a[j], desc + j * (64 >> 4), e[j]);
+      for (int j = 0; j < 2; ++j) WgmmaSpTile<BN, T>::run(acc, a[j], desc + j * (64 >> 4), e[j]);
       wgmma_commit();
       wgmma_wait<1>();
       if (kt > 0 && lane == 0) mbar_arrive(empty_bar + 8 * ((it + kt - 1) % STAGES));
@@ -838,7 +856,7 @@ cudaError_t launch_sm90_tma_a(const SpmmArgs& a, cudaStream_t stream) {
       !encode_u32_rows_map(a.meta, a.steps * 16, mts, 32, &e_map))
     return launch_sm90<T, Sm90Cfg<256, 1, 6, 0, 1>>(a, stream);  // config 4
   if constexpr (EPI_N > 0) {
-    if (!encode_y_map(a, EPI_N, &y_map))  // config 15, or 19 for the 128-token tiles
+    if (!encode_y_map(a, EPI_N, &y_map))  // config 15, or 19 for the smaller token tiles
       return BN == 256 ? launch_sm90_tma_a<T, 256, 5, 1, 1>(a, stream) : launch_sm90_tma_a<T, 128, 8, 1, 1>(a, stream);
   } else {
     y_map = x_map;  // unused by the direct-store epilogue
@@ -864,9 +882,11 @@ cudaError_t launch_sm90_tma_a(const SpmmArgs& a, cudaStream_t stream) {
 // fill 97% of three; 4096 -> 1024 at 512 tokens: 64 tiles, 128 of them).
 // Since 2026-11-22 (benchmarks/RESULTS.md, "Staged epilogue"): the same two classes with the staged epilogue, config
 // 20 instead of 15 (1.06-1.57x faster at the seven bench shapes that take it) and 23 instead of 19 (1.06x at
-// 3072->768); where Y cannot be stored by TMA (rows % 8 != 0) they fall back to 15 and 19.
-constexpr int kDefaultConfig = 20, kDefaultSmallGridConfig = 23;
-constexpr int kMaxConfig = 26;  // HF_SPARSE_SM90_CONFIG 0..kMaxConfig
+// 3072->768); where Y cannot be stored by TMA (rows % 8 != 0) they fall back to 15 and 19. Where 256-token tiles
+// fill the SMs badly, 192-token tiles (config 27: 30% fewer L2 bytes per MAC than 128) when they fill about as well
+// as 128-token ones (3072->768 at 8192 tokens: 258 tiles = 98% of two rounds).
+constexpr int kDefaultConfig = 20, kDefaultSmallGridConfig = 23, kDefaultMidGridConfig = 27;
+constexpr int kMaxConfig = 27;  // HF_SPARSE_SM90_CONFIG 0..kMaxConfig
 int sm90_config(const SpmmArgs& a) {
   const char* env = std::getenv("HF_SPARSE_SM90_CONFIG");  // read per call so a tuning run can switch it
   if (env) return std::atoi(env);
@@ -876,8 +896,9 @@ int sm90_config(const SpmmArgs& a) {
     const long long tiles = row_blocks * ((a.n_tokens + bn - 1) / bn), rounds = (tiles + sms - 1) / sms;
     return (double)tiles / (double)(rounds * sms);
   };
-  const double fill256 = fill(256), fill128 = fill(128);
-  return fill256 < 0.85 && fill128 > fill256 + 0.1 ? kDefaultSmallGridConfig : kDefaultConfig;
+  const double fill256 = fill(256), fill192 = fill(192), fill128 = fill(128);
+  if (fill256 >= 0.85 || std::max(fill192, fill128) <= fill256 + 0.1) return kDefaultConfig;
+  return fill192 + 0.02 >= fill128 ? kDefaultMidGridConfig : kDefaultSmallGridConfig;
 }
 
 template <typename T>
@@ -909,6 +930,7 @@ cudaError_t launch_large(const SpmmArgs& a, cudaStream_t stream, int cfg) {
     case 24: return launch_sm90_tma_a<T, 256, 4, 1, 1, 2, 64, 2>(a, stream);   // 20 with the warpgroup skew of 17
     case 25: return launch_sm90_tma_a<T, 256, 4, 1, 1, 0, 64, 2, true>(a, stream);  // 20, Y stores L2 evict-first
     case 26: return launch_sm90_tma_a<T, 256, 5, 1, 1, 2, 32, 2>(a, stream);   // 22 with the warpgroup skew
+    case 27: return launch_sm90_tma_a<T, 192, 5, 1, 1, 0, 96, 2>(a, stream);   // 192-token tiles, the whole tile
     case 0: return launch_sm90<T, Sm90Cfg<256, 1, 4, 0>>(a, stream);
     default: return launch_sm90<T, Sm90Cfg<256, 1, 6, 0, 1>>(a, stream);  // 4, and any other value
   }

@@ -288,7 +288,7 @@ def _check_wgmma_config(config, dtype, bias, tokens, rows, cols, seed, monkeypat
     _assert_spmm_matches_reference(x, w, p, b)
 
 
-@pytest.mark.parametrize("config", list(range(27)))
+@pytest.mark.parametrize("config", list(range(28)))
 @pytest.mark.parametrize(("tokens", "rows", "cols"), [(300, 448, 136), (8191, 192, 1000)])
 def test_spmm_wgmma_tile_configs(config, tokens, rows, cols, monkeypatch):
     # Every large-token tile configuration of the sm_90a kernel (HF_SPARSE_SM90_CONFIG): 448 rows leave some m64
@@ -296,7 +296,7 @@ def test_spmm_wgmma_tile_configs(config, tokens, rows, cols, monkeypatch):
     _check_wgmma_config(config, torch.bfloat16, True, tokens, rows, cols, config + tokens, monkeypatch)
 
 
-@pytest.mark.parametrize("config", list(range(6, 27)))
+@pytest.mark.parametrize("config", list(range(6, 28)))
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize(
@@ -312,11 +312,11 @@ def test_spmm_wgmma_tma_configs(config, dtype, bias, tokens, rows, cols, monkeyp
     # without (6, 7) and with (8, 9) a 2-CTA cluster multicasting X; 10, 11: 6 with grouped CTA order (8, 4 token tiles);
     # 12: 6 launched in 2-CTA clusters with the cluster barriers but no sharing (diagnostic); 13-16: A fragments and
     # metadata by TMA too, 15/16 persistent (one CTA per SM walking the tiles), 17/18 persistent with the two consumer
-    # warpgroups two k-tiles apart, 19 = 15 with 128-token tiles, 20-26: staged epilogue (stmatrix + TMA store).
+    # warpgroups two k-tiles apart, 19 = 15 with 128-token tiles, 20-27: staged epilogue (stmatrix + TMA store).
     _check_wgmma_config(config, dtype, bias, tokens, rows, cols, config + tokens + cols, monkeypatch)
 
 
-@pytest.mark.parametrize("config", list(range(13, 27)))
+@pytest.mark.parametrize("config", list(range(13, 28)))
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize(
@@ -332,7 +332,7 @@ def test_spmm_wgmma_tma_a_configs_many_tiles(config, dtype, bias, tokens, rows, 
     _check_wgmma_config(config, dtype, bias, tokens, rows, cols, config + rows + cols, monkeypatch)
 
 
-STAGED_EPILOGUE_CONFIGS = [20, 21, 22, 23, 24, 25, 26]
+STAGED_EPILOGUE_CONFIGS = [20, 21, 22, 23, 24, 25, 26, 27]
 
 
 @pytest.mark.parametrize("config", STAGED_EPILOGUE_CONFIGS)
@@ -361,12 +361,16 @@ def test_spmm_wgmma_staged_epilogue_configs(config, dtype, bias, tokens, rows, c
     _check_wgmma_config(config, dtype, bias, tokens, rows, cols, 7 * config + tokens + rows, monkeypatch)
 
 
-@pytest.mark.parametrize(("tokens", "rows"), [(300, 4096), (4100, 4096), (8190, 4096), (4100, 4090), (300, 4090)])
+@pytest.mark.parametrize(
+    ("tokens", "rows"), [(300, 4096), (4100, 4096), (8190, 4096), (4100, 4090), (300, 4090), (8190, 768), (8190, 762)]
+)
 def test_spmm_wgmma_default_config_matches_reference(tokens, rows, monkeypatch):
     # The default large-token tile without HF_SPARSE_SM90_CONFIG on a 4096 x 6144 weight (25 MB packed): 300 tokens
     # = 64 256-token tiles, too few for the SMs, so config 23 (128-token tiles, 96 of them, a partial one); 4100 tokens
     # = 544 tiles, config 20 (several per CTA, the last tile 4 tokens wide); 8190: 1024 tiles, config 20. 4090 rows
-    # (not a multiple of 8: no tensor map of Y) take the direct-store fallbacks of 20 / 23 (configs 15 / 19).
+    # (not a multiple of 8: no tensor map of Y) take the direct-store fallbacks of 20 / 23 (configs 15 / 19). 768 rows
+    # at 8190 tokens: 192 256-token tiles fill 73% of the SMs' two rounds, 258 192-token tiles 98%: config 27 (762
+    # rows: its fallback, config 19).
     if not _wgmma_runs_here():
         pytest.skip("sparse wgmma needs a cc 9.0 GPU and an sm_90a build")
     monkeypatch.setenv("HF_SPARSE_SPMM_KERNEL", "wgmma")
