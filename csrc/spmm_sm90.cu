@@ -26,9 +26,11 @@
 // add a grouped CTA order (W stays in L2 across a wave), 8/9 share X across a 2-CTA cluster (multicast: slower).
 // Configs 13-18 (spmm_sm90_tma_a_kernel): the producer streams the A fragments and metadata by TMA too, full tiles
 // take a check-free epilogue, 15-18 are persistent (one CTA per SM walking the output tiles), 17/18 keep the two
-// consumer warpgroups two k-tiles apart, 19 = 15 with 128-token tiles. Default: config 15, or 19 where 256-token tiles
-// would leave most SMs idle in the last round (sm90_config).
-// Epilogue: accumulators (row r, token n) are written straight to Y[n, r] (+ bias), as spmm.cu does.
+// consumer warpgroups two k-tiles apart, 19 = 15 with 128-token tiles. Configs 20-27: the same kernel with a staged
+// epilogue (store_tile_staged: stmatrix into a token-major shared buffer, TMA stores that overlap the next tile's main
+// loop), 27 with 192-token tiles. Default (sm90_config): config 20, or 27 / 23 (192- / 128-token tiles) where
+// 256-token tiles would leave most SMs idle in the last round.
+// Epilogue of configs 0-19: accumulators (row r, token n) are written straight to Y[n, r] (+ bias), as spmm.cu does.
 //
 // Only the sm_90a pass compiles the body (__CUDA_ARCH_FEAT_SM90_ALL); other device passes get a trap so a wrong
 // build fails loudly, and the host only launches it on cc 9.0 when the build included sm_90a (HF_SPARSE_HAS_SM90A,
@@ -489,7 +491,7 @@ __device__ __forceinline__ void store_tile_full(const float (&acc)[BN / 2], int 
   }
 }
 
-// Staged epilogue (configs 20-24) of one warpgroup's m64 x BN accumulator tile: this warp's rows are row0 .. row0 + 15
+// Staged epilogue (configs 20-27) of one warpgroup's m64 x BN accumulator tile: this warp's rows are row0 .. row0 + 15
 // (g and g + 8 of each 8 x 8 block), the warpgroup's are wg_row0 .. + 63. Why: the direct epilogue writes Y[n, r]
 // with 4-byte stores, 16 of each 32-byte sector per store, which throttled the LSU (LG throttle) for thousands of
 // cycles per tile while the tensor pipe waited (benchmarks/RESULTS.md, "Profile"). Here the tile goes out in chunks of
@@ -571,7 +573,7 @@ __device__ __forceinline__ void consumers_bar_arrive() { asm volatile("bar.arriv
 __device__ __forceinline__ void consumers_bar_sync() { asm volatile("bar.sync 1, 256;\n" ::: "memory"); }
 #endif
 
-// EPI_N > 0 (configs 20-24): after the ring, a staging area of EPI_BUFS buffers per consumer warpgroup, each one
+// EPI_N > 0 (configs 20-27): after the ring, a staging area of EPI_BUFS buffers per consumer warpgroup, each one
 // chunk of the output tile (EPI_N tokens x the warpgroup's 64 rows, 128 bytes per token, 128-byte swizzle).
 template <int BN, int STAGES, int EPI_N = 0, int EPI_BUFS = 0>
 struct TmaASmem {
@@ -845,8 +847,8 @@ bool encode_y_map(const SpmmArgs& a, int box_tokens, CUtensorMap* map) {
   return res == CUDA_SUCCESS;
 }
 
-// Configs 13-26; fall back to config 4 where a tensor map of X or the weight cannot be made (as launch_sm90_tma
-// does), and the staged-epilogue configs (EPI_N > 0) to config 15 (19 for 128-token tiles) where Y's cannot.
+// Configs 13-27; fall back to config 4 where a tensor map of X or the weight cannot be made (as launch_sm90_tma
+// does), and the staged-epilogue configs (EPI_N > 0) to config 15 (19 for 128- or 192-token tiles) where Y's cannot.
 template <typename T, int BN, int STAGES, int GROUP, int PERSIST, int SKEW = 0, int EPI_N = 0, int EPI_BUFS = 0,
           bool EVICT_FIRST = false>
 cudaError_t launch_sm90_tma_a(const SpmmArgs& a, cudaStream_t stream) {
@@ -880,11 +882,11 @@ cudaError_t launch_sm90_tma_a(const SpmmArgs& a, cudaStream_t stream) {
 // >= 24 MB, config 4 below); config 19 (128 x 128 tiles) where 256-token tiles would leave most SMs idle in the last
 // round and 128-token tiles would not (3072->768 at 8192 tokens: 192 tiles on 132 SMs fill 73% of two rounds, 384
 // fill 97% of three; 4096 -> 1024 at 512 tokens: 64 tiles, 128 of them).
-// Since 2026-11-22 (benchmarks/RESULTS.md, "Staged epilogue"): the same two classes with the staged epilogue, config
-// 20 instead of 15 (1.06-1.57x faster at the seven bench shapes that take it) and 23 instead of 19 (1.06x at
-// 3072->768); where Y cannot be stored by TMA (rows % 8 != 0) they fall back to 15 and 19. Where 256-token tiles
-// fill the SMs badly, 192-token tiles (config 27: 30% fewer L2 bytes per MAC than 128) when they fill about as well
-// as 128-token ones (3072->768 at 8192 tokens: 258 tiles = 98% of two rounds).
+// Since 2026-11-22 (benchmarks/RESULTS.md, "Staged epilogue"): the staged epilogue, config 20 instead of 15
+// (1.07-1.75x faster at the six bench shapes that take it, 8192 tokens); where 256-token tiles fill the SMs badly,
+// config 27 (192-token tiles, 12% fewer L2 bytes per MAC than 128) when they fill about as well as 128-token ones
+// (3072->768 at 8192 tokens: 258 tiles = 98% of two rounds; 1.21x faster than 19, 1.14x than 23), else config 23
+// (128-token tiles) instead of 19. Where Y cannot be stored by TMA (rows % 8 != 0) they fall back to 15 and 19.
 constexpr int kDefaultConfig = 20, kDefaultSmallGridConfig = 23, kDefaultMidGridConfig = 27;
 constexpr int kMaxConfig = 27;  // HF_SPARSE_SM90_CONFIG 0..kMaxConfig
 int sm90_config(const SpmmArgs& a) {

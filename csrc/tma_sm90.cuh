@@ -1,5 +1,5 @@
 // TMA and mbarrier wrappers (inline PTX) for the warp-specialized sparse-wgmma SpMM (spmm_sm90.cu, config 6/7).
-// Also the TMA store, bulk-group and stmatrix wrappers of its staged epilogue (configs 20-24).
+// Also the TMA store, bulk-group and stmatrix wrappers of its staged epilogue (configs 20-27).
 // sm_90a only: callers include this under __CUDA_ARCH_FEAT_SM90_ALL. Addresses are shared-window (32-bit) addresses
 // as __cvta_generic_to_shared returns them.
 //

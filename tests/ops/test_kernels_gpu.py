@@ -344,8 +344,9 @@ STAGED_EPILOGUE_CONFIGS = [20, 21, 22, 23, 24, 25, 26, 27]
     # clips at the tensor's edges. Ragged token counts end inside a chunk (1, 7, 65, 257: most chunks of the last
     # tile lie wholly past the end and are skipped; 8191: one token short); 1000 / 72 / 200 rows are multiples of 8
     # but not of the 64-row box (the last box is clipped, 72: one warpgroup idle); 1031 rows (odd, no 16-byte row
-    # stride for a tensor map) falls back to config 15 (19 from config 23). 8191 x 1000: 32 x 8 = 256 tiles, more than the 132 SMs (the
-    # staging buffers reused across tiles of a persistent CTA); 3000 x 4160: 12 x 33 = 396 tiles; the others fewer.
+    # stride for a tensor map) falls back to config 15 (19 from configs 23 and 27). 8191 x 1000: 32 x 8 = 256 tiles,
+    # more than the 132 SMs (the staging buffers reused across tiles of a persistent CTA); 3000 x 4160: 12 x 33 = 396
+    # tiles; the others fewer.
     [
         (1, 1000, 64),
         (7, 72, 200),
