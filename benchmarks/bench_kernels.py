@@ -1,6 +1,7 @@
 """Kernel benchmark: SpMM / SDDMM / pack of hf_sparse against dense cuBLAS and cuSPARSELt, ratios in one run.
 
     python benchmarks/bench_kernels.py [--tokens 8192 16] [--csv out.csv] [--patterns 2:4 64:2:8 ...]
+        [--shapes 1024x1024 768x3072 ...] [--sm90-configs 15 20 ...]
 
 Times are medians of ``triton.testing.do_bench`` (CUDA events) on fresh random bf16 data. Ratios are
 ``baseline time / our time`` (> 1 means we are faster). Each SpMM result is also checked against the dense
@@ -14,6 +15,10 @@ cuSPARSELt (2:4; a V:2:M weight keeps <= 2 of every 4 columns, so it runs as 2:4
 ``cusparseLtMatmul`` per call, algorithm searched once), with ``cC*D`` = dense / csltC and ``cC*O`` = our best kernel
 (wgmma where available, else mma.sp) / csltC. *v24* (V:2:M only): our 2:4 SpMM on the weight packed as 2:4 (the
 dispatcher's ``sparse24`` candidate), ``v24*D`` = dense / v24.
+
+``--shapes`` limits the run to some (in x out) shapes; ``--sm90-configs`` adds, for 2:4 rows, the 2:4 wgmma kernel
+forced to each listed tile configuration (``HF_SPARSE_SM90_CONFIG``, e.g. the old default next to the new one), each
+checked against the dense product, printed as one extra line per row.
 """
 # ruff: noqa: B023  (every benchmarked lambda is called at once, inside its own loop iteration)
 
@@ -32,7 +37,8 @@ import torch.nn.functional as F
 from hf_sparse.masks import nm_mask, vnm_mask
 from hf_sparse.ops import dispatch, pack, repack, sddmm, spmm
 
-SHAPES = [(768, 3072), (3072, 768), (1024, 4096), (4096, 1024), (4096, 11008), (11008, 4096)]  # (in, out)
+# (in, out); 1024 -> 1024: BERT-large's Q, K, V and attention-output projections
+SHAPES = [(768, 3072), (3072, 768), (1024, 1024), (1024, 4096), (4096, 1024), (4096, 11008), (11008, 4096)]
 PATTERNS = ["2:4", "64:2:8", "64:2:16", "64:2:32", "128:2:8"]
 
 
@@ -41,18 +47,34 @@ def parse(p: str) -> tuple[int, int]:
     return (64, 4) if len(parts) == 2 else (parts[0], parts[2])
 
 
+def parse_shape(s: str) -> tuple[int, int]:
+    """``"1024x4096"`` -> (1024, 4096): in_features x out_features."""
+    try:
+        k, r = (int(v) for v in s.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"shape {s!r}: expected IN x OUT, e.g. 1024x4096") from None
+    if k <= 0 or r <= 0:
+        raise argparse.ArgumentTypeError(f"shape {s!r}: both sizes must be positive")
+    return k, r
+
+
 @contextlib.contextmanager
-def spmm_kernel_env(kernel: str):
-    """Force one SpMM kernel (``HF_SPARSE_SPMM_KERNEL``) inside the block, restoring the previous setting after."""
-    old = os.environ.get("HF_SPARSE_SPMM_KERNEL")
-    os.environ["HF_SPARSE_SPMM_KERNEL"] = kernel
+def env_var(name: str, value: str):
+    """Set one environment variable inside the block, restoring the previous setting after."""
+    old = os.environ.get(name)
+    os.environ[name] = value
     try:
         yield
     finally:
         if old is None:
-            os.environ.pop("HF_SPARSE_SPMM_KERNEL", None)
+            os.environ.pop(name, None)
         else:
-            os.environ["HF_SPARSE_SPMM_KERNEL"] = old
+            os.environ[name] = old
+
+
+def spmm_kernel_env(kernel: str):
+    """Force one SpMM kernel (``HF_SPARSE_SPMM_KERNEL``) inside the block, restoring the previous setting after."""
+    return env_var("HF_SPARSE_SPMM_KERNEL", kernel)
 
 
 def wgmma_available() -> bool:
@@ -65,6 +87,19 @@ def bench(fn) -> float:
     from triton.testing import do_bench
 
     return float(do_bench(fn, warmup=10, rep=40, return_mode="median"))
+
+
+def sm90_config_times(configs: list[int], x: torch.Tensor, p, ref: torch.Tensor) -> dict[int, float]:
+    """The 2:4 wgmma kernel at each tile configuration in ``configs`` (ms), each checked against ``ref`` first."""
+    out = {}
+    for cfg in configs:
+        with spmm_kernel_env("wgmma"), env_var("HF_SPARSE_SM90_CONFIG", str(cfg)):
+            y = spmm(x, p)
+            err = float((y.float() - ref).norm() / ref.norm())
+            if not err < 2e-2:
+                print(f"  WRONG RESULT wgmma config {cfg}: rel err {err:.3g}", file=sys.stderr)
+            out[cfg] = bench(lambda: spmm(x, p))
+    return out
 
 
 def cslt_times(w_sparse: torch.Tensor, x: torch.Tensor) -> tuple[float, float]:
@@ -112,7 +147,7 @@ def view24_time(wm: torch.Tensor, mask: torch.Tensor, x: torch.Tensor, ref: torc
     return bench(lambda: spmm(x, view))
 
 
-def train_section(tokens: int) -> None:
+def train_section(tokens: int, shapes: list[tuple[int, int]]) -> None:
     """One layer's training step (fwd + bwd, and the per-step refresh = bf16 cast + values repack, as the kernel path
     does it) through sparse_linear with the dispatcher and the step's bf16 copy (weight_lp), against dense F.linear
     under bf16 autocast (whose time includes its own weight cast); the master weight is fp32 in both."""
@@ -120,7 +155,7 @@ def train_section(tokens: int) -> None:
 
     print(f"# layer fwd+bwd(+cast+repack), {tokens} tokens, fp32 master, bf16 compute; ratio = dense / sparse path")
     print(f"{'in->out':>12} {'pattern':>8} {'dense':>7} {'sparse':>7} {'+pack':>7} {'ratio':>6} {'ratio+pack':>10}")
-    for k, r in SHAPES:
+    for k, r in shapes:
         x = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         g = torch.randn(tokens, r, device="cuda", dtype=torch.bfloat16)
         w = torch.nn.Parameter(torch.randn(r, k, device="cuda"))
@@ -162,6 +197,20 @@ def main() -> int:
     ap.add_argument("--csv", default=None)
     ap.add_argument("--no-sddmm", action="store_true")
     ap.add_argument("--no-train", action="store_true", help="skip the fwd+bwd (+pack) layer timing")
+    ap.add_argument(
+        "--shapes",
+        type=parse_shape,
+        nargs="+",
+        default=SHAPES,
+        help="in x out, e.g. 1024x1024 768x3072 (default: all)",
+    )
+    ap.add_argument(
+        "--sm90-configs",
+        type=int,
+        nargs="+",
+        default=[],
+        help="also time the 2:4 wgmma kernel at these HF_SPARSE_SM90_CONFIG tile configurations (2:4 rows only)",
+    )
     args = ap.parse_args()
     dev = torch.cuda.get_device_name()
     print(
@@ -179,7 +228,7 @@ def main() -> int:
     )
     print(hdr)
     for tokens in args.tokens:
-        for k, r in SHAPES:
+        for k, r in args.shapes:
             x = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16)
             dy = torch.randn(tokens, r, device="cuda", dtype=torch.bfloat16)
             w = torch.randn(r, k, device="cuda")
@@ -227,6 +276,7 @@ def main() -> int:
                 choice = dispatch.choices().get(
                     ("fwd", dispatch._bucket(tokens), r, k, p.v, m, p.dtype, x.device.index)
                 )
+                t_cfg = sm90_config_times(args.sm90_configs, x, p, ref) if has_wgmma and m == 4 else {}
                 row = dict(
                     tokens=tokens,
                     k=k,
@@ -262,6 +312,7 @@ def main() -> int:
                     err=err,
                     auto=t_auto,
                     auto_choice=choice,
+                    **{f"sm90_cfg{c}": t for c, t in t_cfg.items()},
                 )
                 rows_out.append(row)
                 print(
@@ -276,8 +327,14 @@ def main() -> int:
                     f"{t_dense / t_auto:5.2f} {choice}",
                     flush=True,
                 )
+                if t_cfg:
+                    print(
+                        f"{'':>6} {f'{k}->{r}':>12} {pat:>8} wgmma configs (ms, x dense, x cached cuSPARSELt): "
+                        + " | ".join(f"{c}: {t:.4f} {t_dense / t:.2f} {t_cc / t:.2f}" for c, t in t_cfg.items()),
+                        flush=True,
+                    )
     if not args.no_train:
-        train_section(args.tokens[0])
+        train_section(args.tokens[0], args.shapes)
     if args.csv:
         with open(args.csv, "w", newline="") as f:
             wr = csv.DictWriter(f, fieldnames=list(rows_out[0]))

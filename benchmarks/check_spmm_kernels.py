@@ -29,11 +29,15 @@ SHAPES = [
     (7, 4096, 1024),
     (8192, 768, 3072),
     (8192, 3072, 768),
+    (8192, 1024, 1024),
     (8191, 1024, 4096),
     (8192, 4096, 1024),
     (8192, 4096, 11008),
     (8192, 11008, 4096),
 ]
+
+
+N_SM90_CONFIGS = 28  # HF_SPARSE_SM90_CONFIG 0..27 (csrc/spmm_sm90.cu, launch_large)
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -98,10 +102,10 @@ def main() -> int:
             os.environ.pop("HF_SPARSE_VNM_PIPE")
             os.environ.pop("HF_SPARSE_VNM_TILE")
             print(line, flush=True)
-        if "wgmma" in kernels and m == 4 and not args.no_configs:  # HF_SPARSE_SM90_CONFIG; 6-19 (TMA) also run small
+        if "wgmma" in kernels and m == 4 and not args.no_configs:  # HF_SPARSE_SM90_CONFIG; 6-27 (TMA) also run small
             os.environ["HF_SPARSE_SPMM_KERNEL"] = "wgmma"
             line = "      wgmma configs:"
-            for cfg in range(20) if tokens > 128 else range(6, 20):
+            for cfg in range(N_SM90_CONFIGS) if tokens > 128 else range(6, N_SM90_CONFIGS):
                 os.environ["HF_SPARSE_SM90_CONFIG"] = str(cfg)
                 _, ok, t = check_and_time()
                 bad += not ok

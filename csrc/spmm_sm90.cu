@@ -26,9 +26,11 @@
 // add a grouped CTA order (W stays in L2 across a wave), 8/9 share X across a 2-CTA cluster (multicast: slower).
 // Configs 13-18 (spmm_sm90_tma_a_kernel): the producer streams the A fragments and metadata by TMA too, full tiles
 // take a check-free epilogue, 15-18 are persistent (one CTA per SM walking the output tiles), 17/18 keep the two
-// consumer warpgroups two k-tiles apart, 19 = 15 with 128-token tiles. Default: config 15, or 19 where 256-token tiles
-// would leave most SMs idle in the last round (sm90_config).
-// Epilogue: accumulators (row r, token n) are written straight to Y[n, r] (+ bias), as spmm.cu does.
+// consumer warpgroups two k-tiles apart, 19 = 15 with 128-token tiles. Configs 20-27: the same kernel with a staged
+// epilogue (store_tile_staged: stmatrix into a token-major shared buffer, TMA stores that overlap the next tile's main
+// loop), 27 with 192-token tiles. Default (sm90_config): config 20, or 27 / 23 (192- / 128-token tiles) where
+// 256-token tiles would leave most SMs idle in the last round.
+// Epilogue of configs 0-19: accumulators (row r, token n) are written straight to Y[n, r] (+ bias), as spmm.cu does.
 //
 // Only the sm_90a pass compiles the body (__CUDA_ARCH_FEAT_SM90_ALL); other device passes get a trap so a wrong
 // build fails loudly, and the host only launches it on cc 9.0 when the build included sm_90a (HF_SPARSE_HAS_SM90A,
@@ -489,19 +491,102 @@ __device__ __forceinline__ void store_tile_full(const float (&acc)[BN / 2], int 
   }
 }
 
+// Staged epilogue (configs 20-27) of one warpgroup's m64 x BN accumulator tile: this warp's rows are row0 .. row0 + 15
+// (g and g + 8 of each 8 x 8 block), the warpgroup's are wg_row0 .. + 63. Why: the direct epilogue writes Y[n, r]
+// with 4-byte stores, 16 of each 32-byte sector per store, which throttled the LSU (LG throttle) for thousands of
+// cycles per tile while the tensor pipe waited (benchmarks/RESULTS.md, "Profile"). Here the tile goes out in chunks of
+// EPI_N tokens: + bias, cast, and stmatrix.trans of 8 x 8 blocks (rows x tokens) into a staging buffer that holds
+// the chunk token-major, as Y is (16-byte lines of 8 rows; 128 bytes = the warpgroup's 64 rows per token, 128-byte
+// swizzle: conflict-free), then one TMA store of the 64 x EPI_N box by the warpgroup's first thread. The store runs
+// asynchronously: the warpgroup goes on to the next chunk (EPI_BUFS buffers in rotation; a buffer is rewritten only
+// after the copy engine has read it, bulk_wait_group_read) and to the next tile's main loop. The tensor map clips
+// rows >= rows and tokens >= n_tokens, so partial tiles need no checks. Named barrier bar_id (128 threads) orders the
+// warpgroup's buffer writes against the store (fence.proxy.async: generic writes, read by the async proxy).
+template <typename T, int BN, int EPI_N, int EPI_BUFS, bool EVICT_FIRST>
+__device__ __forceinline__ void store_tile_staged(const float (&acc)[BN / 2], int row0, int wg_row0, int n_base,
+                                                  int lane, int wq, uint32_t stage_u32, int bar_id,
+                                                  const T* __restrict__ bias, int rows, int n_tokens,
+                                                  const CUtensorMap* y_map) {
+  static_assert(BN % EPI_N == 0 && EPI_N % 16 == 0 && EPI_N <= 256, "chunks of 16..256 tokens that split the tile");
+  static_assert((BN / EPI_N) % EPI_BUFS == 0, "every tile starts at buffer 0");
+  const int g = lane >> 2;
+  float b_lo = 0.f, b_hi = 0.f;
+  if (bias != nullptr) {
+    if (row0 + g < rows) b_lo = MmaType<T>::to_float(bias[row0 + g]);
+    if (row0 + g + 8 < rows) b_hi = MmaType<T>::to_float(bias[row0 + g + 8]);
+  }
+  // stmatrix x4 of blocks (nt, rows g), (nt, rows g + 8), (nt + 1, g), (nt + 1, g + 8): lane i addresses row i % 8
+  // (token 8 (nt + (i / 16)) + i % 8) of block i / 8; the 16-byte chunk of the rows is 2 wq + (i / 8) % 2.
+  const int mi = lane >> 3, j = lane & 7;
+  const uint32_t lane_off = (uint32_t)((8 * (mi >> 1) + j) * 128 + (((2 * wq + (mi & 1)) ^ j) << 4));
+  const bool leader = (threadIdx.x & 127) == 0;
+#pragma unroll
+  for (int c = 0; c < BN / EPI_N; ++c) {
+    const uint32_t buf = stage_u32 + (c % EPI_BUFS) * (EPI_N * 128);
+    if (leader) bulk_wait_group_read<EPI_BUFS - 1>();  // the store that used this buffer last has read it
+    named_bar_sync(bar_id, 128);
+#pragma unroll
+    for (int q = 0; q < EPI_N / 16; ++q) {
+      const int nt = c * (EPI_N / 8) + 2 * q;
+      auto pk = [&](float v0, float v1, float b) {
+        return MmaType<T>::pack(MmaType<T>::from_float(v0 + b), MmaType<T>::from_float(v1 + b));
+      };
+      stmatrix_x4_trans(buf + q * 16 * 128 + lane_off, pk(acc[4 * nt], acc[4 * nt + 1], b_lo),
+                        pk(acc[4 * nt + 2], acc[4 * nt + 3], b_hi), pk(acc[4 * nt + 4], acc[4 * nt + 5], b_lo),
+                        pk(acc[4 * nt + 6], acc[4 * nt + 7], b_hi));
+    }
+    fence_proxy_async();  // this thread's stmatrix writes, visible to the copy engine after the barrier
+    named_bar_sync(bar_id, 128);
+    if (leader) {
+      if (n_base + c * EPI_N < n_tokens) {  // a chunk wholly past the last token is skipped
+        if constexpr (EVICT_FIRST) {
+          tma_store_2d_hint(y_map, wg_row0, n_base + c * EPI_N, buf, l2_policy_evict_first());
+        } else {
+          tma_store_2d(y_map, wg_row0, n_base + c * EPI_N, buf);
+        }
+      }
+      bulk_commit_group();  // (an empty group past the last token keeps the buffer rotation's count)
+    }
+  }
+}
+
+// One sparse wgmma k-step over a BN-token B tile: the generated m64nBNk32 wrapper, or for BN = 192 (config 27, which
+// wgmma_sp.cuh does not generate) an m64n128k32 on tokens 0-127 and an m64n64k32 on tokens 128-191 (16 KB further
+// into the tile: whole 1024-byte swizzle atoms, so the same descriptor layout), with the same A fragment and metadata.
+// The accumulator layout stays that of one m64nBN tile: d[4 nt + c] for token block nt.
+template <int BN, typename T>
+struct WgmmaSpTile {
+  static __device__ __forceinline__ void run(float (&d)[BN / 2], const uint4& a, uint64_t desc, uint32_t e) {
+    WgmmaSp<BN, T>::run(d, a, desc, e);
+  }
+};
+template <typename T>
+struct WgmmaSpTile<192, T> {
+  static __device__ __forceinline__ void run(float (&d)[96], const uint4& a, uint64_t desc, uint32_t e) {
+    WgmmaSp<128, T>::run(*reinterpret_cast<float(*)[64]>(&d[0]), a, desc, e);
+    WgmmaSp<64, T>::run(*reinterpret_cast<float(*)[32]>(&d[64]), a, desc + ((128 * 128) >> 4), e);
+  }
+};
+
 // Named barrier 1 between the two consumer warpgroups (256 threads): one side arrives, the other waits.
 __device__ __forceinline__ void consumers_bar_arrive() { asm volatile("bar.arrive 1, 256;\n" ::: "memory"); }
 __device__ __forceinline__ void consumers_bar_sync() { asm volatile("bar.sync 1, 256;\n" ::: "memory"); }
 #endif
 
-template <int BN, int STAGES>
+// EPI_N > 0 (configs 20-27): after the ring, a staging area of EPI_BUFS buffers per consumer warpgroup, each one
+// chunk of the output tile (EPI_N tokens x the warpgroup's 64 rows, 128 bytes per token, 128-byte swizzle).
+template <int BN, int STAGES, int EPI_N = 0, int EPI_BUFS = 0>
 struct TmaASmem {
   static constexpr int X_BYTES = BN * 128;  // BN tokens x 64 k, bf16/fp16
   static constexpr int A_BYTES = 8 * 2 * 512;  // 8 m16 tiles x 2 k-steps x 32 lanes x 16 B
   static constexpr int E_BYTES = 8 * 2 * 64;   // 8 m16 tiles x 2 k-steps x 16 words
   static constexpr int STAGE = X_BYTES + A_BYTES + E_BYTES;
-  static constexpr int BYTES = STAGES * STAGE + 2 * 8 * STAGES + 1024;  // + full/empty barriers + alignment slack
+  static constexpr int EPI_CHUNK = EPI_N * 128;             // one staging buffer
+  static constexpr int EPI_BYTES = 2 * EPI_BUFS * EPI_CHUNK;  // both consumer warpgroups
+  static constexpr int BYTES = STAGES * STAGE + EPI_BYTES + 2 * 8 * STAGES + 1024;  // + barriers + alignment slack
   static_assert(STAGE % 1024 == 0, "each stage's X tile must start on a 1024-byte boundary (128-byte swizzle)");
+  static_assert(EPI_CHUNK % 1024 == 0, "staging buffers must start on 1024-byte boundaries (128-byte swizzle)");
+  static_assert(BYTES <= 227 * 1024, "more shared memory than an sm_90 CTA can have");
 };
 
 // Tile t of a row_blocks x token_tiles grid -> (row block, token tile): row blocks fastest, or in groups of GROUP
@@ -521,14 +606,15 @@ __device__ __forceinline__ void tile_coords(int t, int row_blocks, int token_til
   }
 }
 
-template <typename T, int BN, int STAGES, int GROUP, int PERSIST, int SKEW>
+template <typename T, int BN, int STAGES, int GROUP, int PERSIST, int SKEW, int EPI_N, int EPI_BUFS, bool EVICT_FIRST>
 __global__ void __launch_bounds__(kTmaThreads, 1)
 spmm_sm90_tma_a_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_constant__ CUtensorMap a_map,
-                       const __grid_constant__ CUtensorMap e_map, const T* __restrict__ bias, T* __restrict__ y,
-                       int n_tokens, int rows, int rows_padded, int steps) {
+                       const __grid_constant__ CUtensorMap e_map, const __grid_constant__ CUtensorMap y_map,
+                       const T* __restrict__ bias, T* __restrict__ y, int n_tokens, int rows, int rows_padded,
+                       int steps) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int ND = BN / 2;
-  using S = TmaASmem<BN, STAGES>;
+  using S = TmaASmem<BN, STAGES, EPI_N, EPI_BUFS>;
   constexpr int kProducerRegs = 40, kConsumerRegs = 232;
   constexpr uint32_t kMetaPad = 0x44444444u;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -536,7 +622,8 @@ spmm_sm90_tma_a_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_c
   const uint32_t pad = pad_to_1024(raw_u32);
   const unsigned char* smem = smem_raw + pad;
   const uint32_t smem_u32 = raw_u32 + pad;
-  const uint32_t full_bar = smem_u32 + STAGES * S::STAGE, empty_bar = full_bar + 8 * STAGES;
+  const uint32_t epi_u32 = smem_u32 + STAGES * S::STAGE;  // staging buffers (EPI_N > 0), 1024-aligned
+  const uint32_t full_bar = epi_u32 + S::EPI_BYTES, empty_bar = full_bar + 8 * STAGES;
 
   const int tid = threadIdx.x;
   const int lane = tid & 31, warp = tid >> 5;
@@ -614,7 +701,7 @@ spmm_sm90_tma_a_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_c
       const uint64_t desc = desc_k128(smem_u32 + slot * S::STAGE);
       wgmma_fence();
 #pragma unroll
-      for (int j = 0; j < 2; ++j) WgmmaSp<BN, T>::run(acc, a[j], desc + j * (64 >> 4), e[j]);
+      for (int j = 0; j < 2; ++j) WgmmaSpTile<BN, T>::run(acc, a[j], desc + j * (64 >> 4), e[j]);
       wgmma_commit();
       wgmma_wait<1>();
       if (kt > 0 && lane == 0) mbar_arrive(empty_bar + 8 * ((it + kt - 1) % STAGES));
@@ -632,11 +719,20 @@ spmm_sm90_tma_a_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_c
 #pragma unroll
     for (int j = 0; j < ND; ++j) asm volatile("" : "+f"(acc[j])::"memory");  // reads after the wgmma wait
     const int row0 = cta_row0 + 64 * wg + 16 * wq;
-    if ((by + 1) * BN <= n_tokens && cta_row0 + 128 <= rows && (rows & 1) == 0) {
+    if constexpr (EPI_N > 0) {
+      if (active)
+        store_tile_staged<T, BN, EPI_N, EPI_BUFS, EVICT_FIRST>(acc, row0, cta_row0 + 64 * wg, by * BN, lane, wq,
+                                                               epi_u32 + wg * EPI_BUFS * S::EPI_CHUNK, 2 + wg, bias,
+                                                               rows, n_tokens, &y_map);
+    } else if ((by + 1) * BN <= n_tokens && cta_row0 + 128 <= rows && (rows & 1) == 0) {
       store_tile_full<T, BN>(acc, row0, by * BN, lane, bias, y, rows);
     } else if (active) {
       store_tile<T, BN>(acc, row0, by * BN, lane, bias, y, rows, n_tokens);
     }
+  }
+  // The staging buffers must stay valid until the copy engine has read them, and the writes be done before exit.
+  if constexpr (EPI_N > 0) {
+    if ((tid & 127) == 0) bulk_wait_group<0>();
   }
 #elif defined(__CUDA_ARCH__)
   __trap();  // built without sm_90a: the host never launches this (spmm_sm90_available() is false)
@@ -733,23 +829,49 @@ int sm_count() {
   return n;
 }
 
-// Configs 13-16; fall back to config 4 where a tensor map cannot be made (as launch_sm90_tma does).
-template <typename T, int BN, int STAGES, int GROUP, int PERSIST, int SKEW = 0>
+// Tensor map of Y (n_tokens x rows, row-major) for the staged epilogue's TMA stores: boxes of 64 rows x box_tokens
+// tokens, 128-byte swizzle. False where TMA cannot address Y (rows % 8 != 0: the row stride is not a multiple of 16
+// bytes; unaligned base) or the driver refuses: the caller takes a configuration with direct stores.
+bool encode_y_map(const SpmmArgs& a, int box_tokens, CUtensorMap* map) {
+  if (reinterpret_cast<uintptr_t>(a.y) % 16 != 0 || a.rows % 8 != 0) return false;
+  PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
+  if (encode == nullptr) return false;
+  const cuuint64_t dims[2] = {(cuuint64_t)a.rows, (cuuint64_t)a.n_tokens};
+  const cuuint64_t strides[1] = {(cuuint64_t)a.rows * 2};
+  const cuuint32_t box[2] = {64, (cuuint32_t)box_tokens};
+  const cuuint32_t elem_strides[2] = {1, 1};
+  const CUresult res =
+      encode(map, a.is_bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2, a.y, dims,
+             strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+             CU_TENSOR_MAP_L2_PROMOTION_NONE, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return res == CUDA_SUCCESS;
+}
+
+// Configs 13-27; fall back to config 4 where a tensor map of X or the weight cannot be made (as launch_sm90_tma
+// does), and the staged-epilogue configs (EPI_N > 0) to config 15 (19 for 128- or 192-token tiles) where Y's cannot.
+template <typename T, int BN, int STAGES, int GROUP, int PERSIST, int SKEW = 0, int EPI_N = 0, int EPI_BUFS = 0,
+          bool EVICT_FIRST = false>
 cudaError_t launch_sm90_tma_a(const SpmmArgs& a, cudaStream_t stream) {
-  CUtensorMap x_map, a_map, e_map;
+  CUtensorMap x_map, a_map, e_map, y_map;
   const int mts = a.rows_padded / 16;
   if (!encode_x_map(a, BN, &x_map) || !encode_u32_rows_map(a.values, a.steps * 128, mts, 256, &a_map) ||
       !encode_u32_rows_map(a.meta, a.steps * 16, mts, 32, &e_map))
     return launch_sm90<T, Sm90Cfg<256, 1, 6, 0, 1>>(a, stream);  // config 4
-  auto kernel = spmm_sm90_tma_a_kernel<T, BN, STAGES, GROUP, PERSIST, SKEW>;
-  constexpr int smem = TmaASmem<BN, STAGES>::BYTES;
+  if constexpr (EPI_N > 0) {
+    if (!encode_y_map(a, EPI_N, &y_map))  // config 15, or 19 for the smaller token tiles
+      return BN == 256 ? launch_sm90_tma_a<T, 256, 5, 1, 1>(a, stream) : launch_sm90_tma_a<T, 128, 8, 1, 1>(a, stream);
+  } else {
+    y_map = x_map;  // unused by the direct-store epilogue
+  }
+  auto kernel = spmm_sm90_tma_a_kernel<T, BN, STAGES, GROUP, PERSIST, SKEW, EPI_N, EPI_BUFS, EVICT_FIRST>;
+  constexpr int smem = TmaASmem<BN, STAGES, EPI_N, EPI_BUFS>::BYTES;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (err != cudaSuccess) return err;
   const long long tiles = (long long)((a.rows_padded + 127) / 128) * ((a.n_tokens + BN - 1) / BN);
   if (tiles > (1LL << 31) - 1) return cudaErrorInvalidConfiguration;
   static const int sms = sm_count();  // one device per process in practice; at worst a grid of the wrong size
   const int grid = PERSIST ? (int)std::min<long long>(tiles, sms) : (int)tiles;
-  kernel<<<grid, kTmaThreads, smem, stream>>>(x_map, a_map, e_map, static_cast<const T*>(a.bias),
+  kernel<<<grid, kTmaThreads, smem, stream>>>(x_map, a_map, e_map, y_map, static_cast<const T*>(a.bias),
                                               static_cast<T*>(a.y), a.n_tokens, a.rows, a.rows_padded, a.steps);
   return cudaGetLastError();
 }
@@ -760,7 +882,13 @@ cudaError_t launch_sm90_tma_a(const SpmmArgs& a, cudaStream_t stream) {
 // >= 24 MB, config 4 below); config 19 (128 x 128 tiles) where 256-token tiles would leave most SMs idle in the last
 // round and 128-token tiles would not (3072->768 at 8192 tokens: 192 tiles on 132 SMs fill 73% of two rounds, 384
 // fill 97% of three; 4096 -> 1024 at 512 tokens: 64 tiles, 128 of them).
-constexpr int kDefaultConfig = 15, kDefaultSmallGridConfig = 19;
+// Since 2026-11-22 (benchmarks/RESULTS.md, "Staged epilogue"): the staged epilogue, config 20 instead of 15
+// (1.07-1.75x faster at the six bench shapes that take it, 8192 tokens); where 256-token tiles fill the SMs badly,
+// config 27 (192-token tiles, 12% fewer L2 bytes per MAC than 128) when they fill about as well as 128-token ones
+// (3072->768 at 8192 tokens: 258 tiles = 98% of two rounds; 1.21x faster than 19, 1.14x than 23), else config 23
+// (128-token tiles) instead of 19. Where Y cannot be stored by TMA (rows % 8 != 0) they fall back to 15 and 19.
+constexpr int kDefaultConfig = 20, kDefaultSmallGridConfig = 23, kDefaultMidGridConfig = 27;
+constexpr int kMaxConfig = 27;  // HF_SPARSE_SM90_CONFIG 0..kMaxConfig
 int sm90_config(const SpmmArgs& a) {
   const char* env = std::getenv("HF_SPARSE_SM90_CONFIG");  // read per call so a tuning run can switch it
   if (env) return std::atoi(env);
@@ -770,8 +898,9 @@ int sm90_config(const SpmmArgs& a) {
     const long long tiles = row_blocks * ((a.n_tokens + bn - 1) / bn), rounds = (tiles + sms - 1) / sms;
     return (double)tiles / (double)(rounds * sms);
   };
-  const double fill256 = fill(256), fill128 = fill(128);
-  return fill256 < 0.85 && fill128 > fill256 + 0.1 ? kDefaultSmallGridConfig : kDefaultConfig;
+  const double fill256 = fill(256), fill192 = fill(192), fill128 = fill(128);
+  if (fill256 >= 0.85 || std::max(fill192, fill128) <= fill256 + 0.1) return kDefaultConfig;
+  return fill192 + 0.02 >= fill128 ? kDefaultMidGridConfig : kDefaultSmallGridConfig;
 }
 
 template <typename T>
@@ -795,6 +924,15 @@ cudaError_t launch_large(const SpmmArgs& a, cudaStream_t stream, int cfg) {
     case 17: return launch_sm90_tma_a<T, 256, 5, 1, 1, 2>(a, stream);
     case 18: return launch_sm90_tma_a<T, 256, 5, 8, 1, 2>(a, stream);
     case 19: return launch_sm90_tma_a<T, 128, 8, 1, 1>(a, stream);
+    // Staged epilogue (store_tile_staged): <BN, STAGES, GROUP, PERSIST, SKEW, EPI_N tokens per chunk, EPI_BUFS>
+    case 20: return launch_sm90_tma_a<T, 256, 4, 1, 1, 0, 64, 2>(a, stream);   // 15 with 4 stages + 32 KB staging
+    case 21: return launch_sm90_tma_a<T, 256, 3, 1, 1, 0, 128, 2>(a, stream);  // 3 stages + the whole tile (64 KB)
+    case 22: return launch_sm90_tma_a<T, 256, 5, 1, 1, 0, 32, 2>(a, stream);   // 5 stages + 16 KB
+    case 23: return launch_sm90_tma_a<T, 128, 7, 1, 1, 0, 64, 2>(a, stream);   // 19 with 7 stages + the whole tile
+    case 24: return launch_sm90_tma_a<T, 256, 4, 1, 1, 2, 64, 2>(a, stream);   // 20 with the warpgroup skew of 17
+    case 25: return launch_sm90_tma_a<T, 256, 4, 1, 1, 0, 64, 2, true>(a, stream);  // 20, Y stores L2 evict-first
+    case 26: return launch_sm90_tma_a<T, 256, 5, 1, 1, 2, 32, 2>(a, stream);   // 22 with the warpgroup skew
+    case 27: return launch_sm90_tma_a<T, 192, 5, 1, 1, 0, 96, 2>(a, stream);   // 192-token tiles, the whole tile
     case 0: return launch_sm90<T, Sm90Cfg<256, 1, 4, 0>>(a, stream);
     default: return launch_sm90<T, Sm90Cfg<256, 1, 6, 0, 1>>(a, stream);  // 4, and any other value
   }
@@ -805,7 +943,7 @@ cudaError_t dispatch_bn(const SpmmArgs& a, cudaStream_t stream) {
   const int cfg = sm90_config(a);
   // The TMA configurations handle any token count (the tensor map zero-fills missing tokens); selected explicitly
   // they run at every size, so tests and tuning runs reach their tails. Configs 0-5 are large-token tiles only.
-  const bool tma_everywhere = cfg >= 6 && cfg <= 19 && std::getenv("HF_SPARSE_SM90_CONFIG") != nullptr;
+  const bool tma_everywhere = cfg >= 6 && cfg <= kMaxConfig && std::getenv("HF_SPARSE_SM90_CONFIG") != nullptr;
   if (!tma_everywhere) {
     if (a.n_tokens <= 64) return launch_sm90<T, Sm90Cfg<64, 1, 4, 0>>(a, stream);
     if (a.n_tokens <= 128) return launch_sm90<T, Sm90Cfg<128, 1, 4, 0>>(a, stream);

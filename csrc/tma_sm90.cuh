@@ -1,4 +1,5 @@
 // TMA and mbarrier wrappers (inline PTX) for the warp-specialized sparse-wgmma SpMM (spmm_sm90.cu, config 6/7).
+// Also the TMA store, bulk-group and stmatrix wrappers of its staged epilogue (configs 20-27).
 // sm_90a only: callers include this under __CUDA_ARCH_FEAT_SM90_ALL. Addresses are shared-window (32-bit) addresses
 // as __cvta_generic_to_shared returns them.
 //
@@ -65,6 +66,55 @@ __device__ __forceinline__ void tma_load_2d_multicast(uint32_t dst, const CUtens
       "[%0], [%1, {%2, %3}], [%4], %5;\n" ::"r"(dst),
       "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(bar), "h"(cta_mask)
       : "memory");
+}
+
+// 2-D tiled TMA store of the box at (c0 = innermost coordinate, c1) from shared memory at src (laid out as the map's
+// swizzle says) into global memory, as one bulk group entry: the caller commits it (bulk_commit_group) and, before
+// writing src again, waits until the copy engine has read it (bulk_wait_group_read). Elements of the box outside the
+// tensor (past the last row or token) are not written: partial tiles need no checks.
+__device__ __forceinline__ void tma_store_2d(const CUtensorMap* map, int c0, int c1, uint32_t src) {
+  asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%1, %2}], [%3];\n" ::"l"(
+                   reinterpret_cast<uint64_t>(map)),
+               "r"(c0), "r"(c1), "r"(src)
+               : "memory");
+}
+// The same with an L2 cache policy (createpolicy), e.g. evict-first for an output nothing in the kernel reads again.
+__device__ __forceinline__ void tma_store_2d_hint(const CUtensorMap* map, int c0, int c1, uint32_t src,
+                                                  uint64_t policy) {
+  asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group.L2::cache_hint [%0, {%1, %2}], [%3], %4;\n" ::
+                   "l"(reinterpret_cast<uint64_t>(map)),
+               "r"(c0), "r"(c1), "r"(src), "l"(policy)
+               : "memory");
+}
+__device__ __forceinline__ uint64_t l2_policy_evict_first() {
+  uint64_t policy;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
+  return policy;
+}
+__device__ __forceinline__ void bulk_commit_group() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+// At most N of this thread's committed bulk groups still read their shared-memory source.
+template <int N>
+__device__ __forceinline__ void bulk_wait_group_read() {
+  asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory");
+}
+// At most N of this thread's committed bulk groups are still incomplete (their global writes included).
+template <int N>
+__device__ __forceinline__ void bulk_wait_group() {
+  asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+// Four 8 x 8 b16 matrices from registers into shared memory, transposed: lane i holds elements (i / 4, 2 (i % 4) ..
+// + 1) of each matrix (the mma accumulator layout, packed in pairs), and lanes 8j..8j+7 give the addresses of the
+// 16-byte rows 0-7 of matrix j, where row c receives column c of the matrix.
+__device__ __forceinline__ void stmatrix_x4_trans(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r0),
+               "r"(r1), "r"(r2), "r"(r3)
+               : "memory");
+}
+
+// Named barrier `id` over `threads` threads (a multiple of 32): every participating warp waits.
+__device__ __forceinline__ void named_bar_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
 __device__ __forceinline__ uint32_t cluster_cta_rank() {

@@ -288,7 +288,7 @@ def _check_wgmma_config(config, dtype, bias, tokens, rows, cols, seed, monkeypat
     _assert_spmm_matches_reference(x, w, p, b)
 
 
-@pytest.mark.parametrize("config", list(range(20)))
+@pytest.mark.parametrize("config", list(range(28)))
 @pytest.mark.parametrize(("tokens", "rows", "cols"), [(300, 448, 136), (8191, 192, 1000)])
 def test_spmm_wgmma_tile_configs(config, tokens, rows, cols, monkeypatch):
     # Every large-token tile configuration of the sm_90a kernel (HF_SPARSE_SM90_CONFIG): 448 rows leave some m64
@@ -296,7 +296,7 @@ def test_spmm_wgmma_tile_configs(config, tokens, rows, cols, monkeypatch):
     _check_wgmma_config(config, torch.bfloat16, True, tokens, rows, cols, config + tokens, monkeypatch)
 
 
-@pytest.mark.parametrize("config", [6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19])
+@pytest.mark.parametrize("config", list(range(6, 28)))
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize(
@@ -312,11 +312,11 @@ def test_spmm_wgmma_tma_configs(config, dtype, bias, tokens, rows, cols, monkeyp
     # without (6, 7) and with (8, 9) a 2-CTA cluster multicasting X; 10, 11: 6 with grouped CTA order (8, 4 token tiles);
     # 12: 6 launched in 2-CTA clusters with the cluster barriers but no sharing (diagnostic); 13-16: A fragments and
     # metadata by TMA too, 15/16 persistent (one CTA per SM walking the tiles), 17/18 persistent with the two consumer
-    # warpgroups two k-tiles apart, 19 = 15 with 128-token tiles.
+    # warpgroups two k-tiles apart, 19 = 15 with 128-token tiles, 20-27: staged epilogue (stmatrix + TMA store).
     _check_wgmma_config(config, dtype, bias, tokens, rows, cols, config + tokens + cols, monkeypatch)
 
 
-@pytest.mark.parametrize("config", [13, 14, 15, 16, 17, 18, 19])
+@pytest.mark.parametrize("config", list(range(13, 28)))
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize(
@@ -332,16 +332,51 @@ def test_spmm_wgmma_tma_a_configs_many_tiles(config, dtype, bias, tokens, rows, 
     _check_wgmma_config(config, dtype, bias, tokens, rows, cols, config + rows + cols, monkeypatch)
 
 
-@pytest.mark.parametrize("tokens", [300, 4100, 8190])
-def test_spmm_wgmma_default_config_matches_reference(tokens, monkeypatch):
+STAGED_EPILOGUE_CONFIGS = [20, 21, 22, 23, 24, 25, 26, 27]
+
+
+@pytest.mark.parametrize("config", STAGED_EPILOGUE_CONFIGS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize(
+    ("tokens", "rows", "cols"),
+    # The staged epilogue (csrc/spmm_sm90.cu, store_tile_staged): chunks of the tile go out by TMA store, which
+    # clips at the tensor's edges. Ragged token counts end inside a chunk (1, 7, 65, 257: most chunks of the last
+    # tile lie wholly past the end and are skipped; 8191: one token short); 1000 / 72 / 200 rows are multiples of 8
+    # but not of the 64-row box (the last box is clipped, 72: one warpgroup idle); 1031 rows (odd, no 16-byte row
+    # stride for a tensor map) falls back to config 15 (19 from configs 23 and 27). 8191 x 1000: 32 x 8 = 256 tiles,
+    # more than the 132 SMs (the staging buffers reused across tiles of a persistent CTA); 3000 x 4160: 12 x 33 = 396
+    # tiles; the others fewer.
+    [
+        (1, 1000, 64),
+        (7, 72, 200),
+        (65, 1000, 136),
+        (257, 72, 1024),
+        (8191, 1000, 264),
+        (3000, 4160, 96),
+        (513, 200, 40),
+        (700, 1031, 136),
+    ],
+)
+def test_spmm_wgmma_staged_epilogue_configs(config, dtype, bias, tokens, rows, cols, monkeypatch):
+    _check_wgmma_config(config, dtype, bias, tokens, rows, cols, 7 * config + tokens + rows, monkeypatch)
+
+
+@pytest.mark.parametrize(
+    ("tokens", "rows"), [(300, 4096), (4100, 4096), (8190, 4096), (4100, 4090), (300, 4090), (8190, 768), (8190, 762)]
+)
+def test_spmm_wgmma_default_config_matches_reference(tokens, rows, monkeypatch):
     # The default large-token tile without HF_SPARSE_SM90_CONFIG on a 4096 x 6144 weight (25 MB packed): 300 tokens
-    # = 64 256-token tiles, too few for the SMs, so config 19 (128-token tiles, 96 of them, a partial one); 4100 tokens
-    # = 544 tiles, config 15 (several per CTA, the last tile 4 tokens wide); 8190: 1024 tiles, config 15.
+    # = 64 256-token tiles, too few for the SMs, so config 23 (128-token tiles, 96 of them, a partial one); 4100 tokens
+    # = 544 tiles, config 20 (several per CTA, the last tile 4 tokens wide); 8190: 1024 tiles, config 20. 4090 rows
+    # (not a multiple of 8: no tensor map of Y) take the direct-store fallbacks of 20 / 23 (configs 15 / 19). 768 rows
+    # at 8190 tokens: 192 256-token tiles fill 73% of the SMs' two rounds, 258 192-token tiles 98%: config 27 (762
+    # rows: its fallback, config 19).
     if not _wgmma_runs_here():
         pytest.skip("sparse wgmma needs a cc 9.0 GPU and an sm_90a build")
     monkeypatch.setenv("HF_SPARSE_SPMM_KERNEL", "wgmma")
     monkeypatch.delenv("HF_SPARSE_SM90_CONFIG", raising=False)
-    w, mask, p = _pack_cuda(4096, 6144, 64, 4, torch.bfloat16, seed=61)
+    w, mask, p = _pack_cuda(rows, 6144, 64, 4, torch.bfloat16, seed=61 + rows)
     x = torch.randn(tokens, 6144, device="cuda").bfloat16()
-    b = torch.randn(4096, device="cuda").bfloat16()
+    b = torch.randn(rows, device="cuda").bfloat16()
     _assert_spmm_matches_reference(x, w, p, b)
