@@ -13,16 +13,16 @@
 //    exactly an MN-major A tile (8-token groups 1024 bytes apart = the stride byte offset).
 //  * B = the slab's condensed X: BK token rows x 256 condensed columns, as 4 column blocks of 64 (128 bytes per token
 //    row, blocks BK * 128 bytes apart = the leading byte offset). M = 4 (plain 2:4, every column kept): TMA boxes of X
-//    straight into B, shared by both slabs (the epilogue keeps 2 of 4; no FLOP saving there). M >= 8: gathered by two
-//    gatherer warpgroups from global memory into registers (M = 8: one 16-byte chunk = one group per token, 2 byte
-//    permutes per slab; M >= 16: the 4 kept 16-bit elements per slab), then stored swizzled, fence.proxy.async, and an
-//    arrive on the stage's "full" mbarrier. Gatherer warpgroup 0 fills the even stages, 1 the odd ones, so each has
-//    two stages' time to cover its loads' latency; its thread 0 also issues the stage's dY boxes (expect-tx on "full").
+//    straight into B, shared by both slabs (the epilogue keeps 2 of 4; no FLOP saving there). M >= 8: gathered by the
+//    gatherer warpgroup from global memory into registers (M = 8: one 16-byte chunk = one group per token, 2 byte
+//    permutes per slab; M >= 16: the 4 kept 16-bit elements per slab), then stored swizzled, fence.proxy.async, and
+//    an arrive on the stage's "full" mbarrier. At M = 8 two register sets keep the loads of stage kt + 1 in flight
+//    while stage kt is stored. Its thread 0 also issues each stage's dY boxes (expect-tx on "full").
 // Consumers wait on "full", issue BK/16 wgmma m64n256k16 per stage, keep one stage of wgmmas in flight and release the
 // previous stage on its "empty" mbarrier (one arrival per consumer warp).
-// Epilogue: per row and group the accumulators hold the 4 condensed columns over two lanes (t, t ^ 1); one shuffle
-// gives each lane all 4 of one row, and it writes the 2 that row's metadata nibble selects (8-byte store, or 2 fp32
-// atomics when the token range is split over gridDim.z, into an output zeroed first).
+// Epilogue: per row and group the accumulators hold the 4 condensed columns over two lanes (t, t ^ 1); each lane
+// writes the kept slots (metadata nibble) whose positions it holds: an 8-byte store where it holds both, else 4-byte
+// stores, or fp32 atomics when the token range is split over gridDim.z (into an output zeroed first).
 // Tails: tokens past n_tokens and rows past R arrive as zeros (TMA fill; gatherers store zeros), groups past G are
 // gathered as zeros and never stored; nothing past K or n_tokens is read.
 //
@@ -50,21 +50,25 @@ constexpr int kThreads = 384;  // warpgroups 0, 1: consumers (slab 0, 1); 2: gat
 
 template <int M>
 struct SdCfg {
-  static constexpr int BK = Tile::BK, NG = Tile::GROUPS, NC = 4 * NG;
   static constexpr bool DIRECT = M == 4;                   // B = X by TMA, shared by both slabs
-  static constexpr int STAGES = DIRECT ? Tile::STAGES_DIRECT : Tile::STAGES;
+  static constexpr bool STAGED = M == 8;                   // dense X by TMA into shared memory, then permuted
+  static constexpr int BK = STAGED ? Tile::BK_STAGED : Tile::BK, NG = Tile::GROUPS, NC = 4 * NG;
+  static constexpr int STAGES = DIRECT ? Tile::STAGES_DIRECT : (STAGED ? Tile::STAGES_STAGED : Tile::STAGES);
   static constexpr int A_SLAB = BK * 128;                  // one slab's A tile
   static constexpr int B_BLOCK = BK * 128;                 // 64 condensed columns x BK tokens
   static constexpr int B_SLAB = (NC / 64) * B_BLOCK;
   static constexpr int A_BYTES = 2 * A_SLAB;
   static constexpr int B_BYTES = (DIRECT ? 1 : 2) * B_SLAB;
-  static constexpr int STAGE = A_BYTES + B_BYTES;
+  static constexpr int XS_ROW = STAGED ? NG * M * 2 : 0;  // staged dense X: bytes per token row (two TMA boxes)
+  static constexpr int XS_BYTES = BK * XS_ROW;
+  static constexpr int STAGE = A_BYTES + B_BYTES + XS_BYTES;
   static constexpr int SMEM = STAGES * STAGE + 1024;       // + alignment slack for the 1024-byte swizzle atoms
   static constexpr int ITEMS = NG * BK / 128;              // (group, token) items per gatherer thread per stage
   static constexpr int BATCH = M == 8 ? ITEMS : 8;         // items whose loads are in flight together
   static_assert(BK % 16 == 0 && NC % 64 == 0 && STAGE % 1024 == 0, "tile shape");
   static_assert(SMEM <= 227 * 1024, "over the sm_90 shared-memory limit");
   static_assert(ITEMS % BATCH == 0 && NG == 64, "gatherer roles assume 64 groups (two warps of 32 per token row)");
+  static_assert(!STAGED || XS_ROW == 2 * 512, "the staged X row is two TMA boxes of 256 columns");
 };
 
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -86,12 +90,13 @@ sddmm_sm90_kernel(const __grid_constant__ CUtensorMap dy_map, const __grid_const
   using Cfg = SdCfg<M>;
   constexpr int BK = Cfg::BK, NG = Cfg::NG, NC = Cfg::NC, S = Cfg::STAGES;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
-  __shared__ __align__(8) uint64_t bars[2 * S];  // full[0..S-1], empty[0..S-1]
+  __shared__ __align__(8) uint64_t bars[3 * S];  // full, empty, xfull (staged: dY + dense X landed), S each
   unsigned char* smem = smem_raw + pad_to_1024((uint32_t)__cvta_generic_to_shared(smem_raw));
   const uint32_t smem_u32 = (uint32_t)__cvta_generic_to_shared(smem);
   const uint32_t bar_u32 = (uint32_t)__cvta_generic_to_shared(bars);
   auto full = [&](int s) { return bar_u32 + 8u * s; };
   auto empty = [&](int s) { return bar_u32 + 8u * (S + s); };
+  auto xfull = [&](int s) { return bar_u32 + 8u * (2 * S + s); };
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = warp >> 2;
   const int grp0 = blockIdx.x * NG;
@@ -103,8 +108,10 @@ sddmm_sm90_kernel(const __grid_constant__ CUtensorMap dy_map, const __grid_const
 
   if (tid == 0) {
     for (int s = 0; s < S; ++s) {
-      mbar_init(full(s), Cfg::DIRECT ? 1 : 129);  // gatherer arrivals + the dY/X expect-tx arrival
-      mbar_init(empty(s), 8);                     // one per consumer warp
+      // full: gatherer arrivals (+ the expect-tx arrival of the dY / X boxes where they complete on it)
+      mbar_init(full(s), Cfg::DIRECT ? 1 : (Cfg::STAGED ? 128 : 129));
+      mbar_init(empty(s), 8);  // one per consumer warp
+      mbar_init(xfull(s), 1);  // staged: the expect-tx arrival of the dY and dense X boxes
     }
     mbar_fence_init();
   }
@@ -161,20 +168,32 @@ sddmm_sm90_kernel(const __grid_constant__ CUtensorMap dy_map, const __grid_const
     };
     if constexpr (Cfg::DIRECT) {
       for (int kt = 0; kt < n_kt; ++kt) claim(kt);
-    } else if constexpr (M == 8) {
-      // Two register sets: the loads of stage kt + 1 are in flight while stage kt is selected and stored.
-      auto load = [&](int kt, uint4 (&v)[Cfg::ITEMS]) {
-        const int tok0 = (chunk_begin + kt) * BK;
+    } else if constexpr (Cfg::STAGED) {
+      // Thread 0 keeps the TMA boxes (dY + dense X) of S - 1 stages in flight; every gatherer thread selects its
+      // items from the staged X of stage kt (16-byte shared loads, a warp reads 512 contiguous bytes of one token
+      // row) into the B tiles. No global loads in the gatherers: the fence.proxy.async that publishes the B stores
+      // waits only for their shared-memory accesses (with register loads it waited for the loads of the next stage).
+      auto issue = [&](int j) {
+        const int s = j % S, tok0 = (chunk_begin + j) * BK;
+        mbar_wait(empty(s), ((j / S) & 1) ^ 1);
+        mbar_arrive_expect_tx(xfull(s), Cfg::A_BYTES + Cfg::XS_BYTES);
+        const uint32_t st = smem_u32 + s * Cfg::STAGE;
 #pragma unroll
-        for (int i = 0; i < Cfg::ITEMS; ++i) {
-          const int tok = tok0 + tr + 2 * i;
-          v[i] = make_uint4(0, 0, 0, 0);
-          if (grp_ok && tok < n_tokens) v[i] = *reinterpret_cast<const uint4*>(xg + (size_t)tok * k);
-        }
+        for (int sl = 0; sl < 2; ++sl) tma_load_2d(st + sl * Cfg::A_SLAB, &dy_map, (slab0 + sl) * 64, tok0, xfull(s));
+#pragma unroll
+        for (int b = 0; b < 2; ++b)
+          tma_load_2d(st + Cfg::A_BYTES + Cfg::B_BYTES + b * 512, &x_map, grp0 * M + b * 256, tok0, xfull(s));
       };
-      auto put = [&](int kt, const uint4 (&v)[Cfg::ITEMS]) {
-        claim(kt);
-        unsigned char* sb = smem + (kt % S) * Cfg::STAGE + Cfg::A_BYTES;
+      if (gt == 0)
+        for (int j = 0; j < min(S - 1, n_kt); ++j) issue(j);
+      for (int kt = 0; kt < n_kt; ++kt) {
+        const int s = kt % S;
+        mbar_wait(xfull(s), (kt / S) & 1);
+        unsigned char* st = smem + s * Cfg::STAGE;
+        uint4 v[Cfg::ITEMS];
+#pragma unroll
+        for (int i = 0; i < Cfg::ITEMS; ++i)
+          v[i] = *reinterpret_cast<const uint4*>(st + Cfg::A_BYTES + Cfg::B_BYTES + (tr + 2 * i) * Cfg::XS_ROW + gg * 16);
 #pragma unroll
         for (int sl = 0; sl < 2; ++sl)
 #pragma unroll
@@ -183,18 +202,12 @@ sddmm_sm90_kernel(const __grid_constant__ CUtensorMap dy_map, const __grid_const
             uint2 o;
             o.x = __byte_perm(__byte_perm(v[i].x, v[i].y, sa[sl][0]), v[i].z, sbp[sl][0]);
             o.y = __byte_perm(__byte_perm(v[i].z, v[i].w, sa[sl][1]), v[i].y, sbp[sl][1]);
-            *reinterpret_cast<uint2*>(sb + sl * Cfg::B_SLAB + st_base + 2 * i * 128 + ((chunk ^ (r & 7)) << 4)) = o;
+            *reinterpret_cast<uint2*>(st + Cfg::A_BYTES + sl * Cfg::B_SLAB + st_base + 2 * i * 128 +
+                                      ((chunk ^ (r & 7)) << 4)) = o;
           }
-        publish(kt);
-      };
-      uint4 va[Cfg::ITEMS], vb[Cfg::ITEMS];
-      if (n_kt > 0) load(0, va);
-      for (int kt = 0; kt < n_kt; kt += 2) {
-        if (kt + 1 < n_kt) load(kt + 1, vb);
-        put(kt, va);
-        if (kt + 1 >= n_kt) break;
-        if (kt + 2 < n_kt) load(kt + 2, va);
-        put(kt + 1, vb);
+        fence_proxy_async();  // my generic-proxy stores, before the wgmmas (async proxy) read them
+        mbar_arrive(full(s));
+        if (gt == 0 && kt + S - 1 < n_kt) issue(kt + S - 1);
       }
     } else {
       const uint16_t* xh = reinterpret_cast<const uint16_t*>(xg);
@@ -242,6 +255,7 @@ sddmm_sm90_kernel(const __grid_constant__ CUtensorMap dy_map, const __grid_const
     for (int j = 0; j < NC / 2; ++j) acc[j] = 0.f;
     for (int kt = 0; kt < n_kt; ++kt) {
       const int s = kt % S;
+      if constexpr (Cfg::STAGED) mbar_wait(xfull(s), (kt / S) & 1);  // dY landed (the gatherers saw X land)
       mbar_wait(full(s), (kt / S) & 1);
       const uint32_t a_addr = smem_u32 + s * Cfg::STAGE + wg * Cfg::A_SLAB;
       const uint32_t b_addr = smem_u32 + s * Cfg::STAGE + Cfg::A_BYTES + (Cfg::DIRECT ? 0 : wg * Cfg::B_SLAB);
@@ -316,34 +330,37 @@ PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
   return fn;
 }
 
-// Tensor map of a (n_tokens x features) row-major 16-bit activation in boxes of 64 features x box_rows tokens,
-// 128-byte swizzle, zero fill out of bounds. False where TMA cannot address it (alignment) or the driver refuses.
-bool encode_rows_map(const void* base, int features, int n_tokens, int box_rows, bool bf16, CUtensorMap* map) {
+// Tensor map of a (n_tokens x features) row-major 16-bit activation in boxes of box_cols features x box_rows tokens
+// (box_cols = 64 with 128-byte swizzle, else no swizzle), zero fill out of bounds. False where TMA cannot address it
+// (alignment) or the driver refuses.
+bool encode_rows_map(const void* base, int features, int n_tokens, int box_cols, int box_rows, bool bf16,
+                     CUtensorMap* map) {
   if (reinterpret_cast<uintptr_t>(base) % 16 != 0 || features % 8 != 0) return false;
   PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
   if (encode == nullptr) return false;
   const cuuint64_t dims[2] = {(cuuint64_t)features, (cuuint64_t)n_tokens};
   const cuuint64_t strides[1] = {(cuuint64_t)features * 2};
-  const cuuint32_t box[2] = {64, (cuuint32_t)box_rows};
+  const cuuint32_t box[2] = {(cuuint32_t)box_cols, (cuuint32_t)box_rows};
   const cuuint32_t elem_strides[2] = {1, 1};
   const CUresult res = encode(map, bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2,
                               const_cast<void*>(base), dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                              CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                              box_cols == 64 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_NONE,
+                              CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                               CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   return res == CUDA_SUCCESS;
 }
 
 // Token splits: the CTA grid (row blocks x group tiles) is often smaller than the GPU at BERT shapes (48-64 CTAs at
-// 768-4096 features), so the token range is split over gridDim.z, picking the split count that minimises
-// waves(split) / split (the time of the last SM, in units of one unsplit CTA), at least 4 stages per split.
+// 768-4096 features), so the token range is split over gridDim.z. Cost model: waves(s) x (stages per split + ~8 for
+// the pipeline fill and the epilogue), the smallest s among the cheapest; at most 16 splits, >= 4 stages each.
 int pick_splits(long ctas, int n_chunks, int sms) {
   int best = 1;
-  double best_t = 1e30;
-  for (int s = 1; s <= 16 && s * 4 <= std::max(4, n_chunks); ++s) {
-    const double waves = (double)((ctas * s + sms - 1) / sms);
-    const double t_s = waves / s * (1.0 + 0.02 * (s > 1));  // splitting costs the zero fill and the atomics
-    if (t_s < best_t - 1e-9) {
-      best_t = t_s;
+  long best_cost = -1;
+  for (int s = 1; s <= 16 && (s == 1 || s * 4 <= n_chunks); ++s) {
+    const long waves = (ctas * s + sms - 1) / sms;
+    const long cost = waves * ((n_chunks + s - 1) / s + 8);
+    if (best_cost < 0 || cost < best_cost) {
+      best_cost = cost;
       best = s;
     }
   }
@@ -354,9 +371,11 @@ template <typename T, int M>
 cudaError_t launch(const SddmmArgs& a, cudaStream_t stream) {
   using Cfg = SdCfg<M>;
   CUtensorMap dy_map, x_map;
-  if (!encode_rows_map(a.dy, a.rows, a.n_tokens, Cfg::BK, a.is_bf16, &dy_map)) return cudaErrorNotSupported;
-  x_map = dy_map;  // unused unless M == 4
-  if (Cfg::DIRECT && !encode_rows_map(a.x, a.k, a.n_tokens, Cfg::BK, a.is_bf16, &x_map)) return cudaErrorNotSupported;
+  if (!encode_rows_map(a.dy, a.rows, a.n_tokens, 64, Cfg::BK, a.is_bf16, &dy_map)) return cudaErrorNotSupported;
+  x_map = dy_map;  // unused unless M == 4 (X straight into B) or staged (dense X boxes of 256 columns)
+  if ((Cfg::DIRECT || Cfg::STAGED) &&
+      !encode_rows_map(a.x, a.k, a.n_tokens, Cfg::DIRECT ? 64 : 256, Cfg::BK, a.is_bf16, &x_map))
+    return cudaErrorNotSupported;
   auto kernel = sddmm_sm90_kernel<T, M>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::SMEM);
   if (err != cudaSuccess) return err;
