@@ -32,6 +32,8 @@
 #include <cudaTypedefs.h>
 
 #include <algorithm>
+#include <cstdlib>
+#include <cstring>
 
 #include "common.cuh"
 #include "kernels.h"
@@ -48,10 +50,10 @@ namespace {
 using Tile = SddmmSm90Tile;
 constexpr int kThreads = 384;  // warpgroups 0, 1: consumers (slab 0, 1); 2: gatherers (and the TMA thread)
 
-template <int M>
+template <int M, bool STG>
 struct SdCfg {
   static constexpr bool DIRECT = M == 4;                   // B = X by TMA, shared by both slabs
-  static constexpr bool STAGED = M == 8;                   // dense X by TMA into shared memory, then permuted
+  static constexpr bool STAGED = M == 8 && STG;            // dense X by TMA into shared memory, then permuted
   static constexpr int BK = STAGED ? Tile::BK_STAGED : Tile::BK, NG = Tile::GROUPS, NC = 4 * NG;
   static constexpr int STAGES = DIRECT ? Tile::STAGES_DIRECT : (STAGED ? Tile::STAGES_STAGED : Tile::STAGES);
   static constexpr int A_SLAB = BK * 128;                  // one slab's A tile
@@ -68,7 +70,7 @@ struct SdCfg {
   static_assert(BK % 16 == 0 && NC % 64 == 0 && STAGE % 1024 == 0, "tile shape");
   static_assert(SMEM <= 227 * 1024, "over the sm_90 shared-memory limit");
   static_assert(ITEMS % BATCH == 0 && NG == 64, "gatherer roles assume 64 groups (two warps of 32 per token row)");
-  static_assert(!STAGED || XS_ROW == 2 * 512, "the staged X row is two TMA boxes of 256 columns");
+  static_assert(!STAGED || XS_ROW == 2 * 512, "the staged X tile is two TMA boxes of 256 columns x BK tokens");
 };
 
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -80,14 +82,14 @@ __device__ __forceinline__ uint64_t desc_mn128(uint32_t smem_addr, uint32_t lbo)
 }
 #endif
 
-template <typename T, int M>
+template <typename T, int M, bool STG>
 __global__ void __launch_bounds__(kThreads, 1)
 sddmm_sm90_kernel(const __grid_constant__ CUtensorMap dy_map, const __grid_constant__ CUtensorMap x_map,
                   const T* __restrict__ x, const uint32_t* __restrict__ meta, const uint32_t* __restrict__ columns,
                   float* __restrict__ out, int n_tokens, int rows, int rows_padded, int k, int steps,
                   int chunks_per_split, int atomic) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  using Cfg = SdCfg<M>;
+  using Cfg = SdCfg<M, STG>;
   constexpr int BK = Cfg::BK, NG = Cfg::NG, NC = Cfg::NC, S = Cfg::STAGES;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   __shared__ __align__(8) uint64_t bars[3 * S];  // full, empty, xfull (staged: dY + dense X landed), S each
@@ -169,10 +171,13 @@ sddmm_sm90_kernel(const __grid_constant__ CUtensorMap dy_map, const __grid_const
     if constexpr (Cfg::DIRECT) {
       for (int kt = 0; kt < n_kt; ++kt) claim(kt);
     } else if constexpr (Cfg::STAGED) {
-      // Thread 0 keeps the TMA boxes (dY + dense X) of S - 1 stages in flight; every gatherer thread selects its
+      // Thread 0 keeps the TMA boxes (dY + dense X) of S - 2 stages in flight; every gatherer thread selects its
       // items from the staged X of stage kt (16-byte shared loads, a warp reads 512 contiguous bytes of one token
       // row) into the B tiles. No global loads in the gatherers: the fence.proxy.async that publishes the B stores
       // waits only for their shared-memory accesses (with register loads it waited for the loads of the next stage).
+      // The boxes of stage kt + S - 2 go out after stage kt: their slot held stage kt - 2, which the consumers have
+      // released by then (S - 1 would wait for them to finish stage kt - 1, i.e. to have started stage kt, and so
+      // chain every stage's gather to the previous stage's wgmmas: measured 2.7 ms at 4096->11008, 64:2:8).
       auto issue = [&](int j) {
         const int s = j % S, tok0 = (chunk_begin + j) * BK;
         mbar_wait(empty(s), ((j / S) & 1) ^ 1);
@@ -182,10 +187,10 @@ sddmm_sm90_kernel(const __grid_constant__ CUtensorMap dy_map, const __grid_const
         for (int sl = 0; sl < 2; ++sl) tma_load_2d(st + sl * Cfg::A_SLAB, &dy_map, (slab0 + sl) * 64, tok0, xfull(s));
 #pragma unroll
         for (int b = 0; b < 2; ++b)
-          tma_load_2d(st + Cfg::A_BYTES + Cfg::B_BYTES + b * 512, &x_map, grp0 * M + b * 256, tok0, xfull(s));
+          tma_load_2d(st + Cfg::A_BYTES + Cfg::B_BYTES + b * BK * 512, &x_map, grp0 * M + b * 256, tok0, xfull(s));
       };
       if (gt == 0)
-        for (int j = 0; j < min(S - 1, n_kt); ++j) issue(j);
+        for (int j = 0; j < min(S - 2, n_kt); ++j) issue(j);
       for (int kt = 0; kt < n_kt; ++kt) {
         const int s = kt % S;
         mbar_wait(xfull(s), (kt / S) & 1);
@@ -193,7 +198,8 @@ sddmm_sm90_kernel(const __grid_constant__ CUtensorMap dy_map, const __grid_const
         uint4 v[Cfg::ITEMS];
 #pragma unroll
         for (int i = 0; i < Cfg::ITEMS; ++i)
-          v[i] = *reinterpret_cast<const uint4*>(st + Cfg::A_BYTES + Cfg::B_BYTES + (tr + 2 * i) * Cfg::XS_ROW + gg * 16);
+          v[i] = *reinterpret_cast<const uint4*>(st + Cfg::A_BYTES + Cfg::B_BYTES + (gg >> 5) * (BK * 512) +
+                                                 (tr + 2 * i) * 512 + (gg & 31) * 16);
 #pragma unroll
         for (int sl = 0; sl < 2; ++sl)
 #pragma unroll
@@ -207,7 +213,44 @@ sddmm_sm90_kernel(const __grid_constant__ CUtensorMap dy_map, const __grid_const
           }
         fence_proxy_async();  // my generic-proxy stores, before the wgmmas (async proxy) read them
         mbar_arrive(full(s));
-        if (gt == 0 && kt + S - 1 < n_kt) issue(kt + S - 1);
+        if (gt == 0 && kt + S - 2 < n_kt) issue(kt + S - 2);
+      }
+    } else if constexpr (M == 8) {
+      // HF_SPARSE_SDDMM_GATHER=regs (tuning only): X from global memory into two register sets, the loads of stage
+      // kt + 1 issued before stage kt is selected and stored. Measured 2.19 ms at 4096->11008, 64:2:8 (1.6 us per
+      // stage): the fence.proxy.async that publishes each stage's stores waits for the next stage's loads too.
+      auto load = [&](int kt, uint4 (&v)[Cfg::ITEMS]) {
+        const int tok0 = (chunk_begin + kt) * BK;
+#pragma unroll
+        for (int i = 0; i < Cfg::ITEMS; ++i) {
+          const int tok = tok0 + tr + 2 * i;
+          v[i] = make_uint4(0, 0, 0, 0);
+          if (grp_ok && tok < n_tokens) v[i] = *reinterpret_cast<const uint4*>(xg + (size_t)tok * k);
+        }
+      };
+      auto put = [&](int kt, const uint4 (&v)[Cfg::ITEMS]) {
+        claim(kt);
+        unsigned char* sb = smem + (kt % S) * Cfg::STAGE + Cfg::A_BYTES;
+#pragma unroll
+        for (int sl = 0; sl < 2; ++sl)
+#pragma unroll
+          for (int i = 0; i < Cfg::ITEMS; ++i) {
+            const int r = tr + 2 * i;
+            uint2 o;
+            o.x = __byte_perm(__byte_perm(v[i].x, v[i].y, sa[sl][0]), v[i].z, sbp[sl][0]);
+            o.y = __byte_perm(__byte_perm(v[i].z, v[i].w, sa[sl][1]), v[i].y, sbp[sl][1]);
+            *reinterpret_cast<uint2*>(sb + sl * Cfg::B_SLAB + st_base + 2 * i * 128 + ((chunk ^ (r & 7)) << 4)) = o;
+          }
+        publish(kt);
+      };
+      uint4 va[Cfg::ITEMS], vb[Cfg::ITEMS];
+      if (n_kt > 0) load(0, va);
+      for (int kt = 0; kt < n_kt; kt += 2) {
+        if (kt + 1 < n_kt) load(kt + 1, vb);
+        put(kt, va);
+        if (kt + 1 >= n_kt) break;
+        if (kt + 2 < n_kt) load(kt + 2, va);
+        put(kt + 1, vb);
       }
     } else {
       const uint16_t* xh = reinterpret_cast<const uint16_t*>(xg);
@@ -367,16 +410,16 @@ int pick_splits(long ctas, int n_chunks, int sms) {
   return best;
 }
 
-template <typename T, int M>
+template <typename T, int M, bool STG>
 cudaError_t launch(const SddmmArgs& a, cudaStream_t stream) {
-  using Cfg = SdCfg<M>;
+  using Cfg = SdCfg<M, STG>;
   CUtensorMap dy_map, x_map;
   if (!encode_rows_map(a.dy, a.rows, a.n_tokens, 64, Cfg::BK, a.is_bf16, &dy_map)) return cudaErrorNotSupported;
   x_map = dy_map;  // unused unless M == 4 (X straight into B) or staged (dense X boxes of 256 columns)
   if ((Cfg::DIRECT || Cfg::STAGED) &&
       !encode_rows_map(a.x, a.k, a.n_tokens, Cfg::DIRECT ? 64 : 256, Cfg::BK, a.is_bf16, &x_map))
     return cudaErrorNotSupported;
-  auto kernel = sddmm_sm90_kernel<T, M>;
+  auto kernel = sddmm_sm90_kernel<T, M, STG>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::SMEM);
   if (err != cudaSuccess) return err;
   const int groups = a.k / a.m;
@@ -399,15 +442,22 @@ cudaError_t launch(const SddmmArgs& a, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
+// HF_SPARSE_SDDMM_GATHER (tuning runs only): how M = 8 fills its B tiles: "staged" (default: dense X by TMA, permuted
+// from shared memory) or "regs" (X from global memory into registers, as the first version).
+bool gather_regs() {
+  const char* env = std::getenv("HF_SPARSE_SDDMM_GATHER");
+  return env != nullptr && std::strcmp(env, "regs") == 0;
+}
+
 template <typename T>
 cudaError_t dispatch_m(const SddmmArgs& a, cudaStream_t stream) {
   switch (a.m) {
-    case 4: return launch<T, 4>(a, stream);
-    case 8: return launch<T, 8>(a, stream);
-    case 16: return launch<T, 16>(a, stream);
-    case 32: return launch<T, 32>(a, stream);
-    case 64: return launch<T, 64>(a, stream);
-    case 128: return launch<T, 128>(a, stream);
+    case 4: return launch<T, 4, true>(a, stream);
+    case 8: return gather_regs() ? launch<T, 8, false>(a, stream) : launch<T, 8, true>(a, stream);
+    case 16: return launch<T, 16, true>(a, stream);
+    case 32: return launch<T, 32, true>(a, stream);
+    case 64: return launch<T, 64, true>(a, stream);
+    case 128: return launch<T, 128, true>(a, stream);
     default: return cudaErrorInvalidValue;
   }
 }

@@ -224,6 +224,13 @@ def sddmm_kernel_env(request, monkeypatch):
     return request.param
 
 
+def _sddmm_gather(gather, kernel, m, monkeypatch):
+    """Set ``HF_SPARSE_SDDMM_GATHER`` (M = 8 on the wgmma kernel only: ``staged`` / ``regs``); skip other pairings."""
+    if gather == "regs" and (kernel != "wgmma" or m != 8):
+        pytest.skip("HF_SPARSE_SDDMM_GATHER only changes the wgmma kernel at M = 8")
+    monkeypatch.setenv("HF_SPARSE_SDDMM_GATHER", gather)
+
+
 def _assert_sddmm_matches_reference(dy, x, mask, p):
     """``sddmm`` on NaN-poisoned memory, scattered dense: error against fp64 within 2x of torch's own GEMM error in
     the same dtype, exact zeros off the mask, no NaN (every slot written)."""
@@ -243,9 +250,11 @@ def _assert_sddmm_matches_reference(dy, x, mask, p):
 @pytest.mark.parametrize(("v", "m"), PATTERNS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("tokens", "rows", "cols"), [(1, 128, 256), (7, 192, 512), (8191, 256, 1024)])
-def test_sddmm_kernel(v, m, dtype, tokens, rows, cols, sddmm_kernel_env):
+@pytest.mark.parametrize("gather", ["staged", "regs"])
+def test_sddmm_kernel(v, m, dtype, tokens, rows, cols, gather, sddmm_kernel_env, monkeypatch):
     if rows % v and m != 4:
         pytest.skip("rows not a multiple of v")
+    _sddmm_gather(gather, sddmm_kernel_env, m, monkeypatch)
     w, mask, p = _pack_cuda(rows, cols, v, m, dtype, seed=tokens + 1)
     x = torch.randn(tokens, cols, device="cuda").to(dtype)
     dy = torch.randn(tokens, rows, device="cuda").to(dtype)
@@ -255,12 +264,16 @@ def test_sddmm_kernel(v, m, dtype, tokens, rows, cols, sddmm_kernel_env):
 @pytest.mark.parametrize(("v", "m"), [(64, 4), (64, 8), (128, 8), (64, 16), (64, 32), (128, 64), (64, 128)])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("tokens", "rows", "groups"), [(33, 320, 136), (1000, 2048, 520), (4100, 192, 72)])
-def test_sddmm_ragged_group_tiles_and_token_splits(v, m, dtype, tokens, rows, groups, sddmm_kernel_env):
+@pytest.mark.parametrize("gather", ["staged", "regs"])
+def test_sddmm_ragged_group_tiles_and_token_splits(
+    v, m, dtype, tokens, rows, groups, gather, sddmm_kernel_env, monkeypatch
+):
     # Several 64-group tiles with a partial last one, an odd slab count (a CTA with one real slab), ragged token
     # stages; (2048, 520 groups) fills the GPU without a token split (plain stores), the others split the tokens
     # over CTAs (atomics into a zeroed output).
     if rows % v and m != 4:
         pytest.skip("rows not a multiple of v")
+    _sddmm_gather(gather, sddmm_kernel_env, m, monkeypatch)
     w, mask, p = _pack_cuda(rows, groups * m, v, m, dtype, seed=tokens + m)
     x = torch.randn(tokens, groups * m, device="cuda").to(dtype)
     dy = torch.randn(tokens, rows, device="cuda").to(dtype)
@@ -268,9 +281,11 @@ def test_sddmm_ragged_group_tiles_and_token_splits(v, m, dtype, tokens, rows, gr
 
 
 @pytest.mark.parametrize(("v", "m"), [(64, 8), (128, 8), (64, 16), (64, 32), (64, 128)])
-def test_sddmm_gather_uses_each_slabs_columns(v, m, sddmm_kernel_env):
+@pytest.mark.parametrize("gather", ["staged", "regs"])
+def test_sddmm_gather_uses_each_slabs_columns(v, m, gather, sddmm_kernel_env, monkeypatch):
     # Consecutive 64-row slabs (one CTA) keep different columns in every group where V = 64: a gather that reused one
     # slab's offsets for the other, or mixed up groups, gives a wrong gradient here.
+    _sddmm_gather(gather, sddmm_kernel_env, m, monkeypatch)
     rows, cols = 256, 72 * m
     mask = _mask_with_distinct_slab_columns(rows, cols, v, m, seed=3 * m + v).cuda()
     w = torch.randn(rows, cols, device="cuda") * mask
