@@ -7,19 +7,23 @@
 // warp-level mma.sync of sddmm.cu.
 //
 // CTA tile: 128 weight rows (two 64-row slabs, one per consumer warpgroup) x 64 groups (256 condensed columns per
-// slab), reducing over a range of tokens in stages of BK = 32 tokens. The operands, both MN-major (wgmma's transpose
-// bits, allowed for 16-bit types), 128-byte swizzle, per stage:
+// slab), reducing over a range of tokens in stages of BK tokens (32; 16 at M = 8). The operands, both MN-major
+// (wgmma's transpose bits, allowed for 16-bit types), 128-byte swizzle, per stage:
 //  * A = dY^T of a slab: a TMA box of 64 rows x BK tokens of dY (tokens x R row-major: 128 bytes per token row) is
 //    exactly an MN-major A tile (8-token groups 1024 bytes apart = the stride byte offset).
 //  * B = the slab's condensed X: BK token rows x 256 condensed columns, as 4 column blocks of 64 (128 bytes per token
 //    row, blocks BK * 128 bytes apart = the leading byte offset). M = 4 (plain 2:4, every column kept): TMA boxes of X
-//    straight into B, shared by both slabs (the epilogue keeps 2 of 4; no FLOP saving there). M >= 8: gathered by the
-//    gatherer warpgroup from global memory into registers (M = 8: one 16-byte chunk = one group per token, 2 byte
-//    permutes per slab; M >= 16: the 4 kept 16-bit elements per slab), then stored swizzled, fence.proxy.async, and
-//    an arrive on the stage's "full" mbarrier. At M = 8 two register sets keep the loads of stage kt + 1 in flight
-//    while stage kt is stored. Its thread 0 also issues each stage's dY boxes (expect-tx on "full").
-// Consumers wait on "full", issue BK/16 wgmma m64n256k16 per stage, keep one stage of wgmmas in flight and release the
-// previous stage on its "empty" mbarrier (one arrival per consumer warp).
+//    straight into B, shared by both slabs (the epilogue keeps 2 of 4; no FLOP saving there). M >= 8: written by the
+//    gatherer warpgroup (stores swizzled by hand, fence.proxy.async, an arrive on the stage's "full" mbarrier):
+//    - M = 8 (default, "staged"): thread 0 of the gatherers issues each stage's TMA boxes, dY and the dense X tile
+//      (2 boxes of 256 columns x BK = 16 tokens, no swizzle), S - 2 stages ahead; every gatherer thread reads one
+//      group's 16-byte chunk per token from shared memory and picks its slab's 4 columns with 2 byte permutes per
+//      output word. HF_SPARSE_SDDMM_GATHER=regs (tuning only): the chunks from global memory into two register sets
+//      (the first version, 1.3-1.4x slower: the proxy fence also waits for the next stage's loads).
+//    - M >= 16: the 4 kept 16-bit elements per slab from global memory, 8 (group, token) items in flight per thread.
+//    Its thread 0 issues the dY boxes of M >= 16 (expect-tx on "full") and of M = 4 (with X) as well.
+// Consumers wait on "full" (staged: and on the TMA barrier of the stage's dY), issue BK/16 wgmma m64n256k16 per stage,
+// keep one stage of wgmmas in flight and release the previous stage on its "empty" mbarrier (one arrival per warp).
 // Epilogue: per row and group the accumulators hold the 4 condensed columns over two lanes (t, t ^ 1); each lane
 // writes the kept slots (metadata nibble) whose positions it holds: an 8-byte store where it holds both, else 4-byte
 // stores, or fp32 atomics when the token range is split over gridDim.z (into an output zeroed first).

@@ -22,8 +22,10 @@ __all__ = ["AUTO_WGMMA_M", "scatter_dense", "sddmm", "sddmm_kernel", "sddmm_refe
 
 SDDMM_KERNELS = ("auto", "mma", "wgmma")
 # Group sizes M for which ``auto`` picks the wgmma kernel where it can run: those where it was measured faster than
-# the mma.sync kernel on the H200 at 8192 tokens (benchmarks/RESULTS.md, "SDDMM with dense wgmma").
-AUTO_WGMMA_M = frozenset({4, 8, 16, 32, 64, 128})
+# the mma.sync kernel on the H200 at 8192 tokens at the shapes of benchmarks/bench_kernels.py (benchmarks/RESULTS.md,
+# "SDDMM with dense wgmma"): 3.8-5.2x at M = 4, 1.7-2.2x at M = 8, 1.5-1.9x at 16, 0.98-1.6x at 32 (parity at
+# 768->3072 and 1024->4096). M = 64 and 128 were not timed (tested only): mma.sync.
+AUTO_WGMMA_M = frozenset({4, 8, 16, 32})
 
 
 def sddmm_reference(dy: Tensor, x: Tensor, p: PackedWeight) -> Tensor:
