@@ -2,6 +2,7 @@
 
     python benchmarks/bench_kernels.py [--tokens 8192 16] [--csv out.csv] [--patterns 2:4 64:2:8 ...]
         [--shapes 1024x1024 768x3072 ...] [--sm90-configs 15 20 ...]
+    python benchmarks/bench_kernels.py --sddmm-only [--tokens 8192] [--patterns ...]   # the SDDMM table alone
 
 Times are medians of ``triton.testing.do_bench`` (CUDA events) on fresh random bf16 data. Ratios are
 ``baseline time / our time`` (> 1 means we are faster). Each SpMM result is also checked against the dense
@@ -19,6 +20,12 @@ dispatcher's ``sparse24`` candidate), ``v24*D`` = dense / v24.
 ``--shapes`` limits the run to some (in x out) shapes; ``--sm90-configs`` adds, for 2:4 rows, the 2:4 wgmma kernel
 forced to each listed tile configuration (``HF_SPARSE_SM90_CONFIG``, e.g. the old default next to the new one), each
 checked against the dense product, printed as one extra line per row.
+
+SDDMM (``--sddmm-only``, or the *sddmm* columns of the main table: the default kernel): *dWgemm* = the dense weight
+gradient ``dy.t() @ x`` (cuBLAS, bf16 out); *sdMma* = the ``mma.sync`` SDDMM (``csrc/sddmm.cu``), *sdWg* = the dense
+``wgmma`` SDDMM (``csrc/sddmm_sm90.cu``, sm_90a only), both fp32 values at the kept slots, each checked against
+the fp32 product first; *xDW* = dWgemm / that kernel; *scat* = ``scatter_dense`` of the values into the dense bf16
+gradient (what ``dispatch.weight_grad`` adds on top), timed separately.
 """
 # ruff: noqa: B023  (every benchmarked lambda is called at once, inside its own loop iteration)
 
@@ -190,12 +197,92 @@ def train_section(tokens: int, shapes: list[tuple[int, int]]) -> None:
             )
 
 
+@contextlib.contextmanager
+def sddmm_kernel_env(kernel: str):
+    """Force one SDDMM kernel (``HF_SPARSE_SDDMM_KERNEL``) inside the block, restoring the previous setting after."""
+    old = os.environ.get("HF_SPARSE_SDDMM_KERNEL")
+    os.environ["HF_SPARSE_SDDMM_KERNEL"] = kernel
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("HF_SPARSE_SDDMM_KERNEL", None)
+        else:
+            os.environ["HF_SPARSE_SDDMM_KERNEL"] = old
+
+
+def sddmm_section(tokens_list: list[int], patterns: list[str], shapes: list[tuple[int, int]]) -> list[dict]:
+    """Dense dW GEMM vs the two SDDMM kernels (+ the scatter into the dense gradient), one row per shape/pattern."""
+    from hf_sparse.ops import scatter_dense
+    from hf_sparse.ops._layout import kept_columns
+
+    has_wgmma = wgmma_available()
+    print(f"# SDDMM: sdMma = mma.sync kernel, sdWg = dense-wgmma kernel ({'available' if has_wgmma else 'n/a'})")
+    print(
+        f"{'tokens':>6} {'in->out':>12} {'pattern':>8} {'dWgemm':>7} {'sdMma':>7} {'xDW':>5} {'sdWg':>7} {'xDW':>5} "
+        f"{'xMma':>5} {'scat':>7} {'errMma':>7} {'errWg':>7}"
+    )
+    rows = []
+    for tokens in tokens_list:
+        for k, r in shapes:
+            x = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16)
+            dy = torch.randn(tokens, r, device="cuda", dtype=torch.bfloat16)
+            w = torch.randn(r, k, device="cuda")
+            t_dw = bench(lambda: dy.t() @ x)
+            full = dy.float().t() @ x.float()
+            for pat in patterns:
+                v, m = parse(pat)
+                mask = nm_mask(w.abs(), 2, 4) if m == 4 else vnm_mask(w.abs(), v, 2, m)
+                p = pack(torch.where(mask, w, 0.0), mask, v, m, torch.bfloat16)
+                ref = torch.gather(full, 1, kept_columns(p))
+                times, errs = {}, {}
+                for kern in ("mma", "wgmma"):
+                    if kern == "wgmma" and not has_wgmma:
+                        times[kern], errs[kern] = float("nan"), float("nan")
+                        continue
+                    with sddmm_kernel_env(kern):
+                        got = sddmm(dy, x, p)
+                        errs[kern] = float((got - ref).norm() / ref.norm())
+                        if not errs[kern] < 1e-2:
+                            print(
+                                f"  WRONG RESULT sddmm {kern} {pat} {k}->{r}: rel err {errs[kern]:.3g}",
+                                file=sys.stderr,
+                            )
+                        times[kern] = bench(lambda: sddmm(dy, x, p))
+                vals = sddmm(dy, x, p)
+                t_sc = bench(lambda: scatter_dense(vals, p, torch.bfloat16))
+                row = dict(
+                    tokens=tokens,
+                    k=k,
+                    r=r,
+                    pattern=pat,
+                    dw_gemm=t_dw,
+                    sddmm_mma=times["mma"],
+                    sddmm_wgmma=times["wgmma"],
+                    x_dw_mma=t_dw / times["mma"],
+                    x_dw_wgmma=t_dw / times["wgmma"],
+                    wgmma_x_mma=times["mma"] / times["wgmma"],
+                    scatter=t_sc,
+                    err_mma=errs["mma"],
+                    err_wgmma=errs["wgmma"],
+                )
+                rows.append(row)
+                print(
+                    f"{tokens:>6} {f'{k}->{r}':>12} {pat:>8} {t_dw:7.4f} {times['mma']:7.4f} {row['x_dw_mma']:5.2f} "
+                    f"{times['wgmma']:7.4f} {row['x_dw_wgmma']:5.2f} {row['wgmma_x_mma']:5.2f} {t_sc:7.4f} "
+                    f"{errs['mma']:7.1e} {errs['wgmma']:7.1e}",
+                    flush=True,
+                )
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, nargs="+", default=[8192, 16])
     ap.add_argument("--patterns", nargs="+", default=PATTERNS)
     ap.add_argument("--csv", default=None)
     ap.add_argument("--no-sddmm", action="store_true")
+    ap.add_argument("--sddmm-only", action="store_true", help="only the SDDMM table (dense dW GEMM vs both kernels)")
     ap.add_argument("--no-train", action="store_true", help="skip the fwd+bwd (+pack) layer timing")
     ap.add_argument(
         "--shapes",
@@ -216,6 +303,14 @@ def main() -> int:
     print(
         f"# {dev}, torch {torch.__version__}, {datetime.date.today()}, bf16; times in ms (median); ratio = base/ours"
     )
+    if args.sddmm_only:
+        rows_sd = sddmm_section(args.tokens, args.patterns, args.shapes)
+        if args.csv:
+            with open(args.csv, "w", newline="") as f:
+                wr = csv.DictWriter(f, fieldnames=list(rows_sd[0]))
+                wr.writeheader()
+                wr.writerows(rows_sd)
+        return 0
     rows_out = []
     has_wgmma = wgmma_available()
     print(f"# ours = mma.sp kernel; wgmma = sparse-wgmma kernel (sm_90a): {'available' if has_wgmma else 'n/a'}")

@@ -111,22 +111,31 @@ at::Tensor spmm_wgmma(const at::Tensor& x, const at::Tensor& values, const at::T
 
 bool spmm_wgmma_available() { return hf_sparse::spmm_sm90_available(); }
 
-at::Tensor sddmm(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& meta, const at::Tensor& columns,
-                 int64_t rows, int64_t k, int64_t m) {
-  const char* op = "sddmm";
+at::Tensor sddmm_impl(const char* op, bool wgmma, const at::Tensor& dy, const at::Tensor& x, const at::Tensor& meta,
+                      const at::Tensor& columns, int64_t rows, int64_t k, int64_t m) {
   const auto dtype = x.scalar_type();
-  TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kHalf, "hf_sparse.sddmm: x must be bfloat16 or float16, got ",
+  TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kHalf, "hf_sparse.", op, ": x must be bfloat16 or float16, got ",
               dtype);
   check_activation(op, "x", x, k, dtype);
   check_activation(op, "dy", dy, rows, dtype);
-  TORCH_CHECK(dy.size(0) == x.size(0), "hf_sparse.sddmm: dy has ", dy.size(0), " tokens but x has ", x.size(0));
+  TORCH_CHECK(dy.size(0) == x.size(0), "hf_sparse.", op, ": dy has ", dy.size(0), " tokens but x has ", x.size(0));
   check_tensor(meta, op, "packed.meta", at::kInt, 3);
   check_tensor(columns, op, "packed.columns", at::kByte, 3);
+  TORCH_CHECK(m == 4 || m == 8 || m == 16 || m == 32 || m == 64 || m == 128, "hf_sparse.", op, ": m=", m,
+              " unsupported; use 4, 8, 16, 32, 64 or 128");
   const int64_t steps = (k / m + 7) / 8, rp = (rows + 63) / 64 * 64;
-  TORCH_CHECK(k % m == 0 && meta.size(0) == rp / 16 && meta.size(1) == steps && columns.size(0) == rp / 64,
-              "hf_sparse.sddmm: packed tensors do not match a ", rows, "x", k, " weight with m=", m);
+  TORCH_CHECK(k % m == 0 && meta.size(0) == rp / 16 && meta.size(1) == steps && columns.size(0) == rp / 64 &&
+                  columns.size(1) == steps * 8,
+              "hf_sparse.", op, ": packed tensors do not match a ", rows, "x", k, " weight with m=", m);
+  if (wgmma) {
+    TORCH_CHECK(hf_sparse::spmm_sm90_available(), "hf_sparse.", op,
+                ": the wgmma kernel needs a cc 9.0 GPU and an extension built with sm_90a "
+                "(HF_SPARSE_CUDA_ARCH_LIST containing 9.0); set HF_SPARSE_SDDMM_KERNEL=auto or mma");
+  }
   c10::cuda::CUDAGuard guard(x.device());
-  auto out = at::zeros({rows, 2 * (k / m)}, x.options().dtype(at::kFloat));
+  // the wgmma kernel writes every slot (or zeroes the output itself); the mma.sync kernel accumulates atomically
+  auto opts = x.options().dtype(at::kFloat);
+  auto out = wgmma ? at::empty({rows, 2 * (k / m)}, opts) : at::zeros({rows, 2 * (k / m)}, opts);
   hf_sparse::SddmmArgs a;
   a.dy = dy.data_ptr();
   a.x = x.data_ptr();
@@ -140,8 +149,19 @@ at::Tensor sddmm(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& me
   a.m = (int)m;
   a.steps = (int)steps;
   a.is_bf16 = dtype == at::kBFloat16;
-  check_cuda(hf_sparse::sddmm(a, c10::cuda::getCurrentCUDAStream().stream()), op);
+  const auto stream = c10::cuda::getCurrentCUDAStream().stream();
+  check_cuda(wgmma ? hf_sparse::sddmm_sm90(a, stream) : hf_sparse::sddmm(a, stream), op);
   return out;
+}
+
+at::Tensor sddmm(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& meta, const at::Tensor& columns,
+                 int64_t rows, int64_t k, int64_t m) {
+  return sddmm_impl("sddmm", false, dy, x, meta, columns, rows, k, m);
+}
+
+at::Tensor sddmm_wgmma(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& meta, const at::Tensor& columns,
+                       int64_t rows, int64_t k, int64_t m) {
+  return sddmm_impl("sddmm(wgmma)", true, dy, x, meta, columns, rows, k, m);
 }
 
 std::vector<at::Tensor> pack(const at::Tensor& weight, const at::Tensor& mask, int64_t v, int64_t m,
@@ -245,6 +265,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("spmm_wgmma_available", &spmm_wgmma_available,
           "True on a cc 9.0 GPU when the extension was built with sm_90a");
   mod.def("sddmm", &sddmm, "dW at kept positions, fp32, logical order (R, 2G)");
+  mod.def("sddmm_wgmma", &sddmm_wgmma, "as sddmm, with dense wgmma over the condensed columns (sm_90a)");
   mod.def("pack", &pack, "dense masked weight + mask -> packed (values, meta, columns, valid, error flag)");
   mod.def("pack_values", &pack_values, "new packed values from a masked weight (any strides), mask layout reused");
 }

@@ -37,6 +37,10 @@ struct SddmmArgs {
   bool is_bf16;
 };
 cudaError_t sddmm(const SddmmArgs& args, cudaStream_t stream);
+// The same with dense wgmma (csrc/sddmm_sm90.cu), same availability as spmm_sm90. `out` need not be zeroed (every
+// logical slot is written; where the token range is split the kernel zeroes it first). Where no TMA tensor map can be
+// made it zeroes `out` and runs sddmm().
+cudaError_t sddmm_sm90(const SddmmArgs& args, cudaStream_t stream);
 
 struct PackArgs {
   const void* weight;     // (rows, k) dense masked master, fp32 / bf16 / fp16

@@ -47,4 +47,14 @@ template <int M> struct SddmmTile {
   static constexpr int BT = 32, STAGES = 3, THREADS = 128 * SLABS;
 };
 
+// SDDMM on sm_90a (sddmm_sm90.cu): a CTA owns 128 rows (two 64-row slabs) x GROUPS groups (4 * GROUPS condensed
+// columns per slab, one wgmma m64n(4 * GROUPS)k16 per 16 tokens) and reduces over its token range in stages of BK
+// tokens: STAGES for M >= 16 (dY 8 KB + both slabs' gathered X 32 KB per stage), STAGES_DIRECT for M = 4 (dY 8 KB + one
+// shared X tile 16 KB per stage), STAGES_STAGED of BK_STAGED tokens for M = 8 (dY 4 KB + gathered X 16 KB + the dense
+// X it is gathered from 16 KB per stage).
+struct SddmmSm90Tile {
+  static constexpr int BK = 32, GROUPS = 64, STAGES = 5, STAGES_DIRECT = 8;
+  static constexpr int BK_STAGED = 16, STAGES_STAGED = 6;
+};
+
 }  // namespace hf_sparse

@@ -43,7 +43,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 EXTENSION_NAME = "hf_sparse_C"
-SOURCES = ("binding.cpp", "spmm.cu", "spmm_sm90.cu", "spmm_vnm_sm90.cu", "sddmm.cu", "pack.cu")
+SOURCES = ("binding.cpp", "spmm.cu", "spmm_sm90.cu", "spmm_vnm_sm90.cu", "sddmm.cu", "sddmm_sm90.cu", "pack.cu")
 CSLT_EXTENSION_NAME = "hf_sparse_cslt"
 CSLT_SOURCES = ("cusparselt.cpp",)
 

@@ -2,22 +2,54 @@
 
 Returns fp32 values in logical order ``(R, 2G)`` (slot ``2g + j`` of row ``r`` is the j-th kept column of group
 ``g``); :func:`scatter_dense` turns them into a dense (R, K) gradient for the master weight, zero elsewhere.
+
+CUDA: the ``mma.sync`` kernel (``csrc/sddmm.cu``, sm_80+), or on a cc 9.0 GPU with an sm_90a build the dense-``wgmma``
+kernel over each slab's condensed columns (``csrc/sddmm_sm90.cu``). ``HF_SPARSE_SDDMM_KERNEL`` = ``auto`` (default:
+``wgmma`` where it can run and was measured faster, see :data:`AUTO_WGMMA_M`) | ``mma`` | ``wgmma`` (an error where
+it cannot run) picks the kernel, for tests and benchmarks.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 from torch import Tensor
 
 from ._layout import PackedWeight, kept_columns
 
-__all__ = ["scatter_dense", "sddmm", "sddmm_reference"]
+__all__ = ["AUTO_WGMMA_M", "scatter_dense", "sddmm", "sddmm_kernel", "sddmm_reference"]
+
+SDDMM_KERNELS = ("auto", "mma", "wgmma")
+# Group sizes M for which ``auto`` picks the wgmma kernel where it can run: those where it was measured faster than
+# the mma.sync kernel on the H200 at 8192 tokens at the shapes of benchmarks/bench_kernels.py (benchmarks/RESULTS.md,
+# "SDDMM with dense wgmma"): 3.8-5.2x at M = 4, 1.7-2.2x at M = 8, 1.5-1.9x at 16, 0.98-1.6x at 32 (parity at
+# 768->3072 and 1024->4096). M = 64 and 128 were not timed (tested only): mma.sync.
+AUTO_WGMMA_M = frozenset({4, 8, 16, 32})
 
 
 def sddmm_reference(dy: Tensor, x: Tensor, p: PackedWeight) -> Tensor:
     """fp32 ``(dy^T x)`` gathered at the kept columns: the spec the kernel is held to."""
     full = dy.reshape(-1, p.rows).to(torch.float32).t() @ x.reshape(-1, p.cols).to(torch.float32)
     return torch.gather(full, 1, kept_columns(p))
+
+
+def sddmm_kernel(m: int, device: torch.device | None = None) -> str:
+    """The CUDA kernel a pattern with group size ``m`` runs on, on ``device``: ``"wgmma"`` or ``"mma"``.
+
+    Reads ``HF_SPARSE_SDDMM_KERNEL`` (``auto``/``mma``/``wgmma``) on every call, so tests and benchmarks can switch it;
+    in ``auto`` mode builds the extension (first call) to ask whether the sm_90a kernels are in it.
+    """
+    mode = os.environ.get("HF_SPARSE_SDDMM_KERNEL", "auto")
+    if mode not in SDDMM_KERNELS:
+        raise ValueError(f"hf_sparse: HF_SPARSE_SDDMM_KERNEL={mode!r}; use one of {SDDMM_KERNELS}")
+    if mode != "auto":
+        return mode  # wgmma forced: the binding raises, saying why, where it cannot run
+    if m not in AUTO_WGMMA_M:
+        return "mma"
+    from .spmm import _wgmma_available
+
+    return "wgmma" if _wgmma_available(device or torch.device("cuda")) else "mma"
 
 
 @torch.library.custom_op("hf_sparse::sddmm", mutates_args=())
@@ -37,7 +69,9 @@ def _sddmm_op(
     if x.is_cuda and cols % 8 == 0 and rows % 8 == 0 and x.data_ptr() % 16 == 0 and dy.data_ptr() % 16 == 0:
         from ._build import load_extension
 
-        return load_extension().sddmm(dy, x, meta, columns, rows, cols, m)
+        ext = load_extension()
+        fn = ext.sddmm_wgmma if sddmm_kernel(m, x.device) == "wgmma" else ext.sddmm
+        return fn(dy, x, meta, columns, rows, cols, m)
     return sddmm_reference(dy, x, p)
 
 

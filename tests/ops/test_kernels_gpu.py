@@ -215,24 +215,112 @@ def test_spmm_vnm_gather_uses_each_slabs_columns(v, m, pipe, monkeypatch):
     assert torch.equal(spmm(eye, p).float(), w.bfloat16().float().t())
 
 
-@pytest.mark.parametrize(("v", "m"), PATTERNS)
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("tokens", "rows", "cols"), [(1, 128, 256), (7, 192, 512), (8191, 256, 1024)])
-def test_sddmm_kernel(v, m, dtype, tokens, rows, cols):
-    if rows % v and m != 4:
-        pytest.skip("rows not a multiple of v")
-    w, mask, p = _pack_cuda(rows, cols, v, m, dtype, seed=tokens + 1)
-    x = torch.randn(tokens, cols, device="cuda").to(dtype)
-    dy = torch.randn(tokens, rows, device="cuda").to(dtype)
+@pytest.fixture(params=["mma", "wgmma"])
+def sddmm_kernel_env(request, monkeypatch):
+    """Run the test once per SDDMM kernel (``HF_SPARSE_SDDMM_KERNEL``); ``wgmma`` only where it can run (sm_90a)."""
+    if request.param == "wgmma" and not _wgmma_runs_here():
+        pytest.skip("the wgmma SDDMM needs a cc 9.0 GPU and an sm_90a build")
+    monkeypatch.setenv("HF_SPARSE_SDDMM_KERNEL", request.param)
+    return request.param
+
+
+def _sddmm_gather(gather, kernel, m, monkeypatch):
+    """Set ``HF_SPARSE_SDDMM_GATHER`` (M = 8 on the wgmma kernel only: ``staged`` / ``regs``); skip other pairings."""
+    if gather == "regs" and (kernel != "wgmma" or m != 8):
+        pytest.skip("HF_SPARSE_SDDMM_GATHER only changes the wgmma kernel at M = 8")
+    monkeypatch.setenv("HF_SPARSE_SDDMM_GATHER", gather)
+
+
+def _assert_sddmm_matches_reference(dy, x, mask, p):
+    """``sddmm`` on NaN-poisoned memory, scattered dense: error against fp64 within 2x of torch's own GEMM error in
+    the same dtype, exact zeros off the mask, no NaN (every slot written)."""
     _poison_allocator()
-    got = scatter_dense(sddmm(dy, x, p), p, torch.float32)
+    vals = sddmm(dy, x, p)
+    torch.cuda.synchronize()
+    assert not bool(torch.isnan(vals[p.valid]).any()), "unwritten or NaN slot"
+    got = scatter_dense(vals, p, torch.float32)
     assert not bool(torch.isnan(got).any())
     full = dy.double().t() @ x.double()
     ref = torch.where(mask, full, 0.0)
-    torch_full = (dy.t() @ x).double()
-    torch_err = rel_err(torch.where(mask, torch_full, 0.0), ref)
+    torch_err = rel_err(torch.where(mask, (dy.t() @ x).double(), 0.0), ref)
     assert rel_err(got, ref) <= 2 * torch_err + 1e-6
     assert torch.count_nonzero(got[~mask]) == 0
+
+
+@pytest.mark.parametrize(("v", "m"), PATTERNS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("tokens", "rows", "cols"), [(1, 128, 256), (7, 192, 512), (8191, 256, 1024)])
+@pytest.mark.parametrize("gather", ["staged", "regs"])
+def test_sddmm_kernel(v, m, dtype, tokens, rows, cols, gather, sddmm_kernel_env, monkeypatch):
+    if rows % v and m != 4:
+        pytest.skip("rows not a multiple of v")
+    _sddmm_gather(gather, sddmm_kernel_env, m, monkeypatch)
+    w, mask, p = _pack_cuda(rows, cols, v, m, dtype, seed=tokens + 1)
+    x = torch.randn(tokens, cols, device="cuda").to(dtype)
+    dy = torch.randn(tokens, rows, device="cuda").to(dtype)
+    _assert_sddmm_matches_reference(dy, x, mask, p)
+
+
+@pytest.mark.parametrize(("v", "m"), [(64, 4), (64, 8), (128, 8), (64, 16), (64, 32), (128, 64), (64, 128)])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("tokens", "rows", "groups"), [(33, 320, 136), (1000, 2048, 520), (4100, 192, 72)])
+@pytest.mark.parametrize("gather", ["staged", "regs"])
+def test_sddmm_ragged_group_tiles_and_token_splits(
+    v, m, dtype, tokens, rows, groups, gather, sddmm_kernel_env, monkeypatch
+):
+    # Several 64-group tiles with a partial last one, an odd slab count (a CTA with one real slab), ragged token
+    # stages; (2048, 520 groups) fills the GPU without a token split (plain stores), the others split the tokens
+    # over CTAs (atomics into a zeroed output).
+    if rows % v and m != 4:
+        pytest.skip("rows not a multiple of v")
+    _sddmm_gather(gather, sddmm_kernel_env, m, monkeypatch)
+    w, mask, p = _pack_cuda(rows, groups * m, v, m, dtype, seed=tokens + m)
+    x = torch.randn(tokens, groups * m, device="cuda").to(dtype)
+    dy = torch.randn(tokens, rows, device="cuda").to(dtype)
+    _assert_sddmm_matches_reference(dy, x, mask, p)
+
+
+@pytest.mark.parametrize(("v", "m"), [(64, 8), (128, 8), (64, 16), (64, 32), (64, 128)])
+@pytest.mark.parametrize("gather", ["staged", "regs"])
+def test_sddmm_gather_uses_each_slabs_columns(v, m, gather, sddmm_kernel_env, monkeypatch):
+    # Consecutive 64-row slabs (one CTA) keep different columns in every group where V = 64: a gather that reused one
+    # slab's offsets for the other, or mixed up groups, gives a wrong gradient here.
+    _sddmm_gather(gather, sddmm_kernel_env, m, monkeypatch)
+    rows, cols = 256, 72 * m
+    mask = _mask_with_distinct_slab_columns(rows, cols, v, m, seed=3 * m + v).cuda()
+    w = torch.randn(rows, cols, device="cuda") * mask
+    p = pack(w, mask, v, m, torch.bfloat16)
+    if v == 64:
+        assert not bool((p.columns[0] == p.columns[1]).all(-1)[: cols // m].any())
+    x = torch.randn(300, cols, device="cuda").bfloat16()
+    dy = torch.randn(300, rows, device="cuda").bfloat16()
+    _assert_sddmm_matches_reference(dy, x, mask, p)
+    # One-hot tokens: dy = e_r, x = e_c for a token gives exactly 1.0 at (r, c) if (r, c) is kept, else nothing.
+    n = 64
+    rr = torch.randint(0, rows, (n,), device="cuda")
+    cc = torch.randint(0, cols, (n,), device="cuda")
+    dy1 = torch.zeros(n, rows, device="cuda").bfloat16()
+    x1 = torch.zeros(n, cols, device="cuda").bfloat16()
+    dy1[torch.arange(n), rr] = 1
+    x1[torch.arange(n), cc] = 1
+    got = scatter_dense(sddmm(dy1, x1, p), p, torch.float32)
+    ref = torch.zeros(rows, cols, device="cuda")
+    ref.index_put_((rr, cc), torch.ones(n, device="cuda"), accumulate=True)
+    assert torch.equal(got, torch.where(mask, ref, 0.0))
+
+
+def test_sddmm_zero_tokens_and_auto_choice(monkeypatch):
+    if not _wgmma_runs_here():
+        pytest.skip("the wgmma SDDMM needs a cc 9.0 GPU and an sm_90a build")
+    from hf_sparse.ops.sddmm import AUTO_WGMMA_M, sddmm_kernel
+
+    monkeypatch.setenv("HF_SPARSE_SDDMM_KERNEL", "auto")
+    assert sddmm_kernel(8) == ("wgmma" if 8 in AUTO_WGMMA_M else "mma")
+    monkeypatch.setenv("HF_SPARSE_SDDMM_KERNEL", "wgmma")
+    _, _, p = _pack_cuda(128, 256, 64, 8, torch.bfloat16, seed=5)
+    _poison_allocator()
+    out = sddmm(torch.empty(0, 128, device="cuda").bfloat16(), torch.empty(0, 256, device="cuda").bfloat16(), p)
+    assert out.shape == (128, 64) and torch.count_nonzero(out) == 0
 
 
 @pytest.mark.parametrize("backend", ["sparse", "dense", "auto"])

@@ -195,6 +195,23 @@ def test_spmm_kernel_env_is_validated_and_forces_the_kernel(monkeypatch):
         assert spmm_kernel(m) == "mma_sp"
 
 
+def test_sddmm_kernel_env_is_validated_and_forces_the_kernel(monkeypatch):
+    from hf_sparse.ops.sddmm import AUTO_WGMMA_M, sddmm_kernel
+
+    monkeypatch.setenv("HF_SPARSE_SDDMM_KERNEL", "fastest")
+    with pytest.raises(ValueError, match="HF_SPARSE_SDDMM_KERNEL"):
+        sddmm_kernel(8)
+    for m in (4, 8, 16, 32, 64, 128):  # forced choices never need the extension
+        monkeypatch.setenv("HF_SPARSE_SDDMM_KERNEL", "wgmma")
+        assert sddmm_kernel(m) == "wgmma"
+        monkeypatch.setenv("HF_SPARSE_SDDMM_KERNEL", "mma")
+        assert sddmm_kernel(m) == "mma"
+    monkeypatch.setenv("HF_SPARSE_SDDMM_KERNEL", "auto")
+    assert {4, 8} <= AUTO_WGMMA_M
+    for m in {4, 8, 16, 32, 64, 128} - AUTO_WGMMA_M:  # not measured faster: mma, without asking the extension
+        assert sddmm_kernel(m) == "mma"
+
+
 def test_sm90a_flag_only_with_arch_90():
     from hf_sparse.ops._build import arch_flags
 
