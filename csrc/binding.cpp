@@ -256,6 +256,56 @@ at::Tensor pack_values(const at::Tensor& weight, const at::Tensor& meta, const a
   return values;
 }
 
+// Zero, in place, every entry of tensors[i] where masks[i] is false: one launch per element size and per
+// kMaxMaskTensors tensors. Every tensor: CUDA, contiguous, fp32 / bf16 / fp16, on the device of the first; every mask:
+// bool, contiguous, same number of elements and device as its tensor.
+void apply_masks_(const std::vector<at::Tensor>& tensors, const std::vector<at::Tensor>& masks) {
+  const char* op = "apply_masks_";
+  TORCH_CHECK(tensors.size() == masks.size(), "hf_sparse.", op, ": ", tensors.size(), " tensors but ", masks.size(),
+              " masks");
+  if (tensors.empty()) return;
+  const auto device = tensors[0].device();
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const auto& t = tensors[i];
+    const auto& m = masks[i];
+    TORCH_CHECK(t.is_cuda() && t.device() == device && t.is_contiguous(), "hf_sparse.", op, ": tensor ", i,
+                " must be a contiguous CUDA tensor on ", device);
+    TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf,
+                "hf_sparse.", op, ": tensor ", i, " is ", t.scalar_type(), "; use float32, bfloat16 or float16");
+    TORCH_CHECK(m.scalar_type() == at::kBool && m.device() == device && m.is_contiguous() && m.numel() == t.numel(),
+                "hf_sparse.", op, ": mask ", i, " must be a contiguous bool tensor of ", t.numel(),
+                " elements on ", device);
+  }
+  c10::cuda::CUDAGuard guard(device);
+  const auto stream = c10::cuda::getCurrentCUDAStream().stream();
+  const int64_t chunk = hf_sparse::apply_masks_chunk();
+  for (const int size : {4, 2}) {
+    hf_sparse::MaskBatch b{};
+    auto flush = [&]() {
+      check_cuda(hf_sparse::apply_masks(b, stream), op);
+      b = hf_sparse::MaskBatch{};
+    };
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      const auto& t = tensors[i];
+      if (t.element_size() != size || t.numel() == 0) continue;
+      const int64_t blocks = (t.numel() + chunk - 1) / chunk;
+      TORCH_CHECK(blocks < (1 << 30), "hf_sparse.", op, ": tensor ", i, " is too large");
+      if (b.count == hf_sparse::kMaxMaskTensors || (int64_t)b.blocks + blocks >= (1 << 30)) flush();
+      const auto data = reinterpret_cast<uintptr_t>(t.data_ptr());
+      const auto mask = reinterpret_cast<uintptr_t>(masks[i].data_ptr());
+      b.data[b.count] = t.data_ptr();
+      b.mask[b.count] = reinterpret_cast<const uint8_t*>(masks[i].data_ptr());
+      b.numel[b.count] = t.numel();
+      b.first_block[b.count] = b.blocks;
+      b.aligned[b.count] = data % 16 == 0 && mask % (16 / size) == 0;
+      b.blocks += (int)blocks;
+      b.elem_size = size;
+      ++b.count;
+    }
+    if (b.count > 0) flush();
+  }
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
@@ -268,4 +318,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("sddmm_wgmma", &sddmm_wgmma, "as sddmm, with dense wgmma over the condensed columns (sm_90a)");
   mod.def("pack", &pack, "dense masked weight + mask -> packed (values, meta, columns, valid, error flag)");
   mod.def("pack_values", &pack_values, "new packed values from a masked weight (any strides), mask layout reused");
+  mod.def("apply_masks_", &apply_masks_, "zero, in place, the entries of each tensor where its bool mask is false");
 }

@@ -70,4 +70,19 @@ struct PackValuesArgs {
 };
 cudaError_t pack_values(const PackValuesArgs& args, cudaStream_t stream);
 
+// apply_masks (csrc/mask.cu): data[t][i] = 0 (all bits) where mask[t][i] == 0, for up to kMaxMaskTensors contiguous
+// tensors of one element size (2 or 4 bytes) in one launch. Block b masks chunk (b - first_block[t]) of tensor t,
+// apply_masks_chunk() elements per chunk; first_block is increasing, first_block[0] == 0, blocks = the total.
+constexpr int kMaxMaskTensors = 64;
+struct MaskBatch {
+  void* data[kMaxMaskTensors];
+  const uint8_t* mask[kMaxMaskTensors];  // bool, same number of elements as data[t]
+  int64_t numel[kMaxMaskTensors];
+  int first_block[kMaxMaskTensors];
+  bool aligned[kMaxMaskTensors];  // data 16-byte aligned and mask (16 / elem_size)-byte aligned
+  int count, blocks, elem_size;
+};
+int64_t apply_masks_chunk();
+cudaError_t apply_masks(const MaskBatch& args, cudaStream_t stream);
+
 }  // namespace hf_sparse

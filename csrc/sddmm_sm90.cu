@@ -32,8 +32,6 @@
 //
 // Only the sm_90a pass compiles the body; other device passes get a trap and the host launches it only where
 // spmm_sm90_available() (cc 9.0 and an sm_90a build).
-#include <cuda.h>  // CUtensorMap and the cuTensorMapEncodeTiled types; the function itself comes from the runtime
-#include <cudaTypedefs.h>
 
 #include <algorithm>
 #include <cstdlib>
@@ -41,6 +39,7 @@
 
 #include "common.cuh"
 #include "kernels.h"
+#include "tensor_map.h"
 #include "tile_config.h"
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #include "sm90_common.cuh"
@@ -354,27 +353,6 @@ sddmm_sm90_kernel(const __grid_constant__ CUtensorMap dy_map, const __grid_const
 #elif defined(__CUDA_ARCH__)
   __trap();  // built without sm_90a: the host never launches this (spmm_sm90_available() is false)
 #endif
-}
-
-// cuTensorMapEncodeTiled, looked up once through the runtime (cudaGetDriverEntryPoint*), so the extension does not
-// link libcuda itself. nullptr if the driver does not provide it.
-PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
-  static PFN_cuTensorMapEncodeTiled_v12000 fn = []() -> PFN_cuTensorMapEncodeTiled_v12000 {
-    void* ptr = nullptr;
-    cudaDriverEntryPointQueryResult status = cudaDriverEntryPointSymbolNotFound;
-#if CUDART_VERSION >= 12050
-    const cudaError_t err = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000,
-                                                             cudaEnableDefault, &status);
-#else
-    const cudaError_t err = cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &ptr, cudaEnableDefault, &status);
-#endif
-    if (err != cudaSuccess || status != cudaDriverEntryPointSuccess) {
-      (void)cudaGetLastError();
-      return nullptr;
-    }
-    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(ptr);
-  }();
-  return fn;
 }
 
 // Tensor map of a (n_tokens x features) row-major 16-bit activation in boxes of box_cols features x box_rows tokens

@@ -28,7 +28,7 @@ from .config import SparsityConfig
 from .distributed import _broadcast_, broadcast_masks, count_zeros, full_tensor, is_sharded, local_part, world_size
 from .dynamic import masked_decay_, remove_masked_forward, set_masked_forward
 from .formats.bitpack import pack_bits, unpack_bits
-from .masks import apply_mask, compute_mask, unstructured_mask, unstructured_threshold
+from .masks import apply_mask, apply_masks, compute_mask, unstructured_mask, unstructured_threshold
 from .modeling import TargetLayer, find_target_layers
 from .patterns import Pattern, Unstructured
 from .schedules import SchedulePlan, _resolve_step
@@ -266,10 +266,11 @@ class Pruner:
         """Zero every pruned weight (``+0.0``); call after each optimizer step. Dynamic mode: nothing to do."""
         if self.config.dynamic:
             return
-        for layer in self.layers:
-            mask = self.masks[layer.name]
-            if mask is not None:
-                self._apply_layer_mask(layer, mask)
+        apply_masks(  # one fused launch on CUDA where it can (masks.apply_masks)
+            local_part(layer.module.weight, mask, layer.transposed)
+            for layer in self.layers
+            if (mask := self.masks[layer.name]) is not None
+        )
         self._refresh_sharded_zeros()
 
     def _install_grad_hooks(self) -> None:

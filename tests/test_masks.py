@@ -102,6 +102,84 @@ def test_apply_mask_on_cuda_keeps_kept_values_and_writes_positive_zero(dtype):
     assert (stored.T[~mask] == 0).all() and not torch.signbit(stored.T[~mask]).any()
 
 
+def test_apply_masks_matches_apply_mask_per_pair():
+    from hf_sparse.masks import apply_masks
+
+    gen = torch.Generator().manual_seed(3)
+    stored = [torch.randn(16, 8, generator=gen) - 1.0, torch.randn(5, 12, generator=gen).bfloat16()]
+    masks = [torch.rand(8, 16, generator=gen) > 0.5, torch.rand(5, 12, generator=gen) > 0.5]
+    expected = [stored[0].T.clone(), stored[1].clone()]
+    for e, m in zip(expected, masks, strict=True):
+        apply_mask(e, m)
+    apply_masks([(stored[0].T, masks[0]), (stored[1], masks[1])])  # a transposed view (GPT-2 Conv1D) and a plain one
+    assert torch.equal(stored[0].T, expected[0]) and torch.equal(stored[1], expected[1])
+    assert not torch.signbit(stored[0].T[~masks[0]]).any()
+
+
+def _cuda_extension_or_skip():
+    from hf_sparse.ops._build import KernelUnavailableError, load_extension
+
+    try:
+        return load_extension()
+    except KernelUnavailableError as exc:
+        pytest.skip(f"the CUDA extension cannot be built here: {exc}")
+
+
+def _masking_cases(device: str):
+    """70 tensors (two launches of at most 64), three dtypes, sizes around the 16K-element chunk, mostly negative
+    values (a -0.0 would show), and a view one element off its allocation (not 16-byte aligned)."""
+    gen = torch.Generator(device="cpu").manual_seed(11)
+    tensors, masks = [], []
+    sizes = [1, 7, 8, 16383, 16384, 16385, 100003, (64, 48)]
+    dtypes = [torch.float32, torch.bfloat16, torch.float16]
+    for i in range(70):
+        size = sizes[i % len(sizes)]
+        shape = size if isinstance(size, tuple) else (size,)
+        t = (torch.randn(shape, generator=gen) - 2.0).to(dtypes[i % 3]).to(device)
+        m = (torch.rand(shape, generator=gen) > 0.5).to(device)
+        tensors.append(t)
+        masks.append(m)
+    base = (torch.randn(40001, generator=gen) - 2.0).to(device)
+    base_mask = (torch.rand(40001, generator=gen) > 0.5).to(device)
+    tensors.append(base[1:])
+    masks.append(base_mask[1:])
+    return tensors, masks
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("through", ["extension", "apply_masks"])
+def test_fused_masking_kernel_matches_where(through):
+    from hf_sparse.masks import apply_masks
+
+    ext = _cuda_extension_or_skip()
+    tensors, masks = _masking_cases("cuda")
+    expected = [
+        torch.where(m, t, torch.zeros((), dtype=t.dtype, device="cuda")) for t, m in zip(tensors, masks, strict=True)
+    ]
+    if through == "extension":
+        ext.apply_masks_(tensors, masks)
+    else:
+        apply_masks(zip(tensors, masks, strict=True))
+    torch.cuda.synchronize()
+    for t, m, e in zip(tensors, masks, expected, strict=True):
+        assert torch.equal(t, e)  # kept values bit-exact, pruned ones zero
+        assert not torch.signbit(t[~m]).any(), "a pruned entry is -0.0"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_fused_masking_refuses_bad_arguments():
+    ext = _cuda_extension_or_skip()
+    t = torch.randn(8, 8, device="cuda")
+    with pytest.raises(RuntimeError, match="mask 0"):
+        ext.apply_masks_([t], [torch.ones(8, 9, dtype=torch.bool, device="cuda")])
+    with pytest.raises(RuntimeError, match="contiguous"):
+        ext.apply_masks_([t.T], [torch.ones(8, 8, dtype=torch.bool, device="cuda")])
+    with pytest.raises(RuntimeError, match="float64"):
+        ext.apply_masks_([t.double()], [torch.ones(8, 8, dtype=torch.bool, device="cuda")])
+
+
 def test_compute_mask_rejects_transposable_for_other_patterns():
     with pytest.raises(ValueError, match="2:4"):
         compute_mask(torch.rand(8, 8), NM(2, 8), transposable=True)

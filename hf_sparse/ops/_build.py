@@ -43,7 +43,16 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 EXTENSION_NAME = "hf_sparse_C"
-SOURCES = ("binding.cpp", "spmm.cu", "spmm_sm90.cu", "spmm_vnm_sm90.cu", "sddmm.cu", "sddmm_sm90.cu", "pack.cu")
+SOURCES = (
+    "binding.cpp",
+    "spmm.cu",
+    "spmm_sm90.cu",
+    "spmm_vnm_sm90.cu",
+    "sddmm.cu",
+    "sddmm_sm90.cu",
+    "pack.cu",
+    "mask.cu",
+)
 CSLT_EXTENSION_NAME = "hf_sparse_cslt"
 CSLT_SOURCES = ("cusparselt.cpp",)
 
@@ -122,6 +131,12 @@ def _build_dir() -> str | None:
     if build_dir:
         os.makedirs(build_dir, exist_ok=True)
     return build_dir
+
+
+def loaded_extension() -> ModuleType | None:
+    """The extension if this process has already loaded it, else None; never builds. For optional fast paths (the
+    fused masking of :func:`hf_sparse.masks.apply_masks`) that must not start a build of every kernel on their own."""
+    return load_extension() if load_extension.cache_info().currsize else None
 
 
 @functools.cache
