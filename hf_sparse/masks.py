@@ -194,6 +194,9 @@ def apply_masks(pairs: Iterable[tuple[Tensor, Tensor]]) -> None:
             torch.where(m, t, _zero(t.dtype, t.device), out=t)
     if fused_t:
         ext.apply_masks_(fused_t, fused_m)
+        # the kernel wrote through raw pointers: tell autograd, and every cache keyed on the version counter (the
+        # kernel path's shadows of the master), that these tensors changed in place
+        torch.autograd.graph.increment_version(fused_t)
 
 
 _FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)

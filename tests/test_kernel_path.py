@@ -214,6 +214,35 @@ def test_dynamic_masks_and_foreign_forwards_are_left_alone():
     assert first.__dict__["forward"] is foreign
 
 
+def test_shadows_follow_a_fused_optimizer_step_without_masking():
+    """AdamW(fused=True) writes the parameters without bumping their version counter; the next forward must still
+    run on the new weights (nothing else, e.g. the pruner's masking, bumps it here)."""
+    model = _model(seed=6)
+    pruner = prune_now(model, "64:2:8")
+    enable_kernel_path(model, pruner, allow_cpu=True)
+    layer = pruner.layers[0]
+    state = layer.module.__dict__["_hf_sparse_kernel"]
+    ids, labels = random_ids(4, 12, seed=7), torch.tensor([0, 1, 2, 1])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(input_ids=ids, labels=labels).loss.backward()
+    version = layer.module.weight._version
+    opt.step()
+    assert layer.module.weight._version == version  # what the kernel path cannot rely on
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        model(input_ids=ids)
+    assert torch.equal(state.lp, layer.module.weight.detach().bfloat16())
+
+
+def test_fused_masking_bumps_the_version_counter():
+    from hf_sparse.masks import apply_masks
+
+    w, mask = torch.randn(8, 8), torch.rand(8, 8) > 0.5
+    version = w._version
+    apply_masks([(w, mask)])
+    assert w._version > version
+
+
 @pytest.mark.parametrize("sharded", [False, True])
 def test_sharded_layer_rebuilds_when_the_weight_keeps_its_version(sharded):
     """FSDP2 all-gathers each step's weights into the same storage and keeps its version counter: a layer marked

@@ -157,10 +157,13 @@ def test_fused_masking_kernel_matches_where(through):
     expected = [
         torch.where(m, t, torch.zeros((), dtype=t.dtype, device="cuda")) for t, m in zip(tensors, masks, strict=True)
     ]
+    versions = [t._version for t in tensors]
     if through == "extension":
         ext.apply_masks_(tensors, masks)
     else:
         apply_masks(zip(tensors, masks, strict=True))
+        # written through raw pointers, yet in-place modified as far as autograd and version-keyed caches know
+        assert all(t._version > v for t, v in zip(tensors, versions, strict=True))
     torch.cuda.synchronize()
     for t, m, e in zip(tensors, masks, expected, strict=True):
         assert torch.equal(t, e)  # kept values bit-exact, pruned ones zero

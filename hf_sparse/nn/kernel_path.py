@@ -6,7 +6,9 @@ the dense masked master ``weight`` stays the same Parameter (the optimizer's, DD
 parameter, buffer or state-dict key is added, and :func:`disable_kernel_path` restores the class's own forward.
 
 Per layer, the kernel path keeps low-precision shadows of the master, rebuilt lazily on the first forward after the
-master's version changes (i.e. once per optimizer step, whatever the gradient accumulation):
+master's version changes or any ``torch.optim`` optimizer steps (i.e. once per optimizer step, whatever the gradient
+accumulation; fused optimizers such as ``AdamW(fused=True)`` write the parameters without bumping their version
+counter, so the step itself is counted through a global optimizer post-step hook):
 
 * ``lp``: the master cast to the compute dtype. This is the cast autocast would do anyway; the dispatcher's dense
   choices use it in the forward and the input gradient, so it replaces autocast's cast rather than adding one.
@@ -121,7 +123,7 @@ class _LayerKernel:
     def refresh(self, dtype: torch.dtype) -> None:
         """Rebuild ``lp`` and the packs if the master, the mask or the compute dtype changed since the last call."""
         w = self.weight()
-        wkey = (w._version, w.data_ptr(), dtype)
+        wkey = (w._version, w.data_ptr(), dtype, _optimizer_steps)
         mask = self.pruner.masks[self.name]
         if mask is None:
             raise RuntimeError(f"hf_sparse: layer {self.name} is on the kernel path but the pruner has no mask for it")
@@ -171,6 +173,24 @@ class _LayerKernel:
         self.routes[key] = route
         logger.debug("hf_sparse: %s, %d tokens, grad=%s: %s path", self.name, tokens, grad, route)
         return route
+
+
+_optimizer_steps = 0  # torch.optim steps taken in this process since the hook below was installed
+_step_hook = None
+
+
+def _count_optimizer_step(optimizer, args, kwargs) -> None:
+    global _optimizer_steps
+    _optimizer_steps += 1
+
+
+def _watch_optimizer_steps() -> None:
+    """Install (once) the global post-step hook that counts optimizer steps (see the module docstring)."""
+    global _step_hook
+    if _step_hook is None:
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        _step_hook = register_optimizer_step_post_hook(_count_optimizer_step)
 
 
 def _fsdp_managed(model: nn.Module) -> set[int]:
@@ -238,6 +258,7 @@ def enable_kernel_path(model: nn.Module, pruner: Pruner, *, allow_cpu: bool = Fa
         except KernelUnavailableError as err:
             warnings.warn(f"hf_sparse: training stays on the dense path: {err}", stacklevel=2)
             return []
+    _watch_optimizer_steps()
     owned = {id(m) for m in model.modules()}
     managed = _fsdp_managed(model)
     pattern = pruner.current_pattern()
