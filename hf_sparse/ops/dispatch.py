@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import os
 import statistics
-import time
 import weakref
 from collections.abc import Callable
 from typing import Literal
@@ -142,26 +141,32 @@ def _can_measure() -> bool:
 _BUSY_CYCLES = 2_000_000  # ~1 ms of GPU spin ahead of each timed call (longer than any candidate's host work)
 
 
-def _time(fn: Callable[[], object], reps: int = 5) -> float:
-    """Cost of one call in ms: the larger of its GPU time and its host time, medians over ``reps``.
+def _fastest(candidates: dict[str, Callable[[], object]], rounds: int = 7) -> str:
+    """The candidate with the lowest median GPU time, measured in interleaved rounds.
 
-    A call in a stream of calls costs whichever is longer, the GPU executing it or the host issuing it. Timing the
-    GPU from an idle start would add the host's issue time to the GPU's (and penalise the backend with the more
-    Python), so the GPU is first kept busy with a spin kernel while the host enqueues the timed call; the host's
-    own time is taken around the same call."""
-    fn()
-    gpu, host = [], []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(_BUSY_CYCLES)
-        start.record()
-        t0 = time.perf_counter()
-        fn()
-        host.append((time.perf_counter() - t0) * 1e3)
-        end.record()
-        end.synchronize()
-        gpu.append(start.elapsed_time(end))
-    return max(statistics.median(gpu), statistics.median(host))
+    Each timed call is enqueued behind a ~1 ms spin kernel, so its CUDA events time the GPU's work alone: timed from
+    an idle GPU, a call would also carry the host's time to issue it, and the backend with more Python would lose
+    for that reason only. Rounds visit every candidate in turn, so clock ramps and other drifts during the
+    measurement (it runs inside the first training step) fall on all of them alike. A candidate that raises (e.g.
+    cuSPARSELt refusing a shape) is dropped."""
+    live = {}
+    for name, fn in candidates.items():
+        try:
+            fn()  # warm-up: plans, algorithm searches, first-call allocations
+        except RuntimeError:
+            continue
+        live[name] = fn
+    times: dict[str, list[float]] = {name: [] for name in live}
+    for _ in range(rounds):
+        for name, fn in live.items():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda._sleep(_BUSY_CYCLES)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times[name].append(start.elapsed_time(end))
+    return min(times, key=lambda name: statistics.median(times[name]))
 
 
 def _key(kind: str, tokens: int, p: PackedWeight, device: torch.device) -> tuple:
@@ -297,14 +302,7 @@ def _measure_forward(
         candidates["sparse24"] = lambda: spmm(x2, _view24(weight, p), b)
     if cslt.supports(p.rows, p.cols, x2.shape[0], p.dtype) and x2.is_contiguous() and _cslt_usable():
         candidates["cslt"] = lambda: _cslt_linear(x2, weight, p, bias)
-    timed = candidates if static_weight else _training_timed(candidates, x2, weight, p, b, bias)
-    times = {}
-    for name, fn in timed.items():
-        try:
-            times[name] = _time(fn)
-        except RuntimeError:  # e.g. cuSPARSELt refusing a shape: just not a candidate
-            continue
-    choice = min(times, key=times.get)
+    choice = _fastest(candidates if static_weight else _training_timed(candidates, x2, weight, p, b, bias))
     _choices[key] = choice
     if choice != "sparse24" and "sparse24" in candidates and not _chosen_elsewhere("sparse24", p):
         _views24.pop(p.meta)  # not worth its memory
@@ -372,7 +370,5 @@ def weight_grad(dy: Tensor, x: Tensor, p: PackedWeight, dtype: torch.dtype) -> T
     if choice is None:
         if not _can_measure():
             return candidates["sparse"]()
-        times = {name: _time(fn) for name, fn in candidates.items()}
-        choice = min(times, key=times.get)
-        _choices[key] = choice
+        choice = _choices[key] = _fastest(candidates)
     return candidates[choice]()
