@@ -85,9 +85,9 @@ def spmm_kernel_env(kernel: str):
 
 
 def wgmma_available() -> bool:
-    from hf_sparse.ops.spmm import _wgmma_available
+    from hf_sparse.ops import _select
 
-    return _wgmma_available(torch.device("cuda"))
+    return _select.wgmma_available(torch.device("cuda"))
 
 
 def bench(fn) -> float:

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from hf_sparse.masks import nm_mask, vnm_mask
 from hf_sparse.ops import pack, spmm
-from hf_sparse.ops.spmm import _wgmma_available
+from hf_sparse.ops._select import wgmma_available
 
 SHAPES = [
     (1, 768, 3072),
@@ -51,7 +51,7 @@ def main() -> int:
     ap.add_argument("--patterns", nargs="+", default=["2:4"])
     ap.add_argument("--no-configs", action="store_true", help="skip the per-tile-configuration timings")
     args = ap.parse_args()
-    kernels = ["mma_sp"] + (["wgmma"] if _wgmma_available(torch.device("cuda")) else [])
+    kernels = ["mma_sp"] + (["wgmma"] if wgmma_available(torch.device("cuda")) else [])
     print(f"# {torch.cuda.get_device_name()}, kernels: {kernels}")
     bad = 0
     for pat, (tokens, k, r) in ((pat, shape) for pat in args.patterns for shape in SHAPES):

@@ -11,16 +11,14 @@ it cannot run) picks the kernel, for tests and benchmarks.
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import Tensor
 
 from ._layout import PackedWeight, kept_columns
+from ._select import kernel_choice
 
 __all__ = ["AUTO_WGMMA_M", "scatter_dense", "sddmm", "sddmm_kernel", "sddmm_reference"]
 
-SDDMM_KERNELS = ("auto", "mma", "wgmma")
 # Group sizes M for which ``auto`` picks the wgmma kernel where it can run: those where it was measured faster than
 # the mma.sync kernel on the H200 at 8192 tokens at the shapes of benchmarks/bench_kernels.py (benchmarks/RESULTS.md,
 # "SDDMM with dense wgmma"): 3.8-5.2x at M = 4, 1.7-2.2x at M = 8, 1.5-1.9x at 16, 0.98-1.6x at 32 (parity at
@@ -40,16 +38,7 @@ def sddmm_kernel(m: int, device: torch.device | None = None) -> str:
     Reads ``HF_SPARSE_SDDMM_KERNEL`` (``auto``/``mma``/``wgmma``) on every call, so tests and benchmarks can switch it;
     in ``auto`` mode builds the extension (first call) to ask whether the sm_90a kernels are in it.
     """
-    mode = os.environ.get("HF_SPARSE_SDDMM_KERNEL", "auto")
-    if mode not in SDDMM_KERNELS:
-        raise ValueError(f"hf_sparse: HF_SPARSE_SDDMM_KERNEL={mode!r}; use one of {SDDMM_KERNELS}")
-    if mode != "auto":
-        return mode  # wgmma forced: the binding raises, saying why, where it cannot run
-    if m not in AUTO_WGMMA_M:
-        return "mma"
-    from .spmm import _wgmma_available
-
-    return "wgmma" if _wgmma_available(device or torch.device("cuda")) else "mma"
+    return kernel_choice("HF_SPARSE_SDDMM_KERNEL", "mma", AUTO_WGMMA_M, m, device)
 
 
 @torch.library.custom_op("hf_sparse::sddmm", mutates_args=())

@@ -11,13 +11,13 @@ multiplies in fp32.
 
 from __future__ import annotations
 
-import os
 import warnings
 
 import torch
 from torch import Tensor
 
 from ._layout import PackedWeight, dense_from_packed
+from ._select import kernel_choice
 
 __all__ = ["AUTO_WGMMA_M", "spmm", "spmm_kernel", "spmm_reference"]
 
@@ -35,26 +35,11 @@ def _kernel_ok(x: Tensor, cols: int) -> bool:
     return cols % 8 == 0 and x.data_ptr() % 16 == 0
 
 
-SPMM_KERNELS = ("auto", "mma_sp", "wgmma")
 # Group sizes M for which ``auto`` picks the sparse-wgmma kernel where it can run: those where it was measured faster
 # than mma.sp on the H200 at 8192 tokens at every shape of benchmarks/bench_kernels.py (benchmarks/RESULTS.md, "V:2:M
 # sparse wgmma": 1.14-1.46x at M = 8). M = 16 and 32 stay on mma.sp (the wgmma kernel is 0.64-0.81x of it there);
 # M = 64 and 128 were not measured.
 AUTO_WGMMA_M = frozenset({4, 8})
-
-
-_wgmma_ok: dict[int, bool] = {}  # device index -> the sm_90a kernel can run there (asked once per device)
-
-
-def _wgmma_available(device: torch.device) -> bool:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    ok = _wgmma_ok.get(index)
-    if ok is None:
-        from ._build import load_extension
-
-        with torch.cuda.device(index):
-            ok = _wgmma_ok[index] = bool(load_extension().spmm_wgmma_available())
-    return ok
 
 
 def spmm_kernel(m: int, device: torch.device | None = None) -> str:
@@ -63,16 +48,7 @@ def spmm_kernel(m: int, device: torch.device | None = None) -> str:
     Reads ``HF_SPARSE_SPMM_KERNEL`` (``auto``/``mma_sp``/``wgmma``) on every call, so tests and benchmarks can switch
     it; in ``auto`` mode builds the extension (first call) to ask whether the sm_90a kernel is in it.
     """
-    mode = os.environ.get("HF_SPARSE_SPMM_KERNEL", "auto")
-    if mode not in SPMM_KERNELS:
-        raise ValueError(f"hf_sparse: HF_SPARSE_SPMM_KERNEL={mode!r}; use one of {SPMM_KERNELS}")
-    if mode == "mma_sp":
-        return "mma_sp"
-    if mode == "wgmma":
-        return "wgmma"  # forced: the binding raises, saying why, where it cannot run
-    if m not in AUTO_WGMMA_M:
-        return "mma_sp"
-    return "wgmma" if _wgmma_available(device or torch.device("cuda")) else "mma_sp"
+    return kernel_choice("HF_SPARSE_SPMM_KERNEL", "mma_sp", AUTO_WGMMA_M, m, device)
 
 
 def _run_kernel(

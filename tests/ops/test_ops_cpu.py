@@ -179,37 +179,27 @@ def test_kernel_without_gpu_says_what_to_do():
         load_extension()
 
 
-def test_spmm_kernel_env_is_validated_and_forces_the_kernel(monkeypatch):
-    from hf_sparse.ops.spmm import AUTO_WGMMA_M, spmm_kernel
+@pytest.mark.parametrize(
+    ("op", "env", "fallback", "auto_at_least"),
+    [("spmm", "HF_SPARSE_SPMM_KERNEL", "mma_sp", {4, 8}), ("sddmm", "HF_SPARSE_SDDMM_KERNEL", "mma", {4, 8})],
+)
+def test_kernel_env_is_validated_and_forces_the_kernel(op, env, fallback, auto_at_least, monkeypatch):
+    import importlib
 
-    monkeypatch.setenv("HF_SPARSE_SPMM_KERNEL", "fastest")
-    with pytest.raises(ValueError, match="HF_SPARSE_SPMM_KERNEL"):
-        spmm_kernel(4)
+    module = importlib.import_module(f"hf_sparse.ops.{op}")
+    choose, auto_m = getattr(module, f"{op}_kernel"), module.AUTO_WGMMA_M
+    monkeypatch.setenv(env, "fastest")
+    with pytest.raises(ValueError, match=env):
+        choose(8)
     for m in (4, 8, 16, 32, 64, 128):  # forced choices never need the extension
-        monkeypatch.setenv("HF_SPARSE_SPMM_KERNEL", "wgmma")
-        assert spmm_kernel(m) == "wgmma"
-        monkeypatch.setenv("HF_SPARSE_SPMM_KERNEL", "mma_sp")
-        assert spmm_kernel(m) == "mma_sp"
-    monkeypatch.setenv("HF_SPARSE_SPMM_KERNEL", "auto")
-    for m in {8, 16, 32, 64, 128} - AUTO_WGMMA_M:  # not measured faster: mma.sp, without asking the extension
-        assert spmm_kernel(m) == "mma_sp"
-
-
-def test_sddmm_kernel_env_is_validated_and_forces_the_kernel(monkeypatch):
-    from hf_sparse.ops.sddmm import AUTO_WGMMA_M, sddmm_kernel
-
-    monkeypatch.setenv("HF_SPARSE_SDDMM_KERNEL", "fastest")
-    with pytest.raises(ValueError, match="HF_SPARSE_SDDMM_KERNEL"):
-        sddmm_kernel(8)
-    for m in (4, 8, 16, 32, 64, 128):  # forced choices never need the extension
-        monkeypatch.setenv("HF_SPARSE_SDDMM_KERNEL", "wgmma")
-        assert sddmm_kernel(m) == "wgmma"
-        monkeypatch.setenv("HF_SPARSE_SDDMM_KERNEL", "mma")
-        assert sddmm_kernel(m) == "mma"
-    monkeypatch.setenv("HF_SPARSE_SDDMM_KERNEL", "auto")
-    assert {4, 8} <= AUTO_WGMMA_M
-    for m in {4, 8, 16, 32, 64, 128} - AUTO_WGMMA_M:  # not measured faster: mma, without asking the extension
-        assert sddmm_kernel(m) == "mma"
+        monkeypatch.setenv(env, "wgmma")
+        assert choose(m) == "wgmma"
+        monkeypatch.setenv(env, fallback)
+        assert choose(m) == fallback
+    monkeypatch.setenv(env, "auto")
+    assert auto_at_least <= auto_m
+    for m in {4, 8, 16, 32, 64, 128} - auto_m:  # not measured faster: the fallback, without asking the extension
+        assert choose(m) == fallback
 
 
 def test_sm90a_flag_only_with_arch_90():
