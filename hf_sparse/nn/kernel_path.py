@@ -24,9 +24,9 @@ Never slower than the masked dense path it replaces, by construction: the dispat
 measures once per shape which backend is fastest for the forward, the weight gradient and (transposable 2:4) the
 input gradient. When it picks dense cuBLAS for all of them, this layer goes back to its own dense forward for that
 token count (one dict lookup per call decides), so neither the repack nor the extra Python of the autograd function
-is paid. (On the H200 at BERT-large shapes that was every layer before the cached cuSPARSELt path; with it, the
-dispatcher picked cuSPARSELt for the 2:4 forwards it measured at 768-11008 features and 8192 tokens:
-``benchmarks/RESULTS.md``.)
+is paid. (On the H200, training BERT-large at transposable 2:4 with 8192 tokens per step, the dispatcher put the
+forward and input gradient of every layer on our 2:4 kernel, repack included, and kept dense cuBLAS for the weight
+gradient: ``benchmarks/RESULTS.md``.)
 
 Masks are read from the pruner on every refresh: a mask the pruner replaces (resume, best-model restore, dynamic
 updates) triggers a full pack, never a stale one.
