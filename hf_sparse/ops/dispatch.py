@@ -149,18 +149,23 @@ def _fastest(candidates: dict[str, Callable[[], object]], rounds: int = 7) -> st
     for that reason only. Rounds visit every candidate in turn, so clock ramps and other drifts during the
     measurement (it runs inside the first training step) fall on all of them alike. A candidate that raises (e.g.
     cuSPARSELt refusing a shape) is dropped."""
-    live = {}
+    live, failures = {}, {}
     for name, fn in candidates.items():
         try:
             fn()  # warm-up: plans, algorithm searches, first-call allocations
-        except RuntimeError:
+        except RuntimeError as exc:
+            failures[name] = exc
             continue
         live[name] = fn
+    if not live:
+        raise RuntimeError(f"hf_sparse.dispatch: every backend failed on this call: {failures}")
+    spin = getattr(torch.cuda, "_sleep", None)  # private torch API: without it, time from an idle GPU
     times: dict[str, list[float]] = {name: [] for name in live}
     for _ in range(rounds):
         for name, fn in live.items():
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda._sleep(_BUSY_CYCLES)
+            if spin is not None:
+                spin(_BUSY_CYCLES)
             start.record()
             fn()
             end.record()
