@@ -136,18 +136,7 @@ sddmm_sm90_kernel(const __grid_constant__ CUtensorMap dy_map, const __grid_const
     const uint32_t st_base = (uint32_t)(gg >> 4) * Cfg::B_BLOCK + (uint32_t)tr * 128 + 8u * (gg & 1);
     const uint32_t chunk = (uint32_t)(gg & 15) >> 1;
     const T* xg = x + (size_t)grp_c * M;
-    // M = 8 selectors (as spmm_vnm_sm90.cu's store_b): output word o = columns (2o, 2o+1) of the 4 sorted offsets.
-    uint32_t sa[2][2], sbp[2][2];
-#pragma unroll
-    for (int sl = 0; sl < 2; ++sl)
-#pragma unroll
-      for (int o = 0; o < 2; ++o) {
-        const uint32_t c = (cw[sl] >> (16 * o)) & 0xFFFFu;
-        sa[sl][o] = (c & 0x0303u) * 0x22u + 0x1010u;
-        const uint32_t mm = ((c >> 2) & 0x0101u) ^ (o ? 0x0101u : 0u);
-        const uint32_t d = (mm << 2) + ((mm & c & 0x0101u) << 1) - ((mm & 0x0100u) << 1);
-        sbp[sl][o] = 0x3210u + d * 0x11u;
-      }
+    const KeptOf8 kept[2] = {KeptOf8(cw[0]), KeptOf8(cw[1])};  // M = 8 selectors (sm90_common.cuh)
 
     // Wait for stage kt's slot, then (thread 0) arm its "full" barrier and issue its TMA boxes.
     auto claim = [&](int kt) {
@@ -208,11 +197,8 @@ sddmm_sm90_kernel(const __grid_constant__ CUtensorMap dy_map, const __grid_const
 #pragma unroll
           for (int i = 0; i < Cfg::ITEMS; ++i) {
             const int r = tr + 2 * i;
-            uint2 o;
-            o.x = __byte_perm(__byte_perm(v[i].x, v[i].y, sa[sl][0]), v[i].z, sbp[sl][0]);
-            o.y = __byte_perm(__byte_perm(v[i].z, v[i].w, sa[sl][1]), v[i].y, sbp[sl][1]);
             *reinterpret_cast<uint2*>(st + Cfg::A_BYTES + sl * Cfg::B_SLAB + st_base + 2 * i * 128 +
-                                      ((chunk ^ (r & 7)) << 4)) = o;
+                                      ((chunk ^ (r & 7)) << 4)) = kept[sl](v[i]);
           }
         fence_proxy_async();  // my generic-proxy stores, before the wgmmas (async proxy) read them
         mbar_arrive(full(s));
@@ -239,10 +225,8 @@ sddmm_sm90_kernel(const __grid_constant__ CUtensorMap dy_map, const __grid_const
 #pragma unroll
           for (int i = 0; i < Cfg::ITEMS; ++i) {
             const int r = tr + 2 * i;
-            uint2 o;
-            o.x = __byte_perm(__byte_perm(v[i].x, v[i].y, sa[sl][0]), v[i].z, sbp[sl][0]);
-            o.y = __byte_perm(__byte_perm(v[i].z, v[i].w, sa[sl][1]), v[i].y, sbp[sl][1]);
-            *reinterpret_cast<uint2*>(sb + sl * Cfg::B_SLAB + st_base + 2 * i * 128 + ((chunk ^ (r & 7)) << 4)) = o;
+            *reinterpret_cast<uint2*>(sb + sl * Cfg::B_SLAB + st_base + 2 * i * 128 + ((chunk ^ (r & 7)) << 4)) =
+                kept[sl](v[i]);
           }
         publish(kt);
       };

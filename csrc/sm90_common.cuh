@@ -42,6 +42,32 @@ __device__ __forceinline__ void fetch_a_tile(const uint4* ag, const uint32_t* eg
   }
 }
 
+// The M = 8 gather of the V:2:M kernels (spmm_vnm_sm90.cu, sddmm_sm90.cu): the 4 kept columns of one aligned group
+// of 8 halves (a 16-byte chunk of X), as 8 bytes, by byte permutes. `cw` packs the group's 4 increasing offsets
+// (uint8 each). Output word o takes columns 2o, 2o+1: word 0 lies in chunk words 0-2, word 1 in words 1-3. One prmt
+// picks from the pair (0,1) resp. (2,3) (bytes 2(c&3), +1), a second takes a half from the third word instead where
+// the column lies there (c >= 4 for word 0, c < 4 for word 1). The selectors depend on `cw` only: build once per
+// group, apply to every token.
+struct KeptOf8 {
+  uint32_t sa[2], sb[2];
+  __device__ __forceinline__ explicit KeptOf8(uint32_t cw) {
+#pragma unroll
+    for (int o = 0; o < 2; ++o) {
+      const uint32_t c = (cw >> (16 * o)) & 0xFFFFu;
+      sa[o] = (c & 0x0303u) * 0x22u + 0x1010u;
+      const uint32_t m = ((c >> 2) & 0x0101u) ^ (o ? 0x0101u : 0u);  // per half: from the third word
+      const uint32_t d = (m << 2) + ((m & c & 0x0101u) << 1) - ((m & 0x0100u) << 1);
+      sb[o] = 0x3210u + d * 0x11u;
+    }
+  }
+  __device__ __forceinline__ uint2 operator()(const uint4& v) const {
+    uint2 o;
+    o.x = __byte_perm(__byte_perm(v.x, v.y, sa[0]), v.z, sb[0]);
+    o.y = __byte_perm(__byte_perm(v.z, v.w, sa[1]), v.y, sb[1]);
+    return o;
+  }
+};
+
 // Matrix descriptor of a K-major tile with 128-byte swizzle: start address >> 4, leading offset 1 (unused for
 // swizzled K-major), stride offset 1024 B (next 8-row group), layout type 1 (128B swizzle) in bits 62-63.
 __device__ __forceinline__ uint64_t desc_k128(uint32_t smem_addr) {

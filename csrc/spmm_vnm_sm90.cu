@@ -184,26 +184,10 @@ spmm_vnm_sm90_kernel(const T* __restrict__ x, const uint4* __restrict__ values, 
     if constexpr (CHUNK) {
 #pragma unroll
       for (int s = 0; s < 2; ++s) {
-        // Output word o takes columns 2o, 2o+1: word 0 lies in chunk words 0-2, word 1 in words 1-3. One prmt picks
-        // from the pair (0,1) resp. (2,3) (bytes 2(c&3), +1), a second takes a half from the third word instead
-        // where the column lies there (c >= 4 for word 0, c < 4 for word 1).
-        uint32_t sa[2], sb[2];
+        const KeptOf8 kept(r.cw[s]);  // sm90_common.cuh
 #pragma unroll
-        for (int o = 0; o < 2; ++o) {
-          const uint32_t c = (r.cw[s] >> (16 * o)) & 0xFFFFu;
-          sa[o] = (c & 0x0303u) * 0x22u + 0x1010u;
-          const uint32_t m = ((c >> 2) & 0x0101u) ^ (o ? 0x0101u : 0u);  // per half: from the third word
-          const uint32_t d = (m << 2) + ((m & c & 0x0101u) << 1) - ((m & 0x0100u) << 1);
-          sb[o] = 0x3210u + d * 0x11u;
-        }
-#pragma unroll
-        for (int i = 0; i < TI; ++i) {
-          const uint4 v = r.x[i];
-          uint2 o;
-          o.x = __byte_perm(__byte_perm(v.x, v.y, sa[0]), v.z, sb[0]);
-          o.y = __byte_perm(__byte_perm(v.z, v.w, sa[1]), v.y, sb[1]);
-          *reinterpret_cast<uint2*>(base + st_off[0] + s * Cfg::B_BYTES + i * 2048) = o;
-        }
+        for (int i = 0; i < TI; ++i)
+          *reinterpret_cast<uint2*>(base + st_off[0] + s * Cfg::B_BYTES + i * 2048) = kept(r.x[i]);
       }
     } else {
 #pragma unroll
@@ -411,29 +395,13 @@ spmm_vnm_sm90_staged_kernel(const T* __restrict__ x, const uint4* __restrict__ v
     unsigned char* base = smem + buf * Cfg::B_STAGE;
     const int grp = group_of(kt);
     if constexpr (CHUNK) {
-      uint32_t sa[2][2], sb[2][2];
-#pragma unroll
-      for (int s = 0; s < 2; ++s) {
-        const uint32_t cw = cols_s[s * groups_padded + grp];
-#pragma unroll
-        for (int o = 0; o < 2; ++o) {  // as the register kernel's store_b
-          const uint32_t c = (cw >> (16 * o)) & 0xFFFFu;
-          sa[s][o] = (c & 0x0303u) * 0x22u + 0x1010u;
-          const uint32_t m = ((c >> 2) & 0x0101u) ^ (o ? 0x0101u : 0u);
-          const uint32_t d = (m << 2) + ((m & c & 0x0101u) << 1) - ((m & 0x0100u) << 1);
-          sb[s][o] = 0x3210u + d * 0x11u;
-        }
-      }
+      const KeptOf8 kept[2] = {KeptOf8(cols_s[grp]), KeptOf8(cols_s[groups_padded + grp])};
 #pragma unroll
       for (int i = 0; i < TI; ++i) {
         const uint4 v = reinterpret_cast<const uint4*>(st)[i * kVnmThreads + tid];
 #pragma unroll
-        for (int s = 0; s < 2; ++s) {
-          uint2 o;
-          o.x = __byte_perm(__byte_perm(v.x, v.y, sa[s][0]), v.z, sb[s][0]);
-          o.y = __byte_perm(__byte_perm(v.z, v.w, sa[s][1]), v.y, sb[s][1]);
-          *reinterpret_cast<uint2*>(base + st_off[0] + s * Cfg::B_BYTES + i * 2048) = o;
-        }
+        for (int s = 0; s < 2; ++s)
+          *reinterpret_cast<uint2*>(base + st_off[0] + s * Cfg::B_BYTES + i * 2048) = kept[s](v);
       }
     } else {
       const uint32_t cw = cols_s[sl * groups_padded + grp];
