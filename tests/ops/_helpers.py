@@ -1,8 +1,10 @@
-"""Shared test helpers: random V:2:M weights (never zeros) and the error rule for matmul kernels."""
+"""Shared test helpers: random V:2:M weights (never zeros), a poisoned allocator and the error rule for matmul
+kernels."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from hf_sparse.masks import nm_mask, vnm_mask
 
@@ -22,3 +24,20 @@ def random_masked(rows: int, cols: int, v: int, m: int, *, device="cpu", dtype=t
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     out, ref = out.detach().double(), ref.detach().double()
     return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def poison_allocator() -> None:
+    """Fill freed caching-allocator blocks with NaN so an output element a kernel forgets stays NaN."""
+    junk = torch.full((64 << 20,), float("nan"), device="cuda", dtype=torch.float32)
+    del junk
+
+
+def assert_linear_matches(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> None:
+    """``y`` is ``F.linear(x, w, b)`` in x's dtype: every element written (no NaN), error against the fp64 product
+    within 2x of PyTorch's own ``F.linear`` error in that dtype."""
+    torch.cuda.synchronize()
+    wq = w.to(x.dtype)
+    assert y.shape == (*x.shape[:-1], w.shape[0]) and y.dtype == x.dtype
+    assert not bool(torch.isnan(y).any()), "unwritten or NaN output"
+    ref = F.linear(x.double(), wq.double(), None if b is None else b.double())
+    assert rel_err(y, ref) <= 2 * rel_err(F.linear(x, wq, b), ref) + 1e-6

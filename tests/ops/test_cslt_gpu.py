@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from hf_sparse.masks import transposable_2to4_mask
 from hf_sparse.ops import pack, repack
 
-from ._helpers import random_masked, rel_err
+from ._helpers import assert_linear_matches, poison_allocator, random_masked, rel_err
 
 pytestmark = [
     pytest.mark.gpu,
@@ -30,11 +30,6 @@ def _needs_cslt():
         pytest.skip("the cached cuSPARSELt path cannot be built here (no cuSPARSELt header/library)")
 
 
-def _poison_allocator():
-    junk = torch.full((64 << 20,), float("nan"), device="cuda", dtype=torch.float32)
-    del junk
-
-
 def _weight(rows, cols, dtype, seed):
     w, _ = random_masked(rows, cols, 64, 4, device="cuda", seed=seed)
     return w.to(dtype).contiguous()
@@ -45,14 +40,6 @@ def _inputs(tokens, cols, rows, dtype, seed, bias):
     x = torch.randn(tokens, cols, device="cuda", generator=gen).to(dtype)
     b = torch.randn(rows, device="cuda", generator=gen).to(dtype) if bias else None
     return x, b
-
-
-def _assert_close_to_reference(y, x, wq, b):
-    torch.cuda.synchronize()
-    assert y.shape == (x.shape[0], wq.shape[0]) and y.dtype == x.dtype
-    assert not bool(torch.isnan(y).any()), "unwritten or NaN output"
-    ref = F.linear(x.double(), wq.double(), None if b is None else b.double())
-    assert rel_err(y, ref) <= 2 * rel_err(F.linear(x, wq, b), ref) + 1e-6
 
 
 SHAPES = [(16, 16), (48, 784), (256, 128), (1040, 336)]
@@ -71,8 +58,8 @@ def _check_cached_matmul(dtype, bias, tokens, rows, cols):
     wq = _weight(rows, cols, dtype, seed=rows + cols)
     cw = cslt.compress(wq)
     x, b = _inputs(tokens, cols, rows, dtype, seed=tokens, bias=bias)
-    _poison_allocator()
-    _assert_close_to_reference(cw.matmul(x, b), x, wq, b)
+    poison_allocator()
+    assert_linear_matches(cw.matmul(x, b), x, wq, b)
 
 
 def test_plan_cache_hit_and_token_buckets():
@@ -83,23 +70,23 @@ def test_plan_cache_hit_and_token_buckets():
     x, b = _inputs(24, 512, 256, torch.bfloat16, seed=2, bias=True)
     y1 = cw.matmul(x, b)
     assert (cw.plan_inits(), cw.searches(), cw.plan_count()) == (1, 1, 1)
-    _poison_allocator()
+    poison_allocator()
     y2 = cw.matmul(x, b)
     assert torch.equal(y1, y2)
     assert (cw.plan_inits(), cw.searches(), cw.plan_count()) == (1, 1, 1), "second call made a new plan"
     # 32 tokens: same power-of-two bucket as 24 -> a new plan with the searched algorithm, no new search
     x32, _ = _inputs(32, 512, 256, torch.bfloat16, seed=3, bias=False)
-    _assert_close_to_reference(cw.matmul(x32, b), x32, wq, b)
+    assert_linear_matches(cw.matmul(x32, b), x32, wq, b)
     assert (cw.plan_inits(), cw.searches()) == (2, 1)
     # no bias: its own plan (the bias pointer is part of a plan); 40 tokens: a new bucket, searched
-    _assert_close_to_reference(cw.matmul(x32, None), x32, wq, None)
+    assert_linear_matches(cw.matmul(x32, None), x32, wq, None)
     x40, _ = _inputs(40, 512, 256, torch.bfloat16, seed=4, bias=False)
-    _assert_close_to_reference(cw.matmul(x40, b), x40, wq, b)
+    assert_linear_matches(cw.matmul(x40, b), x40, wq, b)
     assert (cw.plan_inits(), cw.searches(), cw.plan_count()) == (4, 2, 4)
     assert set(cw.algorithms()) == {32, 64}
     # search=False on a new bucket (what a CUDA-graph capture does): default algorithm, still correct
     x8, _ = _inputs(8, 512, 256, torch.bfloat16, seed=5, bias=False)
-    _assert_close_to_reference(cw.matmul(x8, b, False), x8, wq, b)
+    assert_linear_matches(cw.matmul(x8, b, False), x8, wq, b)
     assert cw.searches() == 2
 
 
@@ -110,12 +97,12 @@ def test_recompress_gives_new_result_and_keeps_plans():
     w2 = _weight(128, 256, torch.bfloat16, seed=6)  # another mask as well as other values
     cw = cslt.compress(w1)
     x, b = _inputs(64, 256, 128, torch.bfloat16, seed=7, bias=True)
-    _assert_close_to_reference(cw.matmul(x, b), x, w1, b)
+    assert_linear_matches(cw.matmul(x, b), x, w1, b)
     inits = cw.plan_inits()
     cw.compress(w2)
-    _poison_allocator()
+    poison_allocator()
     y = cw.matmul(x, b)
-    _assert_close_to_reference(y, x, w2, b)
+    assert_linear_matches(y, x, w2, b)
     assert rel_err(y, F.linear(x.double(), w1.double(), b.double())) > 0.1
     assert cw.plan_inits() == inits and cw.compressions() == 2
 
@@ -158,7 +145,7 @@ def test_cuda_graph_replays_the_cached_plan():
         y = cw.matmul(x, b, False)
     x.copy_(torch.randn_like(x))
     graph.replay()
-    _assert_close_to_reference(y, x, wq, b)
+    assert_linear_matches(y, x, wq, b)
     assert cw.plan_inits() == inits
 
 
@@ -185,7 +172,7 @@ def test_dispatch_cslt_caches_per_mask_and_recompresses_after_repack():
     bias = torch.nn.Parameter(torch.randn(256, device="cuda"))  # fp32 master bias: cast to a stable buffer
     x = torch.randn(128, 512, device="cuda").bfloat16()
     y = dispatch._cslt_linear(x, w, p, bias)
-    _assert_close_to_reference(y, x, w.bfloat16(), bias.bfloat16())
+    assert_linear_matches(y, x, w.bfloat16(), bias.bfloat16())
     st = dispatch._cslt_cached.get(p.meta)
     assert st is not None and st.weight.plan_inits() == 1
     dispatch._cslt_linear(x, w, p, bias)
@@ -196,26 +183,29 @@ def test_dispatch_cslt_caches_per_mask_and_recompresses_after_repack():
         bias.add_(1.0)
     p2 = repack(w, p)
     y2 = dispatch._cslt_linear(x, w, p2, bias)
-    _assert_close_to_reference(y2, x, w.bfloat16(), bias.detach().bfloat16())
+    assert_linear_matches(y2, x, w.bfloat16(), bias.detach().bfloat16())
     assert dispatch._cslt_cached.get(p2.meta) is st and st.weight.compressions() == 2
     assert st.weight.plan_inits() == 1
 
 
-def test_dispatch_measures_cached_cslt_and_result_is_right(monkeypatch):
+@pytest.mark.parametrize("m", [4, 8])  # a V:2:M weight is also 2:4: cuSPARSELt is a candidate for it too
+def test_dispatch_measures_cached_cslt_and_result_is_right(m, monkeypatch):
     from hf_sparse.ops import dispatch
 
     monkeypatch.setenv("HF_SPARSE_BACKEND", "auto")
     dispatch.clear_cache()
-    w, mask = random_masked(1024, 1024, 64, 4, device="cuda", seed=16)
-    p = pack(w, mask, 64, 4, torch.bfloat16)
+    w, mask = random_masked(1024, 1024, 64, m, device="cuda", seed=16 if m == 4 else 21)
+    p = pack(w, mask, 64, m, torch.bfloat16)
     x = torch.randn(4096, 1024, device="cuda").bfloat16()
     y = dispatch.linear_forward(x, w, p, None)
     assert dispatch._cslt_cached.get(p.meta) is not None, "the cslt candidate was not measured"
-    assert dispatch.choice("fwd", 4096, p, x.device) in ("sparse", "dense", "cslt")
-    _assert_close_to_reference(y, x, w.bfloat16(), None)
+    allowed = ("sparse", "dense", "cslt") + (("sparse24",) if m > 4 else ())
+    assert dispatch.choice("fwd", 4096, p, x.device) in allowed
+    assert_linear_matches(y, x, w, None)
     # tokens not a multiple of 8 in the same bucket: never cuSPARSELt, still right
     x2 = torch.randn(4095, 1024, device="cuda").bfloat16()
-    _assert_close_to_reference(dispatch.linear_forward(x2, w, p, None), x2, w.bfloat16(), None)
+    assert_linear_matches(dispatch.linear_forward(x2, w, p, None), x2, w, None)
+    dispatch.clear_cache()
 
 
 def test_training_calls_are_measured_apart_with_the_recompression_priced_in(monkeypatch):
@@ -236,7 +226,7 @@ def test_training_calls_are_measured_apart_with_the_recompression_priced_in(monk
     assert dispatch.choice("fwd", 4096, p, x.device) is None
     st = dispatch._cslt_cached.get(p.meta)
     assert st is not None and st.weight.compressions() >= 6  # first compress + one per timed call (warm-up + 5)
-    _assert_close_to_reference(y, x, w.bfloat16(), None)
+    assert_linear_matches(y, x, w.bfloat16(), None)
     with torch.no_grad():
         sparse_linear(x, master, p, None, None, master.detach().bfloat16())
     assert dispatch.choice("fwd", 4096, p, x.device) is not None
@@ -264,7 +254,7 @@ def test_training_calls_on_torch_eager_cslt_are_priced_with_recompression(monkey
     y = sparse_linear(x, master, p, None, None, master.detach().half())
     assert dispatch.choice("fwd_train", 4096, p, x.device) is not None
     assert len(compressions) >= 6  # one per timed call (warm-up + 5)
-    _assert_close_to_reference(y, x, w.half(), None)
+    assert_linear_matches(y, x, w.half(), None)
 
 
 def test_transposed_weight_for_the_input_gradient():
@@ -277,7 +267,7 @@ def test_transposed_weight_for_the_input_gradient():
     pt = pack(w.t().contiguous(), mask.t().contiguous(), 64, 4, torch.bfloat16)
     dy = torch.randn(64, 256, device="cuda").bfloat16()
     dx = dispatch._cslt_linear(dy, w.bfloat16().t(), pt, None)  # dY W, from the compressed W^T
-    _assert_close_to_reference(dx, dy, w.bfloat16().t().contiguous(), None)
+    assert_linear_matches(dx, dy, w.bfloat16().t().contiguous(), None)
 
 
 def test_dispatch_fp16_keeps_torch_eager_cslt():
@@ -287,7 +277,7 @@ def test_dispatch_fp16_keeps_torch_eager_cslt():
     w, mask = random_masked(128, 256, 64, 4, device="cuda", seed=18)
     p = pack(w, mask, 64, 4, torch.float16)
     x = torch.randn(64, 256, device="cuda").half()
-    _assert_close_to_reference(dispatch._cslt_linear(x, w, p, None), x, w.half(), None)
+    assert_linear_matches(dispatch._cslt_linear(x, w, p, None), x, w.half(), None)
     assert dispatch._cslt_cached.get(p.meta) is None
 
 
@@ -302,21 +292,7 @@ def test_vnm_weight_runs_on_cusparselt_as_2to4(v, m, tokens):
     p = pack(w, mask, v, m, torch.bfloat16)
     bias = torch.randn(256, device="cuda").bfloat16()
     x = torch.randn(tokens, 32 * m, device="cuda").bfloat16()
-    _poison_allocator()
-    _assert_close_to_reference(dispatch._cslt_linear(x, w, p, bias), x, w.bfloat16(), bias)
+    poison_allocator()
+    assert_linear_matches(dispatch._cslt_linear(x, w, p, bias), x, w.bfloat16(), bias)
     assert dispatch._cslt_cached.get(p.meta) is not None
-    dispatch.clear_cache()
-
-
-def test_dispatcher_offers_cusparselt_for_a_vnm_weight(monkeypatch):
-    from hf_sparse.ops import dispatch
-
-    monkeypatch.setenv("HF_SPARSE_BACKEND", "auto")
-    dispatch.clear_cache()
-    w, mask = random_masked(1024, 1024, 64, 8, device="cuda", seed=21)
-    p = pack(w, mask, 64, 8, torch.bfloat16)
-    x = torch.randn(4096, 1024, device="cuda").bfloat16()
-    y = dispatch.linear_forward(x, w, p, None)
-    assert dispatch._cslt_cached.get(p.meta) is not None, "cuSPARSELt was not a candidate for the V:2:M weight"
-    _assert_close_to_reference(y, x, w.bfloat16(), None)
     dispatch.clear_cache()

@@ -10,11 +10,10 @@ import time
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from hf_sparse.ops import dispatch, pack, repack, spmm
 
-from ._helpers import random_masked, rel_err
+from ._helpers import assert_linear_matches, poison_allocator, random_masked
 
 pytestmark = [
     pytest.mark.gpu,
@@ -30,20 +29,6 @@ def _fresh_dispatcher(monkeypatch):
     dispatch.clear_cache()
 
 
-def _assert_close(y, x, w, b=None):
-    torch.cuda.synchronize()
-    assert y.shape == (*x.shape[:-1], w.shape[0]) and y.dtype == x.dtype
-    assert not bool(torch.isnan(y).any()), "unwritten or NaN output"
-    wq = w.to(x.dtype)
-    ref = F.linear(x.double(), wq.double(), None if b is None else b.double())
-    assert rel_err(y, ref) <= 2 * rel_err(F.linear(x, wq, b), ref) + 1e-6
-
-
-def _poison_allocator():
-    junk = torch.full((64 << 20,), float("nan"), device="cuda", dtype=torch.float32)
-    del junk
-
-
 @pytest.mark.parametrize(("v", "m"), [(64, 8), (128, 8), (64, 16), (64, 32), (128, 64)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("tokens", [1, 7, 300, 8191])
@@ -52,19 +37,19 @@ def test_vnm_weight_on_the_2to4_kernel_matches_reference(v, m, dtype, tokens):
     p = pack(w, mask, v, m, dtype)
     x = torch.randn(tokens, w.shape[1], device="cuda").to(dtype)
     b = torch.randn(256, device="cuda").to(dtype)
-    _poison_allocator()
-    _assert_close(spmm(x, dispatch._view24(w, p), b), x, w, b)
+    poison_allocator()
+    assert_linear_matches(spmm(x, dispatch._view24(w, p), b), x, w, b)
 
 
 def test_2to4_view_follows_the_weight_after_a_repack():
     w, mask = random_masked(192, 512, 64, 8, device="cuda", seed=3)
     p = pack(w, mask, 64, 8, torch.bfloat16)
     x = torch.randn(64, 512, device="cuda").bfloat16()
-    _assert_close(spmm(x, dispatch._view24(w, p)), x, w)
+    assert_linear_matches(spmm(x, dispatch._view24(w, p)), x, w)
     w2 = torch.where(mask, torch.randn_like(w), 0.0)  # optimizer step: same mask, new values
     p2 = repack(w2, p)
-    _poison_allocator()
-    _assert_close(spmm(x, dispatch._view24(w2, p2)), x, w2)
+    poison_allocator()
+    assert_linear_matches(spmm(x, dispatch._view24(w2, p2)), x, w2)
 
 
 @pytest.mark.parametrize("static", [True, False])
@@ -78,9 +63,9 @@ def test_dispatcher_measures_the_2to4_view_of_a_vnm_weight(static):
     assert choice in ("sparse", "sparse24", "dense", "cslt")
     # the view is kept only while some measured choice for this shape uses it
     assert (dispatch._views24.get(p.meta) is not None) == (choice == "sparse24")
-    _assert_close(y, x, w)
-    _poison_allocator()
-    _assert_close(dispatch.linear_forward(x, w.bfloat16(), p, None, static_weight=static), x, w)
+    assert_linear_matches(y, x, w)
+    poison_allocator()
+    assert_linear_matches(dispatch.linear_forward(x, w.bfloat16(), p, None, static_weight=static), x, w)
 
 
 def test_measurement_picks_by_gpu_time_and_drops_candidates_that_raise():

@@ -10,7 +10,7 @@ from hf_sparse.nn.sparse_matmul import sparse_linear
 from hf_sparse.ops import dense_from_packed, pack, scatter_dense, sddmm, spmm
 from hf_sparse.ops._layout import logical_from_dense, packed_from_logical
 
-from ._helpers import PATTERNS, random_masked, rel_err
+from ._helpers import PATTERNS, assert_linear_matches, poison_allocator, random_masked, rel_err
 
 pytestmark = [
     pytest.mark.gpu,
@@ -37,12 +37,6 @@ def spmm_kernel_env(request, monkeypatch):
     return request.param
 
 
-def _poison_allocator():
-    """Fill freed caching-allocator blocks with NaN so an output element the kernel forgets stays NaN."""
-    junk = torch.full((64 << 20,), float("nan"), device="cuda", dtype=torch.float32)
-    del junk
-
-
 def _pack_cuda(rows, cols, v, m, dtype, seed):
     w, mask = random_masked(rows, cols, v, m, device="cuda", seed=seed)
     return w, mask, pack(w, mask, v, m, dtype)
@@ -51,13 +45,8 @@ def _pack_cuda(rows, cols, v, m, dtype, seed):
 def _assert_spmm_matches_reference(x, w, p, bias=None):
     """``spmm(x, p, bias)`` on NaN-poisoned memory: every output written, error against an fp64 reference within 2x
     of PyTorch's own ``F.linear`` error in the same dtype."""
-    _poison_allocator()
-    y = spmm(x, p, bias)
-    torch.cuda.synchronize()
-    assert not bool(torch.isnan(y).any()), "unwritten or NaN output"
-    wq = w.to(x.dtype)
-    ref = F.linear(x.double(), wq.double(), None if bias is None else bias.double())
-    assert rel_err(y, ref) <= 2 * rel_err(F.linear(x, wq, bias), ref) + 1e-6
+    poison_allocator()
+    assert_linear_matches(spmm(x, p, bias), x, w, bias)
 
 
 @pytest.mark.parametrize(("v", "m"), PATTERNS)
@@ -234,7 +223,7 @@ def _sddmm_gather(gather, kernel, m, monkeypatch):
 def _assert_sddmm_matches_reference(dy, x, mask, p):
     """``sddmm`` on NaN-poisoned memory, scattered dense: error against fp64 within 2x of torch's own GEMM error in
     the same dtype, exact zeros off the mask, no NaN (every slot written)."""
-    _poison_allocator()
+    poison_allocator()
     vals = sddmm(dy, x, p)
     torch.cuda.synchronize()
     assert not bool(torch.isnan(vals[p.valid]).any()), "unwritten or NaN slot"
@@ -318,7 +307,7 @@ def test_sddmm_zero_tokens_and_auto_choice(monkeypatch):
     assert sddmm_kernel(8) == ("wgmma" if 8 in AUTO_WGMMA_M else "mma")
     monkeypatch.setenv("HF_SPARSE_SDDMM_KERNEL", "wgmma")
     _, _, p = _pack_cuda(128, 256, 64, 8, torch.bfloat16, seed=5)
-    _poison_allocator()
+    poison_allocator()
     out = sddmm(torch.empty(0, 128, device="cuda").bfloat16(), torch.empty(0, 256, device="cuda").bfloat16(), p)
     assert out.shape == (128, 64) and torch.count_nonzero(out) == 0
 
