@@ -67,32 +67,23 @@ class _PerTensorCache:
         self._data.clear()
 
 
-class _CachedCslt:
-    """A ``CsltWeight`` (compressed weight + plans) and the packed values it was last compressed from."""
+class _Derived:
+    """Something built from a packed weight's values (a cuSPARSELt ``CsltWeight``, a 2:4 view) and the packed values
+    it was last built from: a repack gives ``p`` new values, which is how :func:`_derived` knows to rebuild."""
 
-    __slots__ = ("values", "weight")
+    __slots__ = ("obj", "source")
 
-    def __init__(self, weight, values: Tensor) -> None:
-        self.weight = weight
-        self.values = weakref.ref(values)
+    def __init__(self, obj, source: Tensor) -> None:
+        self.obj = obj
+        self.source = weakref.ref(source)
 
 
-_cslt_cached = _PerTensorCache()  # packed.meta -> _CachedCslt (one per mask: plans survive repacks)
+_cslt_cached = _PerTensorCache()  # packed.meta -> _Derived(CsltWeight) (one per mask: plans survive repacks)
 _bias_lp = _PerTensorCache()  # bias -> (its version, its copy in the compute dtype at a fixed address)
 _cslt = _PerTensorCache()  # eager fallback: packed.values -> torch._cslt_compress of the weight
 _cslt_algs: dict[tuple, int] = {}  # eager fallback: shape key -> algorithm found by _cslt_sparse_mm_search
 _masks = _PerTensorCache()  # packed.meta -> dense bool mask (meta is shared by every repack of one mask)
-_views24 = _PerTensorCache()  # V:2:M packed.meta -> _View24 (its weight packed as 2:4)
-
-
-class _View24:
-    """The 2:4 pack of a V:2:M weight and the V:2:M values it was last packed from."""
-
-    __slots__ = ("packed", "values")
-
-    def __init__(self, packed: PackedWeight, values: Tensor) -> None:
-        self.packed = packed
-        self.values = weakref.ref(values)
+_views24 = _PerTensorCache()  # V:2:M packed.meta -> _Derived(its weight packed as 2:4)
 
 
 def clear_cache() -> None:
@@ -190,17 +181,28 @@ def _cslt_eager_state(weight: Tensor, p: PackedWeight, x2: Tensor, recompress: b
     return comp, alg
 
 
+def _derived(cache: _PerTensorCache, p: PackedWeight, build: Callable, rebuild: Callable, force: bool):
+    """The object cached for ``p``'s mask in ``cache``: ``build()`` on first use, ``rebuild(obj)`` (returning the
+    new object) when ``p`` was repacked since, or always with ``force``."""
+    st = cache.get(p.meta)
+    if st is None:
+        st = _Derived(build(), p.values)
+        cache.put(p.meta, st)
+    elif force or st.source() is not p.values:
+        st.obj = rebuild(st.obj)
+        st.source = weakref.ref(p.values)
+    return st.obj
+
+
 def _cslt_weight(weight: Tensor, p: PackedWeight, recompress: bool = False):
     """The cached ``CsltWeight`` of ``p``'s mask, holding ``weight``'s current values (recompressed after a repack,
     or always with ``recompress``: how the dispatcher prices a call whose weight changes every optimizer step)."""
-    st = _cslt_cached.get(p.meta)
-    if st is None:
-        st = _CachedCslt(cslt.compress(weight.to(p.dtype).contiguous()), p.values)
-        _cslt_cached.put(p.meta, st)
-    elif recompress or st.values() is not p.values:
-        st.weight.compress(weight.to(p.dtype).contiguous())
-        st.values = weakref.ref(p.values)
-    return st.weight
+
+    def recompressed(cw):
+        cw.compress(weight.to(p.dtype).contiguous())  # in place: the plans stay
+        return cw
+
+    return _derived(_cslt_cached, p, lambda: cslt.compress(weight.to(p.dtype).contiguous()), recompressed, recompress)
 
 
 def _stable_bias(bias: Tensor | None, dtype: torch.dtype) -> Tensor | None:
@@ -226,15 +228,13 @@ def _view24(weight: Tensor, p: PackedWeight, repack_values: bool = False) -> Pac
     """``weight`` (the V:2:M weight ``p`` packs) packed as 2:4 for our 2:4 kernel: built in full once per mask, then
     only its values re-gathered when ``p`` was repacked (or always with ``repack_values``: how the dispatcher prices
     a call whose weight changes every optimizer step)."""
-    st = _views24.get(p.meta)
-    if st is None:
-        view = pack(weight.to(p.dtype).contiguous(), _dense_mask(p), 64, 4, p.dtype, validate=False)
-        st = _View24(view, p.values)
-        _views24.put(p.meta, st)
-    elif repack_values or st.values() is not p.values:
-        st.packed = repack(weight, st.packed)
-        st.values = weakref.ref(p.values)
-    return st.packed
+    return _derived(
+        _views24,
+        p,
+        lambda: pack(weight.to(p.dtype).contiguous(), _dense_mask(p), 64, 4, p.dtype, validate=False),
+        lambda view: repack(weight, view),
+        repack_values,
+    )
 
 
 def _cslt_usable() -> bool:
