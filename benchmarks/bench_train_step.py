@@ -2,7 +2,7 @@
 ``from_pretrained``-loaded compressed checkpoint. All in one run; prints markdown tables.
 
     python benchmarks/bench_train_step.py [--patterns 2:4T 64:2:8 64:2:16] [--steps 10] [--masked-dense]
-                                          [--no-inference] [--no-train]
+                                          [--no-inference] [--no-train] [--host-profile 25]
 
 Model: ``BertForMaskedLM`` built from ``BertConfig`` (24 layers, hidden 1024, 16 heads, FFN 4096, vocab 30522; no
 download), batch 16 x 512 random tokens, fp32 master weights, bf16 autocast, fused AdamW, SDPA attention.
@@ -12,6 +12,9 @@ The sparse step is exactly what SparseTrainer runs once the masks are final: one
 
 Step time: median over ``--steps`` steps of CUDA-event time after 3 warm-up steps (the dispatcher measures during
 the first). Breakdown: ``torch.profiler`` over 3 more steps, device time of every kernel summed by category.
+Host time: seconds the host takes to issue one step (no synchronisation inside the timed steps): where it exceeds the
+CUDA kernel time, the step is host-bound and Python is what to make faster. ``--host-profile N`` also prints the
+N functions with the most self time under ``cProfile`` over 3 steps of each configuration.
 Amdahl bound: the step time if the pruned layers' GEMMs ran at the ideal sparse speed (1/density) and nothing else
 changed; the pruned layers' share of GEMM time is estimated from their FLOP share of all GEMM FLOPs.
 
@@ -24,7 +27,9 @@ to issue one forward is printed too) and the sum of its CUDA kernel times (``tor
 from __future__ import annotations
 
 import argparse
+import cProfile
 import datetime
+import pstats
 import statistics
 import sys
 import tempfile
@@ -114,6 +119,34 @@ def time_steps(step, n: int) -> float:
     return statistics.median(times)
 
 
+def host_ms(step, n: int) -> float:
+    """Host time to issue one step (ms): no synchronisation inside the timed steps."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(n):
+        step()
+    ms = (time.perf_counter() - start) / n * 1e3
+    torch.cuda.synchronize()
+    return ms
+
+
+def print_host_profile(step, top: int, n: int = 3) -> None:
+    """The ``top`` functions by self time under cProfile over ``n`` steps (ms per step)."""
+    prof = cProfile.Profile()
+    torch.cuda.synchronize()
+    prof.enable()
+    for _ in range(n):
+        step()
+    prof.disable()
+    torch.cuda.synchronize()
+    stats = pstats.Stats(prof)
+    rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:top]  # (cc, nc, tottime, cumtime, callers)
+    print(f"    host profile ({n} steps; ms per step: self, cumulative; calls per step; function):")
+    for (file, line, func), (_, calls, self_s, cum_s, _) in rows:
+        where = "/".join(file.rsplit("/", 2)[-2:]) + f":{line}"
+        print(f"    {self_s / n * 1e3:8.3f} {cum_s / n * 1e3:8.3f} {calls / n:8.0f}  {func} ({where})")
+
+
 def breakdown(step, n: int = 3) -> tuple[dict[str, float], dict[str, float]]:
     """(ms per step by category, top kernels' ms per step) from torch.profiler device times."""
     from torch.profiler import ProfilerActivity, profile
@@ -176,23 +209,30 @@ def train_section(args) -> None:
             step()
         torch.cuda.synchronize()
         ms = time_steps(step, args.steps)
+        host = host_ms(step, args.steps)
         cats, top = breakdown(step)
         dense_ms = dense_ms or ms
-        rows.append((pattern, ms, cats, routes(model), setup))
-        print(f"## {pattern}: {ms:.2f} ms/step (setup {setup:.1f} s); top kernels, ms per step:", flush=True)
+        rows.append((pattern, ms, host, cats, routes(model), setup))
+        print(f"## {pattern}: {ms:.2f} ms/step, host {host:.2f} ms (setup {setup:.1f} s); top kernels, ms per step:")
         for name, t in top.items():
             print(f"    {t:7.3f}  {name}")
+        if args.host_profile:
+            print_host_profile(step, args.host_profile)
+        sys.stdout.flush()
         del model, pruner, step
     print("\n### Training step, BERT-large, batch 16 x 512, bf16 autocast, fused AdamW (ms per step)\n")
-    head = "| config | step (wall) | x dense | CUDA kernel time | x dense | " + " | ".join(CATEGORIES) + " | routes |"
-    print(head)
-    print("|" + "---|" * (len(CATEGORIES) + 6))
-    dense_gpu = sum(rows[0][2].values())
-    for pattern, ms, cats, rt, _ in rows:
+    head = "| config | step (wall) | x dense | host time | CUDA kernel time | x dense | " + " | ".join(CATEGORIES)
+    print(head + " | routes |")
+    print("|" + "---|" * (len(CATEGORIES) + 7))
+    dense_gpu = sum(rows[0][3].values())
+    for pattern, ms, host, cats, rt, _ in rows:
         cells = " | ".join(f"{cats.get(c, 0.0):.2f}" for c in CATEGORIES)
         gpu = sum(cats.values())
-        print(f"| {pattern} | {ms:.2f} | {dense_ms / ms:.3f} | {gpu:.2f} | {dense_gpu / gpu:.3f} | {cells} | {rt} |")
-    cats = rows[0][2]
+        print(
+            f"| {pattern} | {ms:.2f} | {dense_ms / ms:.3f} | {host:.2f} | {gpu:.2f} | {dense_gpu / gpu:.3f} | {cells} "
+            f"| {rt} |"
+        )
+    cats = rows[0][3]
     total = sum(cats.values())
     gemm = cats.get("linear GEMM", 0.0)
     print(
@@ -245,6 +285,9 @@ def inference_section(args) -> None:
             run()
         host = (time.perf_counter() - start) / args.steps * 1e3
         torch.cuda.synchronize()
+        if args.host_profile:
+            print(f"## inference, {name}: host {host:.2f} ms per forward")
+            print_host_profile(run, args.host_profile)
         cats, _ = breakdown(run)
         rows[name] = (eager, host, sum(cats.values()), gemm_ms(cats))
     to_dense(loaded)
@@ -277,6 +320,7 @@ def main() -> int:
     ap.add_argument("--inference-pattern", default="64:2:8")
     ap.add_argument("--no-inference", action="store_true")
     ap.add_argument("--no-train", action="store_true", help="inference section only")
+    ap.add_argument("--host-profile", type=int, default=0, metavar="N", help="print the N top host functions")
     ap.add_argument(
         "--masked-dense", action="store_true", help="also time each pattern with the pruner but no kernel path"
     )

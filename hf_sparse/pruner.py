@@ -280,13 +280,16 @@ class Pruner:
         self._hooked_params = [layer.module.weight for layer in self.layers]
 
     def _make_grad_hook(self, layer: TargetLayer):
-        name, transposed = layer.name, layer.transposed
+        from .nn.kernel_path import needs_grad_mask
+
+        name, transposed, module = layer.name, layer.transposed, layer.module
 
         def hook(param: nn.Parameter) -> None:
             if param.grad is None:
                 return
             mask = self.masks[name]
-            if mask is not None and not self.config.dynamic:  # dynamic: straight-through, all weights learn
+            # dynamic: straight-through, all weights learn; a kernel-path gradient is already zero where pruned
+            if mask is not None and not self.config.dynamic and needs_grad_mask(module):
                 apply_mask(*local_part(param.grad, mask, transposed))
 
         return hook

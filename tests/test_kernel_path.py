@@ -266,3 +266,61 @@ def test_sharded_layer_rebuilds_when_the_weight_keeps_its_version(sharded):
     expected = weight.detach().to(torch.bfloat16)
     assert torch.equal(state.lp, expected) == sharded
     assert torch.equal(state.lp, before) != sharded
+
+
+def test_refresh_without_lp_repacks_from_the_master():
+    """Once no dense choice needs the compute-dtype copy of the master, the repack reads the master itself: same
+    packed values as packing the cast weight, and no copy kept."""
+    from hf_sparse.nn.kernel_path import _LayerKernel
+    from hf_sparse.ops import pack
+
+    model = _model(seed=8)
+    pruner = prune_now(model, "64:2:8")
+    layer = pruner.layers[0]
+    mask = pruner.masks[layer.name]
+    state = _LayerKernel(layer.name, layer.module, layer.transposed, pruner, 64, 8)
+    state.refresh(torch.bfloat16, need_lp=False)
+    assert state.lp is None
+    weight = layer.module.weight
+    assert torch.equal(state.packed.values, pack(weight.detach().bfloat16(), mask, 64, 8, torch.bfloat16).values)
+    with torch.no_grad():  # an optimizer step: new values (not representable in bf16), same mask
+        weight.add_(torch.randn(weight.shape, generator=torch.Generator().manual_seed(3)) * weight.abs().max())
+        weight.mul_(mask)
+    state.refresh(torch.bfloat16, need_lp=False)
+    assert state.lp is None
+    assert torch.equal(state.packed.values, pack(weight.detach().bfloat16(), mask, 64, 8, torch.bfloat16).values)
+    state.refresh(torch.bfloat16)  # a dense choice appears: the copy is made without touching the packs
+    assert torch.equal(state.lp, weight.detach().bfloat16())
+
+
+def test_grad_hook_masks_only_gradients_the_kernel_path_did_not_make(monkeypatch):
+    """The kernel path's weight gradient is zero at pruned positions already, so the pruner's hook leaves it alone
+    (after its first call); a forward that took the dense route (here fp32, no autocast) leaves a dense gradient,
+    and the hook masks it."""
+    import hf_sparse.pruner as pruner_module
+
+    masked = []
+    real = pruner_module.apply_mask
+    monkeypatch.setattr(pruner_module, "apply_mask", lambda t, m: (masked.append(t), real(t, m))[1])
+    model = _model(seed=10)
+    pruner = prune_now(model, "64:2:8")
+    enable_kernel_path(model, pruner, allow_cpu=True)
+    ids, labels = random_ids(4, 12, seed=11), torch.tensor([0, 1, 2, 1])
+
+    def backward(autocast: bool) -> None:
+        model.zero_grad(set_to_none=True)
+        masked.clear()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            model(input_ids=ids, labels=labels).loss.backward()
+        for layer in pruner.layers:
+            grad = layer.module.weight.grad.T if layer.transposed else layer.module.weight.grad
+            assert torch.count_nonzero(grad[~pruner.masks[layer.name]]) == 0, layer.name
+
+    backward(autocast=True)
+    assert len(masked) == len(pruner.layers)  # first call: whatever was there before the switch
+    backward(autocast=True)
+    assert masked == []
+    backward(autocast=False)  # fp32: the layers' own dense forward
+    assert len(masked) == len(pruner.layers)
+    backward(autocast=True)
+    assert masked == []

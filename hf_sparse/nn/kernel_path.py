@@ -11,7 +11,9 @@ accumulation; fused optimizers such as ``AdamW(fused=True)`` write the parameter
 counter, so the step itself is counted through a global optimizer post-step hook):
 
 * ``lp``: the master cast to the compute dtype. This is the cast autocast would do anyway; the dispatcher's dense
-  choices use it in the forward and the input gradient, so it replaces autocast's cast rather than adding one.
+  choices use it in the forward and the input gradient, so it replaces autocast's cast rather than adding one. Once
+  the dispatcher has measured a call shape and no dense choice remains in it (e.g. transposable 2:4 with the
+  forward and the input gradient on our kernel), the cast is skipped: the repack reads the fp32 master directly.
 * ``packed`` (and ``packed_t`` for transposable 2:4): the kernel layout. Built in full (mask included) once per
   mask; after that each step only re-gathers the kept values from ``lp`` (:func:`hf_sparse.ops.repack`).
 
@@ -27,6 +29,11 @@ token count (one dict lookup per call decides), so neither the repack nor the ex
 is paid. (On the H200, training BERT-large at transposable 2:4 with 8192 tokens per step, the dispatcher put the
 forward and input gradient of every layer on our 2:4 kernel, repack included, and kept dense cuBLAS for the weight
 gradient: ``benchmarks/RESULTS.md``.)
+
+The weight gradient of the kernel path is zero at pruned positions by construction, so the pruner's gradient hook
+does not mask it again (:func:`needs_grad_mask`): a pass over the gradient and ~70 us of host time per layer and step
+on the H200's host (``benchmarks/RESULTS.md``). A call that takes the dense route leaves a dense gradient, and the
+hook masks that layer's gradient as before.
 
 Masks are read from the pruner on every refresh: a mask the pruner replaces (resume, best-model restore, dynamic
 updates) triggers a full pack, never a stale one.
@@ -59,7 +66,14 @@ from .sparse_matmul import sparse_linear
 if TYPE_CHECKING:
     from ..pruner import Pruner
 
-__all__ = ["disable_kernel_path", "enable_kernel_path", "kernel_path_layers", "kernel_pattern", "masks_final"]
+__all__ = [
+    "disable_kernel_path",
+    "enable_kernel_path",
+    "kernel_path_layers",
+    "kernel_pattern",
+    "masks_final",
+    "needs_grad_mask",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -106,7 +120,9 @@ class _LayerKernel:
         self.v, self.m = v, m
         self.transposable = m == 4 and bool(pruner.config.transposable)
         self.routes: dict[tuple, str] = {}
+        self.needs_lp: dict[tuple, bool] = {}  # per call shape: whether a dense choice reads ``lp``
         self.tries: dict[tuple, int] = {}
+        self.dense_grad = True  # a gradient not made by the kernel path may be in .grad: the hook must mask it
         self.packed: PackedWeight | None = None
         self.packed_t: PackedWeight | None = None
         self.lp: Tensor | None = None
@@ -120,30 +136,38 @@ class _LayerKernel:
         w = self.module.weight
         return w.t() if self.transposed else w
 
-    def refresh(self, dtype: torch.dtype) -> None:
-        """Rebuild ``lp`` and the packs if the master, the mask or the compute dtype changed since the last call."""
+    def refresh(self, dtype: torch.dtype, need_lp: bool = True) -> None:
+        """Rebuild the packs (and ``lp`` if ``need_lp``) if the master, the mask or the compute dtype changed since
+        the last call."""
         w = self.weight()
         wkey = (w._version, w.data_ptr(), dtype, _optimizer_steps)
         mask = self.pruner.masks[self.name]
         if mask is None:
             raise RuntimeError(f"hf_sparse: layer {self.name} is on the kernel path but the pruner has no mask for it")
         mkey = (mask, mask._version, dtype)  # the mask itself, not its id: a freed mask's id can be reused
-        if wkey == self._weight_key and self._same_mask(mkey) and not self.sharded:
+        fresh = wkey == self._weight_key and self._same_mask(mkey) and not self.sharded
+        if fresh and (self.lp is not None or not need_lp):
             return
         with torch.no_grad():
-            lp = w.detach().to(dtype)
-            if not self._same_mask(mkey) or self.packed is None:
-                self.packed = pack(lp.contiguous(), mask, self.v, self.m, dtype)
+            master = w.detach()
+            lp = master.to(dtype) if need_lp else None
+            if fresh:
+                pass  # only lp was missing
+            elif not self._same_mask(mkey) or self.packed is None:
+                src = lp if lp is not None else master.to(dtype)
+                self.packed = pack(src.contiguous(), mask, self.v, self.m, dtype)
                 self.all_valid = bool(self.packed.valid.all())
                 if self.transposable:
-                    self.packed_t = pack(lp.t().contiguous(), mask.t().contiguous(), 64, 4, dtype)
+                    self.packed_t = pack(src.t().contiguous(), mask.t().contiguous(), 64, 4, dtype)
                 self._mask_key = mkey
                 self.routes.clear()
+                self.needs_lp.clear()
                 self.tries.clear()
-            else:
-                self.packed = repack(lp, self.packed, all_valid=self.all_valid)
+            else:  # the repack casts as it gathers: it reads the master (any float dtype) when lp is not made
+                src = lp if lp is not None else master
+                self.packed = repack(src, self.packed, all_valid=self.all_valid)
                 if self.packed_t is not None:
-                    self.packed_t = repack(lp.t(), self.packed_t, all_valid=self.all_valid)
+                    self.packed_t = repack(src.t(), self.packed_t, all_valid=self.all_valid)
         self.lp = lp
         self._weight_key = wkey
 
@@ -155,22 +179,26 @@ class _LayerKernel:
         """Dense route if the dispatcher measured dense as fastest for every part of this call shape."""
         if dispatch.backend_mode() != "auto" or device.type != "cuda":
             self.routes[key] = _KERNEL
+            self.needs_lp[key] = True
             return _KERNEL
         assert self.packed is not None
         trains = grad and self.module.weight.requires_grad  # the kind sparse_linear's forward measures under
         fwd = "fwd_train" if trains else "fwd"
-        parts = [dispatch.choice(fwd, tokens, self.packed, device)]
+        forward = dispatch.choice(fwd, tokens, self.packed, device)
+        parts = [forward]
+        input_grad = None  # the input gradient's choice: dense GEMM on lp unless packed_t runs it
         if grad:
             if self.module.weight.requires_grad:
                 parts.append(dispatch.choice("dw", tokens, self.packed, device))
             if self.packed_t is not None:
-                parts.append(dispatch.choice(fwd, tokens, self.packed_t, device))
+                parts.append(input_grad := dispatch.choice(fwd, tokens, self.packed_t, device))
         if None in parts:
             self.tries[key] = self.tries.get(key, 0) + 1
             if parts[0] is None or self.tries[key] < _DECIDE_AFTER:
                 return None
         route = _DENSE if all(p in ("dense", None) for p in parts) else _KERNEL
         self.routes[key] = route
+        self.needs_lp[key] = forward in ("dense", None) or (grad and input_grad in ("dense", None))
         logger.debug("hf_sparse: %s, %d tokens, grad=%s: %s path", self.name, tokens, grad, route)
         return route
 
@@ -223,17 +251,19 @@ def _kernel_forward(self: nn.Module, x: Tensor) -> Tensor:
     k: _LayerKernel = self.__dict__[_ATTR]
     w = k.weight()
     dtype = _compute_dtype(w)
+    grad = torch.is_grad_enabled()
     if dtype is None:
+        k.dense_grad = k.dense_grad or (grad and w.requires_grad)
         return type(self).forward(self, x)
     tokens = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    grad = torch.is_grad_enabled()
     key = (1 << max(0, tokens - 1).bit_length(), grad, dtype)
     route = k.routes.get(key) if dispatch.backend_mode() == "auto" else _KERNEL
     if route is None and k.packed is not None and k.packed.dtype == dtype:
         route = k.decide(key, tokens, w.device, grad)
     if route == _DENSE:
+        k.dense_grad = k.dense_grad or (grad and w.requires_grad)
         return type(self).forward(self, x)
-    k.refresh(dtype)
+    k.refresh(dtype, k.needs_lp.get(key, True))
     return sparse_linear(x, w, k.packed, self.bias, k.packed_t, k.lp)
 
 
@@ -301,6 +331,18 @@ def disable_kernel_path(model: nn.Module) -> int:
                 del module.__dict__["forward"]
             count += 1
     return count
+
+
+def needs_grad_mask(module: nn.Module) -> bool:
+    """Whether ``module.weight.grad`` may hold nonzeros at pruned positions, for the pruner's gradient hook, which
+    then masks it: False only for a kernel-path layer all of whose forwards since the last call took the kernel
+    route (its weight gradient is zero there by construction). Resets the layer's record: call it where the
+    gradient gets masked."""
+    k = module.__dict__.get(_ATTR)
+    if k is None:
+        return True
+    dense, k.dense_grad = k.dense_grad, False
+    return dense
 
 
 def masks_final(pruner: Pruner) -> bool:

@@ -38,7 +38,7 @@ class _SparseLinearFn(torch.autograd.Function):
         weight_lp: Tensor | None,
         static: bool,
     ) -> Tensor:
-        xc = x.to(packed.dtype)
+        xc = x if x.dtype == packed.dtype else x.to(packed.dtype)  # no-op .to calls cost host time too
         w = weight_lp if weight_lp is not None else weight
         y = linear_forward(xc, w, packed, bias, static_weight=static)
         ctx.packed = packed
@@ -56,16 +56,21 @@ class _SparseLinearFn(torch.autograd.Function):
         xc, w = ctx.saved_tensors
         packed: PackedWeight = ctx.packed
         dx = dw = db = None
-        dy = dy.to(packed.dtype)
+        if dy.dtype != packed.dtype:
+            dy = dy.to(packed.dtype)
         if ctx.needs_input_grad[0]:
             if ctx.packed_t is not None:
-                dx = linear_forward(dy, w.t(), ctx.packed_t, None, static_weight=ctx.static).to(ctx.x_dtype)
+                dx = linear_forward(dy, w.t(), ctx.packed_t, None, static_weight=ctx.static)
             else:
-                dx = (dy @ w.to(dy.dtype)).to(ctx.x_dtype)
+                dx = dy @ (w if w.dtype == dy.dtype else w.to(dy.dtype))
+            if dx.dtype != ctx.x_dtype:
+                dx = dx.to(ctx.x_dtype)
         if ctx.needs_input_grad[1]:
             dw = weight_grad(dy, xc, packed, ctx.w_dtype)
         if ctx.has_bias and ctx.needs_input_grad[3]:
-            db = dy.reshape(-1, dy.shape[-1]).sum(0, dtype=torch.float32).to(ctx.bias_dtype)
+            db = dy.reshape(-1, dy.shape[-1]).sum(0, dtype=torch.float32)
+            if db.dtype != ctx.bias_dtype:
+                db = db.to(ctx.bias_dtype)
         return dx, dw, None, db, None, None, None
 
 
