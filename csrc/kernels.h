@@ -70,6 +70,18 @@ struct PackValuesArgs {
 };
 cudaError_t pack_values(const PackValuesArgs& args, cudaStream_t stream);
 
+// pack_values over `count` weights of one weight dtype and one output dtype, in as few launches as the batch size and
+// the 4 KB kernel-parameter budget allow (kMaxPackValuesBatch weights per launch).
+constexpr int kMaxPackValuesBatch = 40;
+struct PackValuesBatch {
+  PackValuesArgs args[kMaxPackValuesBatch];
+  int first_block[kMaxPackValuesBatch];  // increasing, first_block[0] == 0
+  unsigned char vec[kMaxPackValuesBatch];  // vector width of each entry's loads: 4, 8 or 0 (scalar)
+  int count, blocks;
+};
+static_assert(sizeof(PackValuesBatch) <= 4096, "kernel parameters are limited to 4 KB");
+cudaError_t pack_values_batch(const PackValuesArgs* args, int count, cudaStream_t stream);
+
 // apply_masks (csrc/mask.cu): data[t][i] = 0 (all bits) where mask[t][i] == 0, for up to kMaxMaskTensors contiguous
 // tensors of one element size (2 or 4 bytes) in one launch. Block b masks chunk (b - first_block[t]) of tensor t,
 // apply_masks_chunk() elements per chunk; first_block is increasing, first_block[0] == 0, blocks = the total.

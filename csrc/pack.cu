@@ -11,7 +11,9 @@
 // pack_values: the per-step repack once the mask is fixed. The metadata and block columns already say where every
 // kept value sits, so only the values are rebuilt: one thread per 4-byte value pair (of 4 k-steps), threads ordered
 // like the output (512-byte coalesced stores), reading the two weights it needs (any strides, so W^T of a
-// transposable layer is read in place) and nothing else: no mask, no second pass.
+// transposable layer is read in place) and nothing else: no mask, no second pass. pack_values_batch runs the repacks
+// of many weights in one launch (the kernel path repacks every layer after an optimizer step: one launch instead of
+// one or two per layer, each costing host time on the issuing thread).
 #include "common.cuh"
 #include "kernels.h"
 
@@ -248,12 +250,13 @@ __device__ __forceinline__ float pick_any(const uint32_t (&words)[GroupWords<W, 
 // VEC = M (4 or 8) when rows are contiguous and 16-byte aligned: each thread loads its whole group with vector loads
 // (8-32 bytes; the 32-byte sector is fetched anyway) and picks its two values in registers, instead of two scalar
 // loads that each touch a sector for 2-4 useful bytes. VEC = 0: scalar loads, any strides.
+// One 128-thread block of the repack: block `block` of `a` (blocks_of(a) in all).
 template <typename W, typename T, int VEC>
-__global__ void __launch_bounds__(128) pack_values_kernel(PackValuesArgs a) {
+__device__ __forceinline__ void pack_values_block(const PackValuesArgs& a, unsigned block) {
   const int w = threadIdx.x;  // word within a fragment block: (g8, t, c, rh)
   const int rh = w & 1, c = (w >> 1) & 1, t = (w >> 2) & 3, g8 = w >> 4;
   const int chunks = (a.steps + kValuesSteps - 1) / kValuesSteps;
-  const int mt = (int)(blockIdx.x / chunks), s0 = (int)(blockIdx.x % chunks) * kValuesSteps;
+  const int mt = (int)(block / chunks), s0 = (int)(block % chunks) * kValuesSteps;
   const int row = mt * 16 + rh * 8 + g8;
   const int groups = a.k / a.m, groups_padded = a.steps * 8;
   const W* base = static_cast<const W*>(a.weight) + (size_t)row * a.stride_row;
@@ -309,21 +312,88 @@ __global__ void __launch_bounds__(128) pack_values_kernel(PackValuesArgs a) {
   }
 }
 
-template <typename W, typename T>
-cudaError_t launch_values(const PackValuesArgs& a, cudaStream_t stream) {
-  const long blocks = (long)(a.rows_padded / 16) * ((a.steps + kValuesSteps - 1) / kValuesSteps);
+template <typename W, typename T, int VEC>
+__global__ void __launch_bounds__(128) pack_values_kernel(PackValuesArgs a) {
+  pack_values_block<W, T, VEC>(a, blockIdx.x);
+}
+
+long blocks_of(const PackValuesArgs& a) {
+  return (long)(a.rows_padded / 16) * ((a.steps + kValuesSteps - 1) / kValuesSteps);
+}
+
+// The vector width the repack of `a` can load its groups with (4 or 8 = M), or 0 for scalar loads.
+template <typename W>
+int vec_of(const PackValuesArgs& a) {
   const size_t group_bytes = (size_t)a.m * sizeof(W);
   const bool vec = a.stride_col == 1 && (a.m == 4 || a.m == 8) && reinterpret_cast<uintptr_t>(a.weight) % 16 == 0 &&
                    ((size_t)a.stride_row * sizeof(W)) % std::min<size_t>(group_bytes, 16) == 0;
-  if (vec && a.m == 4) pack_values_kernel<W, T, 4><<<(unsigned)blocks, 128, 0, stream>>>(a);
-  else if (vec) pack_values_kernel<W, T, 8><<<(unsigned)blocks, 128, 0, stream>>>(a);
-  else pack_values_kernel<W, T, 0><<<(unsigned)blocks, 128, 0, stream>>>(a);
+  return vec ? a.m : 0;
+}
+
+// Many repacks in one launch (every weight of one dtype): block b runs block (b - first_block[e]) of entry e, the last
+// entry with first_block[e] <= b. Each block takes its entry's vector width (uniform within the block).
+template <typename W, typename T>
+__global__ void __launch_bounds__(128) pack_values_batch_kernel(PackValuesBatch batch) {
+  int lo = 0, hi = batch.count - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (batch.first_block[mid] <= (int)blockIdx.x) lo = mid;
+    else hi = mid - 1;
+  }
+  const PackValuesArgs& a = batch.args[lo];
+  const unsigned block = blockIdx.x - (unsigned)batch.first_block[lo];
+  switch (batch.vec[lo]) {
+    case 4: pack_values_block<W, T, 4>(a, block); break;
+    case 8: pack_values_block<W, T, 8>(a, block); break;
+    default: pack_values_block<W, T, 0>(a, block); break;
+  }
+}
+
+template <typename W, typename T>
+cudaError_t launch_values(const PackValuesArgs& a, cudaStream_t stream) {
+  const long blocks = blocks_of(a);
+  switch (vec_of<W>(a)) {
+    case 4: pack_values_kernel<W, T, 4><<<(unsigned)blocks, 128, 0, stream>>>(a); break;
+    case 8: pack_values_kernel<W, T, 8><<<(unsigned)blocks, 128, 0, stream>>>(a); break;
+    default: pack_values_kernel<W, T, 0><<<(unsigned)blocks, 128, 0, stream>>>(a); break;
+  }
   return cudaGetLastError();
 }
 
 template <typename W>
 cudaError_t values_out(const PackValuesArgs& a, cudaStream_t stream) {
   return a.out_bf16 ? launch_values<W, __nv_bfloat16>(a, stream) : launch_values<W, __half>(a, stream);
+}
+
+template <typename W, typename T>
+cudaError_t launch_batch(const PackValuesArgs* args, int count, cudaStream_t stream) {
+  PackValuesBatch batch{};
+  auto flush = [&]() -> cudaError_t {
+    if (batch.count == 0) return cudaSuccess;
+    pack_values_batch_kernel<W, T><<<(unsigned)batch.blocks, 128, 0, stream>>>(batch);
+    batch = PackValuesBatch{};
+    return cudaGetLastError();
+  };
+  for (int i = 0; i < count; ++i) {
+    const long blocks = blocks_of(args[i]);
+    if (blocks == 0) continue;
+    if (blocks >= (1L << 30)) return cudaErrorInvalidValue;
+    if (batch.count == kMaxPackValuesBatch || (long)batch.blocks + blocks >= (1L << 30)) {
+      const cudaError_t err = flush();
+      if (err != cudaSuccess) return err;
+    }
+    batch.args[batch.count] = args[i];
+    batch.first_block[batch.count] = batch.blocks;
+    batch.vec[batch.count] = (unsigned char)vec_of<W>(args[i]);
+    batch.blocks += (int)blocks;
+    ++batch.count;
+  }
+  return flush();
+}
+
+template <typename W>
+cudaError_t batch_out(const PackValuesArgs* args, int count, bool out_bf16, cudaStream_t stream) {
+  return out_bf16 ? launch_batch<W, __nv_bfloat16>(args, count, stream) : launch_batch<W, __half>(args, count, stream);
 }
 }  // namespace
 
@@ -343,6 +413,18 @@ cudaError_t pack_values(const PackValuesArgs& a, cudaStream_t stream) {
     case 0: return values_out<float>(a, stream);
     case 1: return values_out<__nv_bfloat16>(a, stream);
     case 2: return values_out<__half>(a, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+cudaError_t pack_values_batch(const PackValuesArgs* args, int count, cudaStream_t stream) {
+  if (count == 0) return cudaSuccess;
+  for (int i = 1; i < count; ++i)
+    if (args[i].weight_dtype != args[0].weight_dtype || args[i].out_bf16 != args[0].out_bf16) return cudaErrorInvalidValue;
+  switch (args[0].weight_dtype) {
+    case 0: return batch_out<float>(args, count, args[0].out_bf16, stream);
+    case 1: return batch_out<__nv_bfloat16>(args, count, args[0].out_bf16, stream);
+    case 2: return batch_out<__half>(args, count, args[0].out_bf16, stream);
     default: return cudaErrorInvalidValue;
   }
 }

@@ -324,3 +324,32 @@ def test_grad_hook_masks_only_gradients_the_kernel_path_did_not_make(monkeypatch
     assert len(masked) == len(pruner.layers)
     backward(autocast=True)
     assert masked == []
+
+
+def test_first_stale_layer_repacks_every_used_layer_at_once():
+    """After an optimizer step the first kernel-path call repacks every layer that ran on the kernels since the last
+    batch (one launch on CUDA), from the new master values; a layer that did not run is left to its own call."""
+    from hf_sparse.ops import pack
+
+    model = _model(seed=12)
+    pruner = prune_now(model, "64:2:8")
+    enable_kernel_path(model, pruner, allow_cpu=True)
+    states = [layer.module.__dict__["_hf_sparse_kernel"] for layer in pruner.layers]
+    ids, labels = random_ids(4, 12, seed=13), torch.tensor([0, 1, 2, 1])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(input_ids=ids, labels=labels).loss.backward()
+    opt.step()
+    pruner.apply()
+    idle = states[-1]
+    idle.used = False  # as if the last layer had taken the dense route last step
+    old_idle_values = idle.packed.values.clone()
+    first = pruner.layers[0].module
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        first(torch.randn(3, first.in_features))
+    for layer, state in zip(pruner.layers[:-1], states[:-1], strict=True):
+        expected = pack(layer.weight.detach().bfloat16(), pruner.masks[layer.name], 64, 8, torch.bfloat16)
+        assert torch.equal(state.packed.values, expected.values), layer.name
+        assert state._weight_key == state.weight_key(torch.bfloat16)
+    assert torch.equal(idle.packed.values, old_idle_values)  # not repacked: its own next call does it
+    assert idle._weight_key != idle.weight_key(torch.bfloat16)

@@ -15,7 +15,10 @@ counter, so the step itself is counted through a global optimizer post-step hook
   the dispatcher has measured a call shape and no dense choice remains in it (e.g. transposable 2:4 with the
   forward and the input gradient on our kernel), the cast is skipped: the repack reads the fp32 master directly.
 * ``packed`` (and ``packed_t`` for transposable 2:4): the kernel layout. Built in full (mask included) once per
-  mask; after that each step only re-gathers the kept values from ``lp`` (:func:`hf_sparse.ops.repack`).
+  mask; after that each step only re-gathers the kept values (:func:`hf_sparse.ops.repack`). The first layer to
+  find its packs stale after a step repacks every layer of its :func:`enable_kernel_path` call that ran on the
+  kernels since the last such batch, in one launch (:func:`hf_sparse.ops.repack_many`): one or two launches per
+  layer and step cost more host time than the repacks take on the GPU (``benchmarks/RESULTS.md``).
 
 A layer is kernel-ready when it is on a CUDA device, its pattern is 2:4 or V:2:M with V in {64, 128} and M in
 {4 … 128}, and both dimensions are multiples of 8. The compute dtype is autocast's when autocast is on, else the
@@ -59,7 +62,7 @@ from torch import Tensor, nn
 from ..ops import dispatch
 from ..ops._build import KernelUnavailableError
 from ..ops._layout import VALID_M, VALID_V, PackedWeight
-from ..ops.pack import pack, repack
+from ..ops.pack import pack, repack, repack_many
 from ..patterns import NM, VNM, Pattern
 from .sparse_matmul import sparse_linear
 
@@ -107,11 +110,53 @@ def _why_not(weight: Tensor, pattern: Pattern, allow_cpu: bool) -> str | None:
     return None
 
 
+class _KernelGroup:
+    """The layers one :func:`enable_kernel_path` call switched: their repacks after an optimizer step go together."""
+
+    def __init__(self) -> None:
+        self.layers: list[_LayerKernel] = []
+
+    def repack_used(self, dtype: torch.dtype) -> None:
+        """Repack, in one batch, every layer that ran on the kernels since the last batch and whose packs are stale
+        for a reason a repack fixes (new master values, same mask and dtype); their ``lp`` is left to be made lazily
+        by their own next call, where one needs it."""
+        todo = [k for k in self.layers if k.used and k.repack_due(dtype)]
+        for k in self.layers:
+            k.used = False
+        if not todo:
+            return
+        weights, packs, owners = [], [], []
+        for k in todo:
+            master = k.weight().detach()
+            weights.append(master)
+            packs.append(k.packed)
+            owners.append((k, "packed"))
+            if k.packed_t is not None:
+                weights.append(master.t())
+                packs.append(k.packed_t)
+                owners.append((k, "packed_t"))
+        with torch.no_grad():
+            fresh = repack_many(weights, packs, all_valid=[k.all_valid for k, _ in owners])
+        for (k, attr), p in zip(owners, fresh, strict=True):
+            setattr(k, attr, p)
+        for k in todo:
+            k.lp = None
+            k._weight_key = k.weight_key(dtype)
+
+
 class _LayerKernel:
     """Kernel-path state of one layer: its shadows of the master weight and the per-call-shape route."""
 
     def __init__(
-        self, name: str, module: nn.Module, transposed: bool, pruner: Pruner, v: int, m: int, sharded: bool = False
+        self,
+        name: str,
+        module: nn.Module,
+        transposed: bool,
+        pruner: Pruner,
+        v: int,
+        m: int,
+        sharded: bool = False,
+        group: _KernelGroup | None = None,
     ) -> None:
         self.name = name
         self.module = module
@@ -131,23 +176,50 @@ class _LayerKernel:
         self.all_valid = False
         self._weight_key: tuple | None = None
         self._mask_key: tuple | None = None
+        self.group = group if group is not None else _KernelGroup()
+        self.group.layers.append(self)
+        self.used = False  # refreshed (ran on the kernels) since the group's last batched repack
 
     def weight(self) -> Tensor:
         w = self.module.weight
         return w.t() if self.transposed else w
 
-    def refresh(self, dtype: torch.dtype, need_lp: bool = True) -> None:
-        """Rebuild the packs (and ``lp`` if ``need_lp``) if the master, the mask or the compute dtype changed since
-        the last call."""
+    def weight_key(self, dtype: torch.dtype) -> tuple:
+        """What the packs were built from, short of the mask: the master's version and address, the compute dtype,
+        and the optimizer steps taken (fused optimizers leave the version alone)."""
         w = self.weight()
-        wkey = (w._version, w.data_ptr(), dtype, _optimizer_steps)
+        return (w._version, w.data_ptr(), dtype, _optimizer_steps)
+
+    def _current_mask_key(self, dtype: torch.dtype) -> tuple:
         mask = self.pruner.masks[self.name]
         if mask is None:
             raise RuntimeError(f"hf_sparse: layer {self.name} is on the kernel path but the pruner has no mask for it")
-        mkey = (mask, mask._version, dtype)  # the mask itself, not its id: a freed mask's id can be reused
+        return (mask, mask._version, dtype)  # the mask itself, not its id: a freed mask's id can be reused
+
+    def repack_due(self, dtype: torch.dtype) -> bool:
+        """Whether the packs are stale only because the master's values changed (a repack, not a full pack)."""
+        return (
+            self.packed is not None
+            and not self.sharded
+            and self.packed.dtype == dtype
+            and self._same_mask(self._current_mask_key(dtype))
+            and self.weight_key(dtype) != self._weight_key
+        )
+
+    def refresh(self, dtype: torch.dtype, need_lp: bool = True) -> None:
+        """Rebuild the packs (and ``lp`` if ``need_lp``) if the master, the mask or the compute dtype changed since
+        the last call."""
+        self.used = True
+        wkey = self.weight_key(dtype)
+        mkey = self._current_mask_key(dtype)
         fresh = wkey == self._weight_key and self._same_mask(mkey) and not self.sharded
         if fresh and (self.lp is not None or not need_lp):
             return
+        if not fresh and self.repack_due(dtype) and len(self.group.layers) > 1:
+            self.group.repack_used(dtype)  # this layer's repack and every other used layer's, in one launch
+            self.refresh(dtype, need_lp)  # now only lp may be missing
+            return
+        w = self.weight()
         with torch.no_grad():
             master = w.detach()
             lp = master.to(dtype) if need_lp else None
@@ -155,6 +227,7 @@ class _LayerKernel:
                 pass  # only lp was missing
             elif not self._same_mask(mkey) or self.packed is None:
                 src = lp if lp is not None else master.to(dtype)
+                mask = mkey[0]
                 self.packed = pack(src.contiguous(), mask, self.v, self.m, dtype)
                 self.all_valid = bool(self.packed.valid.all())
                 if self.transposable:
@@ -294,6 +367,7 @@ def enable_kernel_path(model: nn.Module, pruner: Pruner, *, allow_cpu: bool = Fa
     pattern = pruner.current_pattern()
     assert pattern is not None
     switched, skipped = [], []
+    group = _KernelGroup()
     for layer in pruner.layers:
         module = layer.module
         if id(module) not in owned:
@@ -310,7 +384,7 @@ def enable_kernel_path(model: nn.Module, pruner: Pruner, *, allow_cpu: bool = Fa
             continue
         v, m = kernel_pattern(pattern)  # type: ignore[misc]
         module.__dict__[_ATTR] = _LayerKernel(
-            layer.name, module, layer.transposed, pruner, v, m, sharded=id(module) in managed
+            layer.name, module, layer.transposed, pruner, v, m, sharded=id(module) in managed, group=group
         )
         module.forward = types.MethodType(_kernel_forward, module)
         switched.append(layer.name)

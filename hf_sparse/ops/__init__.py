@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from ._build import KernelUnavailableError
 from ._layout import PackedWeight, dense_from_packed, kept_columns
-from .pack import pack, pack_from_logical, repack
+from .pack import pack, pack_from_logical, repack, repack_many
 from .sddmm import scatter_dense, sddmm, sddmm_reference
 from .spmm import spmm, spmm_reference
 
@@ -20,6 +20,7 @@ __all__ = [
     "pack",
     "pack_from_logical",
     "repack",
+    "repack_many",
     "scatter_dense",
     "sddmm",
     "sddmm_reference",

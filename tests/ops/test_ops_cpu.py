@@ -208,3 +208,26 @@ def test_sm90a_flag_only_with_arch_90():
     assert "-DHF_SPARSE_HAS_SM90A" in arch_flags(["8.0", "9.0"])
     assert "-gencode=arch=compute_90a,code=sm_90a" in arch_flags(["9.0"])
     assert "-DHF_SPARSE_HAS_SM90A" not in arch_flags(["8.0", "8.6", "8.9"])
+
+
+def test_repack_many_matches_one_repack_per_weight_and_checks_its_input():
+    from hf_sparse.ops import repack, repack_many
+
+    weights, packs = [], []
+    for i, (v, m) in enumerate([(64, 4), (64, 8), (128, 16), (64, 32)]):
+        w, mask = random_masked(128, 8 * m, v, m, seed=20 + i)
+        packs.append(pack(w, mask, v, m, torch.bfloat16))
+        new = torch.where(mask, torch.randn(w.shape, generator=torch.Generator().manual_seed(i)), 0.0)
+        weights.append(new.bfloat16() if i % 2 else new)  # fp32 and bf16 masters
+    weights[0] = weights[0].t().contiguous().t()  # column-major: read through its strides
+    got = repack_many(weights, packs, all_valid=[False, True, False, False])
+    for w, p, g in zip(weights, packs, got, strict=True):
+        assert torch.equal(g.values, repack(w, p).values) and g.meta is p.meta
+    assert repack_many([], []) == []
+    with pytest.raises(ValueError, match="2 weights but 1 packed"):
+        repack_many(weights[:2], packs[:1])
+    with pytest.raises(ValueError, match="weight shape"):
+        repack_many([weights[1]], [packs[0]])
+    half = packs[1]._replace(values=packs[1].values.half())
+    with pytest.raises(ValueError, match="packed dtypes differ"):
+        repack_many(weights[:2], [packs[0], half])
