@@ -120,14 +120,16 @@ def time_steps(step, n: int) -> float:
 
 
 def host_ms(step, n: int) -> float:
-    """Host time to issue one step (ms): no synchronisation inside the timed steps."""
+    """Host time to issue one step (ms; median over ``n`` steps): no synchronisation inside the timed steps, so
+    where the GPU is the limit the host runs ahead and this is the host's own time."""
     torch.cuda.synchronize()
-    start = time.perf_counter()
+    times = []
     for _ in range(n):
+        start = time.perf_counter()
         step()
-    ms = (time.perf_counter() - start) / n * 1e3
+        times.append((time.perf_counter() - start) * 1e3)
     torch.cuda.synchronize()
-    return ms
+    return statistics.median(times)
 
 
 def print_host_profile(step, top: int, n: int = 3) -> None:
@@ -280,11 +282,7 @@ def inference_section(args) -> None:
         for _ in range(3):  # the first call measures the dispatcher's choices (never during a capture)
             run()
         eager = time_steps(run, args.steps)
-        start = time.perf_counter()  # host time to issue one forward (no sync): shows when Python is the limit
-        for _ in range(args.steps):
-            run()
-        host = (time.perf_counter() - start) / args.steps * 1e3
-        torch.cuda.synchronize()
+        host = host_ms(run, args.steps)  # host time to issue one forward: shows when Python is the limit
         if args.host_profile:
             print(f"## inference, {name}: host {host:.2f} ms per forward")
             print_host_profile(run, args.host_profile)

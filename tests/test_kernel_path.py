@@ -350,6 +350,24 @@ def test_first_stale_layer_repacks_every_used_layer_at_once():
     for layer, state in zip(pruner.layers[:-1], states[:-1], strict=True):
         expected = pack(layer.weight.detach().bfloat16(), pruner.masks[layer.name], 64, 8, torch.bfloat16)
         assert torch.equal(state.packed.values, expected.values), layer.name
+        assert torch.equal(state.bias_lp, layer.module.bias.detach().bfloat16()), layer.name
         assert state._weight_key == state.weight_key(torch.bfloat16)
     assert torch.equal(idle.packed.values, old_idle_values)  # not repacked: its own next call does it
     assert idle._weight_key != idle.weight_key(torch.bfloat16)
+
+
+def test_a_bias_changed_in_place_reaches_the_kernel_path():
+    """The bias's compute-dtype copy follows the bias's own version, not only optimizer steps."""
+    model = _model(seed=14)
+    pruner = prune_now(model, "64:2:8")
+    enable_kernel_path(model, pruner, allow_cpu=True)
+    module = pruner.layers[0].module
+    x = torch.randn(5, module.in_features)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        module(x)
+        module.bias.add_(torch.rand(module.bias.shape) + 1.0)
+        y = module(x).float()
+    expected = torch.nn.functional.linear(
+        x.bfloat16().float(), module.weight.bfloat16().float(), module.bias.bfloat16().float()
+    )
+    assert torch.allclose(y, expected, atol=5e-2, rtol=2e-2)

@@ -137,9 +137,14 @@ class _KernelGroup:
                 owners.append((k, "packed_t"))
         with torch.no_grad():
             fresh = repack_many(weights, packs, all_valid=[k.all_valid for k, _ in owners])
+            casts = [k for k in todo if k.bias_lp is not None and k.bias_lp.dtype == dtype]
+            if casts:  # the biases' casts, in one call too (a launch per layer otherwise)
+                torch._foreach_copy_([k.bias_lp for k in casts], [k.module.bias.detach() for k in casts])
         for (k, attr), p in zip(owners, fresh, strict=True):
             setattr(k, attr, p)
         for k in todo:
+            if k.bias_lp is not None and k.bias_lp.dtype != dtype:
+                k.bias_lp = k.module.bias.detach().to(dtype)
             k.lp = None
             k._weight_key = k.weight_key(dtype)
 
@@ -171,6 +176,7 @@ class _LayerKernel:
         self.packed: PackedWeight | None = None
         self.packed_t: PackedWeight | None = None
         self.lp: Tensor | None = None
+        self.bias_lp: Tensor | None = None  # the bias in the compute dtype, at a fixed address (cuSPARSELt plans)
         # FSDP2: weight at rest is a DTensor shard; in forward, the all-gathered full weight keeps one version
         self.sharded = sharded or _is_dtensor(module.weight)
         self.all_valid = False
@@ -185,10 +191,10 @@ class _LayerKernel:
         return w.t() if self.transposed else w
 
     def weight_key(self, dtype: torch.dtype) -> tuple:
-        """What the packs were built from, short of the mask: the master's version and address, the compute dtype,
-        and the optimizer steps taken (fused optimizers leave the version alone)."""
-        w = self.weight()
-        return (w._version, w.data_ptr(), dtype, _optimizer_steps)
+        """What the shadows were built from, short of the mask: the master's version and address, the compute dtype,
+        the optimizer steps taken (fused optimizers leave the version alone) and the bias's version."""
+        w, bias = self.weight(), self.module.bias
+        return (w._version, w.data_ptr(), dtype, _optimizer_steps, None if bias is None else bias._version)
 
     def _current_mask_key(self, dtype: torch.dtype) -> tuple:
         mask = self.pruner.masks[self.name]
@@ -241,6 +247,13 @@ class _LayerKernel:
                 self.packed = repack(src, self.packed, all_valid=self.all_valid)
                 if self.packed_t is not None:
                     self.packed_t = repack(src.t(), self.packed_t, all_valid=self.all_valid)
+            bias = self.module.bias
+            if fresh or bias is None or bias.dtype == dtype:
+                pass
+            elif self.bias_lp is not None and self.bias_lp.dtype == dtype:
+                self.bias_lp.copy_(bias.detach())
+            else:
+                self.bias_lp = bias.detach().to(dtype)
         self.lp = lp
         self._weight_key = wkey
 
@@ -337,7 +350,7 @@ def _kernel_forward(self: nn.Module, x: Tensor) -> Tensor:
         k.dense_grad = k.dense_grad or (grad and w.requires_grad)
         return type(self).forward(self, x)
     k.refresh(dtype, k.needs_lp.get(key, True))
-    return sparse_linear(x, w, k.packed, self.bias, k.packed_t, k.lp)
+    return sparse_linear(x, w, k.packed, self.bias, k.packed_t, k.lp, k.bias_lp)
 
 
 def enable_kernel_path(model: nn.Module, pruner: Pruner, *, allow_cpu: bool = False) -> list[str]:

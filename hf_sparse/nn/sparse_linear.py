@@ -152,7 +152,7 @@ class SparseLinear(nn.Module):
         if auto and self._routes.get(route_key) == "dense":  # measured: dense cuBLAS wins; skip the dispatcher
             return F.linear(x, self.dense_weight(), self.bias)
         packed = self.packed_weight(dtype)
-        y = dispatch.linear_forward(x.to(dtype), self.dense_weight(), packed, self.bias)
+        y = dispatch.linear_forward(x if x.dtype == dtype else x.to(dtype), self.dense_weight(), packed, self.bias)
         if auto and route_key not in self._routes:
             choice = dispatch.choice("fwd", tokens, packed, x.device)
             if choice is not None:

@@ -36,11 +36,12 @@ class _SparseLinearFn(torch.autograd.Function):
         bias: Tensor | None,
         packed_t: PackedWeight | None,
         weight_lp: Tensor | None,
+        bias_lp: Tensor | None,
         static: bool,
     ) -> Tensor:
         xc = x if x.dtype == packed.dtype else x.to(packed.dtype)  # no-op .to calls cost host time too
         w = weight_lp if weight_lp is not None else weight
-        y = linear_forward(xc, w, packed, bias, static_weight=static)
+        y = linear_forward(xc, w, packed, bias_lp if bias_lp is not None else bias, static_weight=static)
         ctx.packed = packed
         ctx.packed_t = packed_t
         ctx.static = static
@@ -71,7 +72,7 @@ class _SparseLinearFn(torch.autograd.Function):
             db = dy.reshape(-1, dy.shape[-1]).sum(0, dtype=torch.float32)
             if db.dtype != ctx.bias_dtype:
                 db = db.to(ctx.bias_dtype)
-        return dx, dw, None, db, None, None, None
+        return dx, dw, None, db, None, None, None, None
 
 
 def sparse_linear(
@@ -81,6 +82,7 @@ def sparse_linear(
     bias: Tensor | None = None,
     packed_t: PackedWeight | None = None,
     weight_lp: Tensor | None = None,
+    bias_lp: Tensor | None = None,
 ) -> Tensor:
     """``F.linear(x, weight * mask, bias)`` computed on Sparse Tensor Cores.
 
@@ -89,7 +91,8 @@ def sparse_linear(
     ``packed_t``: optional ``pack(weight.t(), mask.t(), 64, 4)`` when the mask is transposable 2:4, so the input
     gradient can run sparse too. ``weight_lp``: optional copy of ``weight`` already cast to ``packed.dtype``
     (made once per optimizer step with the pack): the dense choices of the dispatcher and the dense input
-    gradient use it instead of casting the master on every call.
+    gradient use it instead of casting the master on every call. ``bias_lp``: likewise, ``bias`` already cast to
+    ``packed.dtype`` (the gradient still goes to ``bias``).
     """
     if weight.shape != (packed.rows, packed.cols):
         raise ValueError(
@@ -107,5 +110,7 @@ def sparse_linear(
         )
     # a weight that trains changes every optimizer step, and the dispatcher prices in what that costs a backend;
     # decided here because autograd runs Function.forward with grad mode off
+    if bias_lp is not None and (bias is None or bias_lp.shape != bias.shape or bias_lp.dtype != packed.dtype):
+        raise ValueError(f"hf_sparse.sparse_linear: bias_lp must be bias cast to {packed.dtype}")
     static = not (torch.is_grad_enabled() and weight.requires_grad)
-    return _SparseLinearFn.apply(x, weight, packed, bias, packed_t, weight_lp, static)
+    return _SparseLinearFn.apply(x, weight, packed, bias, packed_t, weight_lp, bias_lp, static)

@@ -35,7 +35,7 @@ from . import cslt
 from ._layout import PackedWeight, kept_columns
 from .pack import pack, repack
 from .sddmm import scatter_dense, sddmm
-from .spmm import spmm
+from .spmm import spmm, spmm_2d
 
 __all__ = ["backend_mode", "choice", "choices", "clear_cache", "linear_forward", "weight_grad"]
 
@@ -285,10 +285,10 @@ def _run_forward(choice: str, x: Tensor, weight: Tensor, p: PackedWeight, bias: 
     if choice == "cslt" and x2.is_contiguous() and cslt.supports(p.rows, p.cols, x2.shape[0], p.dtype):
         y = _cslt_linear(x2, weight, p, bias)
     elif choice == "sparse24":
-        y = spmm(x2, _view24(weight, p), b)
+        y = spmm_2d(x2, _view24(weight, p), b)
     else:
-        y = spmm(x2, p, b)
-    return y.reshape(*lead, p.rows)
+        y = spmm_2d(x2, p, b)
+    return y.reshape(*lead, p.rows) if len(lead) != 1 else y
 
 
 def _measure_forward(

@@ -11,6 +11,7 @@ multiplies in fp32.
 
 from __future__ import annotations
 
+import os
 import warnings
 
 import torch
@@ -19,7 +20,7 @@ from torch import Tensor
 from ._layout import PackedWeight, dense_from_packed
 from ._select import kernel_choice
 
-__all__ = ["AUTO_WGMMA_M", "spmm", "spmm_kernel", "spmm_reference"]
+__all__ = ["AUTO_WGMMA_M", "spmm", "spmm_2d", "spmm_kernel", "spmm_reference"]
 
 
 def spmm_reference(x: Tensor, p: PackedWeight, bias: Tensor | None = None) -> Tensor:
@@ -42,24 +43,43 @@ def _kernel_ok(x: Tensor, cols: int) -> bool:
 AUTO_WGMMA_M = frozenset({4, 8})
 
 
+_KERNEL_ENV = "HF_SPARSE_SPMM_KERNEL"
+
+
 def spmm_kernel(m: int, device: torch.device | None = None) -> str:
     """The CUDA kernel a pattern with group size ``m`` runs on, on ``device``: ``"wgmma"`` or ``"mma_sp"``.
 
     Reads ``HF_SPARSE_SPMM_KERNEL`` (``auto``/``mma_sp``/``wgmma``) on every call, so tests and benchmarks can switch
     it; in ``auto`` mode builds the extension (first call) to ask whether the sm_90a kernel is in it.
     """
-    return kernel_choice("HF_SPARSE_SPMM_KERNEL", "mma_sp", AUTO_WGMMA_M, m, device)
+    return kernel_choice(_KERNEL_ENV, "mma_sp", AUTO_WGMMA_M, m, device)
+
+
+_kernel_fns: dict[tuple, object] = {}  # (HF_SPARSE_SPMM_KERNEL, m, device index) -> the extension function
 
 
 def _run_kernel(
     x: Tensor, values: Tensor, meta: Tensor, columns: Tensor, bias: Tensor | None, rows: int, cols: int, m: int
 ) -> Tensor:
-    """The CUDA kernel call itself (``x`` 2-D, contiguous, 16-byte aligned, ``cols % 8 == 0``)."""
-    from ._build import load_extension
+    """The CUDA kernel call itself (``x`` 2-D, contiguous, 16-byte aligned, ``cols % 8 == 0``). The kernel is looked
+    up once per (env setting, m, device): this runs on every sparse linear call, and the lookup's Python (env
+    parsing, the capability query) would cost more host time than the launch."""
+    key = (os.environ.get(_KERNEL_ENV), m, x.device.index)
+    fn = _kernel_fns.get(key)
+    if fn is None:
+        from ._build import load_extension
 
-    ext = load_extension()
-    fn = ext.spmm_wgmma if spmm_kernel(m, x.device) == "wgmma" else ext.spmm
+        ext = load_extension()
+        fn = _kernel_fns[key] = ext.spmm_wgmma if spmm_kernel(m, x.device) == "wgmma" else ext.spmm
     return fn(x, values, meta, columns, bias, rows, cols, m)
+
+
+def spmm_2d(x2: Tensor, packed: PackedWeight, bias: Tensor | None = None) -> Tensor:
+    """:func:`spmm` for a caller that already holds a 2-D ``x2`` and ``bias`` in the packed dtype (the dispatcher's
+    every call): straight to the kernel when it can take ``x2`` as it is, else :func:`spmm`."""
+    if x2.is_cuda and x2.is_contiguous() and _kernel_ok(x2, packed.cols) and not torch.compiler.is_compiling():
+        return _run_kernel(x2, packed.values, packed.meta, packed.columns, bias, packed.rows, packed.cols, packed.m)
+    return spmm(x2, packed, bias)
 
 
 @torch.library.custom_op("hf_sparse::spmm", mutates_args=())
