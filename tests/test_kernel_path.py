@@ -371,3 +371,34 @@ def test_a_bias_changed_in_place_reaches_the_kernel_path():
         x.bfloat16().float(), module.weight.bfloat16().float(), module.bias.bfloat16().float()
     )
     assert torch.allclose(y, expected, atol=5e-2, rtol=2e-2)
+
+
+def test_batched_repack_also_repacks_the_dispatchers_2to4_view():
+    """A V:2:M layer the dispatcher runs on its 2:4 view: the batch repacks the view with the pack, and the next
+    call finds it current (no second repack)."""
+    from hf_sparse.ops import dispatch
+    from hf_sparse.ops._layout import dense_from_packed
+
+    model = _model(seed=15)
+    pruner = prune_now(model, "64:2:8")
+    enable_kernel_path(model, pruner, allow_cpu=True)
+    states = [layer.module.__dict__["_hf_sparse_kernel"] for layer in pruner.layers]
+    ids, labels = random_ids(4, 12, seed=16), torch.tensor([0, 1, 2, 1])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            model(input_ids=ids, labels=labels).loss.backward()
+        target = states[1]
+        view = dispatch._view24(target.weight(), target.packed)  # as a "sparse24" choice would build it
+        opt.step()
+        pruner.apply()
+        first = pruner.layers[0].module
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            first(torch.randn(3, first.in_features))
+        new_view = dispatch.view24_of(target.packed)
+        assert new_view is not None and new_view is not view
+        expected = target.weight().detach().bfloat16().float()
+        assert torch.equal(dense_from_packed(new_view, torch.float32), expected)
+        assert dispatch._view24(target.weight(), target.packed) is new_view  # current: not repacked again
+    finally:
+        dispatch.clear_cache()

@@ -135,13 +135,21 @@ class _KernelGroup:
                 weights.append(master.t())
                 packs.append(k.packed_t)
                 owners.append((k, "packed_t"))
+            view = dispatch.view24_of(k.packed) if k.m > 4 else None
+            if view is not None:  # the dispatcher runs this V:2:M weight as 2:4: its view is due too
+                weights.append(master)
+                packs.append(view)
+                owners.append((k, "view24"))
         with torch.no_grad():
-            fresh = repack_many(weights, packs, all_valid=[k.all_valid for k, _ in owners])
+            fresh = repack_many(weights, packs, all_valid=[k.all_valid and a != "view24" for k, a in owners])
             casts = [k for k in todo if k.bias_lp is not None and k.bias_lp.dtype == dtype]
             if casts:  # the biases' casts, in one call too (a launch per layer otherwise)
                 torch._foreach_copy_([k.bias_lp for k in casts], [k.module.bias.detach() for k in casts])
         for (k, attr), p in zip(owners, fresh, strict=True):
-            setattr(k, attr, p)
+            if attr == "view24":
+                dispatch.adopt_view24(k.packed, p)  # k.packed is already the new pack (it comes first)
+            else:
+                setattr(k, attr, p)
         for k in todo:
             if k.bias_lp is not None and k.bias_lp.dtype != dtype:
                 k.bias_lp = k.module.bias.detach().to(dtype)

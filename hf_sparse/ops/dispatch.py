@@ -37,7 +37,16 @@ from .pack import pack, repack
 from .sddmm import scatter_dense, sddmm
 from .spmm import spmm, spmm_2d
 
-__all__ = ["backend_mode", "choice", "choices", "clear_cache", "linear_forward", "weight_grad"]
+__all__ = [
+    "adopt_view24",
+    "backend_mode",
+    "choice",
+    "choices",
+    "clear_cache",
+    "linear_forward",
+    "view24_of",
+    "weight_grad",
+]
 
 Forward = Literal["sparse", "sparse24", "dense", "cslt"]
 WeightGrad = Literal["sparse", "dense"]
@@ -235,6 +244,21 @@ def _view24(weight: Tensor, p: PackedWeight, repack_values: bool = False) -> Pac
         lambda view: repack(weight, view),
         repack_values,
     )
+
+
+def view24_of(p: PackedWeight) -> PackedWeight | None:
+    """The 2:4 view the dispatcher keeps for ``p``'s mask (a measured choice runs on it), or None."""
+    st = _views24.get(p.meta)
+    return None if st is None else st.obj
+
+
+def adopt_view24(p: PackedWeight, view: PackedWeight) -> None:
+    """Record ``view`` as the 2:4 view of ``p``'s current values: for a caller that repacked both together
+    (:func:`hf_sparse.ops.repack_many`), so the next call does not repack the view again."""
+    st = _views24.get(p.meta)
+    if st is not None:
+        st.obj = view
+        st.source = weakref.ref(p.values)
 
 
 def _cslt_usable() -> bool:
