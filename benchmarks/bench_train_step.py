@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import datetime
+import gc
 import pstats
 import statistics
 import sys
@@ -195,6 +196,7 @@ def train_section(args) -> None:
     dense_ms = None
     configs = ["dense", *args.patterns] + [f"{p} masked-dense" for p in args.patterns if args.masked_dense]
     for pattern in configs:
+        gc.collect()  # the last configuration's model and pruner (reference cycles): not left to slow this one's host
         torch.cuda.empty_cache()
         model = build()
         pruner = None
