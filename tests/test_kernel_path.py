@@ -326,19 +326,25 @@ def test_grad_hook_masks_only_gradients_the_kernel_path_did_not_make(monkeypatch
     assert masked == []
 
 
+def _on_kernel_path_after_backward(seed: int):
+    """A tiny BERT pruned 64:2:8 on the kernel path (CPU references), after one bf16 backward: (model, pruner, the
+    layers' kernel-path states, an AdamW over the model, not stepped yet)."""
+    model = _model(seed=seed)
+    pruner = prune_now(model, "64:2:8")
+    enable_kernel_path(model, pruner, allow_cpu=True)
+    states = [layer.module.__dict__["_hf_sparse_kernel"] for layer in pruner.layers]
+    ids, labels = random_ids(4, 12, seed=seed + 1), torch.tensor([0, 1, 2, 1])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(input_ids=ids, labels=labels).loss.backward()
+    return model, pruner, states, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
 def test_first_stale_layer_repacks_every_used_layer_at_once():
     """After an optimizer step the first kernel-path call repacks every layer that ran on the kernels since the last
     batch (one launch on CUDA), from the new master values; a layer that did not run is left to its own call."""
     from hf_sparse.ops import pack
 
-    model = _model(seed=12)
-    pruner = prune_now(model, "64:2:8")
-    enable_kernel_path(model, pruner, allow_cpu=True)
-    states = [layer.module.__dict__["_hf_sparse_kernel"] for layer in pruner.layers]
-    ids, labels = random_ids(4, 12, seed=13), torch.tensor([0, 1, 2, 1])
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        model(input_ids=ids, labels=labels).loss.backward()
+    model, pruner, states, opt = _on_kernel_path_after_backward(seed=12)
     opt.step()
     pruner.apply()
     idle = states[-1]
@@ -379,15 +385,8 @@ def test_batched_repack_also_repacks_the_dispatchers_2to4_view():
     from hf_sparse.ops import dispatch
     from hf_sparse.ops._layout import dense_from_packed
 
-    model = _model(seed=15)
-    pruner = prune_now(model, "64:2:8")
-    enable_kernel_path(model, pruner, allow_cpu=True)
-    states = [layer.module.__dict__["_hf_sparse_kernel"] for layer in pruner.layers]
-    ids, labels = random_ids(4, 12, seed=16), torch.tensor([0, 1, 2, 1])
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, pruner, states, opt = _on_kernel_path_after_backward(seed=15)
     try:
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            model(input_ids=ids, labels=labels).loss.backward()
         target = states[1]
         view = dispatch._view24(target.weight(), target.packed)  # as a "sparse24" choice would build it
         opt.step()
