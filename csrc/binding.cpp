@@ -348,6 +348,58 @@ void apply_masks_(const std::vector<at::Tensor>& tensors, const std::vector<at::
   }
 }
 
+void check_score(const char* op, const at::Tensor& score) {
+  TORCH_CHECK(score.is_cuda() && score.scalar_type() == at::kFloat && score.dim() == 2 && score.is_contiguous(),
+              "hf_sparse.", op, ": score must be a contiguous 2-D float32 CUDA tensor");
+  TORCH_CHECK(score.size(0) < (1LL << 31) && score.size(1) < (1LL << 31), "hf_sparse.", op, ": score is too large");
+}
+
+at::Tensor nm_mask(const at::Tensor& score, int64_t n, int64_t m) {
+  check_score("nm_mask", score);
+  TORCH_CHECK(m > 0 && score.size(1) % m == 0, "hf_sparse.nm_mask: in_features=", score.size(1),
+              " is not a multiple of m=", m);
+  c10::cuda::CUDAGuard guard(score.device());
+  auto out = at::empty(score.sizes(), score.options().dtype(at::kBool));
+  check_cuda(hf_sparse::nm_mask(score.data_ptr<float>(), out.data_ptr<bool>(), (int)score.size(0),
+                                (int)score.size(1), (int)n, (int)m, c10::cuda::getCurrentCUDAStream().stream()),
+             "nm_mask");
+  return out;
+}
+
+at::Tensor vnm_mask(const at::Tensor& score, int64_t v, int64_t n, int64_t m, int64_t keep_cols) {
+  check_score("vnm_mask", score);
+  const int64_t rows = score.size(0), cols = score.size(1);
+  TORCH_CHECK(v > 0 && m > 0 && rows % v == 0 && cols % m == 0, "hf_sparse.vnm_mask: shape (", rows, ", ", cols,
+              ") needs rows % ", v, " == 0 and cols % ", m, " == 0");
+  c10::cuda::CUDAGuard guard(score.device());
+  auto out = at::empty(score.sizes(), score.options().dtype(at::kBool));
+  auto sums = at::empty({rows / v, cols}, score.options().dtype(at::kDouble));
+  auto bits = at::empty({rows / v, cols / m, (m + 31) / 32}, score.options().dtype(at::kInt));
+  check_cuda(hf_sparse::vnm_mask(score.data_ptr<float>(), sums.data_ptr<double>(),
+                                 reinterpret_cast<uint32_t*>(bits.data_ptr<int>()), out.data_ptr<bool>(), (int)rows,
+                                 (int)cols, (int)v, (int)n, (int)m, (int)keep_cols,
+                                 c10::cuda::getCurrentCUDAStream().stream()),
+             "vnm_mask");
+  return out;
+}
+
+at::Tensor transposable_2to4_mask(const at::Tensor& score, const at::Tensor& patterns) {
+  check_score("transposable_2to4_mask", score);
+  TORCH_CHECK(score.size(0) % 4 == 0 && score.size(1) % 4 == 0, "hf_sparse.transposable_2to4_mask: shape (",
+              score.size(0), ", ", score.size(1), ") needs both dimensions divisible by 4");
+  TORCH_CHECK(patterns.is_cuda() && patterns.device() == score.device() && patterns.scalar_type() == at::kShort &&
+                  patterns.dim() == 1 && patterns.size(0) == 90 && patterns.is_contiguous(),
+              "hf_sparse.transposable_2to4_mask: patterns must be 90 int16 bitmasks on the score's device");
+  c10::cuda::CUDAGuard guard(score.device());
+  auto out = at::empty(score.sizes(), score.options().dtype(at::kBool));
+  check_cuda(hf_sparse::transposable_2to4_mask(score.data_ptr<float>(),
+                                               reinterpret_cast<const uint16_t*>(patterns.data_ptr<int16_t>()),
+                                               out.data_ptr<bool>(), (int)score.size(0), (int)score.size(1),
+                                               c10::cuda::getCurrentCUDAStream().stream()),
+             "transposable_2to4_mask");
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
@@ -361,5 +413,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("pack", &pack, "dense masked weight + mask -> packed (values, meta, columns, valid, error flag)");
   mod.def("pack_values", &pack_values, "new packed values from a masked weight (any strides), mask layout reused");
   mod.def("pack_values_batch", &pack_values_batch, "pack_values for many weights, in one launch per weight dtype");
+  mod.def("nm_mask", &nm_mask, "N:M mask of an fp32 score (hf_sparse.masks.nm_mask's rule)");
+  mod.def("vnm_mask", &vnm_mask, "V:N:M mask of an fp32 score (hf_sparse.masks.vnm_mask's rule)");
+  mod.def("transposable_2to4_mask", &transposable_2to4_mask,
+          "exact transposable 2:4 mask of an fp32 score, first best of the given 90 patterns");
   mod.def("apply_masks_", &apply_masks_, "zero, in place, the entries of each tensor where its bool mask is false");
 }

@@ -97,4 +97,14 @@ struct MaskBatch {
 int64_t apply_masks_chunk();
 cudaError_t apply_masks(const MaskBatch& args, cudaStream_t stream);
 
+// Mask selection (csrc/mask_select.cu), the rules of hf_sparse.masks: `score` fp32 (rows x cols, row-major), `out`
+// bool of the same shape. vnm_mask needs scratch: `sums` (rows/v x cols doubles) and `bits` ((rows/v) x (cols/m) x
+// ceil(m/32) words). transposable_2to4_mask takes the 90 patterns as 16-bit row-major 4x4 bitmasks, in the order
+// whose first best pattern wins.
+cudaError_t nm_mask(const float* score, bool* out, int rows, int cols, int n, int m, cudaStream_t stream);
+cudaError_t vnm_mask(const float* score, double* sums, uint32_t* bits, bool* out, int rows, int cols, int v, int n,
+                     int m, int keep_cols, cudaStream_t stream);
+cudaError_t transposable_2to4_mask(const float* score, const uint16_t* patterns, bool* out, int rows, int cols,
+                                   cudaStream_t stream);
+
 }  // namespace hf_sparse

@@ -2,7 +2,10 @@
 
 Every function takes an *importance* tensor (larger means keep; see :mod:`hf_sparse.scoring`) shaped like the
 logical weight ``(out_features, in_features)`` and returns a ``bool`` mask of the same shape. Ties are broken
-towards the lower index (stable sorts, first-maximum ``argmax``), so CPU and CUDA give the same mask.
+towards the lower index (stable sorts, first-maximum ``argmax``), so CPU and CUDA give the same mask. On CUDA, once
+this process has loaded the kernel extension (the kernel path does), N:M, V:N:M and transposable 2:4 masks of
+fp32/bf16/fp16 scores come from dedicated kernels (``csrc/mask_select.cu``) that apply the same rules, tie-breaking
+included; the torch forms sort every group or loop over chunks of a float64 matmul, many launches per layer.
 Applying a mask writes ``+0.0`` at pruned positions (:func:`apply_mask`), never the ``-0.0`` that ``w * mask``
 leaves for negative weights.
 """
@@ -45,11 +48,29 @@ def _top_k_last_dim(score: Tensor, k: int) -> Tensor:
     return keep.scatter_(-1, order[..., :k], True)
 
 
+_KERNEL_SCORE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # converted to fp32 exactly
+
+
+def _selection_kernels(score: Tensor):
+    """The extension, for a CUDA score the mask kernels take, once this process has loaded it (never builds)."""
+    if not score.is_cuda or score.dtype not in _KERNEL_SCORE_DTYPES or score.dim() != 2:
+        return None
+    return _mask_extension()
+
+
 def nm_mask(score: Tensor, n: int, m: int) -> Tensor:
     """Keep the ``n`` largest of every ``m`` consecutive entries of each row."""
     rows, cols = score.shape
     if cols % m:
         raise ValueError(f"N:M mask {n}:{m}: in_features={cols} is not a multiple of m={m}")
+    ext = _selection_kernels(score)
+    if ext is not None:
+        return ext.nm_mask(score.float().contiguous(), n, m)
+    return _nm_mask_torch(score, n, m)
+
+
+def _nm_mask_torch(score: Tensor, n: int, m: int) -> Tensor:
+    rows, cols = score.shape
     return _top_k_last_dim(score.reshape(rows, cols // m, m), n).reshape(rows, cols)
 
 
@@ -69,6 +90,14 @@ def vnm_mask(score: Tensor, v: int, n: int, m: int, keep_cols: int = SPTC_GROUP)
     rows, cols = score.shape
     if rows % v or cols % m:
         raise ValueError(f"V:N:M mask {v}:{n}:{m}: shape ({rows}, {cols}) needs rows % {v} == 0 and cols % {m} == 0")
+    ext = _selection_kernels(score)
+    if ext is not None:
+        return ext.vnm_mask(score.float().contiguous(), v, n, m, keep_cols)
+    return _vnm_mask_torch(score, v, n, m, keep_cols)
+
+
+def _vnm_mask_torch(score: Tensor, v: int, n: int, m: int, keep_cols: int) -> Tensor:
+    rows, cols = score.shape
     blocks = score.reshape(rows // v, v, cols // m, m)
     column_score = blocks.sum(dim=1, dtype=torch.float64)  # (row_blocks, col_groups, m)
     kept_columns = _top_k_last_dim(column_score, keep_cols).unsqueeze(1)  # broadcast over the block's rows
@@ -105,6 +134,23 @@ def transposable_2to4_mask(score: Tensor) -> Tensor:
     rows, cols = score.shape
     if rows % 4 or cols % 4:
         raise ValueError(f"transposable 2:4 mask: shape ({rows}, {cols}) needs both dimensions divisible by 4")
+    ext = _selection_kernels(score)
+    if ext is not None:
+        return ext.transposable_2to4_mask(score.float().contiguous(), _transposable_bits(score.device))
+    return _transposable_2to4_mask_torch(score)
+
+
+@cache
+def _transposable_bits(device: torch.device) -> Tensor:
+    """The 90 patterns as 16-bit masks (bit ``4 r + c``: row ``r``, column ``c`` of the block kept), in the order of
+    :func:`_transposable_patterns` (the kernel keeps the first best, as ``argmax`` does), as int16 on ``device``."""
+    weights = torch.tensor([1 << k for k in range(16)], dtype=torch.float64)
+    bits = (_transposable_patterns() @ weights).long()
+    return torch.where(bits >= 1 << 15, bits - (1 << 16), bits).to(device=device, dtype=torch.int16)
+
+
+def _transposable_2to4_mask_torch(score: Tensor) -> Tensor:
+    rows, cols = score.shape
     patterns = _transposable_patterns().to(score.device)
     filters = patterns.T.contiguous()
     blocks = score.reshape(rows // 4, 4, cols // 4, 4).permute(0, 2, 1, 3).reshape(-1, 16)

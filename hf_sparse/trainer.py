@@ -15,6 +15,7 @@ from .config import SparsityConfig
 from .distributed import has_sharded_parameters, is_main_process
 from .modeling import unwrap_model
 from .nn.kernel_path import disable_kernel_path, enable_kernel_path, masks_final
+from .ops._build import KernelUnavailableError, load_extension
 from .pruner import Pruner
 from .serialization import save_pretrained
 
@@ -31,6 +32,18 @@ class _KernelPathSwitch(TrainerCallback):
         self.sparsity_callback = sparsity_callback
         self.engaged = False
         self.layers: list[str] = []  # the layers switched (empty without a GPU)
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        """On CUDA, load the kernels before the first step (building them on first use, ~1-2 minutes, cached): the
+        mask selection of every pruning step then runs on them (:mod:`hf_sparse.masks`), and the build does not
+        land in the middle of training. Where they cannot be built, training goes on with torch's mask selection
+        and :func:`enable_kernel_path` says so when it would switch."""
+        weight = next(unwrap_model(model).parameters(), None) if model is not None else None
+        if weight is not None and weight.is_cuda:
+            try:
+                load_extension()
+            except KernelUnavailableError as err:
+                logger.info("hf_sparse: the CUDA kernels are unavailable: %s", err)
 
     def on_step_begin(self, args, state, control, model=None, **kwargs):
         pruner = self.sparsity_callback.pruner

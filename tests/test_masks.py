@@ -241,3 +241,13 @@ def test_vnm_property(blocks, v, groups, nm, seed):
 def test_compute_mask_unstructured_dispatch():
     score = torch.rand(10, 10)
     assert int(compute_mask(score, Unstructured(0.3)).sum()) == 70
+
+
+def test_transposable_bit_table_matches_the_patterns_in_order():
+    """The 16-bit table the CUDA kernel searches is the pattern list, in the order whose first best wins."""
+    from hf_sparse.masks import _transposable_bits, _transposable_patterns
+
+    bits = _transposable_bits(torch.device("cpu")).long() & 0xFFFF
+    unpacked = torch.stack([(bits >> k) & 1 for k in range(16)], dim=1).double()
+    assert torch.equal(unpacked, _transposable_patterns())
+    assert len(set(bits.tolist())) == 90

@@ -52,6 +52,7 @@ SOURCES = (
     "sddmm_sm90.cu",
     "pack.cu",
     "mask.cu",
+    "mask_select.cu",
 )
 CSLT_EXTENSION_NAME = "hf_sparse_cslt"
 CSLT_SOURCES = ("cusparselt.cpp",)
