@@ -386,18 +386,24 @@ def weight_grad(dy: Tensor, x: Tensor, p: PackedWeight, dtype: torch.dtype) -> T
     mode = _mode()
     dy2 = dy.reshape(-1, p.rows)
     x2 = x.reshape(-1, p.cols)
+    if mode == "dense":
+        return _masked_dense_grad(dy2, x2, p, dtype)
+    choice = _choices.get(_key("dw", x2.shape[0], p, x.device)) if dy.is_cuda and mode == "auto" else "sparse"
+    if choice is None:
+        choice = _measure_weight_grad(dy2, x2, p, dtype)
+    if choice == "dense":
+        return _masked_dense_grad(dy2, x2, p, dtype)
+    return scatter_dense(sddmm(dy2, x2, p), p, dtype)
+
+
+def _measure_weight_grad(dy2: Tensor, x2: Tensor, p: PackedWeight, dtype: torch.dtype) -> str:
+    """Time SDDMM + scatter against dense + mask, cache the faster (``"sparse"``, uncached, while nothing can be
+    measured)."""
+    if not _can_measure():
+        return "sparse"
     candidates: dict[str, Callable[[], Tensor]] = {
         "sparse": lambda: scatter_dense(sddmm(dy2, x2, p), p, dtype),
         "dense": lambda: _masked_dense_grad(dy2, x2, p, dtype),
     }
-    if mode == "dense":
-        return candidates["dense"]()
-    if not dy.is_cuda or mode == "sparse":
-        return candidates["sparse"]()
-    key = _key("dw", x2.shape[0], p, x.device)
-    choice = _choices.get(key)
-    if choice is None:
-        if not _can_measure():
-            return candidates["sparse"]()
-        choice = _choices[key] = _fastest(candidates)
-    return candidates[choice]()
+    choice = _choices[_key("dw", x2.shape[0], p, x2.device)] = _fastest(candidates)
+    return choice
