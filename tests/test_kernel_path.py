@@ -401,3 +401,24 @@ def test_batched_repack_also_repacks_the_dispatchers_2to4_view():
         assert dispatch._view24(target.weight(), target.packed) is new_view  # current: not repacked again
     finally:
         dispatch.clear_cache()
+
+
+def test_no_stale_bias_copy_after_the_model_moves_to_the_compute_dtype():
+    """A bf16 copy of the bias made under autocast is dropped once the bias itself is bf16 (``model.bfloat16()``):
+    the forward then reads the bias, with whatever values it has now."""
+    model = _model(seed=17)
+    pruner = prune_now(model, "64:2:8")
+    enable_kernel_path(model, pruner, allow_cpu=True)
+    module = pruner.layers[0].module
+    state = module.__dict__["_hf_sparse_kernel"]
+    x = torch.randn(5, module.in_features)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        model(input_ids=random_ids(2, 6, seed=18))
+    assert state.bias_lp is not None
+    model.bfloat16()
+    with torch.no_grad():
+        module.bias.add_(1.0)
+        y = module(x.bfloat16()).float()
+    assert state.bias_lp is None
+    expected = torch.nn.functional.linear(x.bfloat16().float(), module.weight.float(), module.bias.float())
+    assert torch.allclose(y, expected, atol=5e-2, rtol=2e-2)

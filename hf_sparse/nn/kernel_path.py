@@ -142,17 +142,17 @@ class _KernelGroup:
                 owners.append((k, "view24"))
         with torch.no_grad():
             fresh = repack_many(weights, packs, all_valid=[k.all_valid and a != "view24" for k, a in owners])
-            casts = [k for k in todo if k.bias_lp is not None and k.bias_lp.dtype == dtype]
-            if casts:  # the biases' casts, in one call too (a launch per layer otherwise)
-                torch._foreach_copy_([k.bias_lp for k in casts], [k.module.bias.detach() for k in casts])
+            copies: list[tuple[Tensor, Tensor]] = []
+            for k in todo:
+                k.refresh_bias(dtype, copies)
+            if copies:  # the biases' casts into their buffers, in one call too (a launch per layer otherwise)
+                torch._foreach_copy_([dst for dst, _ in copies], [src for _, src in copies])
         for (k, attr), p in zip(owners, fresh, strict=True):
             if attr == "view24":
                 dispatch.adopt_view24(k.packed, p)  # k.packed is already the new pack (it comes first)
             else:
                 setattr(k, attr, p)
         for k in todo:
-            if k.bias_lp is not None and k.bias_lp.dtype != dtype:
-                k.bias_lp = k.module.bias.detach().to(dtype)
             k.lp = None
             k._weight_key = k.weight_key(dtype)
 
@@ -255,15 +255,24 @@ class _LayerKernel:
                 self.packed = repack(src, self.packed, all_valid=self.all_valid)
                 if self.packed_t is not None:
                     self.packed_t = repack(src.t(), self.packed_t, all_valid=self.all_valid)
-            bias = self.module.bias
-            if fresh or bias is None or bias.dtype == dtype:
-                pass
-            elif self.bias_lp is not None and self.bias_lp.dtype == dtype:
-                self.bias_lp.copy_(bias.detach())
-            else:
-                self.bias_lp = bias.detach().to(dtype)
+            if not fresh:
+                self.refresh_bias(dtype)
         self.lp = lp
         self._weight_key = wkey
+
+    def refresh_bias(self, dtype: torch.dtype, copies: list[tuple[Tensor, Tensor]] | None = None) -> None:
+        """Bring ``bias_lp`` up to date: None where the bias needs no cast, else the bias in ``dtype``, copied into
+        the same buffer when it has one (its address stays: cuSPARSELt plans hold it). ``copies``: collect the
+        (buffer, bias) pairs for the caller to copy in one call instead of copying here."""
+        bias = self.module.bias
+        if bias is None or bias.dtype == dtype:
+            self.bias_lp = None
+        elif self.bias_lp is None or self.bias_lp.dtype != dtype or self.bias_lp.shape != bias.shape:
+            self.bias_lp = bias.detach().to(dtype)
+        elif copies is not None:
+            copies.append((self.bias_lp, bias.detach()))
+        else:
+            self.bias_lp.copy_(bias.detach())
 
     def _same_mask(self, mkey: tuple) -> bool:
         old = self._mask_key
