@@ -8,9 +8,9 @@
 //   nm:           one thread per entry: its rank in its group of m (entries above it, or equal and to its left);
 //                 kept when the rank is below n.
 //   vnm:          (1) one thread per (row block, column): the column's score summed over the block's v rows in
-//                 float64; (2) one thread per (row block, group): the bitmask of the group's keep_cols columns with
-//                 the largest sums (ranked like nm); (3) one thread per entry: kept when its column is in the bitmask
-//                 and its rank among the row's kept columns is below n.
+//                 float64; (2) one thread per (row block, column): its rank among its group's sums (like nm), the
+//                 keep_cols best set their bits in the group's bitmask; (3) one thread per entry: kept when its
+//                 column is in the bitmask and its rank among the row's kept columns is below n.
 //   transposable: one thread per 4x4 block: the float64 total of each of the 90 patterns, the first best wins.
 #include <stdint.h>
 
@@ -48,20 +48,18 @@ __global__ void __launch_bounds__(kThreads) column_sums_kernel(const float* __re
   sums[i] = sum;
 }
 
+// `bits` zeroed by the caller.
 __global__ void __launch_bounds__(kThreads) kept_columns_kernel(const double* __restrict__ sums,
-                                                                uint32_t* __restrict__ bits, int64_t groups_total,
+                                                                uint32_t* __restrict__ bits, int64_t columns_total,
                                                                 int m, int keep_cols) {
-  const int64_t i = (int64_t)blockIdx.x * kThreads + threadIdx.x;  // (row block, group)
-  if (i >= groups_total) return;
-  const double* s = sums + i * m;
-  const int words = (m + 31) / 32;
-  uint32_t* out = bits + i * words;
-  for (int w = 0; w < words; ++w) out[w] = 0u;
-  for (int c = 0; c < m; ++c) {
-    int rank = 0;
-    for (int j = 0; j < m; ++j) rank += s[j] > s[c] || (s[j] == s[c] && j < c);
-    if (rank < keep_cols) out[c / 32] |= 1u << (c % 32);
-  }
+  const int64_t i = (int64_t)blockIdx.x * kThreads + threadIdx.x;  // (row block, group, column in the group)
+  if (i >= columns_total) return;
+  const int c = (int)(i % m);
+  const double* s = sums + (i - c);
+  const double self = s[c];
+  int rank = 0;
+  for (int j = 0; j < m; ++j) rank += s[j] > self || (s[j] == self && j < c);
+  if (rank < keep_cols) atomicOr(bits + (i / m) * ((m + 31) / 32) + c / 32, 1u << (c % 32));
 }
 
 __global__ void __launch_bounds__(kThreads) vnm_kernel(const float* __restrict__ score,
@@ -144,8 +142,10 @@ cudaError_t vnm_mask(const float* score, double* sums, uint32_t* bits, bool* out
   const int64_t total = (int64_t)rows * cols;
   if (total == 0) return cudaSuccess;
   column_sums_kernel<<<blocks_for((int64_t)(rows / v) * cols), kThreads, 0, stream>>>(score, sums, rows, cols, v);
-  const int64_t groups_total = (int64_t)(rows / v) * (cols / m);
-  kept_columns_kernel<<<blocks_for(groups_total), kThreads, 0, stream>>>(sums, bits, groups_total, m, keep_cols);
+  const int64_t columns_total = (int64_t)(rows / v) * cols;
+  cudaError_t err = cudaMemsetAsync(bits, 0, (size_t)(rows / v) * (cols / m) * ((m + 31) / 32) * 4, stream);
+  if (err != cudaSuccess) return err;
+  kept_columns_kernel<<<blocks_for(columns_total), kThreads, 0, stream>>>(sums, bits, columns_total, m, keep_cols);
   vnm_kernel<<<blocks_for(total), kThreads, 0, stream>>>(score, bits, out, total, cols, v, n, m, keep_cols);
   return cudaGetLastError();
 }
