@@ -1,65 +1,72 @@
-"""GPU time of computing the masks of a BERT-large-sized model (144 linears, 302M scores): the mask-selection kernels
-(``csrc/mask_select.cu``) against the torch forms of the same rules, and a check that both give the same masks.
+"""How long masking every linear layer of a BERT-large-sized model takes, per pattern.
 
-A gradual schedule recomputes every mask at each pruning step (``SparsityConfig.update_every``), so this is the cost
-of one such step's selection (scores already computed).
-
-    python benchmarks/bench_masks.py [--layers 24] [--reps 3]
+BERT-large: 24 layers of 4 x (1024x1024) attention projections + (4096x1024) + (1024x4096) FFN = 302M weights.
+Run: python benchmarks/bench_masks.py [--layers 24] [--device cpu|cuda] [--csv out.csv]
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
+import csv
+import platform
+import time
 
 import torch
 
-from hf_sparse import masks
-from hf_sparse.ops._build import load_extension
+from hf_sparse.masks import compute_mask, unstructured_mask, unstructured_threshold
+from hf_sparse.patterns import parse_pattern
 
 SHAPES = [(1024, 1024)] * 4 + [(4096, 1024), (1024, 4096)]
 
-RULES = {
-    "2:4": (lambda s: masks.nm_mask(s, 2, 4), lambda s: masks._nm_mask_torch(s, 2, 4)),
-    "64:2:8": (lambda s: masks.vnm_mask(s, 64, 2, 8), lambda s: masks._vnm_mask_torch(s, 64, 2, 8, 4)),
-    "64:2:32": (lambda s: masks.vnm_mask(s, 64, 2, 32), lambda s: masks._vnm_mask_torch(s, 64, 2, 32, 4)),
-    "transposable 2:4": (masks.transposable_2to4_mask, masks._transposable_2to4_mask_torch),
-}
-
-
-def gpu_ms(fn, scores: list[torch.Tensor], reps: int) -> float:
-    """CUDA-event time of one pass of ``fn`` over every score (median of ``reps`` passes), launches included."""
-    times = []
-    for _ in range(reps + 1):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for s in scores:
-            fn(s)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times[1:])[reps // 2]  # the first pass warms up
-
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--layers", type=int, default=24)
-    ap.add_argument("--reps", type=int, default=3)
-    args = ap.parse_args()
-    load_extension()  # the mask functions take the kernels once the extension is loaded
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    scores = [torch.rand(shape, device="cuda", generator=gen) for _ in range(args.layers) for shape in SHAPES]
-    total = sum(s.numel() for s in scores)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, default=24)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--csv", default=None)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    weights = [torch.randn(shape, device=args.device) for shape in SHAPES]  # one block; reused for every layer
+    total = sum(w.numel() for w in weights) * args.layers
     print(
-        f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC"
+        f"{args.layers} layers, {total / 1e6:.0f}M weights on {args.device} "
+        f"({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
     )
-    print(f"# {len(scores)} fp32 scores, {total / 1e6:.0f}M entries; ms per pass over all of them\n")
-    print("| mask | kernels | torch | torch / kernels | same masks |")
-    print("|---|---|---|---|---|")
-    for name, (kernel, reference) in RULES.items():
-        same = all(torch.equal(kernel(s), reference(s)) for s in scores[: len(SHAPES)])
-        k_ms, t_ms = gpu_ms(kernel, scores, args.reps), gpu_ms(reference, scores, args.reps)
-        print(f"| {name} | {k_ms:.2f} | {t_ms:.2f} | {t_ms / k_ms:.1f}x | {same} |", flush=True)
+    rows = []
+    cases = [
+        ("2:4", False),
+        ("2:4", True),
+        ("2:8", False),
+        ("64:2:8", False),
+        ("64:2:16", False),
+        ("128:2:32", False),
+        ("unstructured:0.9", False),
+        ("unstructured:0.9 (global)", False),
+    ]
+    for spec, transposable in cases:
+        pattern = parse_pattern(spec.split(" ")[0])
+        sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
+        sync()
+        start = time.perf_counter()
+        for _ in range(args.layers):
+            scores = [w.abs() for w in weights]
+            if spec.endswith("(global)"):
+                threshold = unstructured_threshold(scores, pattern.sparsity)
+                masks = [unstructured_mask(s, pattern.sparsity, threshold) for s in scores]
+            else:
+                masks = [compute_mask(s, pattern, transposable=transposable) for s in scores]
+        sync()
+        seconds = time.perf_counter() - start
+        name = spec + (" transposable" if transposable else "")
+        rows.append({"pattern": name, "seconds": round(seconds, 2), "weights_per_s": round(total / seconds / 1e6, 1)})
+        print(
+            f"{name:>28}: {seconds:6.2f} s  ({total / seconds / 1e6:6.1f} M weights/s)  kept {float(masks[0].float().mean()):.3f}"
+        )
+    if args.csv:
+        with open(args.csv, "w", newline="") as fh:
+            writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
 
 
 if __name__ == "__main__":
