@@ -36,6 +36,7 @@
 // build fails loudly, and the host only launches it on cc 9.0 when the build included sm_90a (HF_SPARSE_HAS_SM90A,
 // set by hf_sparse/ops/_build.py).
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
 
 #include "common.cuh"
@@ -51,6 +52,24 @@ namespace hf_sparse {
 namespace {
 
 constexpr int kSm90Threads = 256;  // two consumer warpgroups
+
+// Host cost per call: cudaFuncSetAttribute(MaxDynamicSharedMemorySize) took a few microseconds of host time on every
+// launch (the H200 test machine's host is slow and the training step is host-bound), yet its effect lasts for the
+// function on that device. So it runs once per kernel instantiation (Kernel, a distinct template argument per
+// instantiation) and device; a failed call is retried next time. Devices past kMaxDevices set it on every call.
+constexpr int kMaxDevices = 64;
+template <auto Kernel>
+cudaError_t raise_smem_limit_once(int smem) {
+  static std::atomic<bool> done[kMaxDevices];  // zero-initialised (static storage)
+  int dev = 0;
+  cudaError_t err = cudaGetDevice(&dev);
+  if (err != cudaSuccess) return err;
+  const bool cached = dev >= 0 && dev < kMaxDevices;
+  if (cached && done[dev].load(std::memory_order_acquire)) return cudaSuccess;
+  err = cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (err == cudaSuccess && cached) done[dev].store(true, std::memory_order_release);
+  return err;
+}
 
 // CTA tile: 128*WGM weight rows (each warpgroup WGM m64 tiles) x BN tokens, STAGES pipeline stages, and INFLIGHT
 // = 1 keeps one k-tile of wgmmas in flight while the next is issued (0: each iteration waits for its own).
@@ -285,8 +304,8 @@ spmm_sm90_kernel(const T* __restrict__ x, const uint4* __restrict__ values, cons
 
 template <typename T, typename Cfg>
 cudaError_t launch_sm90(const SpmmArgs& a, cudaStream_t stream) {
-  auto kernel = spmm_sm90_kernel<T, Cfg>;
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::SMEM);
+  constexpr auto kernel = spmm_sm90_kernel<T, Cfg>;
+  cudaError_t err = raise_smem_limit_once<kernel>(Cfg::SMEM);
   if (err != cudaSuccess) return err;
   // Row blocks vary fastest: CTAs resident together share a token tile of X (read once from L2) and walk W.
   dim3 grid((a.rows_padded + Cfg::ROWS - 1) / Cfg::ROWS, (a.n_tokens + Cfg::BN - 1) / Cfg::BN);
@@ -605,7 +624,8 @@ __device__ __forceinline__ void tile_coords(int t, int row_blocks, int token_til
   }
 }
 
-template <typename T, int BN, int STAGES, int GROUP, int PERSIST, int SKEW, int EPI_N, int EPI_BUFS, bool EVICT_FIRST>
+template <typename T, int BN, int STAGES, int GROUP, int PERSIST, int SKEW, int EPI_N, int EPI_BUFS, bool EVICT_FIRST,
+          int CLUSTER>
 __global__ void __launch_bounds__(kTmaThreads, 1)
 spmm_sm90_tma_a_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_constant__ CUtensorMap a_map,
                        const __grid_constant__ CUtensorMap e_map, const __grid_constant__ CUtensorMap y_map,
@@ -628,17 +648,27 @@ spmm_sm90_tma_a_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_c
   const int lane = tid & 31, warp = tid >> 5;
   const int k_tiles = (steps + 1) >> 1;
   const int row_blocks = (rows_padded + 127) / 128, token_tiles = (n_tokens + BN - 1) / BN;
-  const int n_tiles = row_blocks * token_tiles;
-  const int first_tile = blockIdx.x, tile_step = PERSIST ? (int)gridDim.x : n_tiles;
+  // CLUSTER = 2 (configs 28-30): a tile is CLUSTER adjacent row blocks x BN tokens, one row block per CTA of the
+  // cluster (rank r: row block CLUSTER * unit + r); the cluster's CTAs walk the same tiles in the same order.
+  constexpr bool MC = CLUSTER > 1;
+  const int row_units = (row_blocks + CLUSTER - 1) / CLUSTER;
+  const int n_tiles = row_units * token_tiles;
+  const uint32_t rank = MC ? cluster_cta_rank() : 0u;
+  const int first_tile = blockIdx.x / CLUSTER, tile_step = PERSIST ? (int)gridDim.x / CLUSTER : n_tiles;
 
   if (tid == 0) {
     for (int s = 0; s < STAGES; ++s) {
       mbar_init(full_bar + 8 * s, 1);
-      mbar_init(empty_bar + 8 * s, kTmaConsumerWarps);
+      mbar_init(empty_bar + 8 * s, kTmaConsumerWarps * CLUSTER);  // consumer warps of every CTA of the cluster
     }
     mbar_fence_init();
   }
-  __syncthreads();
+  // Barriers initialised before anyone uses them: in a cluster the peer's multicast and arrives too.
+  if constexpr (MC) {
+    cluster_sync();
+  } else {
+    __syncthreads();
+  }
 
   if (warp >= kTmaConsumerWarps) {  // producer warpgroup: one thread issues every copy, across all of its tiles
     setmaxnreg_dec<kProducerRegs>();
@@ -649,18 +679,31 @@ spmm_sm90_tma_a_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_c
       int it = 0;  // k-tiles issued so far (ring position and phase)
       for (int tile = first_tile; tile < n_tiles; tile += tile_step) {
         int bx, by;
-        tile_coords<GROUP>(tile, row_blocks, token_tiles, bx, by);
+        tile_coords<GROUP>(tile, row_units, token_tiles, bx, by);
+        // A row block past the weight (odd row-block count in a cluster) loads row block 0's A: its warpgroups are
+        // inactive (metadata kMetaPad, nothing stored), and no TMA box lies wholly outside the tensor.
+        bx = bx * CLUSTER + (int)rank;
+        const int a_row = (bx < row_blocks ? bx : 0) * 8;
         for (int kt = 0; kt < k_tiles; ++kt, ++it) {
           const int slot = it % STAGES;
           const uint32_t dst = smem_u32 + slot * S::STAGE, bar = full_bar + 8 * slot;
+          // In a cluster this wait also covers the peer's consumers (they arrive here too): the multicast below
+          // writes into the peer's stage.
           mbar_wait(empty_bar + 8 * slot, ((it / STAGES) & 1) ^ 1);
-          mbar_arrive_expect_tx(bar, S::STAGE);
-          tma_load_2d(dst, &x_map, kt * 64, by * BN, bar);
-          tma_load_2d(dst + S::X_BYTES, &a_map, kt * 256, bx * 8, bar);  // 2 k-steps x 128 words, 8 m16 tiles
-          tma_load_2d(dst + S::X_BYTES + S::A_BYTES, &e_map, kt * 32, bx * 8, bar);
+          mbar_arrive_expect_tx(bar, S::STAGE);  // the whole X tile (both halves in a cluster) + this CTA's A, meta
+          if constexpr (MC) {
+            constexpr int PART = BN / CLUSTER;  // tokens this CTA loads for the whole cluster
+            tma_load_2d_multicast(dst + rank * PART * 128, &x_map, kt * 64, by * BN + (int)rank * PART, bar,
+                                  (uint16_t)((1u << CLUSTER) - 1));
+          } else {
+            tma_load_2d(dst, &x_map, kt * 64, by * BN, bar);
+          }
+          tma_load_2d(dst + S::X_BYTES, &a_map, kt * 256, a_row, bar);  // 2 k-steps x 128 words, 8 m16 tiles
+          tma_load_2d(dst + S::X_BYTES + S::A_BYTES, &e_map, kt * 32, a_row, bar);
         }
       }
     }
+    if constexpr (MC) cluster_sync();  // stay until the peer has stopped writing into this CTA and arriving here
     return;
   }
 
@@ -676,9 +719,19 @@ spmm_sm90_tma_a_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_c
   if (SKEW && wg == 1 && first_tile < n_tiles) consumers_bar_sync();
   float acc[ND];
   int it = 0;  // k-tiles consumed so far
+  // Releases the stage of k-tile `done` (ring position): this warp's arrive on this CTA's "empty" barrier and, in a
+  // cluster, on the peer's (whose producer multicasts into this CTA's stage too).
+  auto release = [&](int done) {
+    const uint32_t bar = empty_bar + 8 * (done % STAGES);
+    if (lane == 0) mbar_arrive(bar);
+    if constexpr (MC) {
+      if (lane == 1) mbar_arrive_cluster(bar, rank ^ 1u);
+    }
+  };
   for (int tile = first_tile; tile < n_tiles; tile += tile_step) {
     int bx, by;
-    tile_coords<GROUP>(tile, row_blocks, token_tiles, bx, by);
+    tile_coords<GROUP>(tile, row_units, token_tiles, bx, by);
+    bx = bx * CLUSTER + (int)rank;
     const int cta_row0 = bx * 128;
     const bool active = wg * 4 < ((rows_padded - cta_row0) >> 4);
 #pragma unroll
@@ -703,7 +756,7 @@ spmm_sm90_tma_a_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_c
       for (int j = 0; j < 2; ++j) WgmmaSpTile<BN, T>::run(acc, a[j], desc + j * (64 >> 4), e[j]);
       wgmma_commit();
       wgmma_wait<1>();
-      if (kt > 0 && lane == 0) mbar_arrive(empty_bar + 8 * ((it + kt - 1) % STAGES));
+      if (kt > 0) release(it + kt - 1);
     };
     uint4 a0[2], a1[2];
     uint32_t e0[2], e1[2];
@@ -714,7 +767,7 @@ spmm_sm90_tma_a_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_c
     }
     wgmma_wait<0>();
     it += k_tiles;
-    if (lane == 0) mbar_arrive(empty_bar + 8 * ((it - 1) % STAGES));  // the last k-tile's stage
+    release(it - 1);  // the last k-tile's stage
 #pragma unroll
     for (int j = 0; j < ND; ++j) asm volatile("" : "+f"(acc[j])::"memory");  // reads after the wgmma wait
     const int row0 = cta_row0 + 64 * wg + 16 * wq;
@@ -733,6 +786,7 @@ spmm_sm90_tma_a_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_c
   if constexpr (EPI_N > 0) {
     if ((tid & 127) == 0) bulk_wait_group<0>();
   }
+  if constexpr (MC) cluster_sync();  // no CTA of the cluster exits while the other may still arrive on its barriers
 #elif defined(__CUDA_ARCH__)
   __trap();  // built without sm_90a: the host never launches this (spmm_sm90_available() is false)
 #endif
@@ -759,9 +813,9 @@ template <typename T, int BN, int STAGES, int INFLIGHT, int CLUSTER = 1, int GRO
 cudaError_t launch_sm90_tma(const SpmmArgs& a, cudaStream_t stream) {
   CUtensorMap map;
   if (!encode_x_map(a, SHARE ? BN / CLUSTER : BN, &map)) return launch_sm90<T, Sm90Cfg<256, 1, 6, 0, 1>>(a, stream);  // config 4
-  auto kernel = spmm_sm90_tma_kernel<T, BN, STAGES, INFLIGHT, CLUSTER, GROUP, SHARE>;
+  constexpr auto kernel = spmm_sm90_tma_kernel<T, BN, STAGES, INFLIGHT, CLUSTER, GROUP, SHARE>;
   constexpr int smem = TmaSmem<BN, STAGES>::BYTES;
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  cudaError_t err = raise_smem_limit_once<kernel>(smem);
   if (err != cudaSuccess) return err;
   int row_blocks = (a.rows_padded + 127) / 128;
   row_blocks = (row_blocks + CLUSTER - 1) / CLUSTER * CLUSTER;  // whole clusters; extra blocks have no rows
@@ -828,11 +882,12 @@ bool encode_y_map(const SpmmArgs& a, int box_tokens, CUtensorMap* map) {
 // Configs 13-27; fall back to config 4 where a tensor map of X or the weight cannot be made (as launch_sm90_tma
 // does), and the staged-epilogue configs (EPI_N > 0) to config 15 (19 for 128- or 192-token tiles) where Y's cannot.
 template <typename T, int BN, int STAGES, int GROUP, int PERSIST, int SKEW = 0, int EPI_N = 0, int EPI_BUFS = 0,
-          bool EVICT_FIRST = false>
+          bool EVICT_FIRST = false, int CLUSTER = 1>
 cudaError_t launch_sm90_tma_a(const SpmmArgs& a, cudaStream_t stream) {
+  static_assert(CLUSTER == 1 || (PERSIST && !SKEW && GROUP == 1), "clusters: persistent, plain tile order only");
   CUtensorMap x_map, a_map, e_map, y_map;
   const int mts = a.rows_padded / 16;
-  if (!encode_x_map(a, BN, &x_map) || !encode_u32_rows_map(a.values, a.steps * 128, mts, 256, &a_map) ||
+  if (!encode_x_map(a, BN / CLUSTER, &x_map) || !encode_u32_rows_map(a.values, a.steps * 128, mts, 256, &a_map) ||
       !encode_u32_rows_map(a.meta, a.steps * 16, mts, 32, &e_map))
     return launch_sm90<T, Sm90Cfg<256, 1, 6, 0, 1>>(a, stream);  // config 4
   if constexpr (EPI_N > 0) {
@@ -841,17 +896,48 @@ cudaError_t launch_sm90_tma_a(const SpmmArgs& a, cudaStream_t stream) {
   } else {
     y_map = x_map;  // unused by the direct-store epilogue
   }
-  auto kernel = spmm_sm90_tma_a_kernel<T, BN, STAGES, GROUP, PERSIST, SKEW, EPI_N, EPI_BUFS, EVICT_FIRST>;
+  constexpr auto kernel =
+      spmm_sm90_tma_a_kernel<T, BN, STAGES, GROUP, PERSIST, SKEW, EPI_N, EPI_BUFS, EVICT_FIRST, CLUSTER>;
   constexpr int smem = TmaASmem<BN, STAGES, EPI_N, EPI_BUFS>::BYTES;
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  cudaError_t err = raise_smem_limit_once<kernel>(smem);
   if (err != cudaSuccess) return err;
-  const long long tiles = (long long)((a.rows_padded + 127) / 128) * ((a.n_tokens + BN - 1) / BN);
+  const int row_units = ((a.rows_padded + 127) / 128 + CLUSTER - 1) / CLUSTER;
+  const long long tiles = (long long)row_units * ((a.n_tokens + BN - 1) / BN);
   if (tiles > (1LL << 31) - 1) return cudaErrorInvalidConfiguration;
   static const int sms = sm_count();  // one device per process in practice; at worst a grid of the wrong size
-  const int grid = PERSIST ? (int)std::min<long long>(tiles, sms) : (int)tiles;
-  kernel<<<grid, kTmaThreads, smem, stream>>>(x_map, a_map, e_map, y_map, static_cast<const T*>(a.bias),
-                                              static_cast<T*>(a.y), a.n_tokens, a.rows, a.rows_padded, a.steps);
-  return cudaGetLastError();
+  if constexpr (CLUSTER == 1) {
+    const int grid = PERSIST ? (int)std::min<long long>(tiles, sms) : (int)tiles;
+    kernel<<<grid, kTmaThreads, smem, stream>>>(x_map, a_map, e_map, y_map, static_cast<const T*>(a.bias),
+                                                static_cast<T*>(a.y), a.n_tokens, a.rows, a.rows_padded, a.steps);
+    return cudaGetLastError();
+  } else {
+    cudaLaunchConfig_t cfg = {};
+    cfg.blockDim = dim3(kTmaThreads);
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = stream;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = CLUSTER;
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    // Persistent clusters: as many as can be resident at once (GPCs may not split into whole clusters, so this can
+    // be below sms / CLUSTER), asked once per instantiation (the first device's answer; sms has the same limit).
+    static const int max_clusters = [&] {
+      cudaLaunchConfig_t q = cfg;
+      q.gridDim = dim3(CLUSTER * (sms / CLUSTER));
+      int n = 0;
+      if (cudaOccupancyMaxActiveClusters(&n, kernel, &q) != cudaSuccess || n <= 0) {
+        (void)cudaGetLastError();  // clear the (non-sticky) error of the query; fall back to the SM count
+        n = sms / CLUSTER;
+      }
+      return n;
+    }();
+    cfg.gridDim = dim3((unsigned)(CLUSTER * std::min<long long>(tiles, max_clusters)));
+    return cudaLaunchKernelEx(&cfg, kernel, x_map, a_map, e_map, y_map, static_cast<const T*>(a.bias),
+                              static_cast<T*>(a.y), a.n_tokens, a.rows, a.rows_padded, a.steps);
+  }
 }
 
 // Large-token configurations; HF_SPARSE_SM90_CONFIG (tuning runs only) picks one. Default (benchmarks/RESULTS.md,
@@ -866,10 +952,8 @@ cudaError_t launch_sm90_tma_a(const SpmmArgs& a, cudaStream_t stream) {
 // (3072->768 at 8192 tokens: 258 tiles = 98% of two rounds; 1.21x faster than 19, 1.14x than 23), else config 23
 // (128-token tiles) instead of 19. Where Y cannot be stored by TMA (rows % 8 != 0) they fall back to 15 and 19.
 constexpr int kDefaultConfig = 20, kDefaultSmallGridConfig = 23, kDefaultMidGridConfig = 27;
-constexpr int kMaxConfig = 27;  // HF_SPARSE_SM90_CONFIG 0..kMaxConfig
+constexpr int kMaxConfig = 30;  // HF_SPARSE_SM90_CONFIG 0..kMaxConfig
 int sm90_config(const SpmmArgs& a) {
-  const char* env = std::getenv("HF_SPARSE_SM90_CONFIG");  // read per call so a tuning run can switch it
-  if (env) return std::atoi(env);
   static const int sms = sm_count();
   const long long row_blocks = (a.rows_padded + 127) / 128;
   auto fill = [&](int bn) {  // share of the SM slots of all rounds that hold a tile
@@ -911,6 +995,10 @@ cudaError_t launch_large(const SpmmArgs& a, cudaStream_t stream, int cfg) {
     case 25: return launch_sm90_tma_a<T, 256, 4, 1, 1, 0, 64, 2, true>(a, stream);  // 20, Y stores L2 evict-first
     case 26: return launch_sm90_tma_a<T, 256, 5, 1, 1, 2, 32, 2>(a, stream);   // 22 with the warpgroup skew
     case 27: return launch_sm90_tma_a<T, 192, 5, 1, 1, 0, 96, 2>(a, stream);   // 192-token tiles, the whole tile
+    // 2-CTA clusters, X multicast (each CTA loads half of the token tile for both): 20, 27 and 23 over 256 rows
+    case 28: return launch_sm90_tma_a<T, 256, 4, 1, 1, 0, 64, 2, false, 2>(a, stream);
+    case 29: return launch_sm90_tma_a<T, 192, 5, 1, 1, 0, 96, 2, false, 2>(a, stream);
+    case 30: return launch_sm90_tma_a<T, 128, 7, 1, 1, 0, 64, 2, false, 2>(a, stream);
     case 0: return launch_sm90<T, Sm90Cfg<256, 1, 4, 0>>(a, stream);
     default: return launch_sm90<T, Sm90Cfg<256, 1, 6, 0, 1>>(a, stream);  // 4, and any other value
   }
@@ -918,10 +1006,11 @@ cudaError_t launch_large(const SpmmArgs& a, cudaStream_t stream, int cfg) {
 
 template <typename T>
 cudaError_t dispatch_bn(const SpmmArgs& a, cudaStream_t stream) {
-  const int cfg = sm90_config(a);
+  const char* env = std::getenv("HF_SPARSE_SM90_CONFIG");  // read once per call, so a tuning run can switch it
+  const int cfg = env ? std::atoi(env) : sm90_config(a);
   // The TMA configurations handle any token count (the tensor map zero-fills missing tokens); selected explicitly
   // they run at every size, so tests and tuning runs reach their tails. Configs 0-5 are large-token tiles only.
-  const bool tma_everywhere = cfg >= 6 && cfg <= kMaxConfig && std::getenv("HF_SPARSE_SM90_CONFIG") != nullptr;
+  const bool tma_everywhere = env != nullptr && cfg >= 6 && cfg <= kMaxConfig;
   if (!tma_everywhere) {
     if (a.n_tokens <= 64) return launch_sm90<T, Sm90Cfg<64, 1, 4, 0>>(a, stream);
     if (a.n_tokens <= 128) return launch_sm90<T, Sm90Cfg<128, 1, 4, 0>>(a, stream);
