@@ -625,7 +625,7 @@ __device__ __forceinline__ void tile_coords(int t, int row_blocks, int token_til
 }
 
 template <typename T, int BN, int STAGES, int GROUP, int PERSIST, int SKEW, int EPI_N, int EPI_BUFS, bool EVICT_FIRST,
-          int CLUSTER>
+          int CLUSTER, bool XSHARE>
 __global__ void __launch_bounds__(kTmaThreads, 1)
 spmm_sm90_tma_a_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_constant__ CUtensorMap a_map,
                        const __grid_constant__ CUtensorMap e_map, const __grid_constant__ CUtensorMap y_map,
@@ -650,6 +650,8 @@ spmm_sm90_tma_a_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_c
   const int row_blocks = (rows_padded + 127) / 128, token_tiles = (n_tokens + BN - 1) / BN;
   // CLUSTER = 2 (configs 28-30): a tile is CLUSTER adjacent row blocks x BN tokens, one row block per CTA of the
   // cluster (rank r: row block CLUSTER * unit + r); the cluster's CTAs walk the same tiles in the same order.
+  // XSHARE = false (config 31, diagnostic): the same, but each CTA loads the whole X tile itself (no multicast); the
+  // stages are still released to both CTAs, so the CTAs stay coupled as in 28.
   constexpr bool MC = CLUSTER > 1;
   const int row_units = (row_blocks + CLUSTER - 1) / CLUSTER;
   const int n_tiles = row_units * token_tiles;
@@ -691,7 +693,7 @@ spmm_sm90_tma_a_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_c
           // writes into the peer's stage.
           mbar_wait(empty_bar + 8 * slot, ((it / STAGES) & 1) ^ 1);
           mbar_arrive_expect_tx(bar, S::STAGE);  // the whole X tile (both halves in a cluster) + this CTA's A, meta
-          if constexpr (MC) {
+          if constexpr (MC && XSHARE) {
             constexpr int PART = BN / CLUSTER;  // tokens this CTA loads for the whole cluster
             tma_load_2d_multicast(dst + rank * PART * 128, &x_map, kt * 64, by * BN + (int)rank * PART, bar,
                                   (uint16_t)((1u << CLUSTER) - 1));
@@ -725,7 +727,7 @@ spmm_sm90_tma_a_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_c
     const uint32_t bar = empty_bar + 8 * (done % STAGES);
     if (lane == 0) mbar_arrive(bar);
     if constexpr (MC) {
-      if (lane == 1) mbar_arrive_cluster(bar, rank ^ 1u);
+      if (lane == 1) mbar_arrive_remote(bar, rank ^ 1u);
     }
   };
   for (int tile = first_tile; tile < n_tiles; tile += tile_step) {
@@ -882,12 +884,12 @@ bool encode_y_map(const SpmmArgs& a, int box_tokens, CUtensorMap* map) {
 // Configs 13-27; fall back to config 4 where a tensor map of X or the weight cannot be made (as launch_sm90_tma
 // does), and the staged-epilogue configs (EPI_N > 0) to config 15 (19 for 128- or 192-token tiles) where Y's cannot.
 template <typename T, int BN, int STAGES, int GROUP, int PERSIST, int SKEW = 0, int EPI_N = 0, int EPI_BUFS = 0,
-          bool EVICT_FIRST = false, int CLUSTER = 1>
+          bool EVICT_FIRST = false, int CLUSTER = 1, bool XSHARE = true>
 cudaError_t launch_sm90_tma_a(const SpmmArgs& a, cudaStream_t stream) {
   static_assert(CLUSTER == 1 || (PERSIST && !SKEW && GROUP == 1), "clusters: persistent, plain tile order only");
   CUtensorMap x_map, a_map, e_map, y_map;
   const int mts = a.rows_padded / 16;
-  if (!encode_x_map(a, BN / CLUSTER, &x_map) || !encode_u32_rows_map(a.values, a.steps * 128, mts, 256, &a_map) ||
+  if (!encode_x_map(a, XSHARE ? BN / CLUSTER : BN, &x_map) || !encode_u32_rows_map(a.values, a.steps * 128, mts, 256, &a_map) ||
       !encode_u32_rows_map(a.meta, a.steps * 16, mts, 32, &e_map))
     return launch_sm90<T, Sm90Cfg<256, 1, 6, 0, 1>>(a, stream);  // config 4
   if constexpr (EPI_N > 0) {
@@ -897,7 +899,7 @@ cudaError_t launch_sm90_tma_a(const SpmmArgs& a, cudaStream_t stream) {
     y_map = x_map;  // unused by the direct-store epilogue
   }
   constexpr auto kernel =
-      spmm_sm90_tma_a_kernel<T, BN, STAGES, GROUP, PERSIST, SKEW, EPI_N, EPI_BUFS, EVICT_FIRST, CLUSTER>;
+      spmm_sm90_tma_a_kernel<T, BN, STAGES, GROUP, PERSIST, SKEW, EPI_N, EPI_BUFS, EVICT_FIRST, CLUSTER, XSHARE>;
   constexpr int smem = TmaASmem<BN, STAGES, EPI_N, EPI_BUFS>::BYTES;
   cudaError_t err = raise_smem_limit_once<kernel>(smem);
   if (err != cudaSuccess) return err;
@@ -952,7 +954,7 @@ cudaError_t launch_sm90_tma_a(const SpmmArgs& a, cudaStream_t stream) {
 // (3072->768 at 8192 tokens: 258 tiles = 98% of two rounds; 1.21x faster than 19, 1.14x than 23), else config 23
 // (128-token tiles) instead of 19. Where Y cannot be stored by TMA (rows % 8 != 0) they fall back to 15 and 19.
 constexpr int kDefaultConfig = 20, kDefaultSmallGridConfig = 23, kDefaultMidGridConfig = 27;
-constexpr int kMaxConfig = 30;  // HF_SPARSE_SM90_CONFIG 0..kMaxConfig
+constexpr int kMaxConfig = 31;  // HF_SPARSE_SM90_CONFIG 0..kMaxConfig
 int sm90_config(const SpmmArgs& a) {
   static const int sms = sm_count();
   const long long row_blocks = (a.rows_padded + 127) / 128;
@@ -999,6 +1001,7 @@ cudaError_t launch_large(const SpmmArgs& a, cudaStream_t stream, int cfg) {
     case 28: return launch_sm90_tma_a<T, 256, 4, 1, 1, 0, 64, 2, false, 2>(a, stream);
     case 29: return launch_sm90_tma_a<T, 192, 5, 1, 1, 0, 96, 2, false, 2>(a, stream);
     case 30: return launch_sm90_tma_a<T, 128, 7, 1, 1, 0, 64, 2, false, 2>(a, stream);
+    case 31: return launch_sm90_tma_a<T, 256, 4, 1, 1, 0, 64, 2, false, 2, false>(a, stream);  // 28, X not shared
     case 0: return launch_sm90<T, Sm90Cfg<256, 1, 4, 0>>(a, stream);
     default: return launch_sm90<T, Sm90Cfg<256, 1, 6, 0, 1>>(a, stream);  // 4, and any other value
   }
