@@ -29,7 +29,9 @@
 // consumer warpgroups two k-tiles apart, 19 = 15 with 128-token tiles. Configs 20-27: the same kernel with a staged
 // epilogue (store_tile_staged: stmatrix into a token-major shared buffer, TMA stores that overlap the next tile's main
 // loop), 27 with 192-token tiles. Default (sm90_config): config 20, or 27 / 23 (192- / 128-token tiles) where
-// 256-token tiles would leave most SMs idle in the last round.
+// 256-token tiles would leave most SMs idle in the last round. Configs 28-31 run 20 / 27 / 23 in 2-CTA clusters that
+// multicast X (31: clusters without the sharing, diagnostic), 32 / 33 are 20 / 27 with trimmed launch edges; none of
+// them measured faster than the default where it matters (benchmarks/RESULTS.md, "Short-K").
 // Epilogue of configs 0-19: accumulators (row r, token n) are written straight to Y[n, r] (+ bias), as spmm.cu does.
 //
 // Only the sm_90a pass compiles the body (__CUDA_ARCH_FEAT_SM90_ALL); other device passes get a trap so a wrong
@@ -524,9 +526,11 @@ template <typename T, int BN, int EPI_N, int EPI_BUFS, bool EVICT_FIRST>
 __device__ __forceinline__ void store_tile_staged(const float (&acc)[BN / 2], int row0, int wg_row0, int n_base,
                                                   int lane, int wq, uint32_t stage_u32, int bar_id,
                                                   const T* __restrict__ bias, int rows, int n_tokens,
-                                                  const CUtensorMap* y_map) {
+                                                  const CUtensorMap* y_map, int chunk0 = -1) {
+  // chunk0 < 0: every tile starts at buffer 0. chunk0 >= 0 (configs 34/35, RUNBUF): the buffers rotate on across
+  // tiles, chunk0 = chunks this warpgroup stored before this tile, so a tile's first chunks go to the buffers whose
+  // stores were issued longest ago (the previous tile's, drained during this tile's main loop).
   static_assert(BN % EPI_N == 0 && EPI_N % 16 == 0 && EPI_N <= 256, "chunks of 16..256 tokens that split the tile");
-  static_assert((BN / EPI_N) % EPI_BUFS == 0, "every tile starts at buffer 0");
   const int g = lane >> 2;
   float b_lo = 0.f, b_hi = 0.f;
   if (bias != nullptr) {
@@ -540,7 +544,7 @@ __device__ __forceinline__ void store_tile_staged(const float (&acc)[BN / 2], in
   const bool leader = (threadIdx.x & 127) == 0;
 #pragma unroll
   for (int c = 0; c < BN / EPI_N; ++c) {
-    const uint32_t buf = stage_u32 + (c % EPI_BUFS) * (EPI_N * 128);
+    const uint32_t buf = stage_u32 + ((chunk0 < 0 ? c : chunk0 + c) % EPI_BUFS) * (EPI_N * 128);
     if (leader) bulk_wait_group_read<EPI_BUFS - 1>();  // the store that used this buffer last has read it
     named_bar_sync(bar_id, 128);
 #pragma unroll
@@ -591,6 +595,11 @@ __device__ __forceinline__ void consumers_bar_arrive() { asm volatile("bar.arriv
 __device__ __forceinline__ void consumers_bar_sync() { asm volatile("bar.sync 1, 256;\n" ::: "memory"); }
 #endif
 
+// Without RUNBUF a tile's staged epilogue starts at buffer 0, so the buffers must split its chunks evenly.
+constexpr bool epi_buffers_restart_ok(int bn, int epi_n, int bufs, bool runbuf) {
+  return runbuf || epi_n == 0 || (bn / epi_n) % bufs == 0;
+}
+
 // EPI_N > 0 (configs 20-27): after the ring, a staging area of EPI_BUFS buffers per consumer warpgroup, each one
 // chunk of the output tile (EPI_N tokens x the warpgroup's 64 rows, 128 bytes per token, 128-byte swizzle).
 template <int BN, int STAGES, int EPI_N = 0, int EPI_BUFS = 0>
@@ -625,7 +634,7 @@ __device__ __forceinline__ void tile_coords(int t, int row_blocks, int token_til
 }
 
 template <typename T, int BN, int STAGES, int GROUP, int PERSIST, int SKEW, int EPI_N, int EPI_BUFS, bool EVICT_FIRST,
-          int CLUSTER, bool XSHARE>
+          int CLUSTER, bool XSHARE, bool TRIM, bool RUNBUF>
 __global__ void __launch_bounds__(kTmaThreads, 1)
 spmm_sm90_tma_a_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_constant__ CUtensorMap a_map,
                        const __grid_constant__ CUtensorMap e_map, const __grid_constant__ CUtensorMap y_map,
@@ -658,6 +667,18 @@ spmm_sm90_tma_a_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_c
   const uint32_t rank = MC ? cluster_cta_rank() : 0u;
   const int first_tile = blockIdx.x / CLUSTER, tile_step = PERSIST ? (int)gridDim.x / CLUSTER : n_tiles;
 
+  // TRIM (configs 32/33): the fixed cost per launch, which is a third of the time at K = 1024 (benchmarks/RESULTS.md,
+  // "Short-K"), gets two cuts: the tensor maps (Y's too) are prefetched before the barrier set-up, and at exit the
+  // consumers wait only until the copy engine has read the last staging buffers, not until Y's writes are done (the
+  // writes still land before the grid completes; CUTLASS's TMA-store epilogue ends the same way).
+  if constexpr (TRIM) {
+    if (tid == 32 * kTmaConsumerWarps) {
+      tma_prefetch_map(&x_map);
+      tma_prefetch_map(&a_map);
+      tma_prefetch_map(&e_map);
+      if constexpr (EPI_N > 0) tma_prefetch_map(&y_map);
+    }
+  }
   if (tid == 0) {
     for (int s = 0; s < STAGES; ++s) {
       mbar_init(full_bar + 8 * s, 1);
@@ -675,9 +696,11 @@ spmm_sm90_tma_a_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_c
   if (warp >= kTmaConsumerWarps) {  // producer warpgroup: one thread issues every copy, across all of its tiles
     setmaxnreg_dec<kProducerRegs>();
     if (warp == kTmaConsumerWarps && lane == 0) {
-      tma_prefetch_map(&x_map);
-      tma_prefetch_map(&a_map);
-      tma_prefetch_map(&e_map);
+      if constexpr (!TRIM) {
+        tma_prefetch_map(&x_map);
+        tma_prefetch_map(&a_map);
+        tma_prefetch_map(&e_map);
+      }
       int it = 0;  // k-tiles issued so far (ring position and phase)
       for (int tile = first_tile; tile < n_tiles; tile += tile_step) {
         int bx, by;
@@ -721,6 +744,7 @@ spmm_sm90_tma_a_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_c
   if (SKEW && wg == 1 && first_tile < n_tiles) consumers_bar_sync();
   float acc[ND];
   int it = 0;  // k-tiles consumed so far
+  int chunks = 0;  // staged-epilogue chunks this warpgroup has stored (RUNBUF)
   // Releases the stage of k-tile `done` (ring position): this warp's arrive on this CTA's "empty" barrier and, in a
   // cluster, on the peer's (whose producer multicasts into this CTA's stage too).
   auto release = [&](int done) {
@@ -774,10 +798,12 @@ spmm_sm90_tma_a_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_c
     for (int j = 0; j < ND; ++j) asm volatile("" : "+f"(acc[j])::"memory");  // reads after the wgmma wait
     const int row0 = cta_row0 + 64 * wg + 16 * wq;
     if constexpr (EPI_N > 0) {
-      if (active)
+      if (active) {
         store_tile_staged<T, BN, EPI_N, EPI_BUFS, EVICT_FIRST>(acc, row0, cta_row0 + 64 * wg, by * BN, lane, wq,
                                                                epi_u32 + wg * EPI_BUFS * S::EPI_CHUNK, 2 + wg, bias,
-                                                               rows, n_tokens, &y_map);
+                                                               rows, n_tokens, &y_map, RUNBUF ? chunks : -1);
+        chunks += BN / EPI_N;  // one bulk group per chunk, committed in this order (the rotation's invariant)
+      }
     } else if ((by + 1) * BN <= n_tokens && cta_row0 + 128 <= rows && (rows & 1) == 0) {
       store_tile_full<T, BN>(acc, row0, by * BN, lane, bias, y, rows);
     } else if (active) {
@@ -786,7 +812,13 @@ spmm_sm90_tma_a_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_c
   }
   // The staging buffers must stay valid until the copy engine has read them, and the writes be done before exit.
   if constexpr (EPI_N > 0) {
-    if ((tid & 127) == 0) bulk_wait_group<0>();
+    if ((tid & 127) == 0) {
+      if constexpr (TRIM) {
+        bulk_wait_group_read<0>();
+      } else {
+        bulk_wait_group<0>();
+      }
+    }
   }
   if constexpr (MC) cluster_sync();  // no CTA of the cluster exits while the other may still arrive on its barriers
 #elif defined(__CUDA_ARCH__)
@@ -884,9 +916,10 @@ bool encode_y_map(const SpmmArgs& a, int box_tokens, CUtensorMap* map) {
 // Configs 13-27; fall back to config 4 where a tensor map of X or the weight cannot be made (as launch_sm90_tma
 // does), and the staged-epilogue configs (EPI_N > 0) to config 15 (19 for 128- or 192-token tiles) where Y's cannot.
 template <typename T, int BN, int STAGES, int GROUP, int PERSIST, int SKEW = 0, int EPI_N = 0, int EPI_BUFS = 0,
-          bool EVICT_FIRST = false, int CLUSTER = 1, bool XSHARE = true>
+          bool EVICT_FIRST = false, int CLUSTER = 1, bool XSHARE = true, bool TRIM = false, bool RUNBUF = false>
 cudaError_t launch_sm90_tma_a(const SpmmArgs& a, cudaStream_t stream) {
   static_assert(CLUSTER == 1 || (PERSIST && !SKEW && GROUP == 1), "clusters: persistent, plain tile order only");
+  static_assert(epi_buffers_restart_ok(BN, EPI_N, EPI_BUFS, RUNBUF), "every tile starts at buffer 0");
   CUtensorMap x_map, a_map, e_map, y_map;
   const int mts = a.rows_padded / 16;
   if (!encode_x_map(a, XSHARE ? BN / CLUSTER : BN, &x_map) || !encode_u32_rows_map(a.values, a.steps * 128, mts, 256, &a_map) ||
@@ -899,7 +932,8 @@ cudaError_t launch_sm90_tma_a(const SpmmArgs& a, cudaStream_t stream) {
     y_map = x_map;  // unused by the direct-store epilogue
   }
   constexpr auto kernel =
-      spmm_sm90_tma_a_kernel<T, BN, STAGES, GROUP, PERSIST, SKEW, EPI_N, EPI_BUFS, EVICT_FIRST, CLUSTER, XSHARE>;
+      spmm_sm90_tma_a_kernel<T, BN, STAGES, GROUP, PERSIST, SKEW, EPI_N, EPI_BUFS, EVICT_FIRST, CLUSTER, XSHARE, TRIM,
+                             RUNBUF>;
   constexpr int smem = TmaASmem<BN, STAGES, EPI_N, EPI_BUFS>::BYTES;
   cudaError_t err = raise_smem_limit_once<kernel>(smem);
   if (err != cudaSuccess) return err;
@@ -953,8 +987,11 @@ cudaError_t launch_sm90_tma_a(const SpmmArgs& a, cudaStream_t stream) {
 // config 27 (192-token tiles, 12% fewer L2 bytes per MAC than 128) when they fill about as well as 128-token ones
 // (3072->768 at 8192 tokens: 258 tiles = 98% of two rounds; 1.21x faster than 19, 1.14x than 23), else config 23
 // (128-token tiles) instead of 19. Where Y cannot be stored by TMA (rows % 8 != 0) they fall back to 15 and 19.
+// 2026-11-22 ("Short-K" section of benchmarks/RESULTS.md): the cluster configs 28-31 (X multicast, 256 rows per
+// cluster) were 0.90-1.0x of 20 at K <= 1024 and within the run-to-run spread of it at 4096 <-> 11008, and 29 0.93x
+// of 27 at 3072->768: the defaults stay.
 constexpr int kDefaultConfig = 20, kDefaultSmallGridConfig = 23, kDefaultMidGridConfig = 27;
-constexpr int kMaxConfig = 31;  // HF_SPARSE_SM90_CONFIG 0..kMaxConfig
+constexpr int kMaxConfig = 35;  // HF_SPARSE_SM90_CONFIG 0..kMaxConfig
 int sm90_config(const SpmmArgs& a) {
   static const int sms = sm_count();
   const long long row_blocks = (a.rows_padded + 127) / 128;
@@ -1002,6 +1039,13 @@ cudaError_t launch_large(const SpmmArgs& a, cudaStream_t stream, int cfg) {
     case 29: return launch_sm90_tma_a<T, 192, 5, 1, 1, 0, 96, 2, false, 2>(a, stream);
     case 30: return launch_sm90_tma_a<T, 128, 7, 1, 1, 0, 64, 2, false, 2>(a, stream);
     case 31: return launch_sm90_tma_a<T, 256, 4, 1, 1, 0, 64, 2, false, 2, false>(a, stream);  // 28, X not shared
+    // 20 / 27 with the trimmed launch edges (TRIM: maps prefetched first, exit after the last store's reads)
+    case 32: return launch_sm90_tma_a<T, 256, 4, 1, 1, 0, 64, 2, false, 1, true, true>(a, stream);
+    case 33: return launch_sm90_tma_a<T, 192, 5, 1, 1, 0, 96, 2, false, 1, true, true>(a, stream);
+    // 20 with more staging, rotating across tiles (RUNBUF): 3 x 64-token buffers per warpgroup (48 KB in all, 3/4 of
+    // a tile), or 7 x 32 tokens (56 KB, 7/8): a tile's epilogue waits for at most one chunk's store to be read
+    case 34: return launch_sm90_tma_a<T, 256, 4, 1, 1, 0, 64, 3, false, 1, true, false, true>(a, stream);
+    case 35: return launch_sm90_tma_a<T, 256, 4, 1, 1, 0, 32, 7, false, 1, true, false, true>(a, stream);
     case 0: return launch_sm90<T, Sm90Cfg<256, 1, 4, 0>>(a, stream);
     default: return launch_sm90<T, Sm90Cfg<256, 1, 6, 0, 1>>(a, stream);  // 4, and any other value
   }
