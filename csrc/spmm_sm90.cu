@@ -708,7 +708,7 @@ spmm_sm90_tma_a_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_c
         // A row block past the weight (odd row-block count in a cluster) loads row block 0's A: its warpgroups are
         // inactive (metadata kMetaPad, nothing stored), and no TMA box lies wholly outside the tensor.
         bx = bx * CLUSTER + (int)rank;
-        const int a_row = (bx < row_blocks ? bx : 0) * 8;
+        const int a_row = (MC && bx >= row_blocks ? 0 : bx) * 8;
         for (int kt = 0; kt < k_tiles; ++kt, ++it) {
           const int slot = it % STAGES;
           const uint32_t dst = smem_u32 + slot * S::STAGE, bar = full_bar + 8 * slot;
@@ -987,9 +987,9 @@ cudaError_t launch_sm90_tma_a(const SpmmArgs& a, cudaStream_t stream) {
 // config 27 (192-token tiles, 12% fewer L2 bytes per MAC than 128) when they fill about as well as 128-token ones
 // (3072->768 at 8192 tokens: 258 tiles = 98% of two rounds; 1.21x faster than 19, 1.14x than 23), else config 23
 // (128-token tiles) instead of 19. Where Y cannot be stored by TMA (rows % 8 != 0) they fall back to 15 and 19.
-// 2026-11-22 ("Short-K" section of benchmarks/RESULTS.md): the cluster configs 28-31 (X multicast, 256 rows per
-// cluster) were 0.90-1.0x of 20 at K <= 1024 and within the run-to-run spread of it at 4096 <-> 11008, and 29 0.93x
-// of 27 at 3072->768: the defaults stay.
+// 2026-11-22 ("Short-K" section of benchmarks/RESULTS.md, runs T2-T3): the cluster configs 28 / 31 (X multicast,
+// 256 rows per cluster) were 0.92-1.00x of 20 at K <= 1024 and within the run-to-run spread of it at 4096 <-> 11008,
+// 29 0.93x of 27 at 3072->768, 32-35 (trimmed edges, rotating staging) level with or behind 20 / 27: defaults stay.
 constexpr int kDefaultConfig = 20, kDefaultSmallGridConfig = 23, kDefaultMidGridConfig = 27;
 constexpr int kMaxConfig = 35;  // HF_SPARSE_SM90_CONFIG 0..kMaxConfig
 int sm90_config(const SpmmArgs& a) {
