@@ -29,13 +29,16 @@
 // consumer warpgroups two k-tiles apart, 19 = 15 with 128-token tiles. Configs 20-27: the same kernel with a staged
 // epilogue (store_tile_staged: stmatrix into a token-major shared buffer, TMA stores that overlap the next tile's main
 // loop), 27 with 192-token tiles. Default (sm90_config): config 20, or 27 / 23 (192- / 128-token tiles) where
-// 256-token tiles would leave most SMs idle in the last round.
+// 256-token tiles would leave most SMs idle in the last round. Configs 28-31 run 20 / 27 / 23 in 2-CTA clusters that
+// multicast X (31: clusters without the sharing, diagnostic), 32 / 33 are 20 / 27 with trimmed launch edges; none of
+// them measured faster than the default where it matters (benchmarks/RESULTS.md, "Short-K").
 // Epilogue of configs 0-19: accumulators (row r, token n) are written straight to Y[n, r] (+ bias), as spmm.cu does.
 //
 // Only the sm_90a pass compiles the body (__CUDA_ARCH_FEAT_SM90_ALL); other device passes get a trap so a wrong
 // build fails loudly, and the host only launches it on cc 9.0 when the build included sm_90a (HF_SPARSE_HAS_SM90A,
 // set by hf_sparse/ops/_build.py).
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
 
 #include "common.cuh"
@@ -51,6 +54,24 @@ namespace hf_sparse {
 namespace {
 
 constexpr int kSm90Threads = 256;  // two consumer warpgroups
+
+// Host cost per call: cudaFuncSetAttribute(MaxDynamicSharedMemorySize) took a few microseconds of host time on every
+// launch (the H200 test machine's host is slow and the training step is host-bound), yet its effect lasts for the
+// function on that device. So it runs once per kernel instantiation (Kernel, a distinct template argument per
+// instantiation) and device; a failed call is retried next time. Devices past kMaxDevices set it on every call.
+constexpr int kMaxDevices = 64;
+template <auto Kernel>
+cudaError_t raise_smem_limit_once(int smem) {
+  static std::atomic<bool> done[kMaxDevices];  // zero-initialised (static storage)
+  int dev = 0;
+  cudaError_t err = cudaGetDevice(&dev);
+  if (err != cudaSuccess) return err;
+  const bool cached = dev >= 0 && dev < kMaxDevices;
+  if (cached && done[dev].load(std::memory_order_acquire)) return cudaSuccess;
+  err = cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (err == cudaSuccess && cached) done[dev].store(true, std::memory_order_release);
+  return err;
+}
 
 // CTA tile: 128*WGM weight rows (each warpgroup WGM m64 tiles) x BN tokens, STAGES pipeline stages, and INFLIGHT
 // = 1 keeps one k-tile of wgmmas in flight while the next is issued (0: each iteration waits for its own).
@@ -285,8 +306,8 @@ spmm_sm90_kernel(const T* __restrict__ x, const uint4* __restrict__ values, cons
 
 template <typename T, typename Cfg>
 cudaError_t launch_sm90(const SpmmArgs& a, cudaStream_t stream) {
-  auto kernel = spmm_sm90_kernel<T, Cfg>;
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::SMEM);
+  constexpr auto kernel = spmm_sm90_kernel<T, Cfg>;
+  cudaError_t err = raise_smem_limit_once<kernel>(Cfg::SMEM);
   if (err != cudaSuccess) return err;
   // Row blocks vary fastest: CTAs resident together share a token tile of X (read once from L2) and walk W.
   dim3 grid((a.rows_padded + Cfg::ROWS - 1) / Cfg::ROWS, (a.n_tokens + Cfg::BN - 1) / Cfg::BN);
@@ -505,9 +526,11 @@ template <typename T, int BN, int EPI_N, int EPI_BUFS, bool EVICT_FIRST>
 __device__ __forceinline__ void store_tile_staged(const float (&acc)[BN / 2], int row0, int wg_row0, int n_base,
                                                   int lane, int wq, uint32_t stage_u32, int bar_id,
                                                   const T* __restrict__ bias, int rows, int n_tokens,
-                                                  const CUtensorMap* y_map) {
+                                                  const CUtensorMap* y_map, int chunk0 = -1) {
+  // chunk0 < 0: every tile starts at buffer 0. chunk0 >= 0 (configs 34/35, RUNBUF): the buffers rotate on across
+  // tiles, chunk0 = chunks this warpgroup stored before this tile, so a tile's first chunks go to the buffers whose
+  // stores were issued longest ago (the previous tile's, drained during this tile's main loop).
   static_assert(BN % EPI_N == 0 && EPI_N % 16 == 0 && EPI_N <= 256, "chunks of 16..256 tokens that split the tile");
-  static_assert((BN / EPI_N) % EPI_BUFS == 0, "every tile starts at buffer 0");
   const int g = lane >> 2;
   float b_lo = 0.f, b_hi = 0.f;
   if (bias != nullptr) {
@@ -521,7 +544,7 @@ __device__ __forceinline__ void store_tile_staged(const float (&acc)[BN / 2], in
   const bool leader = (threadIdx.x & 127) == 0;
 #pragma unroll
   for (int c = 0; c < BN / EPI_N; ++c) {
-    const uint32_t buf = stage_u32 + (c % EPI_BUFS) * (EPI_N * 128);
+    const uint32_t buf = stage_u32 + ((chunk0 < 0 ? c : chunk0 + c) % EPI_BUFS) * (EPI_N * 128);
     if (leader) bulk_wait_group_read<EPI_BUFS - 1>();  // the store that used this buffer last has read it
     named_bar_sync(bar_id, 128);
 #pragma unroll
@@ -572,6 +595,11 @@ __device__ __forceinline__ void consumers_bar_arrive() { asm volatile("bar.arriv
 __device__ __forceinline__ void consumers_bar_sync() { asm volatile("bar.sync 1, 256;\n" ::: "memory"); }
 #endif
 
+// Without RUNBUF a tile's staged epilogue starts at buffer 0, so the buffers must split its chunks evenly.
+constexpr bool epi_buffers_restart_ok(int bn, int epi_n, int bufs, bool runbuf) {
+  return runbuf || epi_n == 0 || (bn / epi_n) % bufs == 0;
+}
+
 // EPI_N > 0 (configs 20-27): after the ring, a staging area of EPI_BUFS buffers per consumer warpgroup, each one
 // chunk of the output tile (EPI_N tokens x the warpgroup's 64 rows, 128 bytes per token, 128-byte swizzle).
 template <int BN, int STAGES, int EPI_N = 0, int EPI_BUFS = 0>
@@ -605,7 +633,8 @@ __device__ __forceinline__ void tile_coords(int t, int row_blocks, int token_til
   }
 }
 
-template <typename T, int BN, int STAGES, int GROUP, int PERSIST, int SKEW, int EPI_N, int EPI_BUFS, bool EVICT_FIRST>
+template <typename T, int BN, int STAGES, int GROUP, int PERSIST, int SKEW, int EPI_N, int EPI_BUFS, bool EVICT_FIRST,
+          int CLUSTER, bool XSHARE, bool TRIM, bool RUNBUF>
 __global__ void __launch_bounds__(kTmaThreads, 1)
 spmm_sm90_tma_a_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_constant__ CUtensorMap a_map,
                        const __grid_constant__ CUtensorMap e_map, const __grid_constant__ CUtensorMap y_map,
@@ -628,39 +657,78 @@ spmm_sm90_tma_a_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_c
   const int lane = tid & 31, warp = tid >> 5;
   const int k_tiles = (steps + 1) >> 1;
   const int row_blocks = (rows_padded + 127) / 128, token_tiles = (n_tokens + BN - 1) / BN;
-  const int n_tiles = row_blocks * token_tiles;
-  const int first_tile = blockIdx.x, tile_step = PERSIST ? (int)gridDim.x : n_tiles;
+  // CLUSTER = 2 (configs 28-30): a tile is CLUSTER adjacent row blocks x BN tokens, one row block per CTA of the
+  // cluster (rank r: row block CLUSTER * unit + r); the cluster's CTAs walk the same tiles in the same order.
+  // XSHARE = false (config 31, diagnostic): the same, but each CTA loads the whole X tile itself (no multicast); the
+  // stages are still released to both CTAs, so the CTAs stay coupled as in 28.
+  constexpr bool MC = CLUSTER > 1;
+  const int row_units = (row_blocks + CLUSTER - 1) / CLUSTER;
+  const int n_tiles = row_units * token_tiles;
+  const uint32_t rank = MC ? cluster_cta_rank() : 0u;
+  const int first_tile = blockIdx.x / CLUSTER, tile_step = PERSIST ? (int)gridDim.x / CLUSTER : n_tiles;
 
+  // TRIM (configs 32/33): the fixed cost per launch, which is a third of the time at K = 1024 (benchmarks/RESULTS.md,
+  // "Short-K"), gets two cuts: the tensor maps (Y's too) are prefetched before the barrier set-up, and at exit the
+  // consumers wait only until the copy engine has read the last staging buffers, not until Y's writes are done (the
+  // writes still land before the grid completes; CUTLASS's TMA-store epilogue ends the same way).
+  if constexpr (TRIM) {
+    if (tid == 32 * kTmaConsumerWarps) {
+      tma_prefetch_map(&x_map);
+      tma_prefetch_map(&a_map);
+      tma_prefetch_map(&e_map);
+      if constexpr (EPI_N > 0) tma_prefetch_map(&y_map);
+    }
+  }
   if (tid == 0) {
     for (int s = 0; s < STAGES; ++s) {
       mbar_init(full_bar + 8 * s, 1);
-      mbar_init(empty_bar + 8 * s, kTmaConsumerWarps);
+      mbar_init(empty_bar + 8 * s, kTmaConsumerWarps * CLUSTER);  // consumer warps of every CTA of the cluster
     }
     mbar_fence_init();
   }
-  __syncthreads();
+  // Barriers initialised before anyone uses them: in a cluster the peer's multicast and arrives too.
+  if constexpr (MC) {
+    cluster_sync();
+  } else {
+    __syncthreads();
+  }
 
   if (warp >= kTmaConsumerWarps) {  // producer warpgroup: one thread issues every copy, across all of its tiles
     setmaxnreg_dec<kProducerRegs>();
     if (warp == kTmaConsumerWarps && lane == 0) {
-      tma_prefetch_map(&x_map);
-      tma_prefetch_map(&a_map);
-      tma_prefetch_map(&e_map);
+      if constexpr (!TRIM) {
+        tma_prefetch_map(&x_map);
+        tma_prefetch_map(&a_map);
+        tma_prefetch_map(&e_map);
+      }
       int it = 0;  // k-tiles issued so far (ring position and phase)
       for (int tile = first_tile; tile < n_tiles; tile += tile_step) {
         int bx, by;
-        tile_coords<GROUP>(tile, row_blocks, token_tiles, bx, by);
+        tile_coords<GROUP>(tile, row_units, token_tiles, bx, by);
+        // A row block past the weight (odd row-block count in a cluster) loads row block 0's A: its warpgroups are
+        // inactive (metadata kMetaPad, nothing stored), and no TMA box lies wholly outside the tensor.
+        bx = bx * CLUSTER + (int)rank;
+        const int a_row = (MC && bx >= row_blocks ? 0 : bx) * 8;
         for (int kt = 0; kt < k_tiles; ++kt, ++it) {
           const int slot = it % STAGES;
           const uint32_t dst = smem_u32 + slot * S::STAGE, bar = full_bar + 8 * slot;
+          // In a cluster this wait also covers the peer's consumers (they arrive here too): the multicast below
+          // writes into the peer's stage.
           mbar_wait(empty_bar + 8 * slot, ((it / STAGES) & 1) ^ 1);
-          mbar_arrive_expect_tx(bar, S::STAGE);
-          tma_load_2d(dst, &x_map, kt * 64, by * BN, bar);
-          tma_load_2d(dst + S::X_BYTES, &a_map, kt * 256, bx * 8, bar);  // 2 k-steps x 128 words, 8 m16 tiles
-          tma_load_2d(dst + S::X_BYTES + S::A_BYTES, &e_map, kt * 32, bx * 8, bar);
+          mbar_arrive_expect_tx(bar, S::STAGE);  // the whole X tile (both halves in a cluster) + this CTA's A, meta
+          if constexpr (MC && XSHARE) {
+            constexpr int PART = BN / CLUSTER;  // tokens this CTA loads for the whole cluster
+            tma_load_2d_multicast(dst + rank * PART * 128, &x_map, kt * 64, by * BN + (int)rank * PART, bar,
+                                  (uint16_t)((1u << CLUSTER) - 1));
+          } else {
+            tma_load_2d(dst, &x_map, kt * 64, by * BN, bar);
+          }
+          tma_load_2d(dst + S::X_BYTES, &a_map, kt * 256, a_row, bar);  // 2 k-steps x 128 words, 8 m16 tiles
+          tma_load_2d(dst + S::X_BYTES + S::A_BYTES, &e_map, kt * 32, a_row, bar);
         }
       }
     }
+    if constexpr (MC) cluster_sync();  // stay until the peer has stopped writing into this CTA and arriving here
     return;
   }
 
@@ -676,9 +744,20 @@ spmm_sm90_tma_a_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_c
   if (SKEW && wg == 1 && first_tile < n_tiles) consumers_bar_sync();
   float acc[ND];
   int it = 0;  // k-tiles consumed so far
+  int chunks = 0;  // staged-epilogue chunks this warpgroup has stored (RUNBUF)
+  // Releases the stage of k-tile `done` (ring position): this warp's arrive on this CTA's "empty" barrier and, in a
+  // cluster, on the peer's (whose producer multicasts into this CTA's stage too).
+  auto release = [&](int done) {
+    const uint32_t bar = empty_bar + 8 * (done % STAGES);
+    if (lane == 0) mbar_arrive(bar);
+    if constexpr (MC) {
+      if (lane == 1) mbar_arrive_remote(bar, rank ^ 1u);
+    }
+  };
   for (int tile = first_tile; tile < n_tiles; tile += tile_step) {
     int bx, by;
-    tile_coords<GROUP>(tile, row_blocks, token_tiles, bx, by);
+    tile_coords<GROUP>(tile, row_units, token_tiles, bx, by);
+    bx = bx * CLUSTER + (int)rank;
     const int cta_row0 = bx * 128;
     const bool active = wg * 4 < ((rows_padded - cta_row0) >> 4);
 #pragma unroll
@@ -703,7 +782,7 @@ spmm_sm90_tma_a_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_c
       for (int j = 0; j < 2; ++j) WgmmaSpTile<BN, T>::run(acc, a[j], desc + j * (64 >> 4), e[j]);
       wgmma_commit();
       wgmma_wait<1>();
-      if (kt > 0 && lane == 0) mbar_arrive(empty_bar + 8 * ((it + kt - 1) % STAGES));
+      if (kt > 0) release(it + kt - 1);
     };
     uint4 a0[2], a1[2];
     uint32_t e0[2], e1[2];
@@ -714,15 +793,17 @@ spmm_sm90_tma_a_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_c
     }
     wgmma_wait<0>();
     it += k_tiles;
-    if (lane == 0) mbar_arrive(empty_bar + 8 * ((it - 1) % STAGES));  // the last k-tile's stage
+    release(it - 1);  // the last k-tile's stage
 #pragma unroll
     for (int j = 0; j < ND; ++j) asm volatile("" : "+f"(acc[j])::"memory");  // reads after the wgmma wait
     const int row0 = cta_row0 + 64 * wg + 16 * wq;
     if constexpr (EPI_N > 0) {
-      if (active)
+      if (active) {
         store_tile_staged<T, BN, EPI_N, EPI_BUFS, EVICT_FIRST>(acc, row0, cta_row0 + 64 * wg, by * BN, lane, wq,
                                                                epi_u32 + wg * EPI_BUFS * S::EPI_CHUNK, 2 + wg, bias,
-                                                               rows, n_tokens, &y_map);
+                                                               rows, n_tokens, &y_map, RUNBUF ? chunks : -1);
+        chunks += BN / EPI_N;  // one bulk group per chunk, committed in this order (the rotation's invariant)
+      }
     } else if ((by + 1) * BN <= n_tokens && cta_row0 + 128 <= rows && (rows & 1) == 0) {
       store_tile_full<T, BN>(acc, row0, by * BN, lane, bias, y, rows);
     } else if (active) {
@@ -731,8 +812,15 @@ spmm_sm90_tma_a_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_c
   }
   // The staging buffers must stay valid until the copy engine has read them, and the writes be done before exit.
   if constexpr (EPI_N > 0) {
-    if ((tid & 127) == 0) bulk_wait_group<0>();
+    if ((tid & 127) == 0) {
+      if constexpr (TRIM) {
+        bulk_wait_group_read<0>();
+      } else {
+        bulk_wait_group<0>();
+      }
+    }
   }
+  if constexpr (MC) cluster_sync();  // no CTA of the cluster exits while the other may still arrive on its barriers
 #elif defined(__CUDA_ARCH__)
   __trap();  // built without sm_90a: the host never launches this (spmm_sm90_available() is false)
 #endif
@@ -759,9 +847,9 @@ template <typename T, int BN, int STAGES, int INFLIGHT, int CLUSTER = 1, int GRO
 cudaError_t launch_sm90_tma(const SpmmArgs& a, cudaStream_t stream) {
   CUtensorMap map;
   if (!encode_x_map(a, SHARE ? BN / CLUSTER : BN, &map)) return launch_sm90<T, Sm90Cfg<256, 1, 6, 0, 1>>(a, stream);  // config 4
-  auto kernel = spmm_sm90_tma_kernel<T, BN, STAGES, INFLIGHT, CLUSTER, GROUP, SHARE>;
+  constexpr auto kernel = spmm_sm90_tma_kernel<T, BN, STAGES, INFLIGHT, CLUSTER, GROUP, SHARE>;
   constexpr int smem = TmaSmem<BN, STAGES>::BYTES;
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  cudaError_t err = raise_smem_limit_once<kernel>(smem);
   if (err != cudaSuccess) return err;
   int row_blocks = (a.rows_padded + 127) / 128;
   row_blocks = (row_blocks + CLUSTER - 1) / CLUSTER * CLUSTER;  // whole clusters; extra blocks have no rows
@@ -828,11 +916,13 @@ bool encode_y_map(const SpmmArgs& a, int box_tokens, CUtensorMap* map) {
 // Configs 13-27; fall back to config 4 where a tensor map of X or the weight cannot be made (as launch_sm90_tma
 // does), and the staged-epilogue configs (EPI_N > 0) to config 15 (19 for 128- or 192-token tiles) where Y's cannot.
 template <typename T, int BN, int STAGES, int GROUP, int PERSIST, int SKEW = 0, int EPI_N = 0, int EPI_BUFS = 0,
-          bool EVICT_FIRST = false>
+          bool EVICT_FIRST = false, int CLUSTER = 1, bool XSHARE = true, bool TRIM = false, bool RUNBUF = false>
 cudaError_t launch_sm90_tma_a(const SpmmArgs& a, cudaStream_t stream) {
+  static_assert(CLUSTER == 1 || (PERSIST && !SKEW && GROUP == 1), "clusters: persistent, plain tile order only");
+  static_assert(epi_buffers_restart_ok(BN, EPI_N, EPI_BUFS, RUNBUF), "every tile starts at buffer 0");
   CUtensorMap x_map, a_map, e_map, y_map;
   const int mts = a.rows_padded / 16;
-  if (!encode_x_map(a, BN, &x_map) || !encode_u32_rows_map(a.values, a.steps * 128, mts, 256, &a_map) ||
+  if (!encode_x_map(a, XSHARE ? BN / CLUSTER : BN, &x_map) || !encode_u32_rows_map(a.values, a.steps * 128, mts, 256, &a_map) ||
       !encode_u32_rows_map(a.meta, a.steps * 16, mts, 32, &e_map))
     return launch_sm90<T, Sm90Cfg<256, 1, 6, 0, 1>>(a, stream);  // config 4
   if constexpr (EPI_N > 0) {
@@ -841,17 +931,49 @@ cudaError_t launch_sm90_tma_a(const SpmmArgs& a, cudaStream_t stream) {
   } else {
     y_map = x_map;  // unused by the direct-store epilogue
   }
-  auto kernel = spmm_sm90_tma_a_kernel<T, BN, STAGES, GROUP, PERSIST, SKEW, EPI_N, EPI_BUFS, EVICT_FIRST>;
+  constexpr auto kernel =
+      spmm_sm90_tma_a_kernel<T, BN, STAGES, GROUP, PERSIST, SKEW, EPI_N, EPI_BUFS, EVICT_FIRST, CLUSTER, XSHARE, TRIM,
+                             RUNBUF>;
   constexpr int smem = TmaASmem<BN, STAGES, EPI_N, EPI_BUFS>::BYTES;
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  cudaError_t err = raise_smem_limit_once<kernel>(smem);
   if (err != cudaSuccess) return err;
-  const long long tiles = (long long)((a.rows_padded + 127) / 128) * ((a.n_tokens + BN - 1) / BN);
+  const int row_units = ((a.rows_padded + 127) / 128 + CLUSTER - 1) / CLUSTER;
+  const long long tiles = (long long)row_units * ((a.n_tokens + BN - 1) / BN);
   if (tiles > (1LL << 31) - 1) return cudaErrorInvalidConfiguration;
   static const int sms = sm_count();  // one device per process in practice; at worst a grid of the wrong size
-  const int grid = PERSIST ? (int)std::min<long long>(tiles, sms) : (int)tiles;
-  kernel<<<grid, kTmaThreads, smem, stream>>>(x_map, a_map, e_map, y_map, static_cast<const T*>(a.bias),
-                                              static_cast<T*>(a.y), a.n_tokens, a.rows, a.rows_padded, a.steps);
-  return cudaGetLastError();
+  if constexpr (CLUSTER == 1) {
+    const int grid = PERSIST ? (int)std::min<long long>(tiles, sms) : (int)tiles;
+    kernel<<<grid, kTmaThreads, smem, stream>>>(x_map, a_map, e_map, y_map, static_cast<const T*>(a.bias),
+                                                static_cast<T*>(a.y), a.n_tokens, a.rows, a.rows_padded, a.steps);
+    return cudaGetLastError();
+  } else {
+    cudaLaunchConfig_t cfg = {};
+    cfg.blockDim = dim3(kTmaThreads);
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = stream;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = CLUSTER;
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    // Persistent clusters: as many as can be resident at once (GPCs may not split into whole clusters, so this can
+    // be below sms / CLUSTER), asked once per instantiation (the first device's answer; sms has the same limit).
+    static const int max_clusters = [&] {
+      cudaLaunchConfig_t q = cfg;
+      q.gridDim = dim3(CLUSTER * (sms / CLUSTER));
+      int n = 0;
+      if (cudaOccupancyMaxActiveClusters(&n, kernel, &q) != cudaSuccess || n <= 0) {
+        (void)cudaGetLastError();  // clear the (non-sticky) error of the query; fall back to the SM count
+        n = sms / CLUSTER;
+      }
+      return n;
+    }();
+    cfg.gridDim = dim3((unsigned)(CLUSTER * std::min<long long>(tiles, max_clusters)));
+    return cudaLaunchKernelEx(&cfg, kernel, x_map, a_map, e_map, y_map, static_cast<const T*>(a.bias),
+                              static_cast<T*>(a.y), a.n_tokens, a.rows, a.rows_padded, a.steps);
+  }
 }
 
 // Large-token configurations; HF_SPARSE_SM90_CONFIG (tuning runs only) picks one. Default (benchmarks/RESULTS.md,
@@ -865,11 +987,12 @@ cudaError_t launch_sm90_tma_a(const SpmmArgs& a, cudaStream_t stream) {
 // config 27 (192-token tiles, 12% fewer L2 bytes per MAC than 128) when they fill about as well as 128-token ones
 // (3072->768 at 8192 tokens: 258 tiles = 98% of two rounds; 1.21x faster than 19, 1.14x than 23), else config 23
 // (128-token tiles) instead of 19. Where Y cannot be stored by TMA (rows % 8 != 0) they fall back to 15 and 19.
+// 2026-11-22 ("Short-K" section of benchmarks/RESULTS.md, runs T2-T3): the cluster configs 28 / 31 (X multicast,
+// 256 rows per cluster) were 0.92-1.00x of 20 at K <= 1024 and within the run-to-run spread of it at 4096 <-> 11008,
+// 29 0.93x of 27 at 3072->768, 32-35 (trimmed edges, rotating staging) level with or behind 20 / 27: defaults stay.
 constexpr int kDefaultConfig = 20, kDefaultSmallGridConfig = 23, kDefaultMidGridConfig = 27;
-constexpr int kMaxConfig = 27;  // HF_SPARSE_SM90_CONFIG 0..kMaxConfig
+constexpr int kMaxConfig = 35;  // HF_SPARSE_SM90_CONFIG 0..kMaxConfig
 int sm90_config(const SpmmArgs& a) {
-  const char* env = std::getenv("HF_SPARSE_SM90_CONFIG");  // read per call so a tuning run can switch it
-  if (env) return std::atoi(env);
   static const int sms = sm_count();
   const long long row_blocks = (a.rows_padded + 127) / 128;
   auto fill = [&](int bn) {  // share of the SM slots of all rounds that hold a tile
@@ -911,6 +1034,18 @@ cudaError_t launch_large(const SpmmArgs& a, cudaStream_t stream, int cfg) {
     case 25: return launch_sm90_tma_a<T, 256, 4, 1, 1, 0, 64, 2, true>(a, stream);  // 20, Y stores L2 evict-first
     case 26: return launch_sm90_tma_a<T, 256, 5, 1, 1, 2, 32, 2>(a, stream);   // 22 with the warpgroup skew
     case 27: return launch_sm90_tma_a<T, 192, 5, 1, 1, 0, 96, 2>(a, stream);   // 192-token tiles, the whole tile
+    // 2-CTA clusters, X multicast (each CTA loads half of the token tile for both): 20, 27 and 23 over 256 rows
+    case 28: return launch_sm90_tma_a<T, 256, 4, 1, 1, 0, 64, 2, false, 2>(a, stream);
+    case 29: return launch_sm90_tma_a<T, 192, 5, 1, 1, 0, 96, 2, false, 2>(a, stream);
+    case 30: return launch_sm90_tma_a<T, 128, 7, 1, 1, 0, 64, 2, false, 2>(a, stream);
+    case 31: return launch_sm90_tma_a<T, 256, 4, 1, 1, 0, 64, 2, false, 2, false>(a, stream);  // 28, X not shared
+    // 20 / 27 with the trimmed launch edges (TRIM: maps prefetched first, exit after the last store's reads)
+    case 32: return launch_sm90_tma_a<T, 256, 4, 1, 1, 0, 64, 2, false, 1, true, true>(a, stream);
+    case 33: return launch_sm90_tma_a<T, 192, 5, 1, 1, 0, 96, 2, false, 1, true, true>(a, stream);
+    // 20 with more staging, rotating across tiles (RUNBUF): 3 x 64-token buffers per warpgroup (48 KB in all, 3/4 of
+    // a tile), or 7 x 32 tokens (56 KB, 7/8): a tile's epilogue waits for at most one chunk's store to be read
+    case 34: return launch_sm90_tma_a<T, 256, 4, 1, 1, 0, 64, 3, false, 1, true, false, true>(a, stream);
+    case 35: return launch_sm90_tma_a<T, 256, 4, 1, 1, 0, 32, 7, false, 1, true, false, true>(a, stream);
     case 0: return launch_sm90<T, Sm90Cfg<256, 1, 4, 0>>(a, stream);
     default: return launch_sm90<T, Sm90Cfg<256, 1, 6, 0, 1>>(a, stream);  // 4, and any other value
   }
@@ -918,10 +1053,11 @@ cudaError_t launch_large(const SpmmArgs& a, cudaStream_t stream, int cfg) {
 
 template <typename T>
 cudaError_t dispatch_bn(const SpmmArgs& a, cudaStream_t stream) {
-  const int cfg = sm90_config(a);
+  const char* env = std::getenv("HF_SPARSE_SM90_CONFIG");  // read once per call, so a tuning run can switch it
+  const int cfg = env ? std::atoi(env) : sm90_config(a);
   // The TMA configurations handle any token count (the tensor map zero-fills missing tokens); selected explicitly
   // they run at every size, so tests and tuning runs reach their tails. Configs 0-5 are large-token tiles only.
-  const bool tma_everywhere = cfg >= 6 && cfg <= kMaxConfig && std::getenv("HF_SPARSE_SM90_CONFIG") != nullptr;
+  const bool tma_everywhere = env != nullptr && cfg >= 6 && cfg <= kMaxConfig;
   if (!tma_everywhere) {
     if (a.n_tokens <= 64) return launch_sm90<T, Sm90Cfg<64, 1, 4, 0>>(a, stream);
     if (a.n_tokens <= 128) return launch_sm90<T, Sm90Cfg<128, 1, 4, 0>>(a, stream);

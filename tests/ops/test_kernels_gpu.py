@@ -365,7 +365,7 @@ def _check_wgmma_config(config, dtype, bias, tokens, rows, cols, seed, monkeypat
     _assert_spmm_matches_reference(x, w, p, b)
 
 
-@pytest.mark.parametrize("config", list(range(28)))
+@pytest.mark.parametrize("config", list(range(36)))
 @pytest.mark.parametrize(("tokens", "rows", "cols"), [(300, 448, 136), (8191, 192, 1000)])
 def test_spmm_wgmma_tile_configs(config, tokens, rows, cols, monkeypatch):
     # Every large-token tile configuration of the sm_90a kernel (HF_SPARSE_SM90_CONFIG): 448 rows leave some m64
@@ -373,7 +373,7 @@ def test_spmm_wgmma_tile_configs(config, tokens, rows, cols, monkeypatch):
     _check_wgmma_config(config, torch.bfloat16, True, tokens, rows, cols, config + tokens, monkeypatch)
 
 
-@pytest.mark.parametrize("config", list(range(6, 28)))
+@pytest.mark.parametrize("config", list(range(6, 36)))
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize(
@@ -389,11 +389,17 @@ def test_spmm_wgmma_tma_configs(config, dtype, bias, tokens, rows, cols, monkeyp
     # without (6, 7) and with (8, 9) a 2-CTA cluster multicasting X; 10, 11: 6 with grouped CTA order (8, 4 token tiles);
     # 12: 6 launched in 2-CTA clusters with the cluster barriers but no sharing (diagnostic); 13-16: A fragments and
     # metadata by TMA too, 15/16 persistent (one CTA per SM walking the tiles), 17/18 persistent with the two consumer
-    # warpgroups two k-tiles apart, 19 = 15 with 128-token tiles, 20-27: staged epilogue (stmatrix + TMA store).
+    # warpgroups two k-tiles apart, 19 = 15 with 128-token tiles, 20-27: staged epilogue (stmatrix + TMA store),
+    # 28-30: 20 / 27 / 23 in 2-CTA clusters multicasting X (320 / 192 rows: an odd number of 128-row blocks, so one
+    # CTA of the last cluster has no rows at all and still takes part in the multicast), 31: 28 without the sharing
+    # (each CTA loads its whole X tile; diagnostic), 32 / 33: 20 / 27 with trimmed launch edges (maps prefetched first,
+    # exit after the last TMA store's reads: the poisoned outputs check that every write still lands), 34 / 35: 20 with
+    # 3 x 64- / 7 x 32-token staging buffers that rotate across tiles (tiles of several per CTA below and in the
+    # many-tiles and staged-epilogue tests; 448 / 320 rows: a warpgroup idle in some tiles and not in others).
     _check_wgmma_config(config, dtype, bias, tokens, rows, cols, config + tokens + cols, monkeypatch)
 
 
-@pytest.mark.parametrize("config", list(range(13, 28)))
+@pytest.mark.parametrize("config", list(range(13, 36)))
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize(
@@ -409,7 +415,7 @@ def test_spmm_wgmma_tma_a_configs_many_tiles(config, dtype, bias, tokens, rows, 
     _check_wgmma_config(config, dtype, bias, tokens, rows, cols, config + rows + cols, monkeypatch)
 
 
-STAGED_EPILOGUE_CONFIGS = [20, 21, 22, 23, 24, 25, 26, 27]
+STAGED_EPILOGUE_CONFIGS = [20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35]
 
 
 @pytest.mark.parametrize("config", STAGED_EPILOGUE_CONFIGS)
