@@ -843,6 +843,25 @@ bool encode_x_map(const SpmmArgs& a, int box_rows, CUtensorMap* map) {
   return res == CUDA_SUCCESS;
 }
 
+
+// Launch configuration of kTmaThreads-thread CTAs in clusters of `cluster` CTAs along x; `attr` (one entry) holds the
+// cluster attribute and must live until the launch.
+inline cudaLaunchConfig_t cluster_launch(dim3 grid, int smem, cudaStream_t stream, int cluster,
+                                         cudaLaunchAttribute* attr) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = dim3(kTmaThreads);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = cluster;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  return cfg;
+}
+
 template <typename T, int BN, int STAGES, int INFLIGHT, int CLUSTER = 1, int GROUP = 1, bool SHARE = true>
 cudaError_t launch_sm90_tma(const SpmmArgs& a, cudaStream_t stream) {
   CUtensorMap map;
@@ -855,18 +874,8 @@ cudaError_t launch_sm90_tma(const SpmmArgs& a, cudaStream_t stream) {
   row_blocks = (row_blocks + CLUSTER - 1) / CLUSTER * CLUSTER;  // whole clusters; extra blocks have no rows
   const dim3 grid(row_blocks, (a.n_tokens + BN - 1) / BN);
   if (grid.y > 65535) return cudaErrorInvalidConfiguration;
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = grid;
-  cfg.blockDim = dim3(kTmaThreads);
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
   cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = CLUSTER;
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
+  const cudaLaunchConfig_t cfg = cluster_launch(grid, smem, stream, CLUSTER, attr);
   return cudaLaunchKernelEx(&cfg, kernel, map, static_cast<const uint4*>(a.values),
                             static_cast<const uint32_t*>(a.meta), static_cast<const T*>(a.bias), static_cast<T*>(a.y),
                             a.n_tokens, a.rows, a.rows_padded, a.steps);
@@ -947,17 +956,8 @@ cudaError_t launch_sm90_tma_a(const SpmmArgs& a, cudaStream_t stream) {
                                                 static_cast<T*>(a.y), a.n_tokens, a.rows, a.rows_padded, a.steps);
     return cudaGetLastError();
   } else {
-    cudaLaunchConfig_t cfg = {};
-    cfg.blockDim = dim3(kTmaThreads);
-    cfg.dynamicSmemBytes = smem;
-    cfg.stream = stream;
     cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = CLUSTER;
-    attr[0].val.clusterDim.y = 1;
-    attr[0].val.clusterDim.z = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
+    cudaLaunchConfig_t cfg = cluster_launch(dim3(1), smem, stream, CLUSTER, attr);  // grid set below
     // Persistent clusters: as many as can be resident at once (GPCs may not split into whole clusters, so this can
     // be below sms / CLUSTER), asked once per instantiation (the first device's answer; sms has the same limit).
     static const int max_clusters = [&] {
