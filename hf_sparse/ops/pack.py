@@ -197,6 +197,8 @@ def repack_many(
             )
         if p.dtype != dtype:
             raise ValueError(f"hf_sparse.repack_many: packed dtypes differ ({dtype} and {p.dtype}); group them")
+        if w.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"hf_sparse.repack_many: weight is {w.dtype}; use float32, bfloat16 or float16")
     on_cuda = [w.is_cuda for w in weights]
     if all(on_cuda) and not torch.compiler.is_compiling():
         device = weights[0].device

@@ -231,3 +231,5 @@ def test_repack_many_matches_one_repack_per_weight_and_checks_its_input():
     half = packs[1]._replace(values=packs[1].values.half())
     with pytest.raises(ValueError, match="packed dtypes differ"):
         repack_many(weights[:2], [packs[0], half])
+    with pytest.raises(ValueError, match="weight is torch.float64"):
+        repack_many([weights[1].double()], [packs[1]])
