@@ -447,7 +447,7 @@ spmm_sm90_tma_kernel(const __grid_constant__ CUtensorMap x_map, const uint4* __r
       const int done = kt - INFLIGHT;
       if (lane == 0) mbar_arrive(empty_bar + 8 * (done % STAGES));
       if constexpr (MCAST) {
-        if (lane == 1) mbar_arrive_cluster(empty_bar + 8 * (done % STAGES), rank ^ 1);
+        if (lane == 1) mbar_arrive_peer<true>(empty_bar + 8 * (done % STAGES), rank ^ 1);
       }
     }
     fetch(kt + 2, a_next, e_next);
@@ -751,7 +751,7 @@ spmm_sm90_tma_a_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_c
     const uint32_t bar = empty_bar + 8 * (done % STAGES);
     if (lane == 0) mbar_arrive(bar);
     if constexpr (MC) {
-      if (lane == 1) mbar_arrive_remote(bar, rank ^ 1u);
+      if (lane == 1) mbar_arrive_peer<false>(bar, rank ^ 1u);
     }
   };
   for (int tile = first_tile; tile < n_tiles; tile += tile_step) {

@@ -124,26 +124,28 @@ __device__ __forceinline__ uint32_t cluster_cta_rank() {
 }
 
 // Arrive on the mbarrier at this CTA's shared offset bar, in the cluster's CTA `rank` (mapa: the peer's address).
-__device__ __forceinline__ void mbar_arrive_cluster(uint32_t bar, uint32_t rank) {
-  asm volatile(
-      "{\n.reg .b32 remote;\n"
-      "mapa.shared::cluster.u32 remote, %0, %1;\n"
-      "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [remote];\n}\n" ::"r"(bar),
-      "r"(rank)
-      : "memory");
-}
-
-// The same with the default semantics of mbarrier.arrive (release at CTA scope), as CUTLASS's cluster barrier arrives
-// do: for the consumer release of a stage that a peer's multicast refills (configs 28-30). The ordering that matters
-// (this CTA's wgmmas have finished reading the stage) comes from wgmma.wait_group before the arrive; the
-// .release.cluster form above also orders every earlier memory access of the thread at cluster scope first.
-__device__ __forceinline__ void mbar_arrive_remote(uint32_t bar, uint32_t rank) {
-  asm volatile(
-      "{\n.reg .b32 remote;\n"
-      "mapa.shared::cluster.u32 remote, %0, %1;\n"
-      "mbarrier.arrive.shared::cluster.b64 _, [remote];\n}\n" ::"r"(bar),
-      "r"(rank)
-      : "memory");
+// RELEASE_CLUSTER: with .release.cluster, which also orders every earlier memory access of the thread at cluster scope
+// first (configs 8/9). Otherwise the default semantics of mbarrier.arrive (release at CTA scope), as CUTLASS's cluster
+// barrier arrives do: for the consumer release of a stage that a peer's multicast refills (configs 28-30), where the
+// ordering that matters (this CTA's wgmmas have finished reading the stage) comes from wgmma.wait_group before the
+// arrive. The plain form made configs 28-30 1.5-1.8x faster than the .release.cluster one (benchmarks/RESULTS.md).
+template <bool RELEASE_CLUSTER>
+__device__ __forceinline__ void mbar_arrive_peer(uint32_t bar, uint32_t rank) {
+  if constexpr (RELEASE_CLUSTER) {
+    asm volatile(
+        "{\n.reg .b32 remote;\n"
+        "mapa.shared::cluster.u32 remote, %0, %1;\n"
+        "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [remote];\n}\n" ::"r"(bar),
+        "r"(rank)
+        : "memory");
+  } else {
+    asm volatile(
+        "{\n.reg .b32 remote;\n"
+        "mapa.shared::cluster.u32 remote, %0, %1;\n"
+        "mbarrier.arrive.shared::cluster.b64 _, [remote];\n}\n" ::"r"(bar),
+        "r"(rank)
+        : "memory");
+  }
 }
 
 // Every thread of every CTA of the cluster (none may have exited) meets here.
