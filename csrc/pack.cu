@@ -12,8 +12,8 @@
 // kept value sits, so only the values are rebuilt: one thread per 4-byte value pair (of 4 k-steps), threads ordered
 // like the output (512-byte coalesced stores), reading the two weights it needs (any strides, so W^T of a
 // transposable layer is read in place) and nothing else: no mask, no second pass. pack_values_batch runs the repacks
-// of many weights in one launch (the kernel path repacks every layer after an optimizer step: one launch instead of
-// one or two per layer, each costing host time on the issuing thread).
+// of many weights in one launch per 40 (the kernel path repacks every layer after an optimizer step: a few launches
+// instead of one or two per layer, each costing host time on the issuing thread).
 #include "common.cuh"
 #include "kernels.h"
 
@@ -330,7 +330,7 @@ int vec_of(const PackValuesArgs& a) {
   return vec ? a.m : 0;
 }
 
-// Many repacks in one launch (every weight of one dtype): block b runs block (b - first_block[e]) of entry e, the last
+// Many repacks in one launch (up to kMaxPackValuesBatch weights of one dtype): block b runs block (b - first_block[e]) of entry e, the last
 // entry with first_block[e] <= b. Each block takes its entry's vector width (uniform within the block).
 template <typename W, typename T>
 __global__ void __launch_bounds__(128) pack_values_batch_kernel(PackValuesBatch batch) {

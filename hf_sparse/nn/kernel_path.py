@@ -17,7 +17,7 @@ counter, so the step itself is counted through a global optimizer post-step hook
 * ``packed`` (and ``packed_t`` for transposable 2:4): the kernel layout. Built in full (mask included) once per
   mask; after that each step only re-gathers the kept values (:func:`hf_sparse.ops.repack`). The first layer to
   find its packs stale after a step repacks every layer of its :func:`enable_kernel_path` call that ran on the
-  kernels since the last such batch, in one launch (:func:`hf_sparse.ops.repack_many`): one or two launches per
+  kernels since the last such batch, in one call (:func:`hf_sparse.ops.repack_many`, a launch per 40 weights): one or two launches per
   layer and step cost more host time than the repacks take on the GPU (``benchmarks/RESULTS.md``).
 
 A layer is kernel-ready when it is on a CUDA device, its pattern is 2:4 or V:2:M with V in {64, 128} and M in
@@ -230,7 +230,7 @@ class _LayerKernel:
         if fresh and (self.lp is not None or not need_lp):
             return
         if not fresh and self.repack_due(dtype) and len(self.group.layers) > 1:
-            self.group.repack_used(dtype)  # this layer's repack and every other used layer's, in one launch
+            self.group.repack_used(dtype)  # this layer's repack and every other used layer's, in one call
             self.refresh(dtype, need_lp)  # now only lp may be missing
             return
         w = self.weight()
