@@ -155,9 +155,7 @@ def load_extension() -> ModuleType:
         return cpp_extension.load(
             name=name,
             sources=[str(src / s) for s in SOURCES],
-            extra_cflags=[
-                "-O3"
-            ],  # the C++ standard is torch's own choice for its headers (C++17 in 2.11, C++20 in 2.13)
+            extra_cflags=["-O3"],  # no -std: torch picks its headers' own (C++17 in torch 2.11, C++20 in 2.13)
             extra_cuda_cflags=flags,
             extra_include_paths=[str(src)],
             build_directory=build_dir,
@@ -227,9 +225,7 @@ def load_cslt_extension() -> ModuleType:
         return cpp_extension.load(
             name=f"{CSLT_EXTENSION_NAME}_{tag}",
             sources=[str(csrc_dir() / s) for s in CSLT_SOURCES],
-            extra_cflags=[
-                "-O3"
-            ],  # the C++ standard is torch's own choice for its headers (C++17 in 2.11, C++20 in 2.13)
+            extra_cflags=["-O3"],  # no -std: torch picks its headers' own (C++17 in torch 2.11, C++20 in 2.13)
             extra_include_paths=[str(include)],
             extra_ldflags=[f"-L{lib.parent}", f"-l:{lib.name}", f"-Wl,-rpath,{lib.parent}"],
             with_cuda=True,
