@@ -8,7 +8,7 @@ import os
 
 import torch
 
-__all__ = ["kernel_choice", "wgmma_available"]
+__all__ = ["kernel_choice", "kernel_function", "wgmma_available"]
 
 _wgmma_ok: dict[int, bool] = {}  # device index -> the sm_90a kernels can run there (asked once per device)
 
@@ -38,3 +38,22 @@ def kernel_choice(env: str, fallback: str, auto_wgmma_m: frozenset[int], m: int,
     if m not in auto_wgmma_m:
         return fallback
     return "wgmma" if wgmma_available(device or torch.device("cuda")) else fallback
+
+
+_functions: dict[tuple, object] = {}  # (env, its value, m, device index, names) -> the extension function
+
+
+def kernel_function(
+    env: str, fallback: str, auto_wgmma_m: frozenset[int], m: int, device: torch.device, names: tuple[str, str]
+):
+    """The extension function :func:`kernel_choice` picks (``names``: the ``wgmma`` one, then the ``fallback`` one),
+    looked up once per (env setting, m, device): the ops call this on every launch, and the choice's Python (env
+    validation, the capability query, the build check) would cost more host time than the launch itself."""
+    key = (env, os.environ.get(env), m, device.index, names)
+    fn = _functions.get(key)
+    if fn is None:
+        from ._build import load_extension
+
+        wgmma = kernel_choice(env, fallback, auto_wgmma_m, m, device) == "wgmma"
+        fn = _functions[key] = getattr(load_extension(), names[0] if wgmma else names[1])
+    return fn

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from ._layout import PackedWeight, kept_columns
-from ._select import kernel_choice
+from ._select import kernel_choice, kernel_function
 
 __all__ = ["AUTO_WGMMA_M", "scatter_dense", "sddmm", "sddmm_kernel", "sddmm_reference"]
 
@@ -24,6 +24,7 @@ __all__ = ["AUTO_WGMMA_M", "scatter_dense", "sddmm", "sddmm_kernel", "sddmm_refe
 # "SDDMM with dense wgmma"): 3.8-5.2x at M = 4, 1.7-2.2x at M = 8, 1.5-1.9x at 16, 0.98-1.6x at 32 (parity at
 # 768->3072 and 1024->4096). M = 64 and 128 were not timed (tested only): mma.sync.
 AUTO_WGMMA_M = frozenset({4, 8, 16, 32})
+_SELECT = ("HF_SPARSE_SDDMM_KERNEL", "mma", AUTO_WGMMA_M)  # env var, its non-wgmma kernel, auto's wgmma M
 
 
 def sddmm_reference(dy: Tensor, x: Tensor, p: PackedWeight) -> Tensor:
@@ -38,7 +39,7 @@ def sddmm_kernel(m: int, device: torch.device | None = None) -> str:
     Reads ``HF_SPARSE_SDDMM_KERNEL`` (``auto``/``mma``/``wgmma``) on every call, so tests and benchmarks can switch it;
     in ``auto`` mode builds the extension (first call) to ask whether the sm_90a kernels are in it.
     """
-    return kernel_choice("HF_SPARSE_SDDMM_KERNEL", "mma", AUTO_WGMMA_M, m, device)
+    return kernel_choice(*_SELECT, m, device)
 
 
 @torch.library.custom_op("hf_sparse::sddmm", mutates_args=())
@@ -56,10 +57,7 @@ def _sddmm_op(
 ) -> Tensor:
     p = PackedWeight(values, meta, columns, valid, rows, cols, v, m)
     if x.is_cuda and cols % 8 == 0 and rows % 8 == 0 and x.data_ptr() % 16 == 0 and dy.data_ptr() % 16 == 0:
-        from ._build import load_extension
-
-        ext = load_extension()
-        fn = ext.sddmm_wgmma if sddmm_kernel(m, x.device) == "wgmma" else ext.sddmm
+        fn = kernel_function(*_SELECT, m, x.device, ("sddmm_wgmma", "sddmm"))
         return fn(dy, x, meta, columns, rows, cols, m)
     return sddmm_reference(dy, x, p)
 

@@ -11,14 +11,13 @@ multiplies in fp32.
 
 from __future__ import annotations
 
-import os
 import warnings
 
 import torch
 from torch import Tensor
 
 from ._layout import PackedWeight, dense_from_packed
-from ._select import kernel_choice
+from ._select import kernel_choice, kernel_function
 
 __all__ = ["AUTO_WGMMA_M", "spmm", "spmm_2d", "spmm_kernel", "spmm_reference"]
 
@@ -43,7 +42,7 @@ def _kernel_ok(x: Tensor, cols: int) -> bool:
 AUTO_WGMMA_M = frozenset({4, 8})
 
 
-_KERNEL_ENV = "HF_SPARSE_SPMM_KERNEL"
+_SELECT = ("HF_SPARSE_SPMM_KERNEL", "mma_sp", AUTO_WGMMA_M)  # env var, its non-wgmma kernel, auto's wgmma M
 
 
 def spmm_kernel(m: int, device: torch.device | None = None) -> str:
@@ -52,25 +51,14 @@ def spmm_kernel(m: int, device: torch.device | None = None) -> str:
     Reads ``HF_SPARSE_SPMM_KERNEL`` (``auto``/``mma_sp``/``wgmma``) on every call, so tests and benchmarks can switch
     it; in ``auto`` mode builds the extension (first call) to ask whether the sm_90a kernel is in it.
     """
-    return kernel_choice(_KERNEL_ENV, "mma_sp", AUTO_WGMMA_M, m, device)
-
-
-_kernel_fns: dict[tuple, object] = {}  # (HF_SPARSE_SPMM_KERNEL, m, device index) -> the extension function
+    return kernel_choice(*_SELECT, m, device)
 
 
 def _run_kernel(
     x: Tensor, values: Tensor, meta: Tensor, columns: Tensor, bias: Tensor | None, rows: int, cols: int, m: int
 ) -> Tensor:
-    """The CUDA kernel call itself (``x`` 2-D, contiguous, 16-byte aligned, ``cols % 8 == 0``). The kernel is looked
-    up once per (env setting, m, device): this runs on every sparse linear call, and the lookup's Python (env
-    parsing, the capability query) would cost more host time than the launch."""
-    key = (os.environ.get(_KERNEL_ENV), m, x.device.index)
-    fn = _kernel_fns.get(key)
-    if fn is None:
-        from ._build import load_extension
-
-        ext = load_extension()
-        fn = _kernel_fns[key] = ext.spmm_wgmma if spmm_kernel(m, x.device) == "wgmma" else ext.spmm
+    """The CUDA kernel call itself (``x`` 2-D, contiguous, 16-byte aligned, ``cols % 8 == 0``)."""
+    fn = kernel_function(*_SELECT, m, x.device, ("spmm_wgmma", "spmm"))
     return fn(x, values, meta, columns, bias, rows, cols, m)
 
 
