@@ -140,9 +140,15 @@ def loaded_extension() -> ModuleType | None:
     return load_extension() if load_extension.cache_info().currsize else None
 
 
+_build_failures: dict[str, KernelUnavailableError] = {}  # extension name -> why compiling it failed in this process
+
+
 @functools.cache
 def load_extension() -> ModuleType:
-    """Compile (first call only; cached on disk) and import the extension. Raises KernelUnavailableError."""
+    """Compile (first call only; cached on disk) and import the extension. Raises KernelUnavailableError.
+
+    A compile that failed is not retried in the same process (``SparseTrainer`` asks at train start and again when
+    it switches layers to the kernels): it would fail the same way, after the same minutes."""
     _check_toolchain()
     from torch.utils import cpp_extension
 
@@ -151,6 +157,8 @@ def load_extension() -> ModuleType:
     extra = os.environ.get("HF_SPARSE_NVCC_FLAGS", "").split()
     flags = ["-O3", "-std=c++17", "-lineinfo", *arch_flags(), *extra]
     name = EXTENSION_NAME + ("_" + hashlib.sha1(" ".join(extra).encode()).hexdigest()[:8] if extra else "")
+    if name in _build_failures:
+        raise _build_failures[name]
     try:
         return cpp_extension.load(
             name=name,
@@ -162,10 +170,11 @@ def load_extension() -> ModuleType:
             verbose=os.environ.get("HF_SPARSE_BUILD_VERBOSE") == "1",
         )
     except Exception as exc:  # the compiler's message is in exc; keep it and say what to do
-        raise KernelUnavailableError(
+        err = _build_failures[name] = KernelUnavailableError(
             f"hf_sparse: building the CUDA kernels failed ({exc}); set HF_SPARSE_BUILD_VERBOSE=1 to see the compiler "
             "commands, check that nvcc matches torch.version.cuda, or use the dense path"
-        ) from exc
+        )
+        raise err from exc
 
 
 def _cusparselt_prefixes() -> list[Path]:

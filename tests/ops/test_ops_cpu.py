@@ -179,6 +179,30 @@ def test_kernel_without_gpu_says_what_to_do():
         load_extension()
 
 
+def test_a_failed_compile_is_not_retried_in_the_same_process(monkeypatch):
+    """SparseTrainer asks for the kernels at train start and again when it switches layers: a compile that failed
+    must fail the second time at once, with the same message, not compile again."""
+    from torch.utils import cpp_extension
+
+    from hf_sparse.ops import _build
+
+    compiles = []
+
+    def failing_compile(**kwargs):
+        compiles.append(kwargs["name"])
+        raise RuntimeError("nvcc: error in spmm.cu")
+
+    monkeypatch.setattr(_build, "_check_toolchain", lambda: None)
+    monkeypatch.setattr(_build, "arch_flags", lambda: [])
+    monkeypatch.setattr(cpp_extension, "load", failing_compile)
+    monkeypatch.setattr(_build, "_build_failures", {})
+    for _ in range(2):
+        with pytest.raises(_build.KernelUnavailableError, match="building the CUDA kernels failed.*nvcc: error"):
+            _build.load_extension()
+    assert compiles == [_build.EXTENSION_NAME]
+    assert _build.loaded_extension() is None
+
+
 @pytest.mark.parametrize(
     ("op", "env", "fallback", "auto_at_least"),
     [("spmm", "HF_SPARSE_SPMM_KERNEL", "mma_sp", {4, 8}), ("sddmm", "HF_SPARSE_SDDMM_KERNEL", "mma", {4, 8})],
