@@ -212,12 +212,16 @@ class _LayerKernel:
 
     def repack_due(self, dtype: torch.dtype) -> bool:
         """Whether the packs are stale only because the master's values changed (a repack, not a full pack)."""
+        return self._values_stale(self.weight_key(dtype), self._current_mask_key(dtype))
+
+    def _values_stale(self, wkey: tuple, mkey: tuple) -> bool:
+        """:meth:`repack_due` for keys the caller already has."""
         return (
             self.packed is not None
             and not self.sharded
-            and self.packed.dtype == dtype
-            and self._same_mask(self._current_mask_key(dtype))
-            and self.weight_key(dtype) != self._weight_key
+            and self.packed.dtype == mkey[2]
+            and self._same_mask(mkey)
+            and wkey != self._weight_key
         )
 
     def refresh(self, dtype: torch.dtype, need_lp: bool = True) -> None:
@@ -229,7 +233,7 @@ class _LayerKernel:
         fresh = wkey == self._weight_key and self._same_mask(mkey) and not self.sharded
         if fresh and (self.lp is not None or not need_lp):
             return
-        if not fresh and self.repack_due(dtype) and len(self.group.layers) > 1:
+        if not fresh and self._values_stale(wkey, mkey) and len(self.group.layers) > 1:
             self.group.repack_used(dtype)  # this layer's repack and every other used layer's, in one call
             self.refresh(dtype, need_lp)  # now only lp may be missing
             return
@@ -355,15 +359,13 @@ def _kernel_forward(self: nn.Module, x: Tensor) -> Tensor:
     w = k.weight()
     dtype = _compute_dtype(w)
     grad = torch.is_grad_enabled()
-    if dtype is None:
-        k.dense_grad = k.dense_grad or (grad and w.requires_grad)
-        return type(self).forward(self, x)
-    tokens = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    key = (1 << max(0, tokens - 1).bit_length(), grad, dtype)
-    route = k.routes.get(key) if dispatch.backend_mode() == "auto" else _KERNEL
-    if route is None and k.packed is not None and k.packed.dtype == dtype:
-        route = k.decide(key, tokens, w.device, grad)
-    if route == _DENSE:
+    if dtype is not None:
+        tokens = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        key = (1 << max(0, tokens - 1).bit_length(), grad, dtype)
+        route = k.routes.get(key) if dispatch.backend_mode() == "auto" else _KERNEL
+        if route is None and k.packed is not None and k.packed.dtype == dtype:
+            route = k.decide(key, tokens, w.device, grad)
+    if dtype is None or route == _DENSE:  # the layer's own forward: its weight gradient is dense, the hook masks it
         k.dense_grad = k.dense_grad or (grad and w.requires_grad)
         return type(self).forward(self, x)
     k.refresh(dtype, k.needs_lp.get(key, True))
