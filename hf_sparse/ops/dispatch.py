@@ -83,6 +83,10 @@ class _Derived:
     __slots__ = ("obj", "source")
 
     def __init__(self, obj, source: Tensor) -> None:
+        self.set(obj, source)
+
+    def set(self, obj, source: Tensor) -> None:
+        """``obj`` is now what was built from the packed values ``source``."""
         self.obj = obj
         self.source = weakref.ref(source)
 
@@ -198,8 +202,7 @@ def _derived(cache: _PerTensorCache, p: PackedWeight, build: Callable, rebuild: 
         st = _Derived(build(), p.values)
         cache.put(p.meta, st)
     elif force or st.source() is not p.values:
-        st.obj = rebuild(st.obj)
-        st.source = weakref.ref(p.values)
+        st.set(rebuild(st.obj), p.values)
     return st.obj
 
 
@@ -257,8 +260,7 @@ def adopt_view24(p: PackedWeight, view: PackedWeight) -> None:
     (:func:`hf_sparse.ops.repack_many`), so the next call does not repack the view again."""
     st = _views24.get(p.meta)
     if st is not None:
-        st.obj = view
-        st.source = weakref.ref(p.values)
+        st.set(view, p.values)
 
 
 def _cslt_usable() -> bool:
