@@ -21,13 +21,18 @@ void check_tensor(const at::Tensor& t, const char* op, const char* name, at::Sca
   TORCH_CHECK(t.is_contiguous(), "hf_sparse.", op, ": ", name, " must be contiguous");
 }
 
+// m (the V:2:M group size) is one the kernels have a layout for.
+void check_group_size(const char* op, int64_t m) {
+  TORCH_CHECK(m == 4 || m == 8 || m == 16 || m == 32 || m == 64 || m == 128, "hf_sparse.", op, ": m=", m,
+              " unsupported; use 4, 8, 16, 32, 64 or 128");
+}
+
 void check_packed(const char* op, const at::Tensor& values, const at::Tensor& meta, const at::Tensor& columns,
                   int64_t rows, int64_t k, int64_t m, at::ScalarType dtype) {
   check_tensor(values, op, "packed.values", dtype, 4);
   check_tensor(meta, op, "packed.meta", at::kInt, 3);
   check_tensor(columns, op, "packed.columns", at::kByte, 3);
-  TORCH_CHECK(m == 4 || m == 8 || m == 16 || m == 32 || m == 64 || m == 128, "hf_sparse.", op, ": m=", m,
-              " unsupported; use 4, 8, 16, 32, 64 or 128");
+  check_group_size(op, m);
   TORCH_CHECK(k % m == 0, "hf_sparse.", op, ": in_features=", k, " is not a multiple of m=", m);
   const int64_t steps = (k / m + 7) / 8, rp = (rows + 63) / 64 * 64;
   TORCH_CHECK(values.size(0) == rp / 16 && values.size(1) == steps && values.size(2) == 32 && values.size(3) == 8,
@@ -123,8 +128,7 @@ at::Tensor sddmm_impl(const char* op, bool wgmma, const at::Tensor& dy, const at
   TORCH_CHECK(dy.size(0) == x.size(0), "hf_sparse.", op, ": dy has ", dy.size(0), " tokens but x has ", x.size(0));
   check_tensor(meta, op, "packed.meta", at::kInt, 3);
   check_tensor(columns, op, "packed.columns", at::kByte, 3);
-  TORCH_CHECK(m == 4 || m == 8 || m == 16 || m == 32 || m == 64 || m == 128, "hf_sparse.", op, ": m=", m,
-              " unsupported; use 4, 8, 16, 32, 64 or 128");
+  check_group_size(op, m);
   const int64_t steps = (k / m + 7) / 8, rp = (rows + 63) / 64 * 64;
   TORCH_CHECK(k % m == 0 && meta.size(0) == rp / 16 && meta.size(1) == steps && columns.size(0) == rp / 64 &&
                   columns.size(1) == steps * 8,
@@ -178,8 +182,7 @@ std::vector<at::Tensor> pack(const at::Tensor& weight, const at::Tensor& mask, i
   TORCH_CHECK(mask.sizes() == weight.sizes(), "hf_sparse.pack: mask shape ", mask.sizes(), " != weight shape ",
               weight.sizes());
   const int64_t rows = weight.size(0), k = weight.size(1);
-  TORCH_CHECK(m == 4 || m == 8 || m == 16 || m == 32 || m == 64 || m == 128, "hf_sparse.pack: m=", m,
-              " unsupported");
+  check_group_size(op, m);
   TORCH_CHECK(k % m == 0, "hf_sparse.pack: in_features=", k, " is not a multiple of m=", m);
   TORCH_CHECK(m == 4 || ((v == 64 || v == 128) && rows % v == 0), "hf_sparse.pack: v=", v,
               " must be 64 or 128 and divide out_features=", rows);
@@ -226,8 +229,7 @@ at::Tensor values_args(const char* op, const at::Tensor& weight, const at::Tenso
               ", the packed weight is ", rows, "x", k);
   check_tensor(meta, op, "packed.meta", at::kInt, 3);
   check_tensor(columns, op, "packed.columns", at::kByte, 3);
-  TORCH_CHECK(m == 4 || m == 8 || m == 16 || m == 32 || m == 64 || m == 128, "hf_sparse.", op, ": m=", m,
-              " unsupported");
+  check_group_size(op, m);
   const int64_t steps = (k / m + 7) / 8, rp = (rows + 63) / 64 * 64;
   TORCH_CHECK(k % m == 0 && meta.size(0) == rp / 16 && meta.size(1) == steps && meta.size(2) == 16 &&
                   columns.size(0) == rp / 64 && columns.size(1) == steps * 8,
