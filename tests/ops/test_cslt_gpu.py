@@ -208,6 +208,21 @@ def test_dispatch_measures_cached_cslt_and_result_is_right(m, monkeypatch):
     dispatch.clear_cache()
 
 
+def _first_training_call(dtype: torch.dtype, seed: int):
+    """A fresh 1024x1024 2:4 layer whose weight trains, called once (the dispatcher measures that call, as kind
+    "fwd_train"): (weight, master Parameter, packed, x, y)."""
+    from hf_sparse.nn.sparse_matmul import sparse_linear
+    from hf_sparse.ops import dispatch
+
+    w, mask = random_masked(1024, 1024, 64, 4, device="cuda", seed=seed)
+    master = torch.nn.Parameter(w.clone())
+    p = pack(w, mask, 64, 4, dtype)
+    x = torch.randn(4096, 1024, device="cuda").to(dtype)
+    y = sparse_linear(x, master, p, None, None, master.detach().to(dtype))
+    assert dispatch.choice("fwd_train", 4096, p, x.device) is not None
+    return w, master, p, x, y
+
+
 def test_training_calls_are_measured_apart_with_the_recompression_priced_in(monkeypatch):
     """A weight that trains is recompressed every step: its calls get their own choice ("fwd_train"), and each timed
     cuSPARSELt call during that measurement includes a recompression (the training step measured 12.7 ms/step of
@@ -217,12 +232,7 @@ def test_training_calls_are_measured_apart_with_the_recompression_priced_in(monk
 
     monkeypatch.setenv("HF_SPARSE_BACKEND", "auto")
     dispatch.clear_cache()
-    w, mask = random_masked(1024, 1024, 64, 4, device="cuda", seed=19)
-    master = torch.nn.Parameter(w.clone())
-    p = pack(w, mask, 64, 4, torch.bfloat16)
-    x = torch.randn(4096, 1024, device="cuda").bfloat16()
-    y = sparse_linear(x, master, p, None, None, master.detach().bfloat16())
-    assert dispatch.choice("fwd_train", 4096, p, x.device) is not None
+    w, master, p, x, y = _first_training_call(torch.bfloat16, seed=19)
     assert dispatch.choice("fwd", 4096, p, x.device) is None
     st = dispatch._cslt_cached.get(p.meta)
     assert st is not None and st.obj.compressions() >= 6  # first compress + one per timed call (warm-up + 7 rounds)
@@ -234,7 +244,6 @@ def test_training_calls_are_measured_apart_with_the_recompression_priced_in(monk
 
 def test_training_calls_on_torch_eager_cslt_are_priced_with_recompression(monkeypatch):
     """fp16 runs on torch's eager cuSPARSELt op: its training measurement must include the recompression too."""
-    from hf_sparse.nn.sparse_matmul import sparse_linear
     from hf_sparse.ops import dispatch
 
     compressions = []
@@ -247,12 +256,7 @@ def test_training_calls_on_torch_eager_cslt_are_priced_with_recompression(monkey
     monkeypatch.setattr(torch, "_cslt_compress", counting)
     monkeypatch.setenv("HF_SPARSE_BACKEND", "auto")
     dispatch.clear_cache()
-    w, mask = random_masked(1024, 1024, 64, 4, device="cuda", seed=20)
-    master = torch.nn.Parameter(w.clone())
-    p = pack(w, mask, 64, 4, torch.float16)
-    x = torch.randn(4096, 1024, device="cuda").half()
-    y = sparse_linear(x, master, p, None, None, master.detach().half())
-    assert dispatch.choice("fwd_train", 4096, p, x.device) is not None
+    w, _, p, x, y = _first_training_call(torch.float16, seed=20)
     assert len(compressions) >= 6  # one per timed call (warm-up + 7 rounds)
     assert_linear_matches(y, x, w.half(), None)
 
