@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import ToyClassification, random_ids
 from helpers import prune_now
-from ops._helpers import PATTERNS, poison_allocator, random_masked
+from ops._helpers import PATTERNS, poison_allocator, random_masked, rel_err
 from transformers import AutoModelForSequenceClassification, BertConfig, TrainerCallback, TrainingArguments
 
 import hf_sparse
@@ -167,3 +168,106 @@ def test_loaded_checkpoint_runs_inference_on_the_kernels(tmp_path, pattern, monk
     loss = loaded(input_ids=ids, labels=torch.zeros(4, dtype=torch.long, device="cuda")).loss
     loss.backward()
     assert all(m.weight.grad is not None for m in sparse_layers)
+
+
+def _loaded_bert(tmp_path, pattern: str, seed: int):
+    model = _small_bert(seed=seed).float().cpu()
+    pruner = prune_now(model, pattern)
+    hf_sparse.save_pretrained(model, tmp_path, pruner)
+    return AutoModelForSequenceClassification.from_pretrained(tmp_path, dtype=torch.bfloat16).cuda().eval()
+
+
+@pytest.mark.parametrize("pattern", ["64:2:8", "2:4"])
+def test_loaded_layer_keeps_its_measured_route_until_weight_or_env_change(tmp_path, pattern, monkeypatch):
+    from hf_sparse.ops import dispatch
+
+    monkeypatch.setenv("HF_SPARSE_BACKEND", "auto")
+    layer = next(m for m in _loaded_bert(tmp_path, pattern, seed=5).modules() if isinstance(m, SparseLinear))
+    calls = []
+    general = dispatch.linear_forward
+    monkeypatch.setattr(dispatch, "linear_forward", lambda *a, **k: calls.append(1) or general(*a, **k))
+    x = torch.randn(3, 40, layer.in_features, device="cuda").bfloat16()
+    with torch.no_grad():
+        first = layer(x)  # measures, then keeps the choice resolved
+        assert len(calls) == 1 and layer._routes
+        poison_allocator()
+        again = layer(x)
+        assert len(calls) == 1, "the second call went through the general path"
+        assert torch.equal(first, again)
+        ref = F.linear(x.float(), layer.dense_weight().float(), layer.bias.float())
+        assert (again.float() - ref).abs().max() < 0.02 * ref.abs().max()
+        layer.weight.mul_(-1.5)  # new values (version bump): the route built on the old ones must go
+        changed = layer(x)
+        assert len(calls) == 2
+        ref = F.linear(x.float(), layer.dense_weight().float(), layer.bias.float())
+        assert (changed.float() - ref).abs().max() < 0.02 * ref.abs().max()
+        monkeypatch.setenv("HF_SPARSE_BACKEND", "dense")  # a forced backend is honoured at once
+        assert torch.equal(layer(x), F.linear(x, layer.dense_weight(), layer.bias))
+
+
+def test_loaded_model_forward_replays_from_a_cuda_graph(tmp_path, monkeypatch):
+    """Inference is often host-bound; a CUDA graph (or torch.compile's "reduce-overhead") removes the host from it.
+    The captured forward must read the graph's input buffer on every replay, not the one it was captured with."""
+    monkeypatch.setenv("HF_SPARSE_BACKEND", "auto")
+    loaded = _loaded_bert(tmp_path, "64:2:8", seed=6)
+    ids = random_ids(4, 48, seed=7).cuda()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.no_grad(), torch.cuda.stream(side):
+        for _ in range(3):  # the dispatcher measures on the first call (never during a capture)
+            loaded(input_ids=ids)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.no_grad(), torch.cuda.graph(graph):
+        static_logits = loaded(input_ids=ids).logits
+    old = static_logits.clone()
+    for seed in (8, 9):
+        new = random_ids(4, 48, seed=seed).cuda()
+        ids.copy_(new)
+        poison_allocator()
+        graph.replay()
+        with torch.no_grad():
+            eager = loaded(input_ids=new).logits
+        # the same kernels, but cuBLAS may pick another algorithm under capture: bf16 rounding apart at most
+        tol = 1e-2 * float(eager.abs().max())
+        assert float((static_logits - eager).abs().max()) <= tol
+        assert not torch.equal(static_logits, old)  # a stale replay would give ``old`` again, bit for bit
+
+
+@pytest.mark.parametrize(("pattern", "extra"), [("2:4", {"transposable": True}), ("64:2:8", {})])
+def test_kernel_path_plan_gives_the_results_of_the_lookups_it_replaces(pattern, extra, monkeypatch):
+    """The layer keeps the dispatcher's measured choices per call shape and hands them to the autograd function; each
+    must land on the part it was measured for (forward, input gradient, weight gradient)."""
+    from hf_sparse.nn.sparse_matmul import sparse_linear_unchecked
+
+    monkeypatch.setenv("HF_SPARSE_BACKEND", "auto")
+    model = _small_bert(seed=1)
+    pruner = prune_now(model, pattern, **extra)
+    enable_kernel_path(model, pruner)
+    layer = pruner.layers[2].module
+    k = layer.__dict__["_hf_sparse_kernel"]
+    x = torch.randn(4, 64, layer.in_features, device="cuda")
+    g = torch.randn(4, 64, layer.out_features, device="cuda").bfloat16()
+    for _ in range(3):  # measures every part, then decides the route
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            layer(x.clone().requires_grad_()).backward(g)
+    (key, plan), *rest = k.plans.items()
+    assert not rest and key[1] and plan[0] is not None and plan[2] is not None
+    assert (plan[1] is not None) == (k.packed_t is not None)
+
+    def run(plan):
+        xx = x.clone().requires_grad_()
+        layer.weight.grad = layer.bias.grad = None
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y = sparse_linear_unchecked(xx, layer.weight, k.packed, layer.bias, k.packed_t, k.lp, k.bias_lp, plan)
+        y.backward(g)
+        return y, xx.grad, layer.weight.grad, layer.bias.grad
+
+    poison_allocator()
+    for planned, looked_up in zip(run(plan), run(None), strict=True):
+        assert torch.equal(planned, looked_up)
+        assert not bool(torch.isnan(planned).any())
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):  # evaluation: no autograd function
+        y = layer(x)
+    assert y.dtype == torch.bfloat16 and not y.requires_grad
+    assert rel_err(y, run(None)[0]) < 1e-2

@@ -64,7 +64,7 @@ from ..ops._build import KernelUnavailableError
 from ..ops._layout import VALID_M, VALID_V, PackedWeight
 from ..ops.pack import pack, repack, repack_many
 from ..patterns import NM, VNM, Pattern
-from .sparse_matmul import sparse_linear
+from .sparse_matmul import sparse_linear_unchecked
 
 if TYPE_CHECKING:
     from ..pruner import Pruner
@@ -178,6 +178,7 @@ class _LayerKernel:
         self.v, self.m = v, m
         self.transposable = m == 4 and bool(pruner.config.transposable)
         self.routes: dict[tuple, str] = {}
+        self.plans: dict[tuple, tuple] = {}  # per call shape: the measured (forward, input grad, weight grad) choices
         self.needs_lp: dict[tuple, bool] = {}  # per call shape: whether a dense choice reads ``lp``
         self.tries: dict[tuple, int] = {}
         self.dense_grad = True  # a gradient not made by the kernel path may be in .grad: the hook must mask it
@@ -252,6 +253,7 @@ class _LayerKernel:
                     self.packed_t = pack(src.t().contiguous(), mask.t().contiguous(), 64, 4, dtype)
                 self._mask_key = mkey
                 self.routes.clear()
+                self.plans.clear()
                 self.needs_lp.clear()
                 self.tries.clear()
             else:  # the repack casts as it gathers: it reads the master (any float dtype) when lp is not made
@@ -293,10 +295,10 @@ class _LayerKernel:
         fwd = "fwd_train" if trains else "fwd"
         forward = dispatch.choice(fwd, tokens, self.packed, device)
         parts = [forward]
-        input_grad = None  # the input gradient's choice: dense GEMM on lp unless packed_t runs it
+        input_grad = weight_grad = None  # input gradient: dense GEMM on lp unless packed_t runs it
         if grad:
             if self.module.weight.requires_grad:
-                parts.append(dispatch.choice("dw", tokens, self.packed, device))
+                parts.append(weight_grad := dispatch.choice("dw", tokens, self.packed, device))
             if self.packed_t is not None:
                 parts.append(input_grad := dispatch.choice(fwd, tokens, self.packed_t, device))
         if None in parts:
@@ -305,6 +307,7 @@ class _LayerKernel:
                 return None
         route = _DENSE if all(p in ("dense", None) for p in parts) else _KERNEL
         self.routes[key] = route
+        self.plans[key] = (forward, input_grad, weight_grad)
         self.needs_lp[key] = forward in ("dense", None) or (grad and input_grad in ("dense", None))
         logger.debug("hf_sparse: %s, %d tokens, grad=%s: %s path", self.name, tokens, grad, route)
         return route
@@ -362,14 +365,17 @@ def _kernel_forward(self: nn.Module, x: Tensor) -> Tensor:
     if dtype is not None:
         tokens = x.numel() // x.shape[-1] if x.shape[-1] else 0
         key = (1 << max(0, tokens - 1).bit_length(), grad, dtype)
-        route = k.routes.get(key) if dispatch.backend_mode() == "auto" else _KERNEL
+        auto = dispatch.backend_mode() == "auto"
+        route = k.routes.get(key) if auto else _KERNEL
         if route is None and k.packed is not None and k.packed.dtype == dtype:
             route = k.decide(key, tokens, w.device, grad)
     if dtype is None or route == _DENSE:  # the layer's own forward: its weight gradient is dense, the hook masks it
         k.dense_grad = k.dense_grad or (grad and w.requires_grad)
         return type(self).forward(self, x)
     k.refresh(dtype, k.needs_lp.get(key, True))
-    return sparse_linear(x, w, k.packed, self.bias, k.packed_t, k.lp, k.bias_lp)
+    # the shadows are this layer's own, built from w and the bias: sparse_linear's argument checks are not needed
+    plan = k.plans.get(key) if auto else None
+    return sparse_linear_unchecked(x, w, k.packed, self.bias, k.packed_t, k.lp, k.bias_lp, plan)
 
 
 def enable_kernel_path(model: nn.Module, pruner: Pruner, *, allow_cpu: bool = False) -> list[str]:

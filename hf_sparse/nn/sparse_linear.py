@@ -15,10 +15,18 @@ layout once from its compressed tensors (:func:`hf_sparse.ops.pack_from_logical`
 change) and goes through the dispatcher (:mod:`hf_sparse.ops.dispatch`), which uses the sparse kernel, cuSPARSELt or
 dense cuBLAS, whichever it measured fastest for the shape. Training a loaded model (gradients on ``weight``) keeps
 the dense path.
+
+Once the dispatcher has measured a token bucket, the layer keeps the choice resolved
+(:func:`hf_sparse.ops.dispatch.resolved_forward`) and later calls go straight to it: inference is often limited by
+the host's time to issue the kernels, not by the GPU (``benchmarks/RESULTS.md``), and the per-call lookups of the
+general path cost a host-bound forward as much as the kernel saves. The resolved route is dropped when the values,
+the bias or the ``HF_SPARSE_*`` variables change.
 """
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
 from typing import Literal
 
 import torch
@@ -32,6 +40,8 @@ from ..patterns import NM, Pattern, Unstructured, parse_pattern
 from .kernel_path import kernel_pattern
 
 __all__ = ["SparseLinear"]
+
+_ROUTE_ENV = ("HF_SPARSE_BACKEND", "HF_SPARSE_SPMM_KERNEL")  # what the dispatcher and the kernel choice read
 
 
 class SparseLinear(nn.Module):
@@ -72,7 +82,8 @@ class SparseLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device)) if bias else None
         self._dense_cache: tuple[tuple, Tensor] | None = None
         self._packed_cache: tuple[tuple, PackedWeight] | None = None
-        self._routes: dict[tuple, str] = {}  # (token bucket, dtype) -> "dense" once the dispatcher measured dense
+        # (token bucket, dtype) -> (stamp, the measured backend as a function of x): see forward
+        self._routes: dict[tuple, tuple[tuple, Callable[[Tensor], Tensor]]] = {}
         vm = kernel_pattern(self.pattern)
         self._kernel_vm = vm if vm is not None and in_features % 8 == 0 and out_features % 8 == 0 else None
 
@@ -142,21 +153,29 @@ class SparseLinear(nn.Module):
             dtype = x.dtype
         return dtype if dtype in (torch.bfloat16, torch.float16) else None
 
+    def _stamp(self) -> tuple:
+        """What a resolved route depends on besides the call shape: the values (weight and bias versions and the
+        weight's address) and the environment variables that pick backends and kernels."""
+        w, b = self.weight, self.bias
+        return (w._version, w.data_ptr(), None if b is None else b._version, *map(os.environ.get, _ROUTE_ENV))
+
     def forward(self, x: Tensor) -> Tensor:
         dtype = self._kernel_dtype(x)
         if dtype is None:
             return F.linear(x, self.dense_weight(), self.bias)
         tokens = x.numel() // self.in_features
         route_key = (1 << max(0, tokens - 1).bit_length(), dtype)
-        auto = dispatch.backend_mode() == "auto"
-        if auto and self._routes.get(route_key) == "dense":  # measured: dense cuBLAS wins; skip the dispatcher
-            return F.linear(x, self.dense_weight(), self.bias)
+        stamp = self._stamp()
+        route = self._routes.get(route_key)
+        if route is not None and route[0] == stamp:  # inference's hot path: one dict lookup, then the backend
+            return route[1](x if x.dtype == dtype else x.to(dtype))
+        dense = self.dense_weight()
         packed = self.packed_weight(dtype)
-        y = dispatch.linear_forward(x if x.dtype == dtype else x.to(dtype), self.dense_weight(), packed, self.bias)
-        if auto and route_key not in self._routes:
-            choice = dispatch.choice("fwd", tokens, packed, x.device)
-            if choice is not None:
-                self._routes[route_key] = "dense" if choice == "dense" else "kernel"
+        y = dispatch.linear_forward(x if x.dtype == dtype else x.to(dtype), dense, packed, self.bias)
+        if dispatch.backend_mode() == "auto":
+            run = dispatch.resolved_forward(packed, dense, self.bias, tokens, x.device)
+            if run is not None:
+                self._routes[route_key] = (stamp, run)
         return y
 
     def extra_repr(self) -> str:

@@ -21,9 +21,9 @@ import torch
 from torch import Tensor
 
 from ..ops import PackedWeight
-from ..ops.dispatch import linear_forward, weight_grad
+from ..ops.dispatch import linear_forward, run_forward, weight_grad
 
-__all__ = ["sparse_linear"]
+__all__ = ["sparse_linear", "sparse_linear_unchecked"]
 
 
 class _SparseLinearFn(torch.autograd.Function):
@@ -38,10 +38,16 @@ class _SparseLinearFn(torch.autograd.Function):
         weight_lp: Tensor | None,
         bias_lp: Tensor | None,
         static: bool,
+        plan: tuple[str | None, str | None, str | None] | None,
     ) -> Tensor:
         xc = x if x.dtype == packed.dtype else x.to(packed.dtype)  # no-op .to calls cost host time too
         w = weight_lp if weight_lp is not None else weight
-        y = linear_forward(xc, w, packed, bias_lp if bias_lp is not None else bias, static_weight=static)
+        b = bias_lp if bias_lp is not None else bias
+        if plan is not None and plan[0] is not None:
+            y = run_forward(plan[0], xc, w, packed, b)
+        else:
+            y = linear_forward(xc, w, packed, b, static_weight=static)
+        ctx.plan = plan
         ctx.packed = packed
         ctx.packed_t = packed_t
         ctx.static = static
@@ -59,20 +65,23 @@ class _SparseLinearFn(torch.autograd.Function):
         dx = dw = db = None
         if dy.dtype != packed.dtype:
             dy = dy.to(packed.dtype)
+        plan = ctx.plan
         if ctx.needs_input_grad[0]:
-            if ctx.packed_t is not None:
+            if ctx.packed_t is not None and plan is not None and plan[1] is not None:
+                dx = run_forward(plan[1], dy, w.t(), ctx.packed_t, None)
+            elif ctx.packed_t is not None:
                 dx = linear_forward(dy, w.t(), ctx.packed_t, None, static_weight=ctx.static)
             else:
                 dx = dy @ (w if w.dtype == dy.dtype else w.to(dy.dtype))
             if dx.dtype != ctx.x_dtype:
                 dx = dx.to(ctx.x_dtype)
         if ctx.needs_input_grad[1]:
-            dw = weight_grad(dy, xc, packed, ctx.w_dtype)
+            dw = weight_grad(dy, xc, packed, ctx.w_dtype, None if plan is None else plan[2])
         if ctx.has_bias and ctx.needs_input_grad[3]:
             db = dy.reshape(-1, dy.shape[-1]).sum(0, dtype=torch.float32)
             if db.dtype != ctx.bias_dtype:
                 db = db.to(ctx.bias_dtype)
-        return dx, dw, None, db, None, None, None, None
+        return dx, dw, None, db, None, None, None, None, None
 
 
 def sparse_linear(
@@ -108,9 +117,34 @@ def sparse_linear(
             f"hf_sparse.sparse_linear: weight_lp must be weight cast to {packed.dtype} with shape "
             f"{tuple(weight.shape)}, got {weight_lp.dtype} {tuple(weight_lp.shape)}"
         )
-    # a weight that trains changes every optimizer step, and the dispatcher prices in what that costs a backend;
-    # decided here because autograd runs Function.forward with grad mode off
     if bias_lp is not None and (bias is None or bias_lp.shape != bias.shape or bias_lp.dtype != packed.dtype):
         raise ValueError(f"hf_sparse.sparse_linear: bias_lp must be bias cast to {packed.dtype}")
-    static = not (torch.is_grad_enabled() and weight.requires_grad)
-    return _SparseLinearFn.apply(x, weight, packed, bias, packed_t, weight_lp, bias_lp, static)
+    return sparse_linear_unchecked(x, weight, packed, bias, packed_t, weight_lp, bias_lp)
+
+
+def sparse_linear_unchecked(
+    x: Tensor,
+    weight: Tensor,
+    packed: PackedWeight,
+    bias: Tensor | None,
+    packed_t: PackedWeight | None,
+    weight_lp: Tensor | None,
+    bias_lp: Tensor | None,
+    plan: tuple[str | None, str | None, str | None] | None = None,
+) -> Tensor:
+    """:func:`sparse_linear` without its argument checks, for a caller that built ``packed``, ``packed_t``,
+    ``weight_lp`` and ``bias_lp`` from ``weight`` and ``bias`` itself (the kernel path: the checks cost host time on
+    every call). ``plan``: the dispatcher's measured choices for this call shape (forward, input gradient, weight
+    gradient; None where unmeasured), used instead of looking them up on every call. Without autograd (inference,
+    evaluation) the forward runs directly, without the autograd function."""
+    if not torch.is_grad_enabled():
+        xc = x if x.dtype == packed.dtype else x.to(packed.dtype)
+        w = weight_lp if weight_lp is not None else weight
+        b = bias_lp if bias_lp is not None else bias
+        if plan is not None and plan[0] is not None:
+            return run_forward(plan[0], xc, w, packed, b)
+        return linear_forward(xc, w, packed, b, static_weight=True)
+    # a weight that trains changes every optimizer step, and the dispatcher prices in what that costs a backend;
+    # decided here because autograd runs Function.forward with grad mode off
+    static = not weight.requires_grad
+    return _SparseLinearFn.apply(x, weight, packed, bias, packed_t, weight_lp, bias_lp, static, plan)

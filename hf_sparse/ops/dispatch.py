@@ -35,7 +35,7 @@ from . import cslt
 from ._layout import PackedWeight, kept_columns
 from .pack import pack, repack
 from .sddmm import scatter_dense, sddmm
-from .spmm import spmm, spmm_2d
+from .spmm import spmm, spmm_2d, spmm_function
 
 __all__ = [
     "adopt_view24",
@@ -44,6 +44,8 @@ __all__ = [
     "choices",
     "clear_cache",
     "linear_forward",
+    "resolved_forward",
+    "run_forward",
     "view24_of",
     "weight_grad",
 ]
@@ -290,19 +292,20 @@ def linear_forward(
     """
     mode = _mode()
     if mode == "dense":
-        return _run_forward("dense", x, weight, p, bias)
+        return run_forward("dense", x, weight, p, bias)
     if not x.is_cuda or mode == "sparse":
         return spmm(x, p, bias)
     key = _key("fwd" if static_weight else "fwd_train", x.numel() // p.cols if p.cols else 0, p, x.device)
     choice = _choices.get(key)
     if choice is None:
         choice = _measure_forward(key, x.reshape(-1, p.cols), weight, p, bias, static_weight)
-    return _run_forward(choice, x, weight, p, bias)
+    return run_forward(choice, x, weight, p, bias)
 
 
-def _run_forward(choice: str, x: Tensor, weight: Tensor, p: PackedWeight, bias: Tensor | None) -> Tensor:
-    """One forward on backend ``choice``, with as little host work as possible (this runs on every call). A
-    "cslt" choice made for a token bucket falls back to our kernel for a count cuSPARSELt cannot take."""
+def run_forward(choice: str, x: Tensor, weight: Tensor, p: PackedWeight, bias: Tensor | None) -> Tensor:
+    """One forward on backend ``choice`` (one :func:`choice` returned), with as little host work as possible (this
+    runs on every call): for a caller that keeps the measured choice itself, :func:`linear_forward` without the
+    lookup. A "cslt" choice made for a token bucket falls back to our kernel for a count cuSPARSELt cannot take."""
     b = bias if bias is None or bias.dtype == p.dtype else bias.to(p.dtype)
     if choice == "dense":
         return F.linear(x, weight if weight.dtype == p.dtype else weight.to(p.dtype), b)
@@ -315,6 +318,33 @@ def _run_forward(choice: str, x: Tensor, weight: Tensor, p: PackedWeight, bias: 
     else:
         y = spmm_2d(x2, p, b)
     return y.reshape(*lead, p.rows) if len(lead) != 1 else y
+
+
+def resolved_forward(
+    p: PackedWeight, weight: Tensor, bias: Tensor | None, tokens: int, device: torch.device
+) -> Callable[[Tensor], Tensor] | None:
+    """The measured forward choice for a static weight at this token count as a function of ``x`` alone (None while
+    unmeasured), for a caller whose weight, bias and environment stay as they are between calls (inference): the
+    backend, the kernel function, the 2:4 view and the bias cast are looked up once here instead of on every call.
+    On this GPU's host each of those lookups costs about as much as the launch itself (``benchmarks/RESULTS.md``).
+    The caller must drop the function when ``weight``, ``bias`` or ``HF_SPARSE_*`` change."""
+    choice = _choices.get(_key("fwd", tokens, p, device))
+    if choice is None:
+        return None
+    if choice not in ("sparse", "sparse24") or p.cols % 8:  # dense cuBLAS, cuSPARSELt: their own per-call path
+        return lambda x: run_forward(choice, x, weight, p, bias)
+    target = p if choice == "sparse" else _view24(weight, p)
+    fn = spmm_function(target.m, device)
+    b = _stable_bias(bias, p.dtype)
+    values, meta, columns, rows, cols, m = target.values, target.meta, target.columns, p.rows, p.cols, target.m
+
+    def run(x: Tensor) -> Tensor:
+        if x.dtype != p.dtype or not x.is_contiguous() or x.data_ptr() % 16 or torch.compiler.is_compiling():
+            return run_forward(choice, x, weight, p, bias)  # the general path takes (or refuses) it
+        y = fn(x.view(-1, cols), values, meta, columns, b, rows, cols, m)
+        return y if x.dim() == 2 else y.view(*x.shape[:-1], rows)
+
+    return run
 
 
 def _measure_forward(
@@ -383,14 +413,16 @@ def _masked_dense_grad(dy2: Tensor, x2: Tensor, p: PackedWeight, dtype: torch.dt
     return torch.mul(full, _dense_mask(p), out=out)
 
 
-def weight_grad(dy: Tensor, x: Tensor, p: PackedWeight, dtype: torch.dtype) -> Tensor:
-    """Dense (R, K) gradient of the master weight, zero at pruned positions, in ``dtype``."""
-    mode = _mode()
+def weight_grad(dy: Tensor, x: Tensor, p: PackedWeight, dtype: torch.dtype, choice: str | None = None) -> Tensor:
+    """Dense (R, K) gradient of the master weight, zero at pruned positions, in ``dtype``. ``choice``: the measured
+    backend (``"sparse"`` or ``"dense"``, from :func:`choice`) when the caller keeps it, else looked up here."""
     dy2 = dy.reshape(-1, p.rows)
     x2 = x.reshape(-1, p.cols)
-    if mode == "dense":
-        return _masked_dense_grad(dy2, x2, p, dtype)
-    choice = _choices.get(_key("dw", x2.shape[0], p, x.device)) if dy.is_cuda and mode == "auto" else "sparse"
+    if choice is None:
+        mode = _mode()
+        if mode == "dense":
+            return _masked_dense_grad(dy2, x2, p, dtype)
+        choice = _choices.get(_key("dw", x2.shape[0], p, x.device)) if dy.is_cuda and mode == "auto" else "sparse"
     if choice is None:
         choice = _measure_weight_grad(dy2, x2, p, dtype)
     if choice == "dense":

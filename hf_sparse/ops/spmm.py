@@ -19,7 +19,7 @@ from torch import Tensor
 from ._layout import PackedWeight, dense_from_packed
 from ._select import kernel_choice, kernel_function
 
-__all__ = ["AUTO_WGMMA_M", "spmm", "spmm_2d", "spmm_kernel", "spmm_reference"]
+__all__ = ["AUTO_WGMMA_M", "spmm", "spmm_2d", "spmm_function", "spmm_kernel", "spmm_reference"]
 
 
 def spmm_reference(x: Tensor, p: PackedWeight, bias: Tensor | None = None) -> Tensor:
@@ -54,12 +54,18 @@ def spmm_kernel(m: int, device: torch.device | None = None) -> str:
     return kernel_choice(*_SELECT, m, device)
 
 
+def spmm_function(m: int, device: torch.device):
+    """The extension function :func:`spmm_kernel` picks for group size ``m`` on ``device`` (the current
+    ``HF_SPARSE_SPMM_KERNEL``), called as ``fn(x2, values, meta, columns, bias, rows, cols, m)`` with ``x2`` 2-D,
+    contiguous, 16-byte aligned, ``cols % 8 == 0`` and everything in one dtype (the binding checks the rest)."""
+    return kernel_function(*_SELECT, m, device, ("spmm_wgmma", "spmm"))
+
+
 def _run_kernel(
     x: Tensor, values: Tensor, meta: Tensor, columns: Tensor, bias: Tensor | None, rows: int, cols: int, m: int
 ) -> Tensor:
     """The CUDA kernel call itself (``x`` 2-D, contiguous, 16-byte aligned, ``cols % 8 == 0``)."""
-    fn = kernel_function(*_SELECT, m, x.device, ("spmm_wgmma", "spmm"))
-    return fn(x, values, meta, columns, bias, rows, cols, m)
+    return spmm_function(m, x.device)(x, values, meta, columns, bias, rows, cols, m)
 
 
 def spmm_2d(x2: Tensor, packed: PackedWeight, bias: Tensor | None = None) -> Tensor:

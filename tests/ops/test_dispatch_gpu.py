@@ -86,3 +86,25 @@ def test_measurement_picks_by_gpu_time_and_drops_candidates_that_raise():
 
     assert dispatch._fastest({"two": two_gemms, "one": one_gemm, "refuses": refuses}) == "one"
     assert dispatch._fastest({"one": one_gemm, "python": python_heavy}) == "python"
+
+
+@pytest.mark.parametrize("choice", ["sparse", "sparse24", "dense"])
+@pytest.mark.parametrize("tokens", [1, 7, 300])
+@pytest.mark.parametrize("bias_dtype", [torch.bfloat16, torch.float32])
+def test_resolved_forward_runs_the_measured_choice(choice, tokens, bias_dtype):
+    w, mask = random_masked(256, 512, 64, 8, device="cuda", seed=tokens)
+    p = pack(w, mask, 64, 8, torch.bfloat16)
+    wb, b = w.bfloat16(), torch.randn(256, device="cuda").to(bias_dtype)
+    assert dispatch.resolved_forward(p, wb, b, tokens, torch.device("cuda")) is None  # nothing measured yet
+    dispatch._choices[dispatch._key("fwd", tokens, p, torch.device("cuda"))] = choice  # as if measured
+    run = dispatch.resolved_forward(p, wb, b, tokens, torch.device("cuda"))
+    assert run is not None
+    for x in (
+        torch.randn(tokens, 512, device="cuda").bfloat16(),
+        torch.randn(1, tokens, 512, device="cuda").bfloat16(),  # leading batch dims
+        torch.randn(tokens, 1024, device="cuda").bfloat16()[:, ::2],  # strided: the general path takes it
+    ):
+        poison_allocator()
+        y = run(x)
+        assert torch.equal(y, dispatch.run_forward(choice, x, wb, p, b))
+        assert_linear_matches(y, x, w, b.bfloat16())
