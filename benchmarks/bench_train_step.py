@@ -2,7 +2,7 @@
 ``from_pretrained``-loaded compressed checkpoint. All in one run; prints markdown tables.
 
     python benchmarks/bench_train_step.py [--patterns 2:4T 64:2:8 64:2:16] [--steps 10] [--masked-dense]
-                                          [--no-inference] [--no-train] [--host-profile 25]
+                                          [--no-inference] [--no-train] [--no-graph] [--host-profile 25]
 
 Model: ``BertForMaskedLM`` built from ``BertConfig`` (24 layers, hidden 1024, 16 heads, FFN 4096, vocab 30522; no
 download), batch 16 x 512 random tokens, fp32 master weights, bf16 autocast, fused AdamW, SDPA attention.
@@ -14,8 +14,9 @@ Step time: median over ``--steps`` steps of CUDA-event time after 3 warm-up step
 the first). Breakdown: ``torch.profiler`` over 3 more steps, device time of every kernel summed by category.
 Host time: seconds the host takes to issue one step (no synchronisation inside the timed steps): where it exceeds the
 CUDA kernel time, the step is host-bound and Python is what to make faster. ``--host-profile N`` also prints the
-N functions with the most self time under ``cProfile`` over 3 steps of each configuration. Inference is also timed
-replayed from a CUDA graph (captured after the warm-up): the forward's time where the host is not the limit.
+N functions with the most self time under ``cProfile`` over 3 steps of each configuration. The step and the
+inference forward are also timed replayed from a CUDA graph (captured after the warm-up; ``--no-graph`` skips the
+step's): their time where the host is not the limit.
 Amdahl bound: the step time if the pruned layers' GEMMs ran at the ideal sparse speed (1/density) and nothing else
 changed; the pruned layers' share of GEMM time is estimated from their FLOP share of all GEMM FLOPs.
 
@@ -37,6 +38,7 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
+from math import nan
 
 import torch
 from transformers import AutoModelForMaskedLM, BertConfig, BertForMaskedLM
@@ -107,6 +109,37 @@ def make_step(model, pruner, batch: int, seq: int):
             pruner.apply()
 
     return step
+
+
+def graphed_step(model, pruner, batch: int, seq: int):
+    """The step of :func:`make_step` captured in one CUDA graph (PyTorch's whole-network recipe: a capturable fused
+    AdamW of its own, gradients allocated inside the graph, autocast without its cast cache); returns the replay.
+    Replayed, the step costs the host one call, so its time is the GPU's: the step where the host is not the limit.
+    Everything the kernel path does between steps is in the graph too (the batched repack at the first stale layer,
+    the masking after the optimizer step)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True, capturable=True)
+    ids = torch.randint(0, 30522, (batch, seq), device="cuda", generator=torch.Generator(device="cuda").manual_seed(1))
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        if pruner is not None:
+            pruner.apply()
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            opt.zero_grad(set_to_none=True)
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    opt.zero_grad(set_to_none=True)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph.replay
 
 
 def time_steps(step, n: int) -> float:
@@ -208,7 +241,7 @@ def train_section(args) -> None:
     cfg = bert_large()
     share = gemm_flop_share_pruned(cfg)
     rows = []
-    dense_ms = None
+    dense_ms = dense_replay = None
     configs = ["dense", *args.patterns] + [f"{p} masked-dense" for p in args.patterns if args.masked_dense]
     for pattern in configs:
         gc.collect()  # the last configuration's model and pruner (reference cycles): not left to slow this one's host
@@ -229,9 +262,12 @@ def train_section(args) -> None:
         torch.cuda.synchronize()
         ms = time_steps(step, args.steps)
         host = host_ms(step, args.steps)
+        # before any torch.profiler use: replays of a graph ran several times slower after it in run G1
+        replay = time_steps(graphed_step(model, pruner, args.batch, args.seq), args.steps) if args.graph else nan
         cats, top = breakdown(step)
         dense_ms = dense_ms or ms
-        rows.append((pattern, ms, host, cats, routes(model), setup))
+        dense_replay = dense_replay or replay
+        rows.append((pattern, ms, host, cats, routes(model), setup, replay))
         print(f"## {pattern}: {ms:.2f} ms/step, host {host:.2f} ms (setup {setup:.1f} s); top kernels, ms per step:")
         for name, t in top.items():
             print(f"    {t:7.3f}  {name}")
@@ -241,15 +277,15 @@ def train_section(args) -> None:
         del model, pruner, step
     print("\n### Training step, BERT-large, batch 16 x 512, bf16 autocast, fused AdamW (ms per step)\n")
     head = "| config | step (wall) | x dense | host time | CUDA kernel time | x dense | " + " | ".join(CATEGORIES)
-    print(head + " | routes |")
-    print("|" + "---|" * (len(CATEGORIES) + 7))
+    print(head + " | routes | step from a CUDA graph | x dense |")
+    print("|" + "---|" * (len(CATEGORIES) + 9))
     dense_gpu = sum(rows[0][3].values())
-    for pattern, ms, host, cats, rt, _ in rows:
+    for pattern, ms, host, cats, rt, _, replay in rows:
         cells = " | ".join(f"{cats.get(c, 0.0):.2f}" for c in CATEGORIES)
         gpu = sum(cats.values())
         print(
             f"| {pattern} | {ms:.2f} | {dense_ms / ms:.3f} | {host:.2f} | {gpu:.2f} | {dense_gpu / gpu:.3f} | {cells} "
-            f"| {rt} |"
+            f"| {rt} | {replay:.2f} | {dense_replay / replay:.3f} |"
         )
     cats = rows[0][3]
     total = sum(cats.values())
@@ -300,22 +336,24 @@ def inference_section(args) -> None:
             run()
         eager = time_steps(run, args.steps)
         host = host_ms(run, args.steps)  # host time to issue one forward: shows when Python is the limit
+        replay = time_steps(graphed(run), args.steps)  # before torch.profiler (see train_section)
         if args.host_profile:
             print(f"## inference, {name}: host {host:.2f} ms per forward")
             print_host_profile(run, args.host_profile)
         cats, _ = breakdown(run)
-        rows[name] = (eager, host, sum(cats.values()), gemm_ms(cats), time_steps(graphed(run), args.steps))
+        rows[name] = (eager, host, sum(cats.values()), gemm_ms(cats), replay)
     to_dense(loaded)
     run = fwd(loaded)
     for _ in range(3):
         run()
+    eager, replay = time_steps(run, args.steps), time_steps(graphed(run), args.steps)
     cats, _ = breakdown(run)
     rows[f"loaded {args.inference_pattern}, then hf_sparse.to_dense"] = (
-        time_steps(run, args.steps),
+        eager,
         float("nan"),
         sum(cats.values()),
         gemm_ms(cats),
-        time_steps(graphed(run), args.steps),
+        replay,
     )
     print(
         "| model | forward | x dense | host time to issue it | CUDA kernel time | x dense | linear GEMM + sparse "
@@ -339,13 +377,19 @@ def main() -> int:
     ap.add_argument("--inference-pattern", default="64:2:8")
     ap.add_argument("--no-inference", action="store_true")
     ap.add_argument("--no-train", action="store_true", help="inference section only")
+    ap.add_argument(
+        "--no-graph",
+        dest="graph",
+        action="store_false",
+        help="skip timing the training step replayed from a CUDA graph",
+    )
     ap.add_argument("--host-profile", type=int, default=0, metavar="N", help="print the N top host functions")
     ap.add_argument(
         "--masked-dense", action="store_true", help="also time each pattern with the pruner but no kernel path"
     )
     args = ap.parse_args()
     print(
-        f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, {datetime.datetime.utcnow():%Y-%m-%d %H:%M} UTC"
+        f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC"
     )
     if not args.no_train:
         train_section(args)

@@ -271,3 +271,58 @@ def test_kernel_path_plan_gives_the_results_of_the_lookups_it_replaces(pattern, 
         y = layer(x)
     assert y.dtype == torch.bfloat16 and not y.requires_grad
     assert rel_err(y, run(None)[0]) < 1e-2
+
+
+def test_kernel_path_training_step_replays_from_a_cuda_graph(monkeypatch):
+    """A whole training step captured in a CUDA graph (PyTorch's whole-network recipe) takes the host out of the step
+    time. Everything the kernel path does between steps must be in the graph: the repack of the new master values at
+    the first layer of each forward and the masking after the optimizer step; a replay that reused the packs of the
+    captured step would train on stale weights and drift from the eager run."""
+    monkeypatch.setenv("HF_SPARSE_BACKEND", "auto")
+    gen = torch.Generator().manual_seed(11)
+    batches = [torch.randint(1, 512, (8, 64), generator=gen).cuda() for _ in range(8)]
+
+    def setup():
+        model = _small_bert(seed=0)
+        pruner = prune_now(model, "2:4", transposable=True)
+        assert len(enable_kernel_path(model, pruner)) == 12
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True, capturable=True)
+        ids = batches[0].clone()
+
+        def step():
+            with torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False):
+                loss = model(input_ids=ids, labels=ids[:, 0] % 3).loss
+            loss.backward()
+            opt.step()
+            pruner.apply()
+            return loss
+
+        return model, pruner, opt, ids, step
+
+    model, pruner, opt, ids, step = setup()
+    eager = []
+    for batch in batches:
+        ids.copy_(batch)
+        eager.append(step().item())
+        opt.zero_grad(set_to_none=True)
+    model, pruner, opt, ids, step = setup()
+    replayed = []
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for batch in batches[:3]:
+            ids.copy_(batch)
+            replayed.append(step().item())
+            opt.zero_grad(set_to_none=True)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        loss = step()
+    for batch in batches[3:]:
+        ids.copy_(batch)
+        graph.replay()
+        replayed.append(loss.item())
+    assert kernel_path_layers(model), "the kernel path was switched off"
+    torch.testing.assert_close(torch.tensor(replayed), torch.tensor(eager), rtol=2e-3, atol=2e-3)
+    for layer in pruner.layers:
+        assert (layer.weight[~pruner.masks[layer.name]] == 0).all()
