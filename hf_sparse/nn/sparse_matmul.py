@@ -41,44 +41,50 @@ class _SparseLinearFn(torch.autograd.Function):
         plan: tuple[str | None, str | None, str | None] | None,
     ) -> Tensor:
         xc = x if x.dtype == packed.dtype else x.to(packed.dtype)  # no-op .to calls cost host time too
+        # 2-D inside (tokens x features): every op below takes it as it is, so no op reshapes it again
+        x2 = xc if xc.dim() == 2 else xc.reshape(-1, packed.cols)
         w = weight_lp if weight_lp is not None else weight
         b = bias_lp if bias_lp is not None else bias
         if plan is not None and plan[0] is not None:
-            y = run_forward(plan[0], xc, w, packed, b)
+            y = run_forward(plan[0], x2, w, packed, b)
         else:
-            y = linear_forward(xc, w, packed, b, static_weight=static)
+            y = linear_forward(x2, w, packed, b, static_weight=static)
         ctx.plan = plan
         ctx.packed = packed
         ctx.packed_t = packed_t
         ctx.static = static
         ctx.x_dtype = x.dtype
+        ctx.x_shape = x.shape
         ctx.w_dtype = weight.dtype
         ctx.has_bias = bias is not None
         ctx.bias_dtype = None if bias is None else bias.dtype
-        ctx.save_for_backward(xc, w)
-        return y
+        ctx.save_for_backward(x2, w)
+        return y if xc.dim() == 2 else y.reshape(*x.shape[:-1], packed.rows)
 
     @staticmethod
     def backward(ctx, dy: Tensor):
-        xc, w = ctx.saved_tensors
+        x2, w = ctx.saved_tensors
         packed: PackedWeight = ctx.packed
         dx = dw = db = None
         if dy.dtype != packed.dtype:
             dy = dy.to(packed.dtype)
+        dy2 = dy if dy.dim() == 2 else dy.reshape(-1, packed.rows)
         plan = ctx.plan
         if ctx.needs_input_grad[0]:
             if ctx.packed_t is not None and plan is not None and plan[1] is not None:
-                dx = run_forward(plan[1], dy, w.t(), ctx.packed_t, None)
+                dx = run_forward(plan[1], dy2, w.t(), ctx.packed_t, None)
             elif ctx.packed_t is not None:
-                dx = linear_forward(dy, w.t(), ctx.packed_t, None, static_weight=ctx.static)
+                dx = linear_forward(dy2, w.t(), ctx.packed_t, None, static_weight=ctx.static)
             else:
-                dx = dy @ (w if w.dtype == dy.dtype else w.to(dy.dtype))
+                dx = dy2 @ (w if w.dtype == dy2.dtype else w.to(dy2.dtype))
             if dx.dtype != ctx.x_dtype:
                 dx = dx.to(ctx.x_dtype)
+            if len(ctx.x_shape) != 2:
+                dx = dx.reshape(ctx.x_shape)
         if ctx.needs_input_grad[1]:
-            dw = weight_grad(dy, xc, packed, ctx.w_dtype, None if plan is None else plan[2])
+            dw = weight_grad(dy2, x2, packed, ctx.w_dtype, None if plan is None else plan[2])
         if ctx.has_bias and ctx.needs_input_grad[3]:
-            db = dy.reshape(-1, dy.shape[-1]).sum(0, dtype=torch.float32)
+            db = dy2.sum(0, dtype=torch.float32)
             if db.dtype != ctx.bias_dtype:
                 db = db.to(ctx.bias_dtype)
         return dx, dw, None, db, None, None, None, None, None

@@ -325,7 +325,7 @@ def run_forward(choice: str, x: Tensor, weight: Tensor, p: PackedWeight, bias: T
     if choice == "dense":
         return F.linear(x, weight if weight.dtype == p.dtype else weight.to(p.dtype), b)
     lead = x.shape[:-1]
-    x2 = x.reshape(-1, p.cols)
+    x2 = x if len(lead) == 1 else x.reshape(-1, p.cols)
     if choice == "cslt" and x2.is_contiguous() and cslt.supports(p.rows, p.cols, x2.shape[0], p.dtype):
         y = _cslt_linear(x2, weight, p, bias)
     elif choice == "sparse24":
@@ -434,8 +434,8 @@ def _masked_dense_grad(dy2: Tensor, x2: Tensor, p: PackedWeight, dtype: torch.dt
 def weight_grad(dy: Tensor, x: Tensor, p: PackedWeight, dtype: torch.dtype, choice: str | None = None) -> Tensor:
     """Dense (R, K) gradient of the master weight, zero at pruned positions, in ``dtype``. ``choice``: the measured
     backend (``"sparse"`` or ``"dense"``, from :func:`choice`) when the caller keeps it, else looked up here."""
-    dy2 = dy.reshape(-1, p.rows)
-    x2 = x.reshape(-1, p.cols)
+    dy2 = dy if dy.dim() == 2 else dy.reshape(-1, p.rows)
+    x2 = x if x.dim() == 2 else x.reshape(-1, p.cols)
     if choice is None:
         mode = _mode()
         if mode == "dense":
