@@ -2,7 +2,7 @@
 ``from_pretrained``-loaded compressed checkpoint. All in one run; prints markdown tables.
 
     python benchmarks/bench_train_step.py [--patterns 2:4T 64:2:8 64:2:16] [--steps 10] [--masked-dense]
-                                          [--no-inference] [--no-train] [--no-graph] [--host-profile 25]
+                                          [--no-inference] [--no-train] [--graph] [--host-profile 25]
 
 Model: ``BertForMaskedLM`` built from ``BertConfig`` (24 layers, hidden 1024, 16 heads, FFN 4096, vocab 30522; no
 download), batch 16 x 512 random tokens, fp32 master weights, bf16 autocast, fused AdamW, SDPA attention.
@@ -14,9 +14,10 @@ Step time: median over ``--steps`` steps of CUDA-event time after 3 warm-up step
 the first). Breakdown: ``torch.profiler`` over 3 more steps, device time of every kernel summed by category.
 Host time: seconds the host takes to issue one step (no synchronisation inside the timed steps): where it exceeds the
 CUDA kernel time, the step is host-bound and Python is what to make faster. ``--host-profile N`` also prints the
-N functions with the most self time under ``cProfile`` over 3 steps of each configuration. The step and the
-inference forward are also timed replayed from a CUDA graph (captured after the warm-up; ``--no-graph`` skips the
-step's): their time where the host is not the limit.
+N functions with the most self time under ``cProfile`` over 3 steps of each configuration. ``--graph`` also times
+the step and the inference forward replayed from a CUDA graph (captured after the warm-up): where graph launches are
+cheap, their time where the host is not the limit. (On the H200 machine they are not: replays took 2-4x the eager
+time for dense and sparse alike, ``benchmarks/RESULTS.md``.)
 Amdahl bound: the step time if the pruned layers' GEMMs ran at the ideal sparse speed (1/density) and nothing else
 changed; the pruned layers' share of GEMM time is estimated from their FLOP share of all GEMM FLOPs.
 
@@ -262,7 +263,7 @@ def train_section(args) -> None:
         torch.cuda.synchronize()
         ms = time_steps(step, args.steps)
         host = host_ms(step, args.steps)
-        # before any torch.profiler use: replays of a graph ran several times slower after it in run G1
+        # before any torch.profiler use, which may leave graph replays slower
         replay = time_steps(graphed_step(model, pruner, args.batch, args.seq), args.steps) if args.graph else nan
         cats, top = breakdown(step)
         dense_ms = dense_ms or ms
@@ -336,7 +337,7 @@ def inference_section(args) -> None:
             run()
         eager = time_steps(run, args.steps)
         host = host_ms(run, args.steps)  # host time to issue one forward: shows when Python is the limit
-        replay = time_steps(graphed(run), args.steps)  # before torch.profiler (see train_section)
+        replay = time_steps(graphed(run), args.steps) if args.graph else nan  # before torch.profiler
         if args.host_profile:
             print(f"## inference, {name}: host {host:.2f} ms per forward")
             print_host_profile(run, args.host_profile)
@@ -346,7 +347,7 @@ def inference_section(args) -> None:
     run = fwd(loaded)
     for _ in range(3):
         run()
-    eager, replay = time_steps(run, args.steps), time_steps(graphed(run), args.steps)
+    eager, replay = time_steps(run, args.steps), time_steps(graphed(run), args.steps) if args.graph else nan
     cats, _ = breakdown(run)
     rows[f"loaded {args.inference_pattern}, then hf_sparse.to_dense"] = (
         eager,
@@ -377,12 +378,7 @@ def main() -> int:
     ap.add_argument("--inference-pattern", default="64:2:8")
     ap.add_argument("--no-inference", action="store_true")
     ap.add_argument("--no-train", action="store_true", help="inference section only")
-    ap.add_argument(
-        "--no-graph",
-        dest="graph",
-        action="store_false",
-        help="skip timing the training step replayed from a CUDA graph",
-    )
+    ap.add_argument("--graph", action="store_true", help="also time the step and forward replayed from a CUDA graph")
     ap.add_argument("--host-profile", type=int, default=0, metavar="N", help="print the N top host functions")
     ap.add_argument(
         "--masked-dense", action="store_true", help="also time each pattern with the pruner but no kernel path"

@@ -341,11 +341,15 @@ def resolved_forward(
     """The measured forward choice for a static weight at this token count as a function of ``x`` alone (None while
     unmeasured), for a caller whose weight, bias and environment stay as they are between calls (inference): the
     backend, the kernel function, the 2:4 view and the bias cast are looked up once here instead of on every call.
-    On this GPU's host each of those lookups costs about as much as the launch itself (``benchmarks/RESULTS.md``).
-    The caller must drop the function when ``weight``, ``bias`` or ``HF_SPARSE_*`` change."""
+    On the H200 machine's host each of those lookups costs about as much as the launch itself
+    (``benchmarks/RESULTS.md``). The caller must drop the function when ``weight``, ``bias`` or ``HF_SPARSE_*``
+    change."""
     choice = _choices.get(_key("fwd", tokens, p, device))
-    if choice is None:
-        return None
+    return None if choice is None else _resolve(choice, p, weight, bias, device)
+
+
+def _resolve(choice: str, p: PackedWeight, weight: Tensor, bias: Tensor | None, device: torch.device):
+    """:func:`run_forward` for ``choice`` with everything but ``x`` looked up now (see :func:`resolved_forward`)."""
     if choice not in ("sparse", "sparse24") or p.cols % 8:  # dense cuBLAS, cuSPARSELt: their own per-call path
         return lambda x: run_forward(choice, x, weight, p, bias)
     target = p if choice == "sparse" else _view24(weight, p)
@@ -360,6 +364,20 @@ def resolved_forward(
         return y if x.dim() == 2 else y.view(*x.shape[:-1], rows)
 
     return run
+
+
+def _as_resolved(choice: str, x2: Tensor, weight: Tensor, p: PackedWeight, bias: Tensor | None):
+    """A measurement candidate that runs ``choice`` the way :func:`resolved_forward` will (resolved on its first
+    call, the warm-up), so its host time is the one later calls pay."""
+    run = None
+
+    def call() -> Tensor:
+        nonlocal run
+        if run is None:
+            run = _resolve(choice, p, weight, bias, x2.device)
+        return run(x2)
+
+    return call
 
 
 def _measure_forward(
@@ -379,7 +397,7 @@ def _measure_forward(
     if cslt.supports(p.rows, p.cols, x2.shape[0], p.dtype) and x2.is_contiguous() and _cslt_usable():
         candidates["cslt"] = lambda: _cslt_linear(x2, weight, p, bias)
     if static_weight:  # inference: often host-bound, so a backend's host time counts too (see _fastest)
-        choice = _fastest(candidates, host_too=True)
+        choice = _fastest({name: _as_resolved(name, x2, weight, p, bias) for name in candidates}, host_too=True)
     else:
         choice = _fastest(_training_timed(candidates, x2, weight, p, b, bias))
     _choices[key] = choice
