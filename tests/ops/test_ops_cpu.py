@@ -257,3 +257,33 @@ def test_repack_many_matches_one_repack_per_weight_and_checks_its_input():
         repack_many(weights[:2], [packs[0], half])
     with pytest.raises(ValueError, match="weight is torch.float64"):
         repack_many([weights[1].double()], [packs[1]])
+
+
+@pytest.mark.parametrize("shape", [(128,), (7, 128), (2, 3, 128)])
+def test_sparse_linear_takes_any_leading_dims_and_no_grad(shape):
+    """The autograd function works on 2-D tensors inside: a 1-D input, batch dims and the no-autograd path must all
+    give F.linear's shapes and values, and the gradients must come back in the input's shape."""
+    from hf_sparse.masks import transposable_2to4_mask
+
+    torch.manual_seed(3)
+    w = torch.randn(64, 128)
+    mask = transposable_2to4_mask(w.abs())
+    w = torch.where(mask, w, 0.0)
+    weight = torch.nn.Parameter(w.clone())
+    bias = torch.nn.Parameter(torch.randn(64))
+    p = pack(w, mask, 64, 4, torch.bfloat16)
+    pt = pack(w.t().contiguous(), mask.t().contiguous(), 64, 4, torch.bfloat16)
+    x = torch.randn(shape, requires_grad=True)
+    ref_x = x.detach().bfloat16().float().requires_grad_(True)
+    ref = F.linear(ref_x, w.bfloat16().float(), bias.detach())
+    y = sparse_linear(x, weight, p, bias, pt)
+    assert y.shape == ref.shape and rel_err(y, ref) < 1e-2
+    g = torch.randn(ref.shape)
+    (y.float() * g).sum().backward()
+    (ref * g).sum().backward()
+    assert x.grad.shape == x.shape and rel_err(x.grad, ref_x.grad) < 1e-2
+    assert rel_err(weight.grad, (g.reshape(-1, 64).t() @ ref_x.detach().reshape(-1, 128)) * mask) < 1e-2
+    assert rel_err(bias.grad, g.reshape(-1, 64).sum(0)) < 1e-2
+    with torch.no_grad():
+        y_eval = sparse_linear(x, weight, p, bias, pt)
+    assert y_eval.grad_fn is None and torch.equal(y_eval, y.detach())
