@@ -26,6 +26,25 @@ from ..ops.dispatch import linear_forward, run_forward, weight_grad
 __all__ = ["sparse_linear", "sparse_linear_unchecked"]
 
 
+def _product(
+    x: Tensor,
+    weight: Tensor,
+    packed: PackedWeight,
+    bias: Tensor | None,
+    weight_lp: Tensor | None,
+    bias_lp: Tensor | None,
+    static: bool,
+    plan: tuple[str | None, str | None, str | None] | None,
+) -> tuple[Tensor, Tensor]:
+    """``(w, x @ w^T + b)``: ``w`` is what the dense choices read (``weight_lp`` where given), the product runs on the
+    plan's measured forward choice where there is one, else through the dispatcher's lookup."""
+    w = weight_lp if weight_lp is not None else weight
+    b = bias_lp if bias_lp is not None else bias
+    if plan is not None and plan[0] is not None:
+        return w, run_forward(plan[0], x, w, packed, b)
+    return w, linear_forward(x, w, packed, b, static_weight=static)
+
+
 class _SparseLinearFn(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -43,12 +62,7 @@ class _SparseLinearFn(torch.autograd.Function):
         xc = x if x.dtype == packed.dtype else x.to(packed.dtype)  # no-op .to calls cost host time too
         # 2-D inside (tokens x features): every op below takes it as it is, so no op reshapes it again
         x2 = xc if xc.dim() == 2 else xc.reshape(-1, packed.cols)
-        w = weight_lp if weight_lp is not None else weight
-        b = bias_lp if bias_lp is not None else bias
-        if plan is not None and plan[0] is not None:
-            y = run_forward(plan[0], x2, w, packed, b)
-        else:
-            y = linear_forward(x2, w, packed, b, static_weight=static)
+        w, y = _product(x2, weight, packed, bias, weight_lp, bias_lp, static, plan)
         ctx.plan = plan
         ctx.packed = packed
         ctx.packed_t = packed_t
@@ -145,11 +159,7 @@ def sparse_linear_unchecked(
     evaluation) the forward runs directly, without the autograd function."""
     if not torch.is_grad_enabled():
         xc = x if x.dtype == packed.dtype else x.to(packed.dtype)
-        w = weight_lp if weight_lp is not None else weight
-        b = bias_lp if bias_lp is not None else bias
-        if plan is not None and plan[0] is not None:
-            return run_forward(plan[0], xc, w, packed, b)
-        return linear_forward(xc, w, packed, b, static_weight=True)
+        return _product(xc, weight, packed, bias, weight_lp, bias_lp, True, plan)[1]
     # a weight that trains changes every optimizer step, and the dispatcher prices in what that costs a backend;
     # decided here because autograd runs Function.forward with grad mode off
     static = not weight.requires_grad
