@@ -8,7 +8,8 @@ Model: ``BertForMaskedLM`` built from ``BertConfig`` (24 layers, hidden 1024, 16
 download), batch 16 x 512 random tokens, fp32 master weights, bf16 autocast, fused AdamW, SDPA attention.
 The sparse step is exactly what SparseTrainer runs once the masks are final: one-shot masks from
 :class:`hf_sparse.Pruner`, :func:`hf_sparse.nn.kernel_path.enable_kernel_path`, and after each optimizer step
-``pruner.apply()`` (the callback's re-masking). ``2:4T`` is transposable 2:4 (sparse input gradient possible).
+``pruner.apply(optimizer)`` (the callback's re-masking, which leaves out the layers whose fused AdamW state it has
+zeroed at pruned positions). ``2:4T`` is transposable 2:4 (sparse input gradient possible).
 
 Step time: median over ``--steps`` steps of CUDA-event time after 3 warm-up steps (the dispatcher measures during
 the first). Breakdown: ``torch.profiler`` over 3 more steps, device time of every kernel summed by category.
@@ -107,7 +108,7 @@ def make_step(model, pruner, batch: int, seq: int):
         opt.step()
         opt.zero_grad(set_to_none=True)
         if pruner is not None:
-            pruner.apply()
+            pruner.apply(opt)
 
     return step
 
@@ -127,7 +128,7 @@ def graphed_step(model, pruner, batch: int, seq: int):
         loss.backward()
         opt.step()
         if pruner is not None:
-            pruner.apply()
+            pruner.apply(opt)
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())

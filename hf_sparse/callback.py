@@ -138,7 +138,7 @@ class SparsityCallback(TrainerCallback):
 
     def on_optimizer_step(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs):
         if self.pruner is not None:
-            self.pruner.apply()
+            self.pruner.apply(kwargs.get("optimizer"))  # with the optimizer, settled layers need no masking
 
     def metrics_for_log(self) -> dict[str, float]:
         """Metrics to merge into the next log call (per-layer values only after a mask update)."""
