@@ -39,6 +39,13 @@ __all__ = ["Pruner"]
 
 logger = logging.getLogger(__name__)
 
+
+def _storage_of(t: Tensor) -> tuple[int, int]:
+    """Which tensor ``t`` is, for telling a resumed optimizer's new state from the state that was zeroed: the object
+    and its (local, for a sharded DTensor) storage address."""
+    return id(t), (t.to_local() if is_sharded(t) else t).data_ptr()
+
+
 # Optimizers whose update of an entry reads only that entry's weight, gradient and state, and leaves it at zero when
 # all three are zero (weight decay included). Exact types: a subclass may change the update.
 _ELEMENTWISE_OPTIMIZERS = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
@@ -303,7 +310,7 @@ class Pruner:
             if mask is None or not state:  # no state yet: the optimizer has not stepped this weight
                 continue
             tensors = [t for t in state.values() if isinstance(t, Tensor) and t.shape == param.shape]
-            stamp = (mask._version, id(opt), tuple(t.data_ptr() for t in tensors))
+            stamp = (mask._version, id(opt), tuple(_storage_of(t) for t in tensors))
             done = self._zeroed_state.get(layer.name)
             if done is not None and done[0] is mask and done[1] == stamp:
                 settled.add(layer.name)

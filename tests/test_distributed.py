@@ -383,7 +383,7 @@ def _manual_loop(model, callback: SparsityCallback, rank: int, world: int, shard
         seen["grads_zero"].append(all(_pruned_zero(lay.module.weight.grad, m, lay.transposed) for lay, m in masked))
         torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
         optimizer.step()
-        callback.on_optimizer_step(args, state, control)
+        callback.on_optimizer_step(args, state, control, optimizer=optimizer)  # as Trainer calls it
         optimizer.zero_grad()
         seen["weights_zero"].append(all(_pruned_zero(lay.module.weight, m, lay.transposed) for lay, m in masked))
         seen["digests"].append(_digest(pruner))
@@ -498,7 +498,7 @@ def _kernel_path_fsdp_check(rank: int) -> dict:
             all(_pruned_zero(la.module.weight.grad, pruner.masks[la.name], la.transposed) for la in pruner.layers)
         )
         optimizer.step()
-        callback.on_optimizer_step(args, state, control)
+        callback.on_optimizer_step(args, state, control, optimizer=optimizer)  # as Trainer calls it
         optimizer.zero_grad()
         seen["losses"].append(loss.item())
     seen["layers"] = len(kernel_path_layers(model))
