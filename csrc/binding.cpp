@@ -56,7 +56,9 @@ void check_activation(const char* op, const char* name, const at::Tensor& t, int
 
 at::Tensor spmm_impl(const char* op, bool wgmma, const at::Tensor& x, const at::Tensor& values,
                      const at::Tensor& meta, const at::Tensor& columns, const c10::optional<at::Tensor>& bias,
-                     int64_t rows, int64_t k, int64_t m) {
+                     int64_t rows, int64_t k, int64_t m, int64_t act) {
+  TORCH_CHECK(act == 0 || (act == 1 && wgmma && m == 4), "hf_sparse.", op,
+              ": a fused activation (act=", act, ") is only in the 2:4 sparse-wgmma kernel; apply it after the call");
   const auto dtype = x.scalar_type();
   TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kHalf, "hf_sparse.", op,
               ": x must be bfloat16 or float16, got ", dtype);
@@ -79,7 +81,7 @@ at::Tensor spmm_impl(const char* op, bool wgmma, const at::Tensor& x, const at::
     for (int64_t start = 0; start < x.size(0); start += kSlice) {
       const int64_t len = std::min(kSlice, x.size(0) - start);
       y.narrow(0, start, len)
-          .copy_(spmm_impl(op, wgmma, x.narrow(0, start, len), values, meta, columns, bias, rows, k, m));
+          .copy_(spmm_impl(op, wgmma, x.narrow(0, start, len), values, meta, columns, bias, rows, k, m, act));
     }
     return y;
   }
@@ -97,6 +99,7 @@ at::Tensor spmm_impl(const char* op, bool wgmma, const at::Tensor& x, const at::
   a.m = (int)m;
   a.steps = (int)values.size(1);
   a.is_bf16 = dtype == at::kBFloat16;
+  a.act = (int)act;
   const auto stream = c10::cuda::getCurrentCUDAStream().stream();
   // wgmma: plain 2:4 on spmm_sm90, V:2:M (m >= 8) on spmm_vnm_sm90 (the same packed layout over the kept columns)
   check_cuda(wgmma ? (m == 4 ? hf_sparse::spmm_sm90(a, stream) : hf_sparse::spmm_vnm_sm90(a, stream))
@@ -105,15 +108,16 @@ at::Tensor spmm_impl(const char* op, bool wgmma, const at::Tensor& x, const at::
   return y;
 }
 
+// act: the epilogue activation (0 none, 1 exact GELU); only the 2:4 sparse-wgmma kernel has one, the others need 0.
 at::Tensor spmm(const at::Tensor& x, const at::Tensor& values, const at::Tensor& meta, const at::Tensor& columns,
-                const c10::optional<at::Tensor>& bias, int64_t rows, int64_t k, int64_t m) {
-  return spmm_impl("spmm", false, x, values, meta, columns, bias, rows, k, m);
+                const c10::optional<at::Tensor>& bias, int64_t rows, int64_t k, int64_t m, int64_t act) {
+  return spmm_impl("spmm", false, x, values, meta, columns, bias, rows, k, m, act);
 }
 
 at::Tensor spmm_wgmma(const at::Tensor& x, const at::Tensor& values, const at::Tensor& meta,
                       const at::Tensor& columns, const c10::optional<at::Tensor>& bias, int64_t rows, int64_t k,
-                      int64_t m) {
-  return spmm_impl("spmm(wgmma)", true, x, values, meta, columns, bias, rows, k, m);
+                      int64_t m, int64_t act) {
+  return spmm_impl("spmm(wgmma)", true, x, values, meta, columns, bias, rows, k, m, act);
 }
 
 bool spmm_wgmma_available() { return hf_sparse::spmm_sm90_available(); }

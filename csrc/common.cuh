@@ -113,9 +113,22 @@ __device__ __forceinline__ void load_bias_pair(const T* __restrict__ bias, int r
   }
 }
 
+// Activation applied in the epilogue, after the bias and before the cast (SpmmArgs::act): kActNone, or kActGelu, the
+// exact (erf) GELU of torch.nn.functional.gelu / Transformers' "gelu", in fp32 on the accumulator. Fusing it saves
+// the separate pass over Y that a model's activation would otherwise make (HF BERT's intermediate layer).
+constexpr int kActNone = 0, kActGelu = 1;
+template <int ACT>
+__device__ __forceinline__ float activate(float v) {
+  if constexpr (ACT == kActGelu) {
+    return 0.5f * v * (1.f + erff(v * 0.70710678118654752440f));
+  } else {
+    return v;
+  }
+}
+
 // v0, v1: my row's tokens n_pair, n_pair+1. The even lane of a pair keeps token n_pair and receives the odd lane's
 // value of it; the odd lane keeps token n_pair+1. Every lane must call it (shuffle) before any of them returns.
-template <typename T>
+template <typename T, int ACT = kActNone>
 __device__ __forceinline__ void store_row_pair(T* __restrict__ y, float v0, float v1, bool odd, int n_pair, int r_even,
                                                float b0, float b1, int rows, int n_tokens) {
   const float send = odd ? v0 : v1;
@@ -125,7 +138,7 @@ __device__ __forceinline__ void store_row_pair(T* __restrict__ y, float v0, floa
   const int n = n_pair + (odd ? 1 : 0);
   if (n >= n_tokens) return;
   T* dst = y + (size_t)n * rows + r_even;
-  const T o0 = MmaType<T>::from_float(lo + b0), o1 = MmaType<T>::from_float(hi + b1);
+  const T o0 = MmaType<T>::from_float(activate<ACT>(lo + b0)), o1 = MmaType<T>::from_float(activate<ACT>(hi + b1));
   if (r_even + 1 < rows && (rows & 1) == 0) {
     *reinterpret_cast<uint32_t*>(dst) = MmaType<T>::pack(o0, o1);
   } else {

@@ -16,6 +16,7 @@ struct SpmmArgs {
   void* y;                // (n_tokens, rows) row-major
   int n_tokens, rows, rows_padded, k, m, steps;
   bool is_bf16;
+  int act = 0;  // epilogue activation (common.cuh kActNone / kActGelu); only spmm_sm90 takes one other than none
 };
 cudaError_t spmm(const SpmmArgs& args, cudaStream_t stream);
 // Plain 2:4 (m == 4) SpMM with sparse wgmma (csrc/spmm_sm90.cu); same arguments and layout as spmm (columns

@@ -78,7 +78,7 @@ __device__ __forceinline__ uint64_t desc_k128(uint32_t smem_addr) {
 // Epilogue of one m64 x BN accumulator tile of a warpgroup: this warp's 16 rows start at row0. acc[4*nt + c]: row
 // g + 8*(c >> 1), token n_base + 8*nt + 2t + (c & 1). Lanes g and g^1 swap halves so each lane holds two adjacent
 // rows of one token: 32-bit stores of Y[n, r], r, r+1 (+ bias).
-template <typename T, int BN>
+template <typename T, int BN, int ACT = kActNone>
 __device__ __forceinline__ void store_tile(const float (&acc)[BN / 2], int row0, int n_base, int lane,
                                            const T* __restrict__ bias, T* __restrict__ y, int rows, int n_tokens) {
   const int g = lane >> 2, t = lane & 3;
@@ -90,8 +90,8 @@ __device__ __forceinline__ void store_tile(const float (&acc)[BN / 2], int row0,
     load_bias_pair(bias, r_even, rows, b0, b1);
 #pragma unroll
     for (int nt = 0; nt < BN / 8; ++nt)  // tokens n, n+1
-      store_row_pair(y, acc[4 * nt + 2 * half], acc[4 * nt + 2 * half + 1], odd, n_base + nt * 8 + 2 * t, r_even, b0,
-                     b1, rows, n_tokens);
+      store_row_pair<T, ACT>(y, acc[4 * nt + 2 * half], acc[4 * nt + 2 * half + 1], odd, n_base + nt * 8 + 2 * t,
+                             r_even, b0, b1, rows, n_tokens);
   }
 }
 

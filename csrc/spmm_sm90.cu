@@ -115,7 +115,7 @@ template <typename T, typename Cfg>
 __global__ void __launch_bounds__(kSm90Threads, 1)
 spmm_sm90_kernel(const T* __restrict__ x, const uint4* __restrict__ values, const uint32_t* __restrict__ meta,
                  const T* __restrict__ bias, T* __restrict__ y, int n_tokens, int rows, int rows_padded, int k,
-                 int steps) {
+                 int steps, int act) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int BN = Cfg::BN, WGM = Cfg::WGM, STAGES = Cfg::STAGES, INFLIGHT = Cfg::INFLIGHT;
   constexpr int THREADS = kSm90Threads, MT = Cfg::MT;
@@ -296,9 +296,15 @@ spmm_sm90_kernel(const T* __restrict__ x, const uint4* __restrict__ values, cons
     for (int j = 0; j < ND; ++j) asm volatile("" : "+f"(acc[i][j])::"memory");  // reads after the wgmma wait
 
 #pragma unroll
-  for (int i = 0; i < WGM; ++i)
-    if (active[i]) store_tile<T, BN>(acc[i], cta_row0 + 64 * (wg * WGM + i) + 16 * wq, n_base, lane, bias, y, rows,
-                                     n_tokens);
+  for (int i = 0; i < WGM; ++i) {
+    if (!active[i]) continue;
+    const int row0 = cta_row0 + 64 * (wg * WGM + i) + 16 * wq;
+    if (act == kActGelu) {
+      store_tile<T, BN, kActGelu>(acc[i], row0, n_base, lane, bias, y, rows, n_tokens);
+    } else {
+      store_tile<T, BN>(acc[i], row0, n_base, lane, bias, y, rows, n_tokens);
+    }
+  }
 #elif defined(__CUDA_ARCH__)
   __trap();  // built without sm_90a: the host never launches this (spmm_sm90_available() is false)
 #endif
@@ -314,7 +320,7 @@ cudaError_t launch_sm90(const SpmmArgs& a, cudaStream_t stream) {
   if (grid.y > 65535) return cudaErrorInvalidConfiguration;  // the binding slices larger inputs
   kernel<<<grid, kSm90Threads, Cfg::SMEM, stream>>>(
       static_cast<const T*>(a.x), static_cast<const uint4*>(a.values), static_cast<const uint32_t*>(a.meta),
-      static_cast<const T*>(a.bias), static_cast<T*>(a.y), a.n_tokens, a.rows, a.rows_padded, a.k, a.steps);
+      static_cast<const T*>(a.bias), static_cast<T*>(a.y), a.n_tokens, a.rows, a.rows_padded, a.k, a.steps, a.act);
   return cudaGetLastError();
 }
 
@@ -349,7 +355,7 @@ template <typename T, int BN, int STAGES, int INFLIGHT, int CLUSTER, int GROUP, 
 __global__ void __launch_bounds__(kTmaThreads, 1)
 spmm_sm90_tma_kernel(const __grid_constant__ CUtensorMap x_map, const uint4* __restrict__ values,
                      const uint32_t* __restrict__ meta, const T* __restrict__ bias, T* __restrict__ y, int n_tokens,
-                     int rows, int rows_padded, int steps) {
+                     int rows, int rows_padded, int steps, int act) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int ND = BN / 2;
   constexpr int B_BYTES = TmaSmem<BN, STAGES>::B_BYTES;
@@ -456,7 +462,11 @@ spmm_sm90_tma_kernel(const __grid_constant__ CUtensorMap x_map, const uint4* __r
   wgmma_wait<0>();
 #pragma unroll
   for (int j = 0; j < ND; ++j) asm volatile("" : "+f"(acc[j])::"memory");  // reads after the wgmma wait
-  if (active) store_tile<T, BN>(acc, cta_row0 + 64 * wg + 16 * wq, n_base, lane, bias, y, rows, n_tokens);
+  if (active && act == kActGelu) {
+    store_tile<T, BN, kActGelu>(acc, cta_row0 + 64 * wg + 16 * wq, n_base, lane, bias, y, rows, n_tokens);
+  } else if (active) {
+    store_tile<T, BN>(acc, cta_row0 + 64 * wg + 16 * wq, n_base, lane, bias, y, rows, n_tokens);
+  }
   if constexpr (CLUSTER > 1) cluster_sync();
 #elif defined(__CUDA_ARCH__)
   __trap();  // built without sm_90a: the host never launches this (spmm_sm90_available() is false)
@@ -486,7 +496,7 @@ spmm_sm90_tma_kernel(const __grid_constant__ CUtensorMap x_map, const uint4* __r
 // general store_tile compiles to ~3000 SASS instructions per warp for BN = 256 (bound predicates packed into
 // registers, a branch per store), which the profile showed as the main cost of a tile at K = 768-1024; this is
 // ~8 per pair of outputs.
-template <typename T, int BN>
+template <typename T, int BN, int ACT = kActNone>
 __device__ __forceinline__ void store_tile_full(const float (&acc)[BN / 2], int row0, int n_base, int lane,
                                                 const T* __restrict__ bias, T* __restrict__ y, int rows) {
   const int g = lane >> 2, t = lane & 3;
@@ -506,7 +516,7 @@ __device__ __forceinline__ void store_tile_full(const float (&acc)[BN / 2], int 
       const float recv = __shfl_xor_sync(0xffffffffu, odd ? v0 : v1, 4);
       const float lo = odd ? recv : v0, hi = odd ? v1 : recv;
       *reinterpret_cast<uint32_t*>(dst + (size_t)nt * 8 * rows) =
-          MmaType<T>::pack(MmaType<T>::from_float(lo + b0), MmaType<T>::from_float(hi + b1));
+          MmaType<T>::pack(MmaType<T>::from_float(activate<ACT>(lo + b0)), MmaType<T>::from_float(activate<ACT>(hi + b1)));
     }
   }
 }
@@ -522,7 +532,7 @@ __device__ __forceinline__ void store_tile_full(const float (&acc)[BN / 2], int 
 // after the copy engine has read it, bulk_wait_group_read) and to the next tile's main loop. The tensor map clips
 // rows >= rows and tokens >= n_tokens, so partial tiles need no checks. Named barrier bar_id (128 threads) orders the
 // warpgroup's buffer writes against the store (fence.proxy.async: generic writes, read by the async proxy).
-template <typename T, int BN, int EPI_N, int EPI_BUFS, bool EVICT_FIRST>
+template <typename T, int BN, int EPI_N, int EPI_BUFS, bool EVICT_FIRST, int ACT = kActNone>
 __device__ __forceinline__ void store_tile_staged(const float (&acc)[BN / 2], int row0, int wg_row0, int n_base,
                                                   int lane, int wq, uint32_t stage_u32, int bar_id,
                                                   const T* __restrict__ bias, int rows, int n_tokens,
@@ -551,7 +561,7 @@ __device__ __forceinline__ void store_tile_staged(const float (&acc)[BN / 2], in
     for (int q = 0; q < EPI_N / 16; ++q) {
       const int nt = c * (EPI_N / 8) + 2 * q;
       auto pk = [&](float v0, float v1, float b) {
-        return MmaType<T>::pack(MmaType<T>::from_float(v0 + b), MmaType<T>::from_float(v1 + b));
+        return MmaType<T>::pack(MmaType<T>::from_float(activate<ACT>(v0 + b)), MmaType<T>::from_float(activate<ACT>(v1 + b)));
       };
       stmatrix_x4_trans(buf + q * 16 * 128 + lane_off, pk(acc[4 * nt], acc[4 * nt + 1], b_lo),
                         pk(acc[4 * nt + 2], acc[4 * nt + 3], b_hi), pk(acc[4 * nt + 4], acc[4 * nt + 5], b_lo),
@@ -639,7 +649,7 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
 spmm_sm90_tma_a_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_constant__ CUtensorMap a_map,
                        const __grid_constant__ CUtensorMap e_map, const __grid_constant__ CUtensorMap y_map,
                        const T* __restrict__ bias, T* __restrict__ y, int n_tokens, int rows, int rows_padded,
-                       int steps) {
+                       int steps, int act) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int ND = BN / 2;
   using S = TmaASmem<BN, STAGES, EPI_N, EPI_BUFS>;
@@ -799,15 +809,30 @@ spmm_sm90_tma_a_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_c
     const int row0 = cta_row0 + 64 * wg + 16 * wq;
     if constexpr (EPI_N > 0) {
       if (active) {
-        store_tile_staged<T, BN, EPI_N, EPI_BUFS, EVICT_FIRST>(acc, row0, cta_row0 + 64 * wg, by * BN, lane, wq,
-                                                               epi_u32 + wg * EPI_BUFS * S::EPI_CHUNK, 2 + wg, bias,
-                                                               rows, n_tokens, &y_map, RUNBUF ? chunks : -1);
+        const uint32_t stage = epi_u32 + wg * EPI_BUFS * S::EPI_CHUNK;
+        if (act == kActGelu) {
+          store_tile_staged<T, BN, EPI_N, EPI_BUFS, EVICT_FIRST, kActGelu>(
+              acc, row0, cta_row0 + 64 * wg, by * BN, lane, wq, stage, 2 + wg, bias, rows, n_tokens, &y_map,
+              RUNBUF ? chunks : -1);
+        } else {
+          store_tile_staged<T, BN, EPI_N, EPI_BUFS, EVICT_FIRST>(acc, row0, cta_row0 + 64 * wg, by * BN, lane, wq,
+                                                                 stage, 2 + wg, bias, rows, n_tokens, &y_map,
+                                                                 RUNBUF ? chunks : -1);
+        }
         chunks += BN / EPI_N;  // one bulk group per chunk, committed in this order (the rotation's invariant)
       }
     } else if ((by + 1) * BN <= n_tokens && cta_row0 + 128 <= rows && (rows & 1) == 0) {
-      store_tile_full<T, BN>(acc, row0, by * BN, lane, bias, y, rows);
+      if (act == kActGelu) {
+        store_tile_full<T, BN, kActGelu>(acc, row0, by * BN, lane, bias, y, rows);
+      } else {
+        store_tile_full<T, BN>(acc, row0, by * BN, lane, bias, y, rows);
+      }
     } else if (active) {
-      store_tile<T, BN>(acc, row0, by * BN, lane, bias, y, rows, n_tokens);
+      if (act == kActGelu) {
+        store_tile<T, BN, kActGelu>(acc, row0, by * BN, lane, bias, y, rows, n_tokens);
+      } else {
+        store_tile<T, BN>(acc, row0, by * BN, lane, bias, y, rows, n_tokens);
+      }
     }
   }
   // The staging buffers must stay valid until the copy engine has read them, and the writes be done before exit.
@@ -878,7 +903,7 @@ cudaError_t launch_sm90_tma(const SpmmArgs& a, cudaStream_t stream) {
   const cudaLaunchConfig_t cfg = cluster_launch(grid, smem, stream, CLUSTER, attr);
   return cudaLaunchKernelEx(&cfg, kernel, map, static_cast<const uint4*>(a.values),
                             static_cast<const uint32_t*>(a.meta), static_cast<const T*>(a.bias), static_cast<T*>(a.y),
-                            a.n_tokens, a.rows, a.rows_padded, a.steps);
+                            a.n_tokens, a.rows, a.rows_padded, a.steps, a.act);
 }
 
 // Tensor map of a packed operand (values or metadata) viewed as a u32 matrix with one row per m16 tile
@@ -953,7 +978,7 @@ cudaError_t launch_sm90_tma_a(const SpmmArgs& a, cudaStream_t stream) {
   if constexpr (CLUSTER == 1) {
     const int grid = PERSIST ? (int)std::min<long long>(tiles, sms) : (int)tiles;
     kernel<<<grid, kTmaThreads, smem, stream>>>(x_map, a_map, e_map, y_map, static_cast<const T*>(a.bias),
-                                                static_cast<T*>(a.y), a.n_tokens, a.rows, a.rows_padded, a.steps);
+                                                static_cast<T*>(a.y), a.n_tokens, a.rows, a.rows_padded, a.steps, a.act);
     return cudaGetLastError();
   } else {
     cudaLaunchAttribute attr[1];
@@ -972,7 +997,7 @@ cudaError_t launch_sm90_tma_a(const SpmmArgs& a, cudaStream_t stream) {
     }();
     cfg.gridDim = dim3((unsigned)(CLUSTER * std::min<long long>(tiles, max_clusters)));
     return cudaLaunchKernelEx(&cfg, kernel, x_map, a_map, e_map, y_map, static_cast<const T*>(a.bias),
-                              static_cast<T*>(a.y), a.n_tokens, a.rows, a.rows_padded, a.steps);
+                              static_cast<T*>(a.y), a.n_tokens, a.rows, a.rows_padded, a.steps, a.act);
   }
 }
 

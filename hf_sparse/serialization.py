@@ -16,6 +16,7 @@ from .distributed import gather_full_state_dict, has_sharded_parameters, is_main
 from .formats.compressed import compress
 from .integrations.quantizer import HfSparseConfig, HfSparseQuantizer
 from .modeling import unwrap_model
+from .nn.fold import unfold_activation
 from .nn.sparse_linear import SparseLinear
 from .patterns import Unstructured
 from .pruner import Pruner
@@ -127,6 +128,7 @@ def to_dense(model: nn.Module) -> nn.Module:
         if isinstance(module, SparseLinear):
             parent_name, _, child = name.rpartition(".")
             parent = root.get_submodule(parent_name) if parent_name else root
+            unfold_activation(parent, module)  # a GELU folded in at load goes back to its module
             setattr(parent, child, module.to_dense_module())
     for attr in ("hf_quantizer", "quantization_method"):
         if hasattr(root, attr):

@@ -149,6 +149,7 @@ def test_loaded_checkpoint_runs_inference_on_the_kernels(tmp_path, pattern, monk
     loaded = AutoModelForSequenceClassification.from_pretrained(tmp_path, dtype=torch.bfloat16).cuda().eval()
     sparse_layers = [m for m in loaded.modules() if isinstance(m, SparseLinear)]
     assert len(sparse_layers) == 12
+    assert sum(m.activation == "gelu" for m in sparse_layers) == 2  # each layer's intermediate GELU, folded
     ids = random_ids(4, 48, seed=4).cuda()
     with torch.no_grad():
         monkeypatch.setenv("HF_SPARSE_BACKEND", "dense")

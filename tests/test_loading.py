@@ -190,3 +190,27 @@ def test_failed_save_writes_nothing(tmp_path):
     with pytest.raises(ValueError, match="layer.1.output.dense: .* non-zero at pruned positions"):
         hf_sparse.save_pretrained(model, tmp_path / "out", pruner)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(("family", "pattern"), [("bert", "2:4"), ("roberta", "64:2:8"), ("bert", "2:8")])
+def test_intermediate_gelu_folds_into_the_sparse_layer_and_back(tmp_path, family, pattern):
+    """BERT-family intermediate layers run GELU in the 2:4 kernel's epilogue: loading folds the exact GELU into the
+    SparseLinear (the same function: bit-exact logits on the CPU), ``to_dense`` puts the activation module back."""
+    from transformers.activations import GELUActivation
+
+    model, pruner, folder = _saved(tmp_path, family, AutoModelForSequenceClassification, pattern)
+    ids = random_ids()
+    expected = logits(model, ids)
+    loaded = AutoModelForSequenceClassification.from_pretrained(folder)
+    intermediates = [m for n, m in loaded.named_modules() if n.endswith(".intermediate")]
+    assert intermediates
+    kernel_ready = pattern != "2:8"  # 2:8 has no Sparse Tensor Core kernel: nothing to fold into
+    for module in intermediates:
+        assert module.dense.activation == ("gelu" if kernel_ready else None)
+        assert isinstance(module.intermediate_act_fn, torch.nn.Identity if kernel_ready else GELUActivation)
+    others = [m for m in loaded.modules() if isinstance(m, SparseLinear) and m not in [i.dense for i in intermediates]]
+    assert others and all(m.activation is None for m in others)
+    assert torch.equal(logits(loaded, ids), expected)
+    hf_sparse.to_dense(loaded)
+    assert all(type(m.intermediate_act_fn) is GELUActivation for m in intermediates)
+    assert torch.equal(logits(loaded, ids), expected)

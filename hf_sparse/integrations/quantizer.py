@@ -29,6 +29,7 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from .. import __version__
 from ..formats.compressed import FORMAT_VERSION, CompressedFormatError, compressed_shapes
+from ..nn.fold import fold_activations
 from ..nn.sparse_linear import SparseLinear
 from ..patterns import Unstructured, parse_pattern
 
@@ -180,6 +181,7 @@ class HfSparseQuantizer(HfQuantizer):
         for name, module in model.named_modules():
             if isinstance(module, SparseLinear):
                 module.validate(prefix=name)
+        fold_activations(model)  # BERT-family GELU into the 2:4 kernel's epilogue (hf_sparse.nn.fold)
         return model
 
     def get_state_dict_and_metadata(self, model: nn.Module):

@@ -86,6 +86,9 @@ class SparseLinear(nn.Module):
         self._routes: dict[tuple, tuple[tuple, Callable[[Tensor], Tensor]]] = {}
         vm = kernel_pattern(self.pattern)
         self._kernel_vm = vm if vm is not None and in_features % 8 == 0 and out_features % 8 == 0 else None
+        # an activation applied to the output, folded in from the parent module at load (hf_sparse.nn.fold): the
+        # 2:4 kernel applies it in its epilogue instead of a separate pass over the output
+        self.activation: str | None = None
 
     # ------------------------------------------------------------------ compressed tensors
     def compressed_tensors(self) -> dict[str, Tensor]:
@@ -157,12 +160,14 @@ class SparseLinear(nn.Module):
         """What a resolved route depends on besides the call shape: the values (weight and bias versions and the
         weight's address) and the environment variables that pick backends and kernels."""
         w, b = self.weight, self.bias
-        return (w._version, w.data_ptr(), None if b is None else b._version, *map(os.environ.get, _ROUTE_ENV))
+        stamp = (w._version, w.data_ptr(), None if b is None else b._version, self.activation)
+        return stamp + tuple(map(os.environ.get, _ROUTE_ENV))
 
     def forward(self, x: Tensor) -> Tensor:
         dtype = self._kernel_dtype(x)
         if dtype is None:
-            return F.linear(x, self.dense_weight(), self.bias)
+            y = F.linear(x, self.dense_weight(), self.bias)
+            return y if self.activation is None else F.gelu(y)
         tokens = x.numel() // self.in_features
         route_key = (1 << max(0, tokens - 1).bit_length(), dtype)
         stamp = self._stamp()
@@ -171,17 +176,19 @@ class SparseLinear(nn.Module):
             return route[1](x if x.dtype == dtype else x.to(dtype))
         dense = self.dense_weight()
         packed = self.packed_weight(dtype)
-        y = dispatch.linear_forward(x if x.dtype == dtype else x.to(dtype), dense, packed, self.bias)
+        xc = x if x.dtype == dtype else x.to(dtype)
+        y = dispatch.linear_forward(xc, dense, packed, self.bias, activation=self.activation)
         if dispatch.backend_mode() == "auto":
-            run = dispatch.resolved_forward(packed, dense, self.bias, tokens, x.device)
+            run = dispatch.resolved_forward(packed, dense, self.bias, tokens, x.device, self.activation)
             if run is not None:
                 self._routes[route_key] = (stamp, run)
         return y
 
     def extra_repr(self) -> str:
+        act = "" if self.activation is None else f", activation={self.activation}"
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, pattern={self.pattern}, "
-            f"bias={self.bias is not None}"
+            f"bias={self.bias is not None}{act}"
         )
 
     def to_dense_module(self) -> nn.Module:

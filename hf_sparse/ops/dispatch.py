@@ -36,7 +36,7 @@ from . import cslt
 from ._layout import PackedWeight, kept_columns
 from .pack import pack, repack
 from .sddmm import scatter_dense, sddmm
-from .spmm import spmm, spmm_2d, spmm_function
+from .spmm import ACTIVATIONS, _activate, fuses_activation, spmm, spmm_2d, spmm_function
 
 __all__ = [
     "adopt_view24",
@@ -295,9 +295,18 @@ def _cslt_linear(x2: Tensor, weight: Tensor, p: PackedWeight, bias: Tensor | Non
 
 
 def linear_forward(
-    x: Tensor, weight: Tensor, p: PackedWeight, bias: Tensor | None, *, static_weight: bool = True
+    x: Tensor,
+    weight: Tensor,
+    p: PackedWeight,
+    bias: Tensor | None,
+    *,
+    static_weight: bool = True,
+    activation: str | None = None,
 ) -> Tensor:
-    """``x @ weight^T + bias`` in ``p.dtype``; ``weight`` is the masked master (same values as ``p``).
+    """``act(x @ weight^T + bias)`` in ``p.dtype``; ``weight`` is the masked master (same values as ``p``).
+
+    ``activation``: None or ``"gelu"`` (exact), measured apart: our 2:4 kernel fuses it into its epilogue, the other
+    backends apply it after the product.
 
     ``static_weight=False`` (training: the weight changes after every optimizer step) is measured and cached apart
     (kind ``"fwd_train"``), and there every candidate but dense cuBLAS is timed with what it must redo after every
@@ -307,36 +316,47 @@ def linear_forward(
     """
     mode = _mode()
     if mode == "dense":
-        return run_forward("dense", x, weight, p, bias)
+        return run_forward("dense", x, weight, p, bias, activation)
     if not x.is_cuda or mode == "sparse":
-        return spmm(x, p, bias)
-    key = _key("fwd" if static_weight else "fwd_train", x.numel() // p.cols if p.cols else 0, p, x.device)
+        return spmm(x, p, bias, activation)
+    kind = ("fwd" if static_weight else "fwd_train") + ("" if activation is None else "+" + activation)
+    key = _key(kind, x.numel() // p.cols if p.cols else 0, p, x.device)
     choice = _choices.get(key)
     if choice is None:
-        choice = _measure_forward(key, x.reshape(-1, p.cols), weight, p, bias, static_weight)
-    return run_forward(choice, x, weight, p, bias)
+        choice = _measure_forward(key, x.reshape(-1, p.cols), weight, p, bias, static_weight, activation)
+    return run_forward(choice, x, weight, p, bias, activation)
 
 
-def run_forward(choice: str, x: Tensor, weight: Tensor, p: PackedWeight, bias: Tensor | None) -> Tensor:
+def run_forward(
+    choice: str, x: Tensor, weight: Tensor, p: PackedWeight, bias: Tensor | None, activation: str | None = None
+) -> Tensor:
     """One forward on backend ``choice`` (one :func:`choice` returned), with as little host work as possible (this
     runs on every call): for a caller that keeps the measured choice itself, :func:`linear_forward` without the
     lookup. A "cslt" choice made for a token bucket falls back to our kernel for a count cuSPARSELt cannot take."""
     b = bias if bias is None or bias.dtype == p.dtype else bias.to(p.dtype)
     if choice == "dense":
-        return F.linear(x, weight if weight.dtype == p.dtype else weight.to(p.dtype), b)
+        y = F.linear(x, weight if weight.dtype == p.dtype else weight.to(p.dtype), b)
+        return y if activation is None else _activate(y, activation)
     lead = x.shape[:-1]
     x2 = x if len(lead) == 1 else x.reshape(-1, p.cols)
     if choice == "cslt" and x2.is_contiguous() and cslt.supports(p.rows, p.cols, x2.shape[0], p.dtype):
         y = _cslt_linear(x2, weight, p, bias)
+        if activation is not None:
+            y = _activate(y, activation)
     elif choice == "sparse24":
-        y = spmm_2d(x2, _view24(weight, p), b)
+        y = spmm_2d(x2, _view24(weight, p), b, activation)
     else:
-        y = spmm_2d(x2, p, b)
+        y = spmm_2d(x2, p, b, activation)
     return y.reshape(*lead, p.rows) if len(lead) != 1 else y
 
 
 def resolved_forward(
-    p: PackedWeight, weight: Tensor, bias: Tensor | None, tokens: int, device: torch.device
+    p: PackedWeight,
+    weight: Tensor,
+    bias: Tensor | None,
+    tokens: int,
+    device: torch.device,
+    activation: str | None = None,
 ) -> Callable[[Tensor], Tensor] | None:
     """The measured forward choice for a static weight at this token count as a function of ``x`` alone (None while
     unmeasured), for a caller whose weight, bias and environment stay as they are between calls (inference): the
@@ -344,29 +364,43 @@ def resolved_forward(
     On the H200 machine's host each of those lookups costs about as much as the launch itself
     (``benchmarks/RESULTS.md``). The caller must drop the function when ``weight``, ``bias`` or ``HF_SPARSE_*``
     change."""
-    choice = _choices.get(_key("fwd", tokens, p, device))
-    return None if choice is None else _resolve(choice, p, weight, bias, device)
+    kind = "fwd" if activation is None else "fwd+" + activation
+    choice = _choices.get(_key(kind, tokens, p, device))
+    return None if choice is None else _resolve(choice, p, weight, bias, device, activation)
 
 
-def _resolve(choice: str, p: PackedWeight, weight: Tensor, bias: Tensor | None, device: torch.device):
+def _resolve(
+    choice: str,
+    p: PackedWeight,
+    weight: Tensor,
+    bias: Tensor | None,
+    device: torch.device,
+    activation: str | None = None,
+):
     """:func:`run_forward` for ``choice`` with everything but ``x`` looked up now (see :func:`resolved_forward`)."""
     if choice not in ("sparse", "sparse24") or p.cols % 8:  # dense cuBLAS, cuSPARSELt: their own per-call path
-        return lambda x: run_forward(choice, x, weight, p, bias)
+        return lambda x: run_forward(choice, x, weight, p, bias, activation)
     target = p if choice == "sparse" else _view24(weight, p)
     fn = spmm_function(target.m, device)
     b = _stable_bias(bias, p.dtype)
     values, meta, columns, rows, cols, m = target.values, target.meta, target.columns, p.rows, p.cols, target.m
+    fused = activation is None or fuses_activation(m, device)
+    act = 0 if activation is None or not fused else ACTIVATIONS[activation]
 
     def run(x: Tensor) -> Tensor:
         if x.dtype != p.dtype or not x.is_contiguous() or x.data_ptr() % 16 or torch.compiler.is_compiling():
-            return run_forward(choice, x, weight, p, bias)  # the general path takes (or refuses) it
-        y = fn(x.view(-1, cols), values, meta, columns, b, rows, cols, m)
+            return run_forward(choice, x, weight, p, bias, activation)  # the general path takes (or refuses) it
+        y = fn(x.view(-1, cols), values, meta, columns, b, rows, cols, m, act)
+        if not fused:
+            y = _activate(y, activation)
         return y if x.dim() == 2 else y.view(*x.shape[:-1], rows)
 
     return run
 
 
-def _as_resolved(choice: str, x2: Tensor, weight: Tensor, p: PackedWeight, bias: Tensor | None):
+def _as_resolved(
+    choice: str, x2: Tensor, weight: Tensor, p: PackedWeight, bias: Tensor | None, activation: str | None = None
+):
     """A measurement candidate that runs ``choice`` the way :func:`resolved_forward` will (resolved on its first
     call, the warm-up), so its host time is the one later calls pay."""
     run = None
@@ -374,14 +408,20 @@ def _as_resolved(choice: str, x2: Tensor, weight: Tensor, p: PackedWeight, bias:
     def call() -> Tensor:
         nonlocal run
         if run is None:
-            run = _resolve(choice, p, weight, bias, x2.device)
+            run = _resolve(choice, p, weight, bias, x2.device, activation)
         return run(x2)
 
     return call
 
 
 def _measure_forward(
-    key: tuple, x2: Tensor, weight: Tensor, p: PackedWeight, bias: Tensor | None, static_weight: bool
+    key: tuple,
+    x2: Tensor,
+    weight: Tensor,
+    p: PackedWeight,
+    bias: Tensor | None,
+    static_weight: bool,
+    activation: str | None = None,
 ) -> str:
     """Time every backend that can run this call, cache the fastest under ``key`` and return it (``"sparse"``,
     uncached, while nothing can be measured: CUDA-graph capture, torch.compile tracing)."""
@@ -397,7 +437,10 @@ def _measure_forward(
     if cslt.supports(p.rows, p.cols, x2.shape[0], p.dtype) and x2.is_contiguous() and _cslt_usable():
         candidates["cslt"] = lambda: _cslt_linear(x2, weight, p, bias)
     if static_weight:  # inference: often host-bound, so a backend's host time counts too (see _fastest)
-        choice = _fastest({name: _as_resolved(name, x2, weight, p, bias) for name in candidates}, host_too=True)
+        timed = {name: _as_resolved(name, x2, weight, p, bias, activation) for name in candidates}
+        choice = _fastest(timed, host_too=True)
+    elif activation is not None:  # the kernel path runs no activation: none of its calls has one
+        raise ValueError("hf_sparse.dispatch: an activation is only measured for static weights (inference)")
     else:
         choice = _fastest(_training_timed(candidates, x2, weight, p, b, bias))
     _choices[key] = choice

@@ -19,16 +19,52 @@ from torch import Tensor
 from ._layout import PackedWeight, dense_from_packed
 from ._select import kernel_choice, kernel_function
 
-__all__ = ["AUTO_WGMMA_M", "spmm", "spmm_2d", "spmm_function", "spmm_kernel", "spmm_reference"]
+__all__ = [
+    "ACTIVATIONS",
+    "AUTO_WGMMA_M",
+    "fuses_activation",
+    "spmm",
+    "spmm_2d",
+    "spmm_function",
+    "spmm_kernel",
+    "spmm_reference",
+]
+
+# Activations SpMM can apply to its output (``activation=``), with the code the kernels take: the exact (erf) GELU of
+# torch.nn.functional.gelu. The 2:4 sparse-wgmma kernel applies it in its epilogue (csrc/common.cuh ``activate``), in
+# fp32 before the cast; every other path applies F.gelu to the output.
+ACTIVATIONS = {"gelu": 1}
 
 
-def spmm_reference(x: Tensor, p: PackedWeight, bias: Tensor | None = None) -> Tensor:
-    """fp32-accumulated ``x @ W^T + bias`` from the packed form, in ``x.dtype`` (the spec the kernel is held to)."""
+def spmm_reference(x: Tensor, p: PackedWeight, bias: Tensor | None = None, activation: str | None = None) -> Tensor:
+    """fp32-accumulated ``act(x @ W^T + bias)`` from the packed form, in ``x.dtype`` (the spec the kernel is held to)."""
     w = dense_from_packed(p, torch.float32)
     y = x.to(torch.float32) @ w.t()
     if bias is not None:
         y = y + bias.to(torch.float32)
+    if activation is not None:
+        y = _activate(y, activation)
     return y.to(x.dtype)
+
+
+def _act_code(activation: str | None) -> int:
+    if activation is None:
+        return 0
+    code = ACTIVATIONS.get(activation)
+    if code is None:
+        raise ValueError(f"hf_sparse.spmm: activation {activation!r} is not one of {sorted(ACTIVATIONS)} (or None)")
+    return code
+
+
+def _activate(y: Tensor, activation: str) -> Tensor:
+    """The activation applied after the product, where the kernel does not fuse it."""
+    return torch.nn.functional.gelu(y)
+
+
+def fuses_activation(m: int, device: torch.device) -> bool:
+    """Whether the kernel that runs group size ``m`` on ``device`` applies an activation in its epilogue (the 2:4
+    sparse-wgmma kernel), so that :func:`spmm` needs no separate pass for it."""
+    return m == 4 and spmm_kernel(m, device) == "wgmma"
 
 
 def _kernel_ok(x: Tensor, cols: int) -> bool:
@@ -57,18 +93,32 @@ def spmm_kernel(m: int, device: torch.device | None = None) -> str:
 def spmm_function(m: int, device: torch.device):
     """The extension function :func:`spmm_kernel` picks for group size ``m`` on ``device`` (the current
     ``HF_SPARSE_SPMM_KERNEL``), called as ``fn(x2, values, meta, columns, bias, rows, cols, m)`` with ``x2`` 2-D,
-    contiguous, 16-byte aligned, ``cols % 8 == 0`` and everything in one dtype (the binding checks the rest)."""
+    contiguous, 16-byte aligned, ``cols % 8 == 0`` and everything in one dtype (the binding checks the rest), and a
+    last argument ``act``: 0, or an :data:`ACTIVATIONS` code where :func:`fuses_activation` says the kernel has it."""
     return kernel_function(*_SELECT, m, device, ("spmm_wgmma", "spmm"))
 
 
 def _run_kernel(
-    x: Tensor, values: Tensor, meta: Tensor, columns: Tensor, bias: Tensor | None, rows: int, cols: int, m: int
+    x: Tensor,
+    values: Tensor,
+    meta: Tensor,
+    columns: Tensor,
+    bias: Tensor | None,
+    rows: int,
+    cols: int,
+    m: int,
+    activation: str | None = None,
 ) -> Tensor:
-    """The CUDA kernel call itself (``x`` 2-D, contiguous, 16-byte aligned, ``cols % 8 == 0``)."""
-    return spmm_function(m, x.device)(x, values, meta, columns, bias, rows, cols, m)
+    """The CUDA kernel call itself (``x`` 2-D, contiguous, 16-byte aligned, ``cols % 8 == 0``), the activation fused
+    where the kernel has it, else applied after."""
+    if activation is None:
+        return spmm_function(m, x.device)(x, values, meta, columns, bias, rows, cols, m, 0)
+    if fuses_activation(m, x.device):
+        return spmm_function(m, x.device)(x, values, meta, columns, bias, rows, cols, m, _act_code(activation))
+    return _activate(spmm_function(m, x.device)(x, values, meta, columns, bias, rows, cols, m, 0), activation)
 
 
-def spmm_2d(x2: Tensor, packed: PackedWeight, bias: Tensor | None = None) -> Tensor:
+def spmm_2d(x2: Tensor, packed: PackedWeight, bias: Tensor | None = None, activation: str | None = None) -> Tensor:
     """:func:`spmm` for a caller that already holds a 2-D ``x2`` and ``bias`` in the packed dtype (the dispatcher's
     every call): straight to the kernel when it can take ``x2`` as it is, else :func:`spmm` (which also explains a
     wrong dtype or shape in Python: an error raised inside the extension is harder to read, and on some machines
@@ -83,8 +133,10 @@ def spmm_2d(x2: Tensor, packed: PackedWeight, bias: Tensor | None = None) -> Ten
         and _kernel_ok(x2, packed.cols)
         and not torch.compiler.is_compiling()
     ):
-        return _run_kernel(x2, packed.values, packed.meta, packed.columns, bias, packed.rows, packed.cols, packed.m)
-    return spmm(x2, packed, bias)
+        return _run_kernel(
+            x2, packed.values, packed.meta, packed.columns, bias, packed.rows, packed.cols, packed.m, activation
+        )
+    return spmm(x2, packed, bias, activation)
 
 
 @torch.library.custom_op("hf_sparse::spmm", mutates_args=())
@@ -117,8 +169,10 @@ def _(x, values, meta, columns, valid, bias, rows, cols, v, m):
     return x.new_empty((x.shape[0], rows))
 
 
-def spmm(x: Tensor, packed: PackedWeight, bias: Tensor | None = None) -> Tensor:
-    """``x`` (..., K) bf16/fp16 in the packed dtype -> (..., R). No copy of ``x`` when it is contiguous."""
+def spmm(x: Tensor, packed: PackedWeight, bias: Tensor | None = None, activation: str | None = None) -> Tensor:
+    """``x`` (..., K) bf16/fp16 in the packed dtype -> (..., R). No copy of ``x`` when it is contiguous.
+    ``activation``: ``"gelu"`` applies the exact GELU to the output (fused into the 2:4 sparse-wgmma kernel)."""
+    _act_code(activation)  # validates the name
     if x.shape[-1] != packed.cols:
         raise ValueError(f"hf_sparse.spmm: x has {x.shape[-1]} features, the weight expects {packed.cols}")
     if x.dtype != packed.dtype:
@@ -134,7 +188,9 @@ def spmm(x: Tensor, packed: PackedWeight, bias: Tensor | None = None) -> Tensor:
     if x2.is_cuda and _kernel_ok(x2, packed.cols) and not torch.compiler.is_compiling():
         # hot path (every sparse linear call): straight to the kernel, without the host time of the custom op's
         # Python dispatch; the op below is the same call, kept for torch.compile and opcheck
-        y = _run_kernel(x2, packed.values, packed.meta, packed.columns, bias, packed.rows, packed.cols, packed.m)
+        y = _run_kernel(
+            x2, packed.values, packed.meta, packed.columns, bias, packed.rows, packed.cols, packed.m, activation
+        )
         return y.reshape(*lead, packed.rows)
     y = _spmm_op(
         x2,
@@ -148,4 +204,6 @@ def spmm(x: Tensor, packed: PackedWeight, bias: Tensor | None = None) -> Tensor:
         packed.v,
         packed.m,
     )
+    if activation is not None:
+        y = _activate(y, activation)
     return y.reshape(*lead, packed.rows)

@@ -10,10 +10,11 @@ import time
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from hf_sparse.ops import dispatch, pack, repack, spmm
 
-from ._helpers import assert_linear_matches, poison_allocator, random_masked
+from ._helpers import assert_linear_matches, poison_allocator, random_masked, rel_err
 
 pytestmark = [
     pytest.mark.gpu,
@@ -110,3 +111,31 @@ def test_resolved_forward_runs_the_measured_choice(choice, tokens, bias_dtype):
         y = run(x)
         assert torch.equal(y, dispatch.run_forward(choice, x, wb, p, b))
         assert_linear_matches(y, x, w, b.bfloat16())
+
+
+@pytest.mark.parametrize(("choice", "m"), [("sparse", 4), ("sparse", 8), ("sparse24", 8), ("dense", 4)])
+@pytest.mark.parametrize("tokens", [7, 300])
+def test_resolved_forward_with_gelu(choice, m, tokens):
+    """With an activation: fused into the 2:4 kernel (a 2:4 weight, or a V:2:M weight's 2:4 view), after the V:2:M
+    kernel and after dense cuBLAS; every way gives gelu(F.linear) within PyTorch's own unfused error."""
+    w, mask = random_masked(256, 512, 64, m, device="cuda", seed=tokens + m)
+    p = pack(w, mask, 64, m, torch.bfloat16)
+    wb, b = w.bfloat16(), torch.randn(256, device="cuda").bfloat16()
+    device = torch.device("cuda")
+    assert dispatch.resolved_forward(p, wb, b, tokens, device, "gelu") is None
+    dispatch._choices[dispatch._key("fwd+gelu", tokens, p, device)] = choice  # as if measured
+    run = dispatch.resolved_forward(p, wb, b, tokens, device, "gelu")
+    x = torch.randn(1, tokens, 512, device="cuda").bfloat16()
+    poison_allocator()
+    y = run(x)
+    assert torch.equal(y, dispatch.run_forward(choice, x, wb, p, b, "gelu"))
+    ref = F.gelu(F.linear(x.double(), wb.double(), b.double()))
+    assert rel_err(y, ref) <= 2 * rel_err(F.gelu(F.linear(x, wb, b)), ref) + 1e-6
+    # measured for real: the activation is its own kind, and the result is the same function
+    dispatch.clear_cache()
+    y2 = dispatch.linear_forward(x, wb, p, b, activation="gelu")
+    assert (
+        dispatch.choice("fwd+gelu", tokens, p, device) is not None
+        and dispatch.choice("fwd", tokens, p, device) is None
+    )
+    assert rel_err(y2, ref) <= 2 * rel_err(F.gelu(F.linear(x, wb, b)), ref) + 1e-6

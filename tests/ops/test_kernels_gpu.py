@@ -463,3 +463,49 @@ def test_spmm_wgmma_default_config_matches_reference(tokens, rows, monkeypatch):
     x = torch.randn(tokens, 6144, device="cuda").bfloat16()
     b = torch.randn(rows, device="cuda").bfloat16()
     _assert_spmm_matches_reference(x, w, p, b)
+
+
+def _assert_gelu_linear_matches(y, x, w, b):
+    """``y`` is ``gelu(F.linear(x, w, b))`` (exact GELU): no NaN, error against fp64 within 2x of PyTorch's own
+    unfused bf16/fp16 error (F.linear, then F.gelu, in x's dtype)."""
+    torch.cuda.synchronize()
+    wq = w.to(x.dtype)
+    assert y.shape == (*x.shape[:-1], w.shape[0]) and y.dtype == x.dtype
+    assert not bool(torch.isnan(y).any()), "unwritten or NaN output"
+    ref = F.gelu(F.linear(x.double(), wq.double(), None if b is None else b.double()))
+    assert rel_err(y, ref) <= 2 * rel_err(F.gelu(F.linear(x, wq, b)), ref) + 1e-6
+
+
+@pytest.mark.parametrize("config", [None, 15, 19, 20, 23, 27, 6, 13, 0])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize(("tokens", "rows", "cols"), [(1, 64, 40), (7, 192, 96), (300, 448, 136), (8191, 256, 1000)])
+def test_spmm_fused_gelu_matches_reference(config, dtype, bias, tokens, rows, cols, monkeypatch):
+    """The 2:4 sparse-wgmma kernel's epilogue GELU, in every epilogue (staged 20/23/27, full-tile 15/19, direct 13,
+    the TMA-B kernel 6, the register kernel 0 and the small-token tiles of the default choice)."""
+    if not _wgmma_runs_here():
+        pytest.skip("sparse wgmma needs a cc 9.0 GPU and an sm_90a build")
+    monkeypatch.setenv("HF_SPARSE_SPMM_KERNEL", "wgmma")
+    if config is not None:
+        monkeypatch.setenv("HF_SPARSE_SM90_CONFIG", str(config))
+    w, mask, p = _pack_cuda(rows, cols, 64, 4, dtype, seed=tokens + rows)
+    x = (2 * torch.randn(tokens, cols, device="cuda")).to(dtype)  # spread over GELU's curved part and both tails
+    b = torch.randn(rows, device="cuda").to(dtype) if bias else None
+    poison_allocator()
+    _assert_gelu_linear_matches(spmm(x, p, b, activation="gelu"), x, w, b)
+
+
+@pytest.mark.parametrize(("v", "m"), [(64, 4), (64, 8), (128, 16)])
+@pytest.mark.parametrize("kernel", ["mma_sp", "wgmma"])
+def test_spmm_gelu_on_kernels_without_the_fusion(v, m, kernel, monkeypatch):
+    """mma.sp and the V:2:M kernel have no epilogue activation: spmm applies GELU after them, with the same result."""
+    if kernel == "wgmma" and not _wgmma_runs_here():
+        pytest.skip("sparse wgmma needs a cc 9.0 GPU and an sm_90a build")
+    monkeypatch.setenv("HF_SPARSE_SPMM_KERNEL", kernel)
+    w, mask, p = _pack_cuda(256, 16 * m, v, m, torch.bfloat16, seed=m)
+    x = torch.randn(3, 50, 16 * m, device="cuda").bfloat16()
+    b = torch.randn(256, device="cuda").bfloat16()
+    poison_allocator()
+    _assert_gelu_linear_matches(spmm(x, p, b, activation="gelu"), x, w, b)
+    with pytest.raises(ValueError, match="activation"):
+        spmm(x, p, b, activation="relu")
