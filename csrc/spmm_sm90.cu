@@ -516,7 +516,8 @@ __device__ __forceinline__ void store_tile_full(const float (&acc)[BN / 2], int 
       const float recv = __shfl_xor_sync(0xffffffffu, odd ? v0 : v1, 4);
       const float lo = odd ? recv : v0, hi = odd ? v1 : recv;
       *reinterpret_cast<uint32_t*>(dst + (size_t)nt * 8 * rows) =
-          MmaType<T>::pack(MmaType<T>::from_float(activate<ACT>(lo + b0)), MmaType<T>::from_float(activate<ACT>(hi + b1)));
+          MmaType<T>::pack(MmaType<T>::from_float(activate<ACT>(lo + b0)),
+                           MmaType<T>::from_float(activate<ACT>(hi + b1)));
     }
   }
 }
@@ -561,7 +562,8 @@ __device__ __forceinline__ void store_tile_staged(const float (&acc)[BN / 2], in
     for (int q = 0; q < EPI_N / 16; ++q) {
       const int nt = c * (EPI_N / 8) + 2 * q;
       auto pk = [&](float v0, float v1, float b) {
-        return MmaType<T>::pack(MmaType<T>::from_float(activate<ACT>(v0 + b)), MmaType<T>::from_float(activate<ACT>(v1 + b)));
+        return MmaType<T>::pack(MmaType<T>::from_float(activate<ACT>(v0 + b)),
+                                MmaType<T>::from_float(activate<ACT>(v1 + b)));
       };
       stmatrix_x4_trans(buf + q * 16 * 128 + lane_off, pk(acc[4 * nt], acc[4 * nt + 1], b_lo),
                         pk(acc[4 * nt + 2], acc[4 * nt + 3], b_hi), pk(acc[4 * nt + 4], acc[4 * nt + 5], b_lo),
@@ -978,7 +980,8 @@ cudaError_t launch_sm90_tma_a(const SpmmArgs& a, cudaStream_t stream) {
   if constexpr (CLUSTER == 1) {
     const int grid = PERSIST ? (int)std::min<long long>(tiles, sms) : (int)tiles;
     kernel<<<grid, kTmaThreads, smem, stream>>>(x_map, a_map, e_map, y_map, static_cast<const T*>(a.bias),
-                                                static_cast<T*>(a.y), a.n_tokens, a.rows, a.rows_padded, a.steps, a.act);
+                                                static_cast<T*>(a.y), a.n_tokens, a.rows, a.rows_padded, a.steps,
+                                                a.act);
     return cudaGetLastError();
   } else {
     cudaLaunchAttribute attr[1];
