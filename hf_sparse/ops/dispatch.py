@@ -116,10 +116,14 @@ def choices() -> dict[tuple, str]:
     return dict(_choices)
 
 
-def choice(kind: Literal["fwd", "fwd_train", "dw"], tokens: int, p: PackedWeight, device: torch.device) -> str | None:
-    """The measured backend for this call shape (``"sparse"``, ``"dense"``, ``"cslt"``), or None if not measured.
+def choice(
+    kind: Literal["fwd", "fwd+gelu", "fwd_train", "dw"], tokens: int, p: PackedWeight, device: torch.device
+) -> str | None:
+    """The measured backend for this call shape (``"sparse"``, ``"sparse24"``, ``"dense"``, ``"cslt"``), or None if
+    not measured.
 
-    ``"fwd"``: a forward on a static weight; ``"fwd_train"``: on a weight that trains (see :func:`linear_forward`)."""
+    ``"fwd"``: a forward on a static weight; ``"fwd+gelu"``: the same followed by the exact GELU (fused into our 2:4
+    kernel); ``"fwd_train"``: on a weight that trains (see :func:`linear_forward`)."""
     return _choices.get(_key(kind, tokens, p, device))
 
 
