@@ -283,8 +283,9 @@ class Pruner:
         it is a plain ``torch.optim`` Adam, AdamW or SGD, each layer's optimizer state is zeroed at its pruned
         positions once; from then on its pruned weights stay exactly zero by themselves (zero gradient from the
         hook or the kernel path, zero weight, zero state, and an update that reads only its own entry), so the
-        masking pass leaves that layer out. On a BERT-large step that pass is ~1 ms of GPU time. A new mask, new
-        state tensors (a resumed optimizer) or another optimizer make the layer masked and its state zeroed again.
+        masking pass leaves that layer out (~0.7 ms of GPU time per BERT-large step, run J of ``benchmarks/RESULTS.md``).
+        A new mask, new state tensors (a resumed optimizer) or another optimizer make the layer masked and its state
+        zeroed again.
         """
         if self.config.dynamic:
             return

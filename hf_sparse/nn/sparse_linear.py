@@ -36,6 +36,7 @@ from torch import Tensor, nn
 from ..formats.bitpack import unpack_bits
 from ..formats.compressed import compressed_shapes, decompress, mask_from_compressed, validate
 from ..ops import PackedWeight, dispatch, pack_from_logical
+from ..ops.spmm import activate
 from ..patterns import NM, Pattern, Unstructured, parse_pattern
 from .kernel_path import kernel_pattern
 
@@ -167,7 +168,7 @@ class SparseLinear(nn.Module):
         dtype = self._kernel_dtype(x)
         if dtype is None:
             y = F.linear(x, self.dense_weight(), self.bias)
-            return y if self.activation is None else F.gelu(y)
+            return y if self.activation is None else activate(y, self.activation)
         tokens = x.numel() // self.in_features
         route_key = (1 << max(0, tokens - 1).bit_length(), dtype)
         stamp = self._stamp()

@@ -40,9 +40,14 @@ def _product(
     plan's measured forward choice where there is one, else through the dispatcher's lookup."""
     w = weight_lp if weight_lp is not None else weight
     b = bias_lp if bias_lp is not None else bias
-    if plan is not None and plan[0] is not None:
-        return w, run_forward(plan[0], x, w, packed, b)
-    return w, linear_forward(x, w, packed, b, static_weight=static)
+    return w, _linear(None if plan is None else plan[0], x, w, packed, b, static)
+
+
+def _linear(choice: str | None, x: Tensor, w: Tensor, packed: PackedWeight, b: Tensor | None, static: bool) -> Tensor:
+    """``x @ w^T + b`` on the measured ``choice`` where the caller keeps one, else through the dispatcher's lookup."""
+    if choice is not None:
+        return run_forward(choice, x, w, packed, b)
+    return linear_forward(x, w, packed, b, static_weight=static)
 
 
 class _SparseLinearFn(torch.autograd.Function):
@@ -85,10 +90,8 @@ class _SparseLinearFn(torch.autograd.Function):
         dy2 = dy if dy.dim() == 2 else dy.reshape(-1, packed.rows)
         plan = ctx.plan
         if ctx.needs_input_grad[0]:
-            if ctx.packed_t is not None and plan is not None and plan[1] is not None:
-                dx = run_forward(plan[1], dy2, w.t(), ctx.packed_t, None)
-            elif ctx.packed_t is not None:
-                dx = linear_forward(dy2, w.t(), ctx.packed_t, None, static_weight=ctx.static)
+            if ctx.packed_t is not None:
+                dx = _linear(None if plan is None else plan[1], dy2, w.t(), ctx.packed_t, None, ctx.static)
             else:
                 dx = dy2 @ (w if w.dtype == dy2.dtype else w.to(dy2.dtype))
             if dx.dtype != ctx.x_dtype:

@@ -36,7 +36,7 @@ from . import cslt
 from ._layout import PackedWeight, kept_columns
 from .pack import pack, repack
 from .sddmm import scatter_dense, sddmm
-from .spmm import ACTIVATIONS, _activate, fuses_activation, spmm, spmm_2d, spmm_function
+from .spmm import activate, kernel_activation, spmm, spmm_2d, spmm_function
 
 __all__ = [
     "adopt_view24",
@@ -345,13 +345,13 @@ def run_forward(
     b = bias if bias is None or bias.dtype == p.dtype else bias.to(p.dtype)
     if choice == "dense":
         y = F.linear(x, weight if weight.dtype == p.dtype else weight.to(p.dtype), b)
-        return y if activation is None else _activate(y, activation)
+        return y if activation is None else activate(y, activation)
     lead = x.shape[:-1]
     x2 = x if len(lead) == 1 else x.reshape(-1, p.cols)
     if choice == "cslt" and x2.is_contiguous() and cslt.supports(p.rows, p.cols, x2.shape[0], p.dtype):
         y = _cslt_linear(x2, weight, p, bias)
         if activation is not None:
-            y = _activate(y, activation)
+            y = activate(y, activation)
     elif choice == "sparse24":
         y = spmm_2d(x2, _view24(weight, p), b, activation)
     else:
@@ -393,15 +393,14 @@ def _resolve(
     fn = spmm_function(target.m, device)
     b = _stable_bias(bias, p.dtype)
     values, meta, columns, rows, cols, m = target.values, target.meta, target.columns, p.rows, p.cols, target.m
-    fused = activation is None or fuses_activation(m, device)
-    act = 0 if activation is None or not fused else ACTIVATIONS[activation]
+    act, after = kernel_activation(activation, m, device)
 
     def run(x: Tensor) -> Tensor:
         if x.dtype != p.dtype or not x.is_contiguous() or x.data_ptr() % 16 or torch.compiler.is_compiling():
             return run_forward(choice, x, weight, p, bias, activation)  # the general path takes (or refuses) it
         y = fn(x.view(-1, cols), values, meta, columns, b, rows, cols, m, act)
-        if not fused:
-            y = _activate(y, activation)
+        if after is not None:
+            y = activate(y, after)
         return y if x.dim() == 2 else y.view(*x.shape[:-1], rows)
 
     return run

@@ -22,7 +22,9 @@ from ._select import kernel_choice, kernel_function
 __all__ = [
     "ACTIVATIONS",
     "AUTO_WGMMA_M",
+    "activate",
     "fuses_activation",
+    "kernel_activation",
     "spmm",
     "spmm_2d",
     "spmm_function",
@@ -43,7 +45,7 @@ def spmm_reference(x: Tensor, p: PackedWeight, bias: Tensor | None = None, activ
     if bias is not None:
         y = y + bias.to(torch.float32)
     if activation is not None:
-        y = _activate(y, activation)
+        y = activate(y, activation)
     return y.to(x.dtype)
 
 
@@ -56,8 +58,9 @@ def _act_code(activation: str | None) -> int:
     return code
 
 
-def _activate(y: Tensor, activation: str) -> Tensor:
-    """The activation applied after the product, where the kernel does not fuse it."""
+def activate(y: Tensor, activation: str) -> Tensor:
+    """``activation`` (an :data:`ACTIVATIONS` name) applied to ``y`` as a separate op: where no kernel fuses it."""
+    _act_code(activation)  # validates the name
     return torch.nn.functional.gelu(y)
 
 
@@ -65,6 +68,15 @@ def fuses_activation(m: int, device: torch.device) -> bool:
     """Whether the kernel that runs group size ``m`` on ``device`` applies an activation in its epilogue (the 2:4
     sparse-wgmma kernel), so that :func:`spmm` needs no separate pass for it."""
     return m == 4 and spmm_kernel(m, device) == "wgmma"
+
+
+def kernel_activation(activation: str | None, m: int, device: torch.device) -> tuple[int, str | None]:
+    """How the kernel for group size ``m`` on ``device`` runs ``activation``: ``(code, after)``, the ``act`` argument
+    of :func:`spmm_function`'s function and the activation left to apply to its output (None when fused or none)."""
+    code = _act_code(activation)
+    if code == 0 or fuses_activation(m, device):
+        return code, None
+    return 0, activation
 
 
 def _kernel_ok(x: Tensor, cols: int) -> bool:
@@ -111,11 +123,9 @@ def _run_kernel(
 ) -> Tensor:
     """The CUDA kernel call itself (``x`` 2-D, contiguous, 16-byte aligned, ``cols % 8 == 0``), the activation fused
     where the kernel has it, else applied after."""
-    if activation is None:
-        return spmm_function(m, x.device)(x, values, meta, columns, bias, rows, cols, m, 0)
-    if fuses_activation(m, x.device):
-        return spmm_function(m, x.device)(x, values, meta, columns, bias, rows, cols, m, _act_code(activation))
-    return _activate(spmm_function(m, x.device)(x, values, meta, columns, bias, rows, cols, m, 0), activation)
+    code, after = (0, None) if activation is None else kernel_activation(activation, m, x.device)
+    y = spmm_function(m, x.device)(x, values, meta, columns, bias, rows, cols, m, code)
+    return y if after is None else activate(y, after)
 
 
 def spmm_2d(x2: Tensor, packed: PackedWeight, bias: Tensor | None = None, activation: str | None = None) -> Tensor:
@@ -205,5 +215,5 @@ def spmm(x: Tensor, packed: PackedWeight, bias: Tensor | None = None, activation
         packed.m,
     )
     if activation is not None:
-        y = _activate(y, activation)
+        y = activate(y, activation)
     return y.reshape(*lead, packed.rows)
