@@ -1,0 +1,333 @@
+"""What a user sees: ``Trainer.train()`` wall clock, dense ``Trainer`` against ``SparseTrainer``, each configuration in
+a fresh process; then the saved checkpoint loaded with ``from_pretrained``: prefill time and GPU memory after
+warm-up against the dense model with the same weights.
+
+    python benchmarks/bench_trainer.py [--models bert-large llama] [--configs dense 2:4T 2:4 64:2:8]
+                                       [--compile eager compiled] [--steps 40] [--warmup 15] [--no-load]
+
+Models (built from their configs, no download):
+
+* ``bert-large``: ``BertForMaskedLM`` (24 layers, hidden 1024, 16 heads, FFN 4096), batch 16 x 512 random tokens.
+* ``llama``: ``LlamaForCausalLM`` (4 layers, hidden 4096, intermediate 11008, 32 heads), batch 4 x 2048.
+
+Training: bf16 mixed precision (fp32 master weights), ``adamw_torch_fused``, SDPA attention, no logging, saving or
+evaluation during the run. Sparse configurations prune one-shot at step 0 (``schedule="oneshot"``); ``2:4T`` is
+transposable 2:4. ms/step is the wall clock from the end of step ``--warmup`` to the end of the last step (one
+``cuda.synchronize`` at each end, none in between, so the host's time to issue the steps is included exactly as a
+user pays it), divided by the steps in between. Peak memory: ``torch.cuda.max_memory_allocated()`` over the run.
+
+Loaded model (eager only, one fresh process each): the checkpoint ``SparseTrainer.save_model`` wrote, loaded with
+``from_pretrained(dtype=torch.bfloat16)`` onto the GPU, against the same weights saved dense. Memory is
+``torch.cuda.memory_allocated()`` after 5 warm-up forwards, next to the bytes of the checkpoint's tensors in bf16; prefill is
+the median wall time of 20 forwards under ``inference_mode`` (synchronised around each).
+
+Every worker prints one JSON line; the driver prints markdown tables with ratios against dense of the same model
+and mode, measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+DEVICE = "cuda"
+
+MODELS = {
+    "bert-large": {"batch": 16, "seq": 512},
+    "llama": {"batch": 4, "seq": 2048},
+}
+
+
+def model_config(name: str):
+    from transformers import BertConfig, LlamaConfig
+
+    if name == "bert-large":
+        return BertConfig(
+            vocab_size=30522,
+            hidden_size=1024,
+            num_hidden_layers=24,
+            num_attention_heads=16,
+            intermediate_size=4096,
+            max_position_embeddings=512,
+            attn_implementation="sdpa",
+        )
+    return LlamaConfig(
+        vocab_size=32000,
+        hidden_size=4096,
+        intermediate_size=11008,
+        num_hidden_layers=4,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        max_position_embeddings=2048,
+        attn_implementation="sdpa",
+    )
+
+
+def build_model(name: str):
+    import torch
+    from transformers import BertForMaskedLM, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cls = BertForMaskedLM if name == "bert-large" else LlamaForCausalLM
+    return cls(model_config(name))
+
+
+class RandomTokens:
+    """A map-style dataset of random token ids (labels = inputs: MLM over every token, or the causal-LM shift)."""
+
+    def __init__(self, n: int, seq: int, vocab: int) -> None:
+        import torch
+
+        g = torch.Generator().manual_seed(1)
+        self.ids = torch.randint(0, vocab, (n, seq), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def train_worker(args) -> dict:
+    import torch
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    import hf_sparse
+
+    shape = MODELS[args.model]
+    steps, warmup = args.steps, args.warmup
+
+    class Clock(TrainerCallback):
+        def __init__(self) -> None:
+            self.t0 = self.t1 = None
+
+        def on_step_end(self, a, state, control, **kw):
+            if state.global_step == warmup:
+                torch.cuda.synchronize()
+                self.t0 = time.perf_counter()
+            elif state.global_step == steps:
+                torch.cuda.synchronize()
+                self.t1 = time.perf_counter()
+
+    model = build_model(args.model)
+    out = tempfile.mkdtemp(prefix="bench_trainer_")
+    targs = TrainingArguments(
+        output_dir=out,
+        max_steps=steps,
+        per_device_train_batch_size=shape["batch"],
+        learning_rate=1e-4,
+        bf16=True,
+        optim="adamw_torch_fused",
+        torch_compile=args.mode == "compiled",
+        report_to=[],
+        save_strategy="no",
+        logging_strategy="no",
+        eval_strategy="no",
+        disable_tqdm=True,
+        dataloader_pin_memory=True,
+        seed=0,
+    )
+    data = RandomTokens(shape["batch"] * steps, shape["seq"], model.config.vocab_size)
+    clock = Clock()
+    if args.config == "dense":
+        trainer = Trainer(model=model, args=targs, train_dataset=data, callbacks=[clock])
+    else:
+        pattern = args.config.rstrip("T")
+        cfg = hf_sparse.SparsityConfig(
+            pattern=pattern, schedule="oneshot", start=0, end=0, transposable=args.config.endswith("T")
+        )
+        trainer = hf_sparse.SparseTrainer(
+            model=model, args=targs, train_dataset=data, callbacks=[clock], sparsity_config=cfg
+        )
+    torch.cuda.reset_peak_memory_stats()
+    trainer.train()
+    ms = (clock.t1 - clock.t0) * 1e3 / (steps - warmup)
+    result = {
+        "model": args.model,
+        "config": args.config,
+        "mode": args.mode,
+        "ms_per_step": ms,
+        "tokens_per_s": shape["batch"] * shape["seq"] / ms * 1e3,
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+    }
+    if args.save_dir:
+        trainer.save_model(args.save_dir)
+        result["saved"] = args.save_dir
+    return result
+
+
+def checkpoint_tensor_bytes(folder: str) -> int:
+    """Bytes of the checkpoint's tensors as loaded with ``dtype=torch.bfloat16``: floating tensors at 2 bytes per
+    element (a model trained with fp32 masters saves fp32 values), integer tensors (positions) as stored."""
+    from safetensors import safe_open
+
+    total = 0
+    for name in os.listdir(folder):
+        if name.endswith(".safetensors"):
+            with safe_open(os.path.join(folder, name), framework="pt") as fh:
+                for key in fh.keys():
+                    t = fh.get_slice(key)
+                    n = 1
+                    for d in t.get_shape():
+                        n *= d
+                    total += n * {"U8": 1, "I8": 1, "I16": 2, "I32": 4, "I64": 8, "BOOL": 1}.get(t.get_dtype(), 2)
+    return total
+
+
+def load_worker(args) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
+
+    import hf_sparse
+
+    shape = MODELS[args.model]
+    cls = AutoModelForMaskedLM if args.model == "bert-large" else AutoModelForCausalLM
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    model = cls.from_pretrained(args.load, dtype=torch.bfloat16).to(DEVICE).eval()
+    loaded = torch.cuda.memory_allocated() - base
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, model.config.vocab_size, (shape["batch"], shape["seq"]), generator=g).to(DEVICE)
+    times = []
+    with torch.inference_mode():
+        for i in range(25):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            model(input_ids=ids)
+            torch.cuda.synchronize()
+            if i >= 5:
+                times.append((time.perf_counter() - t) * 1e3)
+            if i == 4:
+                after = torch.cuda.memory_allocated() - base
+    result = {
+        "model": args.model,
+        "config": args.config,
+        "prefill_ms": statistics.median(times),
+        "gib_loaded": loaded / 2**30,
+        "gib_after_warmup": after / 2**30,
+        "checkpoint_tensor_gib": checkpoint_tensor_bytes(args.load) / 2**30,
+    }
+    if args.dense_out:  # the same weights, dense, for the dense row of the table
+        hf_sparse.to_dense(model).save_pretrained(args.dense_out)
+    return result
+
+
+def run_worker(argv: list[str]) -> dict | None:
+    cmd = [sys.executable, os.path.abspath(__file__), *argv]
+    print("$", " ".join(argv), file=sys.stderr, flush=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        print(proc.stdout[-3000:], proc.stderr[-6000:], file=sys.stderr, flush=True)
+        return None
+    res = json.loads(lines[-1])
+    print(json.dumps(res), file=sys.stderr, flush=True)
+    return res
+
+
+def driver(args) -> int:
+    import torch
+
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
+    print(f"# bench_trainer: {gpu}, torch {torch.__version__}, {stamp}")
+    print(f"command: python benchmarks/bench_trainer.py {' '.join(sys.argv[1:])}\n")
+    root = tempfile.mkdtemp(prefix="bench_trainer_ckpt_")
+    train_rows, load_rows = [], []
+    for model in args.models:
+        for mode in args.compile:
+            for config in args.configs:
+                save = (
+                    os.path.join(root, f"{model}-{config.replace(':', '_')}")
+                    if not args.no_load and mode == "eager" and config != "dense"
+                    else ""
+                )
+                argv = ["--worker", "train", "--model", model, "--config", config, "--mode", mode]
+                argv += ["--steps", str(args.steps), "--warmup", str(args.warmup), "--save-dir", save]
+                res = run_worker(argv)
+                if res is not None:
+                    train_rows.append(res)
+        if args.no_load:
+            continue
+        dense_dir = ""
+        for res in [r for r in train_rows if r["model"] == model and r.get("saved")]:
+            dense_out = "" if dense_dir else os.path.join(root, f"{model}-dense")
+            argv = ["--worker", "load", "--model", model, "--config", res["config"], "--load", res["saved"]]
+            loaded = run_worker([*argv, "--dense-out", dense_out])
+            if loaded is not None:
+                load_rows.append(loaded)
+                dense_dir = dense_dir or dense_out
+        if dense_dir:
+            loaded = run_worker(["--worker", "load", "--model", model, "--config", "dense", "--load", dense_dir])
+            if loaded is not None:
+                load_rows.append(loaded)
+
+    print("## Training through Trainer.train()\n")
+    print("| model | mode | config | ms/step | tokens/s | vs dense | peak GiB | vs dense |")
+    print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: |")
+    for r in train_rows:
+        dense = next(
+            (d for d in train_rows if d["model"] == r["model"] and d["mode"] == r["mode"] and d["config"] == "dense"),
+            None,
+        )
+        speed = f"{dense['ms_per_step'] / r['ms_per_step']:.3f}x" if dense else "-"
+        mem = f"{r['peak_gib'] / dense['peak_gib']:.3f}x" if dense else "-"
+        print(
+            f"| {r['model']} | {r['mode']} | {r['config']} | {r['ms_per_step']:.1f} | {r['tokens_per_s']:.0f} | "
+            f"{speed} | {r['peak_gib']:.2f} | {mem} |"
+        )
+    if load_rows:
+        print("\n## Loaded with from_pretrained(dtype=bfloat16), eager prefill\n")
+        print(
+            "| model | checkpoint | prefill ms | vs dense | GiB loaded | GiB after warm-up | checkpoint tensors GiB "
+            "| after warm-up / tensors |"
+        )
+        print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+        for r in load_rows:
+            dense = next((d for d in load_rows if d["model"] == r["model"] and d["config"] == "dense"), None)
+            speed = f"{dense['prefill_ms'] / r['prefill_ms']:.3f}x" if dense else "-"
+            print(
+                f"| {r['model']} | {r['config']} | {r['prefill_ms']:.2f} | {speed} | {r['gib_loaded']:.2f} | "
+                f"{r['gib_after_warmup']:.2f} | {r['checkpoint_tensor_gib']:.2f} | "
+                f"{r['gib_after_warmup'] / r['checkpoint_tensor_gib']:.3f} |"
+            )
+    return 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    ap.add_argument("--configs", nargs="+", default=["dense", "2:4T", "2:4", "64:2:8"])
+    ap.add_argument("--compile", nargs="+", default=["eager", "compiled"], choices=["eager", "compiled"])
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--warmup", type=int, default=15)
+    ap.add_argument("--no-load", action="store_true", help="skip the from_pretrained section")
+    # worker arguments (one configuration per process)
+    ap.add_argument("--worker", choices=["train", "load"], help=argparse.SUPPRESS)
+    ap.add_argument("--model", help=argparse.SUPPRESS)
+    ap.add_argument("--config", help=argparse.SUPPRESS)
+    ap.add_argument("--mode", default="eager", help=argparse.SUPPRESS)
+    ap.add_argument("--save-dir", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--load", help=argparse.SUPPRESS)
+    ap.add_argument("--dense-out", default="", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.warmup >= args.steps:
+        ap.error(f"--warmup ({args.warmup}) must be below --steps ({args.steps})")
+    if args.worker == "train":
+        print(json.dumps(train_worker(args)))
+        return 0
+    if args.worker == "load":
+        print(json.dumps(load_worker(args)))
+        return 0
+    return driver(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
