@@ -120,7 +120,7 @@ def _get_submodule_parent(model: nn.Module, name: str) -> tuple[nn.Module, str]:
     return (model.get_submodule(parent_name) if parent_name else model), child
 
 
-def model_layer_names(model: nn.Module, names) -> dict[str, str | None]:
+def _model_layer_names(model: nn.Module, names) -> dict[str, str | None]:
     """Where each checkpoint layer of ``names`` lives in ``model``, or None where the model has no such layer.
 
     Transformers' base-model prefix rule for checkpoint keys (``rename_source_key`` in
@@ -200,13 +200,15 @@ class HfSparseQuantizer(HfQuantizer):
                 entries = _read_safetensors_header(path)
                 header.update(entries)
                 self.tensor_files.update(dict.fromkeys(entries, path))
-        targets = model_layer_names(model, config.layers)
+        targets = _model_layer_names(model, config.layers)
         layers: dict[str, dict[str, Any]] = {}
         for name, spec in config.layers.items():
             target = targets[name]
             if target is None:
                 if f"{name}.weight" in header:  # a layer of a head this model lacks: unexpected keys, as if dense
-                    logger.info("hf_sparse: %s is not part of %s; its tensors are not loaded", name, type(model).__name__)
+                    logger.info(
+                        "hf_sparse: %s is not part of %s; its tensors are not loaded", name, type(model).__name__
+                    )
                     continue
                 prefix = getattr(model, "base_model_prefix", "")
                 raise CompressedFormatError(
@@ -246,7 +248,9 @@ class HfSparseQuantizer(HfQuantizer):
                 return path
         return ", ".join(self.checkpoint_files) or "the checkpoint"
 
-    def _check_header(self, name: str, header: dict[str, Any], pattern, rows: int, cols: int, nnz: int | None):
+    def _check_header(
+        self, name: str, header: dict[str, Any], pattern, rows: int, cols: int, nnz: int | None
+    ) -> int | None:
         """Every compressed tensor of ``name`` present, with the shape and dtype its pattern implies."""
         values = header.get(f"{name}.weight")
         if values is None:
