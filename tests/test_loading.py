@@ -154,12 +154,43 @@ def test_wrong_shape_names_the_tensor(tmp_path):
         AutoModelForSequenceClassification.from_pretrained(folder)
 
 
-def test_missing_tensor_names_it(tmp_path):
+@pytest.mark.parametrize("key", ["weight", "weight_indices"])
+def test_missing_tensor_names_it_and_the_file(tmp_path, key):
     _, _, folder = _saved(tmp_path, "bert", AutoModelForSequenceClassification, "2:4")
-    name = "bert.encoder.layer.0.attention.self.key.weight_indices"
+    name = f"bert.encoder.layer.0.attention.self.key.{key}"
     _corrupt(folder, lambda t: t.pop(name))
-    with pytest.raises(CompressedFormatError, match=rf"{name}: missing"):
+    with pytest.raises(CompressedFormatError, match=rf"{name}: missing from \S*model\.safetensors"):
         AutoModelForSequenceClassification.from_pretrained(folder)
+
+
+def test_missing_tensor_in_a_torch_checkpoint_names_it_and_the_file(tmp_path):
+    """A ``.bin`` checkpoint has no header to check before loading: the tensor Transformers did not fill is found
+    after it, instead of running on uninitialised memory."""
+    _, _, folder = _saved(tmp_path, "bert", AutoModelForSequenceClassification, "64:2:8")
+    name = "bert.encoder.layer.1.output.dense.weight_selectors"
+    tensors = load_file(folder / "model.safetensors")
+    del tensors[name]
+    (folder / "model.safetensors").unlink()
+    torch.save(tensors, folder / "pytorch_model.bin")
+    with pytest.raises(CompressedFormatError, match=rf"{name}: missing from \S*pytorch_model\.bin"):
+        AutoModelForSequenceClassification.from_pretrained(folder)
+
+
+@pytest.mark.parametrize(
+    ("family", "bias"),
+    [("bert", "bert.encoder.layer.0.output.dense.bias"), ("gpt2", "transformer.h.1.attn.c_proj.bias")],
+)
+def test_missing_bias_is_initialised_as_in_a_dense_checkpoint(tmp_path, family, bias):
+    model, _, folder = _saved(tmp_path, family, AutoModelForSequenceClassification, "2:4")
+    model.save_pretrained(tmp_path / "dense")  # the same pruned weights, dense
+    for checkpoint in (folder, tmp_path / "dense"):
+        _corrupt(checkpoint, lambda t: t.pop(bias))
+    sparse = AutoModelForSequenceClassification.from_pretrained(folder)
+    dense = AutoModelForSequenceClassification.from_pretrained(tmp_path / "dense")
+    assert torch.equal(sparse.get_parameter(bias), dense.get_parameter(bias))
+    ids = random_ids()
+    expected = logits(dense, ids)
+    assert torch.isfinite(expected).all() and torch.equal(logits(sparse, ids), expected)
 
 
 def test_unknown_format_version(tmp_path):
