@@ -153,3 +153,12 @@ def test_compiles_without_graph_breaks():
     torch._dynamo.reset()
     explained = torch._dynamo.explain(lambda t: k(layer, t))(x.bfloat16().requires_grad_())
     assert explained.graph_break_count == 0, explained.break_reasons
+
+
+def test_index_is_kept_only_for_plans_that_read_it():
+    layer, _, _ = _layer("2:4", 64, 64)
+    k = layer.kernel_state(torch.bfloat16)
+    k.plans = {(32, False): ("sparse", "dense", "gemm"), (32, True): ("sparse", "sparse", "sddmm")}
+    assert not k.uses_index()  # inference plans ignore the gradient parts
+    k.plans[(64, True)] = ("sparse", "dense", "gemm")
+    assert k.uses_index()

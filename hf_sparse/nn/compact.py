@@ -251,6 +251,7 @@ class CompactKernel:
         bias_c = bias if bias is None or bias.dtype == self.dtype else bias.to(self.dtype)
         return values, values_t, bias_c
 
+    @torch.compiler.disable  # once per layer, on its first call that trains
     def _ensure_transposed(self, layer: SparseLinear) -> None:
         """Decide transposability (once) and build ``packed_t`` / ``perm_t`` where the mask is transposable 2:4."""
         if self.transposable is not None:
@@ -350,7 +351,10 @@ class CompactKernel:
     def uses_index(self) -> bool:
         """Whether a measured plan reads the kept index (a dense forward or input gradient, the GEMM weight
         gradient)."""
-        return any(p[0] == "dense" or p[1] == "dense" or (k[1] and p[2] == "gemm") for k, p in self.plans.items())
+        return any(
+            p[0] == "dense" or (trains and (p[1] == "dense" or p[2] == "gemm"))
+            for (_, trains), p in self.plans.items()
+        )
 
     # ------------------------------------------------------------------ the forward
     def __call__(self, layer: SparseLinear, x: Tensor) -> Tensor:
