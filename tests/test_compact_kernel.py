@@ -58,7 +58,9 @@ def test_transposed_pack_of_a_transposable_mask(rows, cols):
     with torch.no_grad():
         layer.weight.add_(1.0)
     k(layer, x)
-    assert torch.equal(k.packed_t.values, pack((dense + mask).t().contiguous(), mask.t(), 64, 4, torch.bfloat16).values)
+    assert torch.equal(
+        k.packed_t.values, pack((dense + mask).t().contiguous(), mask.t(), 64, 4, torch.bfloat16).values
+    )
     # the SpMM reference on the packs gives the forward and the input-gradient products
     w = torch.where(mask, dense + 1.0, 0.0).bfloat16().float()
     xb = torch.randn(5, cols).bfloat16()

@@ -152,7 +152,6 @@ def can_measure() -> bool:
     return not torch.cuda.is_current_stream_capturing()
 
 
-
 _BUSY_CYCLES = 2_000_000  # ~1 ms of GPU spin ahead of each timed call (longer than any candidate's host work)
 
 
