@@ -73,7 +73,7 @@ def main() -> int:
         dy = torch.randn(args.tokens, out_f, device="cuda", dtype=torch.bfloat16)
         dense = nn.Linear(in_f, out_f, device="cuda")
 
-        def train(layer):
+        def train(layer, x=x, dy=dy):
             def run():
                 with torch.autocast("cuda", dtype=torch.bfloat16):
                     y = layer(x)
@@ -85,7 +85,7 @@ def main() -> int:
 
             return run
 
-        def infer(layer):
+        def infer(layer, x=x):
             xb = x.detach().to(torch.bfloat16)
 
             def run():
