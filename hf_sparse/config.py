@@ -196,7 +196,9 @@ class SparsityConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"SparsityConfig.{name}={value!r}: must be an int >= 1")
         if not _is_number(self.obs_damp) or not self.obs_damp > 0:
-            raise ValueError(f"SparsityConfig.obs_damp={self.obs_damp!r}: must be a finite number > 0 (relative dampening)")
+            raise ValueError(
+                f"SparsityConfig.obs_damp={self.obs_damp!r}: must be a finite number > 0 (relative dampening)"
+            )
         if self.obs_block_size is not None and isinstance(parsed, NM | VNM) and self.obs_block_size % parsed.m:
             raise ValueError(
                 f"SparsityConfig.obs_block_size={self.obs_block_size}: must be a multiple of m={parsed.m} of "

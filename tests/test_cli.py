@@ -47,6 +47,42 @@ def test_inspect_missing_folder(tmp_path, capsys):
     assert "no config.json" in capsys.readouterr().err
 
 
+def _damaged(checkpoint, how: str) -> bytes:
+    """``model.safetensors`` of ``checkpoint`` damaged as a failed copy or a bad disk would leave it."""
+    data = (checkpoint / "model.safetensors").read_bytes()
+    length = int.from_bytes(data[:8], "little")
+    if how == "half":
+        return data[: len(data) // 2]
+    if how == "last byte missing":
+        return data[:-1]
+    if how == "empty":
+        return b""
+    if how == "header overwritten":
+        return data[:8] + b"\xff" * 32 + data[40:]
+    if how == "column indices overwritten":  # a valid header, but V:N:M columns out of range [0, 8)
+        entry = json.loads(data[8 : 8 + length])["bert.encoder.layer.0.intermediate.dense.weight_columns"]
+        start, end = (8 + length + offset for offset in entry["data_offsets"])
+        return data[:start] + b"\xff" * (end - start) + data[end:]
+    raise AssertionError(how)
+
+
+@pytest.mark.parametrize(
+    "how", ["half", "last byte missing", "empty", "header overwritten", "column indices overwritten"]
+)
+def test_inspect_truncated_or_corrupt_file_is_a_clear_error(checkpoint, capsys, how):
+    (checkpoint / "model.safetensors").write_bytes(_damaged(checkpoint, how))
+    assert main(["inspect", str(checkpoint)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hf-sparse inspect: ") and "model.safetensors" in err and "corrupt" in err
+    assert "Traceback" not in err
+
+
+def test_inspect_corrupt_config_is_a_clear_error(checkpoint, capsys):
+    (checkpoint / "config.json").write_text('{"quantization_config": {"quant_method": "hf_sp')
+    assert main(["inspect", str(checkpoint)]) == 2
+    assert "config.json: not valid JSON" in capsys.readouterr().err
+
+
 def test_demo_end_to_end(tmp_path):
     """The README's main command, shortened: trains, prunes, saves, reloads and checks the logits."""
     result = subprocess.run(

@@ -17,9 +17,7 @@ Without ``import hf_sparse``, loading fails loudly rather than handing back rand
 
 from __future__ import annotations
 
-import json
 import logging
-import struct
 from typing import Any
 
 import torch
@@ -29,6 +27,7 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from .. import __version__
 from ..formats.compressed import FORMAT_VERSION, CompressedFormatError, compressed_shapes
+from ..formats.safetensors_header import read_safetensors_header
 from ..nn.fold import fold_activations
 from ..nn.sparse_linear import SparseLinear
 from ..patterns import Unstructured, parse_pattern
@@ -96,13 +95,6 @@ class HfSparseConfig(QuantizationConfigMixin):
         }
 
 
-def _read_safetensors_header(path: str) -> dict[str, Any]:
-    """The JSON header of a safetensors file: tensor names, dtypes and shapes, without reading any data."""
-    with open(path, "rb") as fh:
-        (length,) = struct.unpack("<Q", fh.read(8))
-        return json.loads(fh.read(length))
-
-
 def _get_submodule_parent(model: nn.Module, name: str) -> tuple[nn.Module, str]:
     parent_name, _, child = name.rpartition(".")
     return (model.get_submodule(parent_name) if parent_name else model), child
@@ -128,7 +120,7 @@ class HfSparseQuantizer(HfQuantizer):
         header: dict[str, Any] = {}
         for path in checkpoint_files or []:
             if str(path).endswith(".safetensors"):
-                header.update(_read_safetensors_header(str(path)))
+                header.update(read_safetensors_header(path))
         for name, spec in layers.items():
             try:
                 module = model.get_submodule(name)
