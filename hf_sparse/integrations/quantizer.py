@@ -178,8 +178,10 @@ class HfSparseQuantizer(HfQuantizer):
 
     def get_state_dict_and_metadata(self, model: nn.Module):
         """For saving: the compressed state dict prepared by :func:`hf_sparse.save_pretrained`, else the model's own."""
-        metadata = {"hf_sparse_format_version": str(FORMAT_VERSION)}
-        return self.export_state_dict, metadata
+        # No metadata of our own (format_version is in config.json): safetensors writes the metadata map in an order
+        # that changes from process to process, so any key beside Transformers' one "format" key would make two
+        # saves of the same model differ byte-wise.
+        return self.export_state_dict, {}
 
     def is_serializable(self, *args: Any, **kwargs: Any) -> bool:
         return True
