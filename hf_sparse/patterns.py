@@ -38,7 +38,7 @@ class NM:
             raise PatternError(f"N:M pattern '{self}': m={self.m} must be in [2, {MAX_M}]")
         if not (1 <= self.n < self.m):
             raise PatternError(
-                f"N:M pattern '{self}': n={self.n} must be in [1, m-1={self.m - 1}] (n = m prunes nothing)"
+                f"N:M pattern '{self}': n={self.n} must be in [1, m-1={self.m - 1}] (keep n of every m weights, fewer than all m; e.g. '2:4')"
             )
 
     def __str__(self) -> str:
@@ -83,7 +83,7 @@ class VNM:
             raise PatternError(f"V:N:M pattern '{self}': m={self.m} must be in [{SPTC_GROUP}, {MAX_M}]")
         if not (1 <= self.n < self.m):
             raise PatternError(
-                f"V:N:M pattern '{self}': n={self.n} must be in [1, m-1={self.m - 1}] (2 for the kernels)"
+                f"V:N:M pattern '{self}': n={self.n} must be in [1, m-1={self.m - 1}] (keep n of every m, fewer than all m; 2 for the kernels)"
             )
 
     def __str__(self) -> str:
