@@ -185,10 +185,9 @@ def load_recipe(path: str | os.PathLike) -> dict[str, Any]:
         data = data["sparsity"]
     if not isinstance(data, dict):
         raise ValueError(f"{path}: a recipe must be a mapping of sparsity settings, got {type(data).__name__}")
-    allowed = set(FLAG_TO_CONFIG) | set(FLAG_TO_CONFIG.values())
-    unknown = sorted(set(data) - allowed)
-    if unknown:
-        raise ValueError(f"{path}: unknown recipe keys {unknown}; allowed: {sorted(FLAG_TO_CONFIG.values())}")
+    from hf_sparse.config import check_known_keys
+
+    check_known_keys(data, set(FLAG_TO_CONFIG) | set(FLAG_TO_CONFIG.values()), f"recipe {path}")
     return {FLAG_TO_CONFIG.get(k, k): v for k, v in data.items()}
 
 

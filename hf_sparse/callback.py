@@ -63,7 +63,10 @@ class SparsityCallback(TrainerCallback):
         if self.pruner is None:
             self.pruner = Pruner(model, self.config)
         if max_steps <= 0:
-            raise ValueError("SparsityCallback: Trainer did not report max_steps; set max_steps or num_train_epochs")
+            raise ValueError(
+                f"SparsityCallback: this training run has {max_steps} optimizer steps, so no pruning schedule can run: "
+                "set max_steps >= 1, or max_steps=-1 with num_train_epochs > 0 and a non-empty train dataset"
+            )
         self.pruner.bind(max_steps)
         return self.pruner
 

@@ -10,8 +10,13 @@ __all__ = ["main"]
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from .demo import run_demo
+    from .demo import check_demo_arguments, run_demo
 
+    try:
+        check_demo_arguments(args.pattern, args.max_steps)
+    except ValueError as err:
+        print(f"hf-sparse demo: {err}", file=sys.stderr)
+        return 2
     report = run_demo(args.output_dir, args.pattern, args.max_steps, args.model_name_or_path, args.seed)
     print(report.to_text())
     return 0

@@ -6,16 +6,17 @@ allowed), round-trips through JSON, and carries the library version so a saved r
 
 from __future__ import annotations
 
+import difflib
 import json
+import math
 import re
-import warnings
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
 from .patterns import NM, VNM, Pattern, PatternError, Unstructured, parse_pattern
 
-__all__ = ["DEFAULT_IGNORE", "DEFAULT_TARGETS", "SparsityConfig"]
+__all__ = ["DEFAULT_IGNORE", "DEFAULT_TARGETS", "SparsityConfig", "check_known_keys"]
 
 #: Linear / Conv1D layers inside the repeated transformer blocks of BERT, RoBERTa, DistilBERT, GPT-2 and Llama.
 DEFAULT_TARGETS: tuple[str, ...] = (r"(^|\.)(layer|layers|h|blocks?)\.\d+\.",)
@@ -25,8 +26,15 @@ DEFAULT_IGNORE: tuple[str, ...] = (r"(^|\.)(router|gate)$",)
 ScheduleName = Literal["oneshot", "linear", "cubic"]
 
 
-def _check_step_or_fraction(name: str, value: Any) -> None:
+def _is_number(value: Any) -> bool:
+    """An int or a finite float, not a bool (``True`` is an ``int`` to Python, never a count or a fraction here)."""
     if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    return isinstance(value, int) or math.isfinite(value)
+
+
+def _check_step_or_fraction(name: str, value: Any) -> None:
+    if not _is_number(value):
         raise ValueError(
             f"SparsityConfig.{name}={value!r}: give a fraction of training (float in [0, 1]) or a step (int)"
         )
@@ -37,6 +45,49 @@ def _check_step_or_fraction(name: str, value: Any) -> None:
         )
     if isinstance(value, int) and value < 0:
         raise ValueError(f"SparsityConfig.{name}={value!r}: a step must be >= 0")
+
+
+def _check_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(
+            f"SparsityConfig.{name}={value!r}: must be a bool, True or False (got {type(value).__name__}); in a "
+            "recipe write it unquoted: JSON true/false, YAML true/false"
+        )
+
+
+def _check_regexes(name: str, value: Any) -> list[str] | None:
+    """``targets`` / ``ignore``: None, one regex string, or a list of them; returns the list form."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list | tuple) or not all(isinstance(regex, str) for regex in value):
+        raise ValueError(
+            f"SparsityConfig.{name}={value!r}: give a module-name regex string or a list of regex strings "
+            "(or None for the default)"
+        )
+    for regex in value:
+        try:
+            re.compile(regex)
+        except re.error as err:
+            raise ValueError(f"SparsityConfig.{name}: {regex!r} is not a valid regex ({err})") from None
+    return list(value)
+
+
+def check_known_keys(keys: Any, allowed: Any, source: str) -> None:
+    """Raise a ValueError naming each key of ``keys`` not in ``allowed``, with the closest allowed name (difflib) and
+    the full list. ``source`` (a file name, ``"SparsityConfig"``) starts the message."""
+    allowed = sorted(allowed)
+    unknown = sorted(set(keys) - set(allowed), key=str)
+    if not unknown:
+        return
+    problems = []
+    for key in unknown:
+        close = difflib.get_close_matches(str(key), allowed, n=1)
+        problems.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    raise ValueError(
+        f"{source}: unknown key{'s' if len(unknown) > 1 else ''} {', '.join(problems)}; valid keys: {allowed}"
+    )
 
 
 @dataclass
@@ -107,7 +158,7 @@ class SparsityConfig:
         except PatternError as err:
             raise ValueError(f"SparsityConfig.pattern={self.pattern!r}: {err}") from None
         self.pattern = str(parsed)
-        if self.schedule not in available_schedules():
+        if not isinstance(self.schedule, str) or self.schedule not in available_schedules():
             raise ValueError(f"SparsityConfig.schedule={self.schedule!r}: allowed {sorted(available_schedules())}")
         _check_step_or_fraction("start", self.start)
         _check_step_or_fraction("end", self.end)
@@ -115,19 +166,12 @@ class SparsityConfig:
             raise ValueError(f"SparsityConfig.end={self.end!r} is before start={self.start!r}")
         if isinstance(self.update_every, bool) or not isinstance(self.update_every, int) or self.update_every < 1:
             raise ValueError(f"SparsityConfig.update_every={self.update_every!r}: must be an int >= 1")
-        for name in ("targets", "ignore"):
-            value = getattr(self, name)
-            if value is None:
-                continue
-            if isinstance(value, str):
-                value = [value]
-                setattr(self, name, value)
-            for regex in value:
-                try:
-                    re.compile(regex)
-                except re.error as err:
-                    raise ValueError(f"SparsityConfig.{name}: {regex!r} is not a valid regex ({err})") from None
-        if self.score not in available_scores():
+        self.targets = _check_regexes("targets", self.targets)
+        self.ignore = _check_regexes("ignore", self.ignore)
+        for f in fields(self):
+            if f.type == "bool":  # annotations are strings here (``from __future__ import annotations``)
+                _check_bool(f.name, getattr(self, f.name))
+        if not isinstance(self.score, str) or self.score not in available_scores():
             raise ValueError(f"SparsityConfig.score={self.score!r}: allowed {sorted(available_scores())}")
         if self.transposable and not (isinstance(parsed, NM) and (parsed.n, parsed.m) == (2, 4)):
             raise ValueError(
@@ -151,16 +195,18 @@ class SparsityConfig:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"SparsityConfig.{name}={value!r}: must be an int >= 1")
-        if isinstance(self.obs_damp, bool) or not isinstance(self.obs_damp, int | float) or not self.obs_damp > 0:
-            raise ValueError(f"SparsityConfig.obs_damp={self.obs_damp!r}: must be a number > 0 (relative dampening)")
+        if not _is_number(self.obs_damp) or not self.obs_damp > 0:
+            raise ValueError(
+                f"SparsityConfig.obs_damp={self.obs_damp!r}: must be a finite number > 0 (relative dampening)"
+            )
         if self.obs_block_size is not None and isinstance(parsed, NM | VNM) and self.obs_block_size % parsed.m:
             raise ValueError(
                 f"SparsityConfig.obs_block_size={self.obs_block_size}: must be a multiple of m={parsed.m} of "
                 f"pattern {self.pattern!r} (or None for m)"
             )
         decay = self.masked_decay
-        if isinstance(decay, bool) or not isinstance(decay, int | float) or decay < 0:
-            raise ValueError(f"SparsityConfig.masked_decay={decay!r}: must be a number >= 0")
+        if not _is_number(decay) or decay < 0:
+            raise ValueError(f"SparsityConfig.masked_decay={decay!r}: must be a finite number >= 0")
         if decay and not self.dynamic:
             raise ValueError(
                 f"SparsityConfig.masked_decay={decay!r} needs dynamic=True: with static masks the pruned weights are "
@@ -197,17 +243,17 @@ class SparsityConfig:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> SparsityConfig:
-        """Build from a dict; unknown keys (from a newer hf_sparse) are dropped with a warning that says so."""
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            warnings.warn(
-                f"SparsityConfig: ignoring unknown keys {unknown} (written by hf_sparse "
-                f"{data.get('hf_sparse_version', '?')}); upgrade hf_sparse to use them",
-                stacklevel=2,
-            )
-        return cls(**{k: v for k, v in data.items() if k in known})
+    def from_dict(cls, data: dict[str, Any], *, source: str = "SparsityConfig") -> SparsityConfig:
+        """Build from a dict of field names; an unknown key is an error naming it and the closest valid one.
+
+        ``source`` (e.g. the file the dict was read from) starts the error messages.
+        """
+        if not isinstance(data, dict):
+            raise ValueError(f"{source}: expected a mapping of SparsityConfig fields, got {type(data).__name__}")
+        if data.get("hf_sparse_version"):
+            source += f" (written by hf_sparse {data['hf_sparse_version']})"
+        check_known_keys(data, (f.name for f in fields(cls)), source)
+        return cls(**data)
 
     def to_json_string(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
@@ -217,4 +263,5 @@ class SparsityConfig:
 
     @classmethod
     def from_json_file(cls, path: str | Path) -> SparsityConfig:
-        return cls.from_dict(json.loads(Path(path).read_text()))
+        """Read a JSON file of field names (booleans as JSON ``true``/``false``); unknown keys are an error."""
+        return cls.from_dict(json.loads(Path(path).read_text()), source=str(path))

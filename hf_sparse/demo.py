@@ -22,26 +22,38 @@ from pathlib import Path
 import torch
 from transformers import TrainerCallback
 
-__all__ = ["DemoReport", "run_demo"]
+__all__ = ["DemoReport", "check_demo_arguments", "checkpoint_fields", "run_demo"]
 
 logger = logging.getLogger(__name__)
 
 
+#: The demo trains dense for a third of its steps, ramps to the pattern in the second third and recovers in the last.
+MIN_STEPS = 3
+
+
 @dataclass
 class DemoReport:
+    """What ``hf-sparse demo`` measured. Sizes in bytes: ``checkpoint_bytes`` is the saved ``model.safetensors``
+    (every tensor), ``checkpoint_dense_bytes`` what it would be with the pruned layers dense; ``pruned_bytes`` and
+    ``pruned_dense_bytes`` count the pruned layers' weights alone."""
+
     pattern: str
     accuracy_before_pruning: float
     accuracy_sparse: float
     accuracy_reloaded: float
     sparsity: float
     checkpoint_bytes: int
-    dense_bytes: int
+    checkpoint_dense_bytes: int
+    pruned_bytes: int
+    pruned_dense_bytes: int
     max_logit_diff: float
     seconds: float
     output_dir: str
 
     def to_text(self) -> str:
-        ratio = self.checkpoint_bytes / self.dense_bytes
+        def sizes(sparse: int, dense: int) -> str:
+            return f"{sparse / 1e6:.2f} MB, dense: {dense / 1e6:.2f} MB ({sparse / max(1, dense):.1%})"
+
         return "\n".join(
             [
                 f"hf_sparse demo — pattern {self.pattern}",
@@ -49,12 +61,41 @@ class DemoReport:
                 f"  eval accuracy, sparse (after training): {self.accuracy_sparse:.3f}",
                 f"  eval accuracy, reloaded checkpoint:     {self.accuracy_reloaded:.3f}",
                 f"  sparsity of pruned layers:              {self.sparsity:.3f}",
-                f"  checkpoint weights: {self.checkpoint_bytes / 1e6:.2f} MB, dense: {self.dense_bytes / 1e6:.2f} MB "
-                f"({ratio:.1%})",
+                f"  checkpoint file (model.safetensors):    {sizes(self.checkpoint_bytes, self.checkpoint_dense_bytes)}",
+                f"  pruned layers' weights in it:           {sizes(self.pruned_bytes, self.pruned_dense_bytes)}",
                 f"  max |logit difference| after reload:    {self.max_logit_diff:.3g}",
                 f"  saved to {self.output_dir} in {self.seconds:.0f} s",
             ]
         )
+
+
+def check_demo_arguments(pattern: str, max_steps: int) -> None:
+    """Raise a ValueError saying what is wrong with the demo's arguments, before anything is created."""
+    from .config import SparsityConfig
+
+    if isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < MIN_STEPS:
+        raise ValueError(
+            f"--max_steps {max_steps}: the demo trains dense for a third of its steps, prunes in the second third "
+            f"and recovers in the last, so it needs at least {MIN_STEPS} steps (default 240)"
+        )
+    try:
+        SparsityConfig(pattern=pattern)
+    except ValueError as err:
+        raise ValueError(f"--pattern {pattern!r}: {err}") from None
+
+
+def checkpoint_fields(folder: str | Path) -> dict[str, float | int]:
+    """The sparsity and size fields of :class:`DemoReport` for the checkpoint saved in ``folder``."""
+    from .inspect import inspect_checkpoint
+
+    summary = inspect_checkpoint(folder)
+    return {
+        "sparsity": summary["pruned_sparsity"],
+        "checkpoint_bytes": summary["file_bytes"],
+        "checkpoint_dense_bytes": summary["file_dense_bytes"],
+        "pruned_bytes": summary["pruned_bytes"],
+        "pruned_dense_bytes": summary["pruned_dense_bytes"],
+    }
 
 
 def _load_rows() -> list[tuple[str, int]]:
@@ -140,6 +181,7 @@ def run_demo(
 
     from . import SparseTrainer, SparsityConfig
 
+    check_demo_arguments(pattern, max_steps)
     started = time.time()
     set_seed(seed)
     output_dir = output_dir or tempfile.mkdtemp(prefix="hf_sparse_demo_")
@@ -194,17 +236,12 @@ def run_demo(
     if max_diff != 0.0:
         raise RuntimeError(f"reloaded logits differ from the trained model's by {max_diff}: please report this")
 
-    from .inspect import inspect_checkpoint
-
-    summary = inspect_checkpoint(checkpoint)
     report = DemoReport(
         pattern=pattern,
         accuracy_before_pruning=probe.accuracy if probe.accuracy is not None else float("nan"),
         accuracy_sparse=sparse_acc,
         accuracy_reloaded=reloaded_acc,
-        sparsity=summary["pruned_sparsity"],
-        checkpoint_bytes=summary["pruned_bytes"],
-        dense_bytes=summary["pruned_dense_bytes"],
+        **checkpoint_fields(checkpoint),
         max_logit_diff=max_diff,
         seconds=time.time() - started,
         output_dir=str(checkpoint),

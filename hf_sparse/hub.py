@@ -28,6 +28,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "PLOT_FILENAME",
+    "HubUnreachableError",
     "dense_weight_bytes",
     "directory_weight_bytes",
     "find_template",
@@ -502,39 +503,24 @@ def push_to_hub(
     ``ModelCard``; ``"auto"`` for a card built from what was saved (pattern and schedule from the saved
     ``quantization_config``, per-layer sparsity from ``pruner.sparsity_report()`` or measured on the model); or
     ``None`` for none. ``extra_files`` maps paths in the repo to local files or bytes (e.g. the training plot).
-    The repo is created if missing. ``api`` defaults to ``HfApi(token=token)``; the upload itself is one
-    ``api.create_commit`` call.
+    The files are written to a local folder first; then the repo is created if missing and the upload is one
+    ``api.create_commit`` call (``api`` defaults to ``HfApi(token=token)``). If the Hub cannot be reached
+    (``HF_HUB_OFFLINE=1``, no network, a wrong endpoint) this raises :class:`HubUnreachableError`, which names that
+    folder: it is kept, ready for ``huggingface_hub.upload_folder``. On success or any other error it is removed.
     """
     from huggingface_hub import CommitOperationAdd, HfApi
 
     api = api or HfApi(token=token)
-    api.create_repo(repo_id, token=token, private=private, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="hf_sparse_push_") as tmp:
-        folder = Path(tmp)
-        if pruner is not None:
-            from hf_sparse.serialization import save_pretrained
-
-            save_pretrained(model, folder, pruner, max_shard_size=max_shard_size)
-        else:
-            model.save_pretrained(folder, max_shard_size=max_shard_size)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(folder)
-        for path_in_repo, source in (extra_files or {}).items():
-            target = folder / path_in_repo
-            target.parent.mkdir(parents=True, exist_ok=True)
-            if isinstance(source, bytes):
-                target.write_bytes(source)
-            else:
-                shutil.copyfile(source, target)
-        if isinstance(card, str) and card == "auto":
-            card = _auto_card(model, folder, repo_id, pruner)
-        if card is not None:
-            (folder / "README.md").write_text(str(card), encoding="utf-8")  # str(ModelCard) is its file text
+    folder = Path(tempfile.mkdtemp(prefix="hf_sparse_push_"))
+    keep = False
+    try:
+        _write_upload(model, folder, repo_id, tokenizer, card, pruner, extra_files, max_shard_size)
         operations = [
             CommitOperationAdd(path_in_repo=p.relative_to(folder).as_posix(), path_or_fileobj=str(p))
             for p in sorted(folder.rglob("*"))
             if p.is_file()
         ]
+        api.create_repo(repo_id, token=token, private=private, exist_ok=True)
         return api.create_commit(
             repo_id,
             operations,
@@ -544,6 +530,63 @@ def push_to_hub(
             revision=revision,
             create_pr=create_pr,
         )
+    except _network_errors() as err:
+        keep = True
+        endpoint = getattr(api, "endpoint", None) or "the Hugging Face Hub"
+        raise HubUnreachableError(
+            f"push_to_hub: cannot reach {endpoint} ({type(err).__name__}: {err}); nothing was uploaded to "
+            f"{repo_id!r}. The files are saved in {folder}: upload them when online with "
+            f"huggingface_hub.upload_folder(repo_id={repo_id!r}, folder_path={str(folder)!r})"
+        ) from err
+    finally:
+        if not keep:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+class HubUnreachableError(ConnectionError):
+    """:func:`push_to_hub` could not reach the Hub; the message names the local folder that holds the files."""
+
+
+def _network_errors() -> tuple[type[BaseException], ...]:
+    """What huggingface_hub raises when the Hub is out of reach: ``OfflineModeIsEnabled`` (a ``ConnectionError``),
+    and its HTTP client's transport errors (httpx / httpx2, or requests in older releases)."""
+    import importlib
+
+    errors: list[type[BaseException]] = [ConnectionError, TimeoutError]
+    for module, names in (
+        ("httpx2", ("TransportError",)),
+        ("httpx", ("TransportError",)),
+        ("requests.exceptions", ("ConnectionError", "Timeout")),
+    ):
+        try:
+            found = importlib.import_module(module)
+        except ImportError:
+            continue
+        errors.extend(getattr(found, name) for name in names if hasattr(found, name))
+    return tuple(errors)
+
+
+def _write_upload(model, folder: Path, repo_id: str, tokenizer, card, pruner, extra_files, max_shard_size) -> None:
+    """Everything :func:`push_to_hub` uploads, written into ``folder``."""
+    if pruner is not None:
+        from hf_sparse.serialization import save_pretrained
+
+        save_pretrained(model, folder, pruner, max_shard_size=max_shard_size)
+    else:
+        model.save_pretrained(folder, max_shard_size=max_shard_size)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(folder)
+    for path_in_repo, source in (extra_files or {}).items():
+        target = folder / path_in_repo
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if isinstance(source, bytes):
+            target.write_bytes(source)
+        else:
+            shutil.copyfile(source, target)
+    if isinstance(card, str) and card == "auto":
+        card = _auto_card(model, folder, repo_id, pruner)
+    if card is not None:
+        (folder / "README.md").write_text(str(card), encoding="utf-8")  # str(ModelCard) is its file text
 
 
 def _auto_card(model, folder: Path, repo_id: str, pruner=None) -> str:

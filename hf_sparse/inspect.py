@@ -7,23 +7,11 @@ import os
 from pathlib import Path
 from typing import Any
 
-from .integrations.quantizer import _read_safetensors_header
+from .formats.compressed import CompressedFormatError, validate
+from .formats.safetensors_header import DTYPE_BYTES, read_safetensors_header
 from .patterns import Unstructured, parse_pattern
 
 __all__ = ["format_inspection", "inspect_checkpoint"]
-
-_DTYPE_BYTES = {
-    "F64": 8,
-    "F32": 4,
-    "BF16": 2,
-    "F16": 2,
-    "F8_E4M3": 1,
-    "F8_E5M2": 1,
-    "U8": 1,
-    "I8": 1,
-    "I32": 4,
-    "I64": 8,
-}
 
 
 def _tensor_bytes(entry: dict[str, Any]) -> int:
@@ -31,31 +19,67 @@ def _tensor_bytes(entry: dict[str, Any]) -> int:
     return int(end - start)
 
 
+def _validate_layer(name: str, keys: list[str], file_of: dict[str, Path], pattern, shape: tuple[int, int]) -> None:
+    """Read one compressed layer's tensors and check them against its pattern (positions in range, in order)."""
+    from safetensors import safe_open
+
+    tensors = {}
+    for key in keys:
+        with safe_open(file_of[key], framework="pt") as fh:
+            tensors[key[len(name) + 1 :]] = fh.get_tensor(key)
+    try:
+        validate(tensors, pattern, shape, prefix=name)
+    except CompressedFormatError as err:
+        raise CompressedFormatError(
+            f"{file_of[keys[0]]}: {err}; the file is corrupt: copy or download it again"
+        ) from None
+
+
 def inspect_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
-    """Per pruned layer: pattern, sparsity, compressed bytes and the bytes the dense weight would take."""
+    """Per pruned layer: pattern, sparsity, compressed bytes and the bytes the dense weight would take.
+
+    Raises ``FileNotFoundError`` or ``ValueError`` (naming the file and the problem) for a folder that is not an
+    hf_sparse checkpoint or whose files are truncated or corrupt: every header is checked against its file's size
+    and every compressed layer against its pattern.
+    """
     folder = Path(path)
     config_file = folder / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"{folder}: no config.json; is this a saved model folder?")
-    quant = json.loads(config_file.read_text()).get("quantization_config") or {}
-    if quant.get("quant_method") != "hf_sparse":
+    try:
+        saved = json.loads(config_file.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{config_file}: not valid JSON ({err}); the file is corrupt or truncated") from None
+    quant = (saved.get("quantization_config") if isinstance(saved, dict) else None) or {}
+    if not isinstance(quant, dict) or quant.get("quant_method") != "hf_sparse":
         raise ValueError(f"{folder}: config.json has no hf_sparse quantization_config; the checkpoint is dense")
     header: dict[str, Any] = {}
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{folder}: no .safetensors files")
+    file_of: dict[str, Path] = {}
     for file in files:
-        header.update({k: v for k, v in _read_safetensors_header(str(file)).items() if k != "__metadata__"})
+        entries = {k: v for k, v in read_safetensors_header(file).items() if k != "__metadata__"}
+        header.update(entries)
+        file_of.update(dict.fromkeys(entries, file))
     rows_out = []
     pruned_bytes = pruned_dense = kept = total = 0
     for name, spec in quant.get("layers", {}).items():
-        pattern = parse_pattern(spec["pattern"])
-        rows, cols = spec["shape"]
+        try:
+            pattern = parse_pattern(spec["pattern"])
+            rows, cols = (int(x) for x in spec["shape"])
+        except (KeyError, TypeError, ValueError) as err:
+            raise ValueError(
+                f"{config_file}: quantization_config.layers[{name!r}] = {spec!r} is malformed ({err}); the file is "
+                "corrupt or was edited by hand"
+            ) from None
         values = header.get(f"{name}.weight")
         if values is None:
             raise ValueError(f"{folder}: {name}.weight listed in quantization_config but missing from the files")
-        element = _DTYPE_BYTES.get(values["dtype"], 2)
-        layer_bytes = sum(_tensor_bytes(e) for k, e in header.items() if k.startswith(f"{name}.weight"))
+        keys = [k for k in header if k.startswith(f"{name}.weight")]
+        _validate_layer(name, keys, file_of, pattern, (rows, cols))
+        element = DTYPE_BYTES.get(values["dtype"], 2)
+        layer_bytes = sum(_tensor_bytes(header[k]) for k in keys)
         dense_bytes = rows * cols * element
         nnz = spec.get("nnz") if isinstance(pattern, Unstructured) else rows * cols * (1 - pattern.sparsity)
         sparsity = 1 - float(nnz) / (rows * cols)

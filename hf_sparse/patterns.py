@@ -11,7 +11,6 @@ hashable, so they can key caches and appear in configs.
 
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass
 
@@ -35,10 +34,12 @@ class NM:
     m: int
 
     def __post_init__(self) -> None:
-        if not (1 <= self.m <= MAX_M):
-            raise PatternError(f"N:M pattern '{self}': m={self.m} must be in [1, {MAX_M}]")
-        if not (1 <= self.n <= self.m):
-            raise PatternError(f"N:M pattern '{self}': n={self.n} must be in [1, m={self.m}]")
+        if not (2 <= self.m <= MAX_M):
+            raise PatternError(f"N:M pattern '{self}': m={self.m} must be in [2, {MAX_M}]")
+        if not (1 <= self.n < self.m):
+            raise PatternError(
+                f"N:M pattern '{self}': n={self.n} must be in [1, m-1={self.m - 1}] (keep n of every m weights, fewer than all m; e.g. '2:4')"
+            )
 
     def __str__(self) -> str:
         return f"{self.n}:{self.m}"
@@ -80,8 +81,10 @@ class VNM:
             raise PatternError(f"V:N:M pattern '{self}': v={self.v} must be >= 1 (64 or 128 for the kernels)")
         if not (SPTC_GROUP <= self.m <= MAX_M):
             raise PatternError(f"V:N:M pattern '{self}': m={self.m} must be in [{SPTC_GROUP}, {MAX_M}]")
-        if not (1 <= self.n <= self.m):
-            raise PatternError(f"V:N:M pattern '{self}': n={self.n} must be in [1, m={self.m}] (2 for the kernels)")
+        if not (1 <= self.n < self.m):
+            raise PatternError(
+                f"V:N:M pattern '{self}': n={self.n} must be in [1, m-1={self.m - 1}] (keep n of every m, fewer than all m; 2 for the kernels)"
+            )
 
     def __str__(self) -> str:
         return f"{self.v}:{self.n}:{self.m}"
@@ -119,8 +122,10 @@ class Unstructured:
     sparsity: float
 
     def __post_init__(self) -> None:
-        if not (0.0 <= self.sparsity < 1.0) or math.isnan(self.sparsity):
-            raise PatternError(f"unstructured sparsity {self.sparsity!r} must be in [0, 1)")
+        if not (0.0 < self.sparsity < 1.0):  # False for NaN too
+            raise PatternError(
+                f"unstructured sparsity {self.sparsity!r} must be in (0, 1): the fraction of weights pruned, e.g. 0.75"
+            )
 
     def __str__(self) -> str:
         return f"unstructured:{self.sparsity:g}"
@@ -135,11 +140,47 @@ class Unstructured:
 
 Pattern = NM | VNM | Unstructured
 
-_ALLOWED = "'N:M' (e.g. '2:4', '2:8'), 'V:N:M' (e.g. '64:2:8', '128:2:16') or 'unstructured:S' with 0 <= S < 1"
+#: V:N:M row blocks are a multiple of this many rows. The mask, OBS and checkpoint code take any such ``v``; the
+#: Sparse Tensor Core kernels run ``v`` = 64 and 128 (``hf_sparse.ops``).
+V_MULTIPLE = 4
+
+_ALLOWED = (
+    "'N:M' with 0 < N < M (e.g. '2:4', '2:8'), 'V:N:M' with V a multiple of "
+    f"{V_MULTIPLE} and 0 < N < M (e.g. '64:2:8', '128:2:16'; the kernels run V = 64 or 128) or 'unstructured:S' "
+    "with 0 < S < 1 (e.g. 'unstructured:0.75')"
+)
+
+
+def _unquoted_yaml(number: int) -> str | None:
+    """The pattern whose unquoted YAML 1.1 spelling reads as ``number`` (``124`` for ``2:4``, base 60), if any."""
+    for groups in (2, 3):
+        rest, digits = number, []
+        for _ in range(groups - 1):
+            rest, digit = divmod(rest, 60)
+            digits.insert(0, str(digit))
+        text = ":".join([str(rest), *digits])
+        try:
+            if rest >= 1 and parse_pattern(text):
+                return text
+        except PatternError:
+            continue
+    return None
+
+
+def _not_a_string(spec: object) -> PatternError:
+    message = f"pattern must be a string, got {type(spec).__name__} {spec!r}"
+    if isinstance(spec, int) and not isinstance(spec, bool):
+        text = _unquoted_yaml(spec)
+        read = f"an unquoted {text} as the base-60 number {spec}" if text else "an unquoted N:M as a number"
+        message += f': YAML reads {read}; quote the pattern, e.g. pattern: "{text or "2:4"}"'
+    return PatternError(f"{message}. Allowed: {_ALLOWED}")
 
 
 def parse_pattern(spec: str | Pattern) -> Pattern:
     """Parse ``"2:4"``, ``"64:2:8"`` or ``"unstructured:0.9"`` into a pattern object.
+
+    Patterns that prune nothing (``"4:4"``, ``"unstructured:0"``) or everything are errors, and so is a ``V:N:M``
+    whose ``V`` is not a multiple of :data:`V_MULTIPLE` (``"2:4:8"`` is a typo, not a pattern).
 
     >>> parse_pattern("64:2:8")
     VNM(v=64, n=2, m=8)
@@ -147,7 +188,7 @@ def parse_pattern(spec: str | Pattern) -> Pattern:
     if isinstance(spec, NM | VNM | Unstructured):
         return spec
     if not isinstance(spec, str):
-        raise PatternError(f"pattern must be a string, got {type(spec).__name__} {spec!r}; use {_ALLOWED}")
+        raise _not_a_string(spec)
     text = spec.strip().lower()
     if text.startswith("unstructured"):
         match = re.fullmatch(r"unstructured:([0-9]*\.?[0-9]+(?:e-?[0-9]+)?)", text)
@@ -160,4 +201,9 @@ def parse_pattern(spec: str | Pattern) -> Pattern:
     numbers = [int(p) for p in parts]
     if len(numbers) == 2:
         return NM(*numbers)
+    if numbers[0] % V_MULTIPLE or numbers[0] == 0:
+        raise PatternError(
+            f"pattern {spec!r}: V:N:M with v={numbers[0]}, but v (rows per block) must be a positive multiple of "
+            f"{V_MULTIPLE}; use {_ALLOWED}"
+        )
     return VNM(*numbers)

@@ -176,8 +176,37 @@ def test_recipe_sets_everything_and_flags_win(tmp_path):
     assert sparsity_config_kwargs(SparsityArguments()) is None  # dense
     assert sparsity_config_kwargs(SparsityArguments(sparsity_start="0.25", sparsity_pattern="2:8"))["start"] == 0.25
     json_recipe.write_text(json.dumps({"patern": "2:4"}))
-    with pytest.raises(ValueError, match="unknown recipe keys \\['patern'\\]"):
+    with pytest.raises(ValueError, match=r"unknown key 'patern' \(did you mean 'pattern'\?\)"):
         load_recipe(json_recipe)
+
+
+@pytest.mark.parametrize(
+    "line, field, text",
+    [
+        ("dynamic: 'false'", "dynamic", "must be a bool"),
+        ('sparsity_dynamic: "no"', "dynamic", "must be a bool"),
+        ("transposable_masks: 'yes'", "transposable", "must be a bool"),
+        ("pattern: 2:4", "pattern", 'quote the pattern, e.g. pattern: "2:4"'),
+        ("pattern: 64:2:8", "pattern", 'quote the pattern, e.g. pattern: "64:2:8"'),
+    ],
+)
+def test_yaml_recipe_values_of_the_wrong_type_are_errors(tmp_path, line, field, text):
+    from sparse_args import build_sparsity_config, load_recipe
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"sparsity:\n  {line}\n")
+    with pytest.raises(ValueError) as info:
+        build_sparsity_config(load_recipe(recipe))
+    assert f"SparsityConfig.{field}=" in str(info.value) and text in str(info.value)
+
+
+def test_yaml_recipe_booleans_as_yaml_spells_them(tmp_path):
+    from sparse_args import build_sparsity_config, load_recipe
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("pattern: '2:4'\ndynamic: true\nmasked_decay: 0.1\ntransposable: false\n")
+    config = build_sparsity_config(load_recipe(recipe))
+    assert config.dynamic is True and config.transposable is False
 
 
 def test_shipped_recipes_are_valid():

@@ -13,6 +13,7 @@ from huggingface_hub import HfApi, ModelCard
 
 import hf_sparse
 from hf_sparse.hub import (
+    HubUnreachableError,
     dense_weight_bytes,
     directory_weight_bytes,
     history_from_log_history,
@@ -264,3 +265,39 @@ def test_push_model_pruned_in_place_goes_up_compressed(tiny, tmp_path):
     model.eval(), reloaded.eval()
     with torch.no_grad():
         torch.testing.assert_close(reloaded(input_ids=ids).logits, model(input_ids=ids).logits)
+
+
+@pytest.mark.parametrize("how", ["HF_HUB_OFFLINE=1", "no server at the endpoint"])
+def test_push_without_the_hub_says_so_and_keeps_the_files(tiny, tmp_path, monkeypatch, how):
+    """The real HfApi, offline or pointed at a port nothing listens on: no raw ConnectError, and the files stay."""
+    import tempfile
+
+    import huggingface_hub.constants
+    from transformers import AutoModelForSequenceClassification
+
+    model, pruner = _sparse_model(tiny)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    if how == "HF_HUB_OFFLINE=1":
+        monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # what the variable sets at import
+        api = HfApi(token="hf_fake")
+    else:
+        api = HfApi(endpoint="http://127.0.0.1:1", token="hf_fake")
+    with pytest.raises(HubUnreachableError) as info:
+        push_to_hub(model, "me/offline", pruner=pruner, api=api)
+    message = str(info.value)
+    assert isinstance(info.value, ConnectionError)
+    assert f"cannot reach {api.endpoint}" in message and "nothing was uploaded to 'me/offline'" in message
+    (folder,) = tmp_path.glob("hf_sparse_push_*")
+    assert f"The files are saved in {folder}" in message and "upload_folder" in message
+    assert {"README.md", "config.json", "model.safetensors"} <= {p.name for p in folder.iterdir()}
+    loaded = AutoModelForSequenceClassification.from_pretrained(folder)  # what would have gone up: compressed
+    assert loaded.config.quantization_config is not None
+
+
+def test_push_removes_its_folder_after_an_upload(tiny, tmp_path, monkeypatch):
+    import tempfile
+
+    model, pruner = _sparse_model(tiny)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    push_to_hub(model, "me/online", pruner=pruner, api=CapturingApi())
+    assert list(tmp_path.glob("hf_sparse_push_*")) == []

@@ -1,6 +1,7 @@
 """from_pretrained round trips of compressed checkpoints for every supported model family and head."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -68,6 +69,35 @@ def test_round_trip_bit_exact(tmp_path, family, auto_class, pattern):
     assert "quantization_config" not in json.loads((tmp_path / "dense" / "config.json").read_text())
     dense = auto_class.from_pretrained(tmp_path / "dense")
     assert torch.equal(logits(dense, ids), expected)
+
+
+RESAVE = """
+import sys
+from transformers import AutoModelForSequenceClassification
+import hf_sparse
+model = AutoModelForSequenceClassification.from_pretrained(sys.argv[1])
+for out in sys.argv[2:]:
+    model.save_pretrained(out)
+"""
+
+
+@pytest.mark.slow
+def test_saves_are_byte_identical_across_processes(tmp_path):
+    """A load and re-save writes the same bytes, whatever the process (hash seeds, safetensors' map order)."""
+    _, _, folder = _saved(tmp_path, "bert", AutoModelForSequenceClassification, "64:2:8")
+    outs = [tmp_path / f"child{i}" for i in range(3)]
+    env = dict(os.environ, PYTHONHASHSEED="12345")
+    result = subprocess.run(
+        [sys.executable, "-c", RESAVE, str(folder), *map(str, outs)], capture_output=True, text=True, env=env
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    loaded = AutoModelForSequenceClassification.from_pretrained(folder)
+    for i in range(2):
+        loaded.save_pretrained(tmp_path / f"parent{i}")
+        outs.append(tmp_path / f"parent{i}")
+    for name in ("model.safetensors", "config.json"):
+        first = (folder / name).read_bytes()
+        assert all((out / name).read_bytes() == first for out in outs), name
 
 
 def test_config_records_format(tmp_path):

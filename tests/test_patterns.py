@@ -26,6 +26,35 @@ def test_parse_rejects(text):
         parse_pattern(text)
 
 
+@pytest.mark.parametrize(
+    "text, read, valid",
+    [
+        ("2:4:8", "v=2", "multiple of 4"),
+        ("6:2:8", "v=6", "multiple of 4"),
+        ("1:1", "m=1", "[2, 256]"),
+        ("4:4", "n=4", "[1, m-1=3]"),
+        ("64:8:8", "n=8", "[1, m-1=7]"),
+        ("unstructured:0", "sparsity 0.0", "(0, 1)"),
+        ("unstructured:1", "sparsity 1.0", "(0, 1)"),
+    ],
+)
+def test_patterns_that_prune_nothing_or_are_typos_are_rejected(text, read, valid):
+    with pytest.raises(PatternError) as info:
+        parse_pattern(text)
+    assert read in str(info.value) and valid in str(info.value)
+
+
+@pytest.mark.parametrize("spec", ["2:8", "64:2:8", "128:2:16", "4:2:16"])
+def test_unquoted_yaml_number_names_the_pattern_to_quote(spec):
+    yaml = pytest.importorskip("yaml")
+    number = yaml.safe_load(f"pattern: {spec}")["pattern"]  # YAML 1.1: base 60
+    assert isinstance(number, int)
+    with pytest.raises(PatternError) as info:
+        parse_pattern(number)
+    assert f"got int {number}" in str(info.value) and f'quote the pattern, e.g. pattern: "{spec}"' in str(info.value)
+    assert parse_pattern(yaml.safe_load(f'pattern: "{spec}"')["pattern"]) == parse_pattern(spec)
+
+
 def test_error_message_lists_the_valid_forms():
     with pytest.raises(PatternError, match=r"'V:N:M'"):
         parse_pattern("2/4")

@@ -241,6 +241,18 @@ def test_wrong_sparsity_config_type(tmp_path):
         SparseTrainer(model=_model(), args=_args(tmp_path), train_dataset=ToyClassification(), sparsity_config="2:4")
 
 
+@pytest.mark.parametrize("steps", [{"max_steps": 0}, {"max_steps": -1, "num_train_epochs": 0}])
+def test_a_run_of_no_steps_says_so(tmp_path, steps):
+    trainer = SparseTrainer(
+        model=_model(),
+        args=_args(tmp_path, **steps),
+        train_dataset=ToyClassification(),
+        sparsity_config=SparsityConfig(pattern="2:4"),
+    )
+    with pytest.raises(ValueError, match="this training run has 0 optimizer steps.*set max_steps >= 1"):
+        trainer.train()
+
+
 def test_load_best_model_restores_its_masks(tmp_path):
     """With load_best_model_at_end, the best checkpoint can be from mid-ramp: its masks must come back with it."""
     config = SparsityConfig(pattern="2:8", schedule="linear", start=0, end=12, update_every=2)

@@ -27,9 +27,7 @@ Without ``import hf_sparse``, loading fails loudly rather than handing back rand
 
 from __future__ import annotations
 
-import json
 import logging
-import struct
 from typing import Any
 
 import torch
@@ -41,6 +39,7 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from .. import __version__
 from ..formats.compressed import FORMAT_VERSION, CompressedFormatError, compressed_shapes
+from ..formats.safetensors_header import read_safetensors_header
 from ..nn.fold import fold_activations
 from ..nn.sparse_linear import SparseLinear
 from ..patterns import Unstructured, parse_pattern
@@ -106,13 +105,6 @@ class HfSparseConfig(QuantizationConfigMixin):
             "layers": {name: dict(spec) for name, spec in self.layers.items()},
             "sparsity_config": self.sparsity_config,
         }
-
-
-def _read_safetensors_header(path: str) -> dict[str, Any]:
-    """The JSON header of a safetensors file: tensor names, dtypes and shapes, without reading any data."""
-    with open(path, "rb") as fh:
-        (length,) = struct.unpack("<Q", fh.read(8))
-        return json.loads(fh.read(length))
 
 
 def _get_submodule_parent(model: nn.Module, name: str) -> tuple[nn.Module, str]:
@@ -197,7 +189,7 @@ class HfSparseQuantizer(HfQuantizer):
         header: dict[str, Any] = {}
         for path in self.checkpoint_files:
             if path.endswith(".safetensors"):
-                entries = _read_safetensors_header(path)
+                entries = read_safetensors_header(path)
                 header.update(entries)
                 self.tensor_files.update(dict.fromkeys(entries, path))
         targets = _model_layer_names(model, config.layers)
@@ -293,8 +285,10 @@ class HfSparseQuantizer(HfQuantizer):
 
     def get_state_dict_and_metadata(self, model: nn.Module):
         """For saving: the compressed state dict prepared by :func:`hf_sparse.save_pretrained`, else the model's own."""
-        metadata = {"hf_sparse_format_version": str(FORMAT_VERSION)}
-        return self.export_state_dict, metadata
+        # No metadata of our own (format_version is in config.json): safetensors writes the metadata map in an order
+        # that changes from process to process, so any key beside Transformers' one "format" key would make two
+        # saves of the same model differ byte-wise.
+        return self.export_state_dict, {}
 
     def is_serializable(self, *args: Any, **kwargs: Any) -> bool:
         return True
