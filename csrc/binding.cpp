@@ -406,6 +406,105 @@ at::Tensor transposable_2to4_mask(const at::Tensor& score, const at::Tensor& pat
   return out;
 }
 
+
+// ---------------------------------------------------------------------------------------------------------------
+// A compact layer's training call (hf_sparse.nn.compact): y = x W^T + b with W given by its kept values, as one C++
+// autograd node, so that neither the forward nor the backward runs Python. ``plan`` bits: 1 forward by SpMM (else
+// cuBLAS on a transient dense weight), 2 input gradient by SpMM on the transposed 2:4 pack (else dense), 4 weight
+// gradient by SDDMM (else dY^T X by cuBLAS, then a gather at the kept index). ``kernels`` bits pick the sparse-wgmma
+// variant of those three kernels in the same order. ``bias_c`` is the bias in the compute dtype (the bias itself
+// where it already is), ``index`` the flat kept positions (needed by the dense choices only).
+
+at::Tensor aligned_2d(const at::Tensor& t, int64_t features, at::ScalarType dtype) {
+  auto t2 = t.reshape({-1, features});
+  if (t2.scalar_type() != dtype) t2 = t2.to(dtype);
+  t2 = t2.contiguous();
+  if (reinterpret_cast<uintptr_t>(t2.data_ptr()) % 16 != 0) t2 = t2.clone();
+  return t2;
+}
+
+at::Tensor dense_from_kept(const at::Tensor& weight, const at::Tensor& index, int64_t rows, int64_t cols,
+                           at::ScalarType dtype) {
+  TORCH_CHECK(index.defined(), "hf_sparse.compact_linear: a dense choice needs the kept index");
+  auto dense = at::zeros({rows * cols}, weight.options().dtype(dtype));
+  return dense.index_put_({index.to(at::kLong)}, weight.reshape({-1}).to(dtype)).view({rows, cols});
+}
+
+c10::optional<at::Tensor> optional_of(const at::Tensor& t) {
+  return t.defined() ? c10::optional<at::Tensor>(t) : c10::nullopt;
+}
+
+struct CompactLinearFn : public torch::autograd::Function<CompactLinearFn> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
+                            const at::Tensor& bias, const at::Tensor& bias_c, const at::Tensor& values,
+                            const at::Tensor& meta, const at::Tensor& columns, const at::Tensor& values_t,
+                            const at::Tensor& meta_t, const at::Tensor& columns_t, const at::Tensor& index,
+                            int64_t rows, int64_t cols, int64_t m, int64_t plan, int64_t kernels) {
+    const auto dtype = values.scalar_type();
+    auto x2 = aligned_2d(x, cols, dtype);
+    at::Tensor y = (plan & 1) ? spmm_impl("compact_linear", kernels & 1, x2, values, meta, columns,
+                                          optional_of(bias_c), rows, cols, m, 0)
+                              : at::linear(x2, dense_from_kept(weight, index, rows, cols, dtype), optional_of(bias_c));
+    ctx->save_for_backward({x2, weight, index, values_t, meta_t, columns_t, meta, columns});
+    ctx->saved_data["rows"] = rows;
+    ctx->saved_data["cols"] = cols;
+    ctx->saved_data["m"] = m;
+    ctx->saved_data["plan"] = plan;
+    ctx->saved_data["kernels"] = kernels;
+    ctx->saved_data["x_sizes"] = x.sizes().vec();
+    ctx->saved_data["x_dtype"] = x.scalar_type();
+    ctx->saved_data["bias_dtype"] = bias.defined() ? c10::IValue(bias.scalar_type()) : c10::IValue();
+    auto sizes = x.sizes().vec();
+    sizes.back() = rows;
+    return y.view(sizes);
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const auto &x2 = saved[0], &weight = saved[1], &index = saved[2];
+    const int64_t rows = ctx->saved_data["rows"].toInt(), cols = ctx->saved_data["cols"].toInt();
+    const int64_t m = ctx->saved_data["m"].toInt(), plan = ctx->saved_data["plan"].toInt();
+    const int64_t kernels = ctx->saved_data["kernels"].toInt();
+    const auto dtype = x2.scalar_type();
+    auto dy2 = aligned_2d(grads[0], rows, dtype);
+    at::Tensor dx, dw, db;
+    if (ctx->needs_input_grad(0)) {
+      dx = (plan & 2) ? spmm_impl("compact_linear(input gradient)", kernels & 2, dy2, saved[3], saved[4], saved[5],
+                                  c10::nullopt, cols, rows, 4, 0)
+                      : at::mm(dy2, dense_from_kept(weight, index, rows, cols, dtype));
+      dx = dx.to(ctx->saved_data["x_dtype"].toScalarType()).view(ctx->saved_data["x_sizes"].toIntVector());
+    }
+    if (ctx->needs_input_grad(1)) {
+      dw = (plan & 4) ? sddmm_impl("compact_linear(weight gradient)", kernels & 4, dy2, x2, saved[6], saved[7], rows,
+                                   cols, m)
+                      : at::mm(dy2.t(), x2).view({-1}).index_select(0, index).view(weight.sizes());
+      dw = dw.to(weight.scalar_type());
+    }
+    const auto& bias_dtype = ctx->saved_data["bias_dtype"];
+    if (!bias_dtype.isNone() && ctx->needs_input_grad(2)) {
+      db = dy2.sum(0, false, at::kFloat).to(bias_dtype.toScalarType());
+    }
+    return {dx, dw, db, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
+            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
+            at::Tensor()};
+  }
+};
+
+at::Tensor compact_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
+                          const c10::optional<at::Tensor>& bias_c, const at::Tensor& values, const at::Tensor& meta,
+                          const at::Tensor& columns, const c10::optional<at::Tensor>& values_t,
+                          const c10::optional<at::Tensor>& meta_t, const c10::optional<at::Tensor>& columns_t,
+                          const c10::optional<at::Tensor>& index, int64_t rows, int64_t cols, int64_t m, int64_t plan,
+                          int64_t kernels) {
+  TORCH_CHECK(!(plan & 2) || (values_t.has_value() && meta_t.has_value() && columns_t.has_value()),
+              "hf_sparse.compact_linear: a sparse input gradient needs the transposed pack");
+  const at::Tensor none;
+  return CompactLinearFn::apply(x, weight, bias.value_or(none), bias_c.value_or(none), values, meta, columns,
+                                values_t.value_or(none), meta_t.value_or(none), columns_t.value_or(none),
+                                index.value_or(none), rows, cols, m, plan, kernels);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
@@ -423,5 +522,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("vnm_mask", &vnm_mask, "V:N:M mask of an fp32 score (hf_sparse.masks.vnm_mask's rule)");
   mod.def("transposable_2to4_mask", &transposable_2to4_mask,
           "exact transposable 2:4 mask of an fp32 score, first best of the given 90 patterns");
+  mod.def("compact_linear", &compact_linear,
+          "a compact layer's training call: y = x W^T + b from the kept values, with C++ autograd (hf_sparse.nn.compact)");
   mod.def("apply_masks_", &apply_masks_, "zero, in place, the entries of each tensor where its bool mask is false");
 }

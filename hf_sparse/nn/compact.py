@@ -225,6 +225,9 @@ class CompactKernel:
         cuda = device.type == "cuda"
         self.fns = (spmm_function(m, device), None, sddmm_function(m, device)) if cuda else (None, None, None)
         self.code, self.after = kernel_activation(self.activation, m, device) if cuda else (0, self.activation)
+        # the extension's compact_linear (forward and backward in C++) where the kernels run: see _native_fn
+        self.native = _native_fn() if cuda else None
+        self.kernel_bits = _kernel_bits(self.fns)
         watch_optimizer_steps()
         self.refresh(layer.weight, bias)
 
@@ -286,6 +289,7 @@ class CompactKernel:
             torch.index_select(self.buf, 0, self.perm_t, out=self.packed_t.values.view(-1))
         if self.fns[0] is not None:
             self.fns = (self.fns[0], spmm_function(4, dev), self.fns[2])
+            self.kernel_bits = _kernel_bits(self.fns)
         self.transposable = True
 
     def drop_transposed(self) -> None:
@@ -409,6 +413,25 @@ class CompactKernel:
                 if self.activation is not None:
                     y = activate(y, self.activation)
             return y.view(*x.shape[:-1], rows)
+        if self.native is not None and self.activation is None:  # eager CUDA training: one C++ autograd node
+            return self.native(
+                x,
+                weight,
+                bias,
+                bias_c,
+                values,
+                p.meta,
+                p.columns,
+                values_t,
+                None if t is None else t.meta,
+                None if t is None else t.columns,
+                index,
+                rows,
+                cols,
+                self.m,
+                _PLAN_BITS[plan],
+                self.kernel_bits,
+            )
         spec = (rows, cols, self.v, self.m, dtype, plan, fns, self.code, self.after, self.activation)
         return _CompactLinearFn.apply(
             x,
@@ -426,6 +449,30 @@ class CompactKernel:
             index,
             spec,
         )
+
+
+#: a plan (forward, input gradient, weight gradient) as the ``plan`` bits of the extension's ``compact_linear``
+_PLAN_BITS = {
+    (f, i, w): (f == "sparse") | (i == "sparse") << 1 | (w == "sddmm") << 2
+    for f in ("sparse", "dense")
+    for i in ("sparse", "dense")
+    for w in ("gemm", "sddmm")
+}
+
+
+def _kernel_bits(fns: tuple) -> int:
+    """The ``kernels`` bits of ``compact_linear``: which of the forward SpMM, the transposed SpMM and the SDDMM
+    are the sparse-wgmma variants (the functions :func:`spmm_function` / :func:`sddmm_function` picked)."""
+    names = [getattr(fn, "__name__", "") for fn in fns]
+    return (names[0] == "spmm_wgmma") | (names[1] == "spmm_wgmma") << 1 | (names[2] == "sddmm_wgmma") << 2
+
+
+def _native_fn():
+    """The extension's ``compact_linear`` (a C++ autograd node: no Python in the forward or the backward), or None
+    where the loaded extension has none."""
+    from ..ops._build import load_extension
+
+    return getattr(load_extension(), "compact_linear", None)
 
 
 def _stamp(weight: Tensor, bias: Tensor | None) -> tuple:
