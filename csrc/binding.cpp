@@ -435,17 +435,29 @@ c10::optional<at::Tensor> optional_of(const at::Tensor& t) {
 }
 
 struct CompactLinearFn : public torch::autograd::Function<CompactLinearFn> {
+  // Only x, weight and bias are autograd inputs; the packs and the index (optional, never differentiated) travel as
+  // optionals, which Function::apply does not treat as variables. Without a bias, ``bias`` is an empty tensor.
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
-                            const at::Tensor& bias, const at::Tensor& bias_c, const at::Tensor& values,
-                            const at::Tensor& meta, const at::Tensor& columns, const at::Tensor& values_t,
-                            const at::Tensor& meta_t, const at::Tensor& columns_t, const at::Tensor& index,
-                            int64_t rows, int64_t cols, int64_t m, int64_t plan, int64_t kernels) {
-    const auto dtype = values.scalar_type();
+                            const at::Tensor& bias, bool has_bias, const c10::optional<at::Tensor>& bias_c,
+                            const c10::optional<at::Tensor>& values, const c10::optional<at::Tensor>& meta,
+                            const c10::optional<at::Tensor>& columns, const c10::optional<at::Tensor>& values_t,
+                            const c10::optional<at::Tensor>& meta_t, const c10::optional<at::Tensor>& columns_t,
+                            const c10::optional<at::Tensor>& index, int64_t rows, int64_t cols, int64_t m,
+                            int64_t plan, int64_t kernels) {
+    const auto dtype = values->scalar_type();
     auto x2 = aligned_2d(x, cols, dtype);
-    at::Tensor y = (plan & 1) ? spmm_impl("compact_linear", kernels & 1, x2, values, meta, columns,
-                                          optional_of(bias_c), rows, cols, m, 0)
-                              : at::linear(x2, dense_from_kept(weight, index, rows, cols, dtype), optional_of(bias_c));
-    ctx->save_for_backward({x2, weight, index, values_t, meta_t, columns_t, meta, columns});
+    const at::Tensor none;
+    const at::Tensor& kept = index.has_value() ? *index : none;
+    at::Tensor y = (plan & 1) ? spmm_impl("compact_linear", kernels & 1, x2, *values, *meta, *columns, bias_c, rows,
+                                          cols, m, 0)
+                              : at::linear(x2, dense_from_kept(weight, kept, rows, cols, dtype), bias_c);
+    ctx->save_for_backward({x2, weight});
+    ctx->saved_data["index"] = kept;
+    ctx->saved_data["values_t"] = values_t.value_or(none);
+    ctx->saved_data["meta_t"] = meta_t.value_or(none);
+    ctx->saved_data["columns_t"] = columns_t.value_or(none);
+    ctx->saved_data["meta"] = *meta;
+    ctx->saved_data["columns"] = *columns;
     ctx->saved_data["rows"] = rows;
     ctx->saved_data["cols"] = cols;
     ctx->saved_data["m"] = m;
@@ -453,7 +465,7 @@ struct CompactLinearFn : public torch::autograd::Function<CompactLinearFn> {
     ctx->saved_data["kernels"] = kernels;
     ctx->saved_data["x_sizes"] = x.sizes().vec();
     ctx->saved_data["x_dtype"] = x.scalar_type();
-    ctx->saved_data["bias_dtype"] = bias.defined() ? c10::IValue(bias.scalar_type()) : c10::IValue();
+    ctx->saved_data["bias_dtype"] = has_bias ? c10::IValue(bias.scalar_type()) : c10::IValue();
     auto sizes = x.sizes().vec();
     sizes.back() = rows;
     return y.view(sizes);
@@ -462,32 +474,36 @@ struct CompactLinearFn : public torch::autograd::Function<CompactLinearFn> {
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
     const auto saved = ctx->get_saved_variables();
-    const auto &x2 = saved[0], &weight = saved[1], &index = saved[2];
-    const int64_t rows = ctx->saved_data["rows"].toInt(), cols = ctx->saved_data["cols"].toInt();
-    const int64_t m = ctx->saved_data["m"].toInt(), plan = ctx->saved_data["plan"].toInt();
-    const int64_t kernels = ctx->saved_data["kernels"].toInt();
+    const auto &x2 = saved[0], &weight = saved[1];
+    auto& data = ctx->saved_data;
+    const at::Tensor index = data["index"].toTensor();
+    const int64_t rows = data["rows"].toInt(), cols = data["cols"].toInt();
+    const int64_t m = data["m"].toInt(), plan = data["plan"].toInt(), kernels = data["kernels"].toInt();
     const auto dtype = x2.scalar_type();
     auto dy2 = aligned_2d(grads[0], rows, dtype);
     at::Tensor dx, dw, db;
     if (ctx->needs_input_grad(0)) {
-      dx = (plan & 2) ? spmm_impl("compact_linear(input gradient)", kernels & 2, dy2, saved[3], saved[4], saved[5],
-                                  c10::nullopt, cols, rows, 4, 0)
+      dx = (plan & 2) ? spmm_impl("compact_linear(input gradient)", kernels & 2, dy2, data["values_t"].toTensor(),
+                                  data["meta_t"].toTensor(), data["columns_t"].toTensor(), c10::nullopt, cols, rows,
+                                  4, 0)
                       : at::mm(dy2, dense_from_kept(weight, index, rows, cols, dtype));
-      dx = dx.to(ctx->saved_data["x_dtype"].toScalarType()).view(ctx->saved_data["x_sizes"].toIntVector());
+      dx = dx.to(data["x_dtype"].toScalarType()).view(data["x_sizes"].toIntVector());
     }
     if (ctx->needs_input_grad(1)) {
-      dw = (plan & 4) ? sddmm_impl("compact_linear(weight gradient)", kernels & 4, dy2, x2, saved[6], saved[7], rows,
-                                   cols, m)
+      dw = (plan & 4) ? sddmm_impl("compact_linear(weight gradient)", kernels & 4, dy2, x2, data["meta"].toTensor(),
+                                   data["columns"].toTensor(), rows, cols, m)
                       : at::mm(dy2.t(), x2).view({-1}).index_select(0, index).view(weight.sizes());
       dw = dw.to(weight.scalar_type());
     }
-    const auto& bias_dtype = ctx->saved_data["bias_dtype"];
+    const auto& bias_dtype = data["bias_dtype"];
     if (!bias_dtype.isNone() && ctx->needs_input_grad(2)) {
       db = dy2.sum(0, false, at::kFloat).to(bias_dtype.toScalarType());
     }
-    return {dx, dw, db, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
-            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
-            at::Tensor()};
+    torch::autograd::variable_list out(17);
+    out[0] = dx;
+    out[1] = dw;
+    out[2] = db;
+    return out;
   }
 };
 
@@ -499,10 +515,11 @@ at::Tensor compact_linear(const at::Tensor& x, const at::Tensor& weight, const c
                           int64_t kernels) {
   TORCH_CHECK(!(plan & 2) || (values_t.has_value() && meta_t.has_value() && columns_t.has_value()),
               "hf_sparse.compact_linear: a sparse input gradient needs the transposed pack");
-  const at::Tensor none;
-  return CompactLinearFn::apply(x, weight, bias.value_or(none), bias_c.value_or(none), values, meta, columns,
-                                values_t.value_or(none), meta_t.value_or(none), columns_t.value_or(none),
-                                index.value_or(none), rows, cols, m, plan, kernels);
+  TORCH_CHECK((plan & 7) == 7 || index.has_value(),
+              "hf_sparse.compact_linear: a dense forward, input gradient or GEMM weight gradient needs the kept index");
+  const at::Tensor b = bias.has_value() ? *bias : at::empty({0}, x.options());
+  return CompactLinearFn::apply(x, weight, b, bias.has_value(), bias_c, values, meta, columns, values_t, meta_t,
+                                columns_t, index, rows, cols, m, plan, kernels);
 }
 
 }  // namespace
