@@ -413,7 +413,9 @@ at::Tensor transposable_2to4_mask(const at::Tensor& score, const at::Tensor& pat
 // cuBLAS on a transient dense weight), 2 input gradient by SpMM on the transposed 2:4 pack (else dense), 4 weight
 // gradient by SDDMM (else dY^T X by cuBLAS, then a gather at the kept index). ``kernels`` bits pick the sparse-wgmma
 // variant of those three kernels in the same order. ``bias_c`` is the bias in the compute dtype (the bias itself
-// where it already is), ``index`` the flat kept positions (needed by the dense choices only).
+// where it already is), ``index`` the flat kept positions (needed by the dense choices only). The forward SpMM runs
+// on ``values, meta, columns`` with group size ``m`` (the layer's own pack, or the 2:4 view of a V:2:M layer: m = 4);
+// the SDDMM on the layer's own positions ``meta_g, columns_g`` with its group size ``m_g``.
 
 at::Tensor aligned_2d(const at::Tensor& t, int64_t features, at::ScalarType dtype) {
   auto t2 = t.reshape({-1, features});
@@ -438,17 +440,18 @@ struct CompactLinearFn : public torch::autograd::Function<CompactLinearFn> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
                             const at::Tensor& bias, const at::Tensor& bias_c, const at::Tensor& values,
                             const at::Tensor& meta, const at::Tensor& columns, const at::Tensor& values_t,
-                            const at::Tensor& meta_t, const at::Tensor& columns_t, const at::Tensor& index,
-                            int64_t rows, int64_t cols, int64_t m, int64_t plan, int64_t kernels) {
+                            const at::Tensor& meta_t, const at::Tensor& columns_t, const at::Tensor& meta_g,
+                            const at::Tensor& columns_g, const at::Tensor& index, int64_t rows, int64_t cols,
+                            int64_t m, int64_t m_g, int64_t plan, int64_t kernels) {
     const auto dtype = values.scalar_type();
     auto x2 = aligned_2d(x, cols, dtype);
     at::Tensor y = (plan & 1) ? spmm_impl("compact_linear", kernels & 1, x2, values, meta, columns,
                                           optional_of(bias_c), rows, cols, m, 0)
                               : at::linear(x2, dense_from_kept(weight, index, rows, cols, dtype), optional_of(bias_c));
-    ctx->save_for_backward({x2, weight, index, values_t, meta_t, columns_t, meta, columns});
+    ctx->save_for_backward({x2, weight, index, values_t, meta_t, columns_t, meta_g, columns_g});
     ctx->saved_data["rows"] = rows;
     ctx->saved_data["cols"] = cols;
-    ctx->saved_data["m"] = m;
+    ctx->saved_data["m_g"] = m_g;
     ctx->saved_data["plan"] = plan;
     ctx->saved_data["kernels"] = kernels;
     ctx->saved_data["x_sizes"] = x.sizes().vec();
@@ -464,7 +467,7 @@ struct CompactLinearFn : public torch::autograd::Function<CompactLinearFn> {
     const auto saved = ctx->get_saved_variables();
     const auto &x2 = saved[0], &weight = saved[1], &index = saved[2];
     const int64_t rows = ctx->saved_data["rows"].toInt(), cols = ctx->saved_data["cols"].toInt();
-    const int64_t m = ctx->saved_data["m"].toInt(), plan = ctx->saved_data["plan"].toInt();
+    const int64_t m_g = ctx->saved_data["m_g"].toInt(), plan = ctx->saved_data["plan"].toInt();
     const int64_t kernels = ctx->saved_data["kernels"].toInt();
     const auto dtype = x2.scalar_type();
     auto dy2 = aligned_2d(grads[0], rows, dtype);
@@ -477,7 +480,7 @@ struct CompactLinearFn : public torch::autograd::Function<CompactLinearFn> {
     }
     if (ctx->needs_input_grad(1)) {
       dw = (plan & 4) ? sddmm_impl("compact_linear(weight gradient)", kernels & 4, dy2, x2, saved[6], saved[7], rows,
-                                   cols, m)
+                                   cols, m_g)
                       : at::mm(dy2.t(), x2).view({-1}).index_select(0, index).view(weight.sizes());
       dw = dw.to(weight.scalar_type());
     }
@@ -487,7 +490,7 @@ struct CompactLinearFn : public torch::autograd::Function<CompactLinearFn> {
     }
     return {dx, dw, db, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
             at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
-            at::Tensor()};
+            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -495,14 +498,15 @@ at::Tensor compact_linear(const at::Tensor& x, const at::Tensor& weight, const c
                           const c10::optional<at::Tensor>& bias_c, const at::Tensor& values, const at::Tensor& meta,
                           const at::Tensor& columns, const c10::optional<at::Tensor>& values_t,
                           const c10::optional<at::Tensor>& meta_t, const c10::optional<at::Tensor>& columns_t,
-                          const c10::optional<at::Tensor>& index, int64_t rows, int64_t cols, int64_t m, int64_t plan,
-                          int64_t kernels) {
+                          const at::Tensor& meta_g, const at::Tensor& columns_g,
+                          const c10::optional<at::Tensor>& index, int64_t rows, int64_t cols, int64_t m, int64_t m_g,
+                          int64_t plan, int64_t kernels) {
   TORCH_CHECK(!(plan & 2) || (values_t.has_value() && meta_t.has_value() && columns_t.has_value()),
               "hf_sparse.compact_linear: a sparse input gradient needs the transposed pack");
   const at::Tensor none;
   return CompactLinearFn::apply(x, weight, bias.value_or(none), bias_c.value_or(none), values, meta, columns,
-                                values_t.value_or(none), meta_t.value_or(none), columns_t.value_or(none),
-                                index.value_or(none), rows, cols, m, plan, kernels);
+                                values_t.value_or(none), meta_t.value_or(none), columns_t.value_or(none), meta_g,
+                                columns_g, index.value_or(none), rows, cols, m, m_g, plan, kernels);
 }
 
 }  // namespace
