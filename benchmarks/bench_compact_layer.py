@@ -5,7 +5,7 @@
 
 Shapes are BERT-large's and the Llama-style model's projections. Each figure is the median over ``--iters``
 iterations of the wall time of 10 back-to-back calls (synchronised at both ends), divided by 10, so the host's time
-to issue the work counts as it does in a training step. Also printed: the plan each layer measured.
+to issue the work counts as it does in a training step. Also printed: the plans each layer measured (training and inference).
 """
 
 from __future__ import annotations
@@ -104,6 +104,7 @@ def main() -> int:
                 plan = layer._kernel.plans if layer._kernel is not None else None
                 inf_layer = compact_from(nn.Linear(in_f, out_f, device="cuda", dtype=torch.bfloat16), pattern)
                 i_c = timed(infer(inf_layer), args.iters)
+                plan = (plan or {}) | (inf_layer._kernel.plans if inf_layer._kernel is not None else {})
             except Exception as exc:  # report and go on: one shape must not hide the others
                 print(f"| {out_f}x{in_f} | {pattern} | {t_dense:.3f} | error: {exc!r} |")
                 continue

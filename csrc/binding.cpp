@@ -413,7 +413,9 @@ at::Tensor transposable_2to4_mask(const at::Tensor& score, const at::Tensor& pat
 // cuBLAS on a transient dense weight), 2 input gradient by SpMM on the transposed 2:4 pack (else dense), 4 weight
 // gradient by SDDMM (else dY^T X by cuBLAS, then a gather at the kept index). ``kernels`` bits pick the sparse-wgmma
 // variant of those three kernels in the same order. ``bias_c`` is the bias in the compute dtype (the bias itself
-// where it already is), ``index`` the flat kept positions (needed by the dense choices only).
+// where it already is), ``index`` the flat kept positions (needed by the dense choices only). The forward SpMM runs
+// on ``values, meta, columns`` with group size ``m`` (the layer's own pack, or the 2:4 view of a V:2:M layer: m = 4);
+// the SDDMM on the layer's own positions ``meta_g, columns_g`` with its group size ``m_g``.
 
 at::Tensor aligned_2d(const at::Tensor& t, int64_t features, at::ScalarType dtype) {
   auto t2 = t.reshape({-1, features});
@@ -437,13 +439,15 @@ c10::optional<at::Tensor> optional_of(const at::Tensor& t) {
 struct CompactLinearFn : public torch::autograd::Function<CompactLinearFn> {
   // Only x, weight and bias are autograd inputs; the packs and the index (optional, never differentiated) travel as
   // optionals, which Function::apply does not treat as variables. Without a bias, ``bias`` is an empty tensor.
+  // meta_g / columns_g / m_g: the layer's own V:2:M positions, which the SDDMM reads (the forward may run a 2:4 view).
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
                             const at::Tensor& bias, bool has_bias, const c10::optional<at::Tensor>& bias_c,
                             const c10::optional<at::Tensor>& values, const c10::optional<at::Tensor>& meta,
                             const c10::optional<at::Tensor>& columns, const c10::optional<at::Tensor>& values_t,
                             const c10::optional<at::Tensor>& meta_t, const c10::optional<at::Tensor>& columns_t,
+                            const c10::optional<at::Tensor>& meta_g, const c10::optional<at::Tensor>& columns_g,
                             const c10::optional<at::Tensor>& index, int64_t rows, int64_t cols, int64_t m,
-                            int64_t plan, int64_t kernels) {
+                            int64_t m_g, int64_t plan, int64_t kernels) {
     const auto dtype = values->scalar_type();
     auto x2 = aligned_2d(x, cols, dtype);
     const at::Tensor none;
@@ -452,20 +456,21 @@ struct CompactLinearFn : public torch::autograd::Function<CompactLinearFn> {
                                           cols, m, 0)
                               : at::linear(x2, dense_from_kept(weight, kept, rows, cols, dtype), bias_c);
     ctx->save_for_backward({x2, weight});
-    ctx->saved_data["index"] = kept;
-    ctx->saved_data["values_t"] = values_t.value_or(none);
-    ctx->saved_data["meta_t"] = meta_t.value_or(none);
-    ctx->saved_data["columns_t"] = columns_t.value_or(none);
-    ctx->saved_data["meta"] = *meta;
-    ctx->saved_data["columns"] = *columns;
-    ctx->saved_data["rows"] = rows;
-    ctx->saved_data["cols"] = cols;
-    ctx->saved_data["m"] = m;
-    ctx->saved_data["plan"] = plan;
-    ctx->saved_data["kernels"] = kernels;
-    ctx->saved_data["x_sizes"] = x.sizes().vec();
-    ctx->saved_data["x_dtype"] = x.scalar_type();
-    ctx->saved_data["bias_dtype"] = has_bias ? c10::IValue(bias.scalar_type()) : c10::IValue();
+    auto& data = ctx->saved_data;
+    data["index"] = kept;
+    data["values_t"] = values_t.value_or(none);
+    data["meta_t"] = meta_t.value_or(none);
+    data["columns_t"] = columns_t.value_or(none);
+    data["meta_g"] = meta_g.value_or(none);
+    data["columns_g"] = columns_g.value_or(none);
+    data["rows"] = rows;
+    data["cols"] = cols;
+    data["m_g"] = m_g;
+    data["plan"] = plan;
+    data["kernels"] = kernels;
+    data["x_sizes"] = x.sizes().vec();
+    data["x_dtype"] = x.scalar_type();
+    data["bias_dtype"] = has_bias ? c10::IValue(bias.scalar_type()) : c10::IValue();
     auto sizes = x.sizes().vec();
     sizes.back() = rows;
     return y.view(sizes);
@@ -478,7 +483,7 @@ struct CompactLinearFn : public torch::autograd::Function<CompactLinearFn> {
     auto& data = ctx->saved_data;
     const at::Tensor index = data["index"].toTensor();
     const int64_t rows = data["rows"].toInt(), cols = data["cols"].toInt();
-    const int64_t m = data["m"].toInt(), plan = data["plan"].toInt(), kernels = data["kernels"].toInt();
+    const int64_t m_g = data["m_g"].toInt(), plan = data["plan"].toInt(), kernels = data["kernels"].toInt();
     const auto dtype = x2.scalar_type();
     auto dy2 = aligned_2d(grads[0], rows, dtype);
     at::Tensor dx, dw, db;
@@ -490,8 +495,8 @@ struct CompactLinearFn : public torch::autograd::Function<CompactLinearFn> {
       dx = dx.to(data["x_dtype"].toScalarType()).view(data["x_sizes"].toIntVector());
     }
     if (ctx->needs_input_grad(1)) {
-      dw = (plan & 4) ? sddmm_impl("compact_linear(weight gradient)", kernels & 4, dy2, x2, data["meta"].toTensor(),
-                                   data["columns"].toTensor(), rows, cols, m)
+      dw = (plan & 4) ? sddmm_impl("compact_linear(weight gradient)", kernels & 4, dy2, x2, data["meta_g"].toTensor(),
+                                   data["columns_g"].toTensor(), rows, cols, m_g)
                       : at::mm(dy2.t(), x2).view({-1}).index_select(0, index).view(weight.sizes());
       dw = dw.to(weight.scalar_type());
     }
@@ -499,7 +504,7 @@ struct CompactLinearFn : public torch::autograd::Function<CompactLinearFn> {
     if (!bias_dtype.isNone() && ctx->needs_input_grad(2)) {
       db = dy2.sum(0, false, at::kFloat).to(bias_dtype.toScalarType());
     }
-    torch::autograd::variable_list out(17);
+    torch::autograd::variable_list out(20);  // one per argument of forward
     out[0] = dx;
     out[1] = dw;
     out[2] = db;
@@ -511,15 +516,16 @@ at::Tensor compact_linear(const at::Tensor& x, const at::Tensor& weight, const c
                           const c10::optional<at::Tensor>& bias_c, const at::Tensor& values, const at::Tensor& meta,
                           const at::Tensor& columns, const c10::optional<at::Tensor>& values_t,
                           const c10::optional<at::Tensor>& meta_t, const c10::optional<at::Tensor>& columns_t,
-                          const c10::optional<at::Tensor>& index, int64_t rows, int64_t cols, int64_t m, int64_t plan,
-                          int64_t kernels) {
+                          const at::Tensor& meta_g, const at::Tensor& columns_g,
+                          const c10::optional<at::Tensor>& index, int64_t rows, int64_t cols, int64_t m, int64_t m_g,
+                          int64_t plan, int64_t kernels) {
   TORCH_CHECK(!(plan & 2) || (values_t.has_value() && meta_t.has_value() && columns_t.has_value()),
               "hf_sparse.compact_linear: a sparse input gradient needs the transposed pack");
   TORCH_CHECK((plan & 7) == 7 || index.has_value(),
               "hf_sparse.compact_linear: a dense forward, input gradient or GEMM weight gradient needs the kept index");
   const at::Tensor b = bias.has_value() ? *bias : at::empty({0}, x.options());
   return CompactLinearFn::apply(x, weight, b, bias.has_value(), bias_c, values, meta, columns, values_t, meta_t,
-                                columns_t, index, rows, cols, m, plan, kernels);
+                                columns_t, meta_g, columns_g, index, rows, cols, m, m_g, plan, kernels);
 }
 
 }  // namespace

@@ -16,7 +16,14 @@ pytestmark = [
 ]
 
 CASES = [("2:4", False), ("2:4", True), ("64:2:8", False)]
-PLANS = [None, ("sparse", "sparse", "gemm"), ("sparse", "dense", "sddmm"), ("dense", "dense", "gemm")]
+PLANS = [
+    None,
+    ("sparse", "sparse", "gemm"),
+    ("sparse", "dense", "sddmm"),
+    ("dense", "dense", "gemm"),
+    ("sparse24", "dense", "sddmm"),
+    ("sparse24", "dense", "gemm"),
+]
 
 
 def _pair(spec: str, transposable: bool, rows: int = 192, cols: int = 320, seed: int = 0, dtype=torch.float32):
@@ -51,7 +58,11 @@ def test_training_step_matches_masked_dense(spec, transposable, plan):
     if plan is not None:
         if plan[1] == "sparse" and not transposable:
             pytest.skip("a sparse input gradient needs a transposable mask")
+        if plan[0] == "sparse24" and spec == "2:4":
+            pytest.skip("the 2:4 view is a V:2:M layer's")
         k._ensure_transposed(layer)
+        if plan[0] == "sparse24":
+            k._ensure_view24(layer)
         k.plans[(64, True)] = plan
     for step in range(3):
         x = torch.randn(37, 320, device="cuda", generator=torch.Generator("cuda").manual_seed(step))
@@ -76,6 +87,28 @@ def test_training_step_matches_masked_dense(spec, transposable, plan):
             layer.weight.copy_(new)
             ref.weight.view(-1)[layer.kept_index] = new.view(-1)
     assert transposable == (k.packed_t is not None) or plan is None
+    if plan is not None and plan[0] == "sparse24":  # the native call ran on the view: it is kept, refreshed
+        assert k.packed24 is not None and k.perm24 is not None
+
+
+@pytest.mark.parametrize("plan", [("sparse24", "dense", "gemm"), ("sparse", "dense", "gemm")])
+def test_inference_on_the_2to4_view(plan):
+    """A 64:2:8 bf16 layer whose inference plan runs on its 2:4 view (or its own pack): outputs match; on the view,
+    the layer's own pack values and the permutation are freed after the plan is set."""
+    layer, ref = _pair("64:2:8", False, dtype=torch.bfloat16)
+    layer.weight.requires_grad_(False)
+    k = layer.kernel_state(torch.bfloat16)
+    k._ensure_view24(layer)
+    k.plans[(256, False)] = plan
+    k._drop_unused(layer, trains=False)
+    x = torch.randn(4, 37, 320, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        _close(layer(x), ref(x))
+        assert (k.buf is None) == (plan[0] == "sparse24") and k.perm24 is None
+        new = torch.randn_like(layer.weight) * 0.05  # a changed weight is picked up on the view too
+        layer.weight.copy_(new)
+        ref.weight.view(-1)[layer.kept_index] = new.view(-1)
+        _close(layer(x), ref(x))
 
 
 def test_fused_adamw_steps_refresh_the_packs():

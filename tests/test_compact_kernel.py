@@ -76,11 +76,55 @@ def test_plain_2to4_mask_is_not_transposed():
     assert k.transposable is False and k.packed_t is None and k.perm_t is None
 
 
+@pytest.mark.parametrize(("spec", "rows", "cols"), [("64:2:8", 128, 200), ("128:2:16", 128, 96), ("64:2:8", 192, 320)])
+def test_view24_is_the_2to4_pack_of_the_vnm_weight(spec, rows, cols):
+    """A V:2:M weight keeps at most 2 of every 4 aligned columns: its 2:4 view is ``pack`` of the dense weight as
+    2:4 (padding where a chunk keeps fewer), refreshed through ``perm24`` when the values change."""
+    layer, dense, mask = _layer(spec, rows, cols, seed=3)
+    k = layer.kernel_state(torch.bfloat16)
+    k._ensure_view24(layer)
+    expected = pack(dense, mask, 64, 4, torch.bfloat16)
+    assert torch.equal(k.packed24.values, expected.values) and torch.equal(k.packed24.meta, expected.meta)
+    assert k.packed24.m == 4 and int(k.perm24.max()) == k.n  # padding slots read the zero after the pack
+    with torch.no_grad():
+        layer.weight.add_(1.0)
+    k.plans[(4, False)] = ("sparse24", "dense", "gemm")
+    k(layer, torch.randn(3, cols))
+    w = torch.where(mask, dense + 1.0, 0.0)
+    assert torch.equal(k.packed24.values, pack(w, mask, 64, 4, torch.bfloat16).values)
+    xb = torch.randn(5, cols).bfloat16()
+    ref = (xb.float() @ w.bfloat16().float().t()).bfloat16().float()
+    torch.testing.assert_close(spmm_reference(xb, k.packed24).float(), ref)
+
+
+def test_inference_on_the_view_frees_the_vnm_values_and_the_permutation():
+    """An inference plan on the 2:4 view keeps the view only (the layer's own pack values and ``perm24`` are freed,
+    the metadata stays for the SDDMM); a later change of the values is still picked up, through a transient
+    staging of the pack and a permutation made again from the positions."""
+    layer, dense, mask = _layer("64:2:8", 128, 200, seed=4)
+    k = layer.kernel_state(torch.bfloat16)
+    k._ensure_view24(layer)
+    k.plans[(8, False)] = ("sparse24", "dense", "gemm")
+    k._drop_unused(layer, trains=False)
+    assert k.buf is None and k.perm24 is None and k.packed24 is not None and layer._index is None
+    assert k.packed.values.untyped_storage().nbytes() == 2  # a zero standing for the freed values
+    x = torch.randn(8, 200).bfloat16()
+    with torch.no_grad():
+        layer.weight.mul_(-1.0)
+        y = k(layer, x)
+    w = torch.where(mask, -dense, 0.0).bfloat16().float()
+    ref = F.linear(x.float(), w, layer.bias.detach().bfloat16().float())
+    assert float((y.float() - ref).abs().max()) <= 2e-2 * float(ref.abs().max())
+    assert k.buf is None and k.perm24 is None and layer._index is None
+
+
 PLANS = [
     ("sparse", "sparse", "gemm"),
     ("sparse", "sparse", "sddmm"),
     ("dense", "dense", "gemm"),
     ("sparse", "dense", "sddmm"),
+    ("sparse24", "dense", "sddmm"),
+    ("sparse24", "dense", "gemm"),
 ]
 
 
@@ -92,8 +136,12 @@ def test_autograd_function_matches_masked_dense(plan, spec, rows, cols):
     transposable = spec == "2:4" and rows == 192
     if plan[1] == "sparse" and not transposable:
         pytest.skip("the sparse input gradient needs a transposable mask")
+    if plan[0] == "sparse24" and spec == "2:4":
+        pytest.skip("the 2:4 view is a V:2:M layer's")
     layer, dense, _ = _layer(spec, rows, cols, transposable=transposable, seed=2)
     k = layer.kernel_state(torch.bfloat16)
+    if plan[0] == "sparse24":
+        k._ensure_view24(layer)
     x = torch.randn(37, cols).bfloat16()
     g = torch.randn(37, rows).bfloat16()
     k.plans[(64, True)] = plan
@@ -120,14 +168,18 @@ def test_autograd_function_matches_masked_dense(plan, spec, rows, cols):
     assert k.plans[(64, True)] == plan
 
 
-def test_inference_call_without_autograd_and_gelu():
+@pytest.mark.parametrize("forward", ["sparse", "sparse24"])
+def test_inference_call_without_autograd_and_gelu(forward):
     layer, dense, _ = _layer("64:2:8", 128, 64)
     layer.activation = "gelu"
     k = layer.kernel_state(torch.bfloat16)
+    if forward == "sparse24":
+        k._ensure_view24(layer)
+        k.plans[(32, False)] = (forward, "dense", "gemm")
     x = torch.randn(4, 6, 64).bfloat16()
     with torch.no_grad():
         y = k(layer, x)
-    assert y.shape == (4, 6, 128) and not y.requires_grad and (32, False) in k.plans
+    assert y.shape == (4, 6, 128) and not y.requires_grad and k.plans[(32, False)][0] == forward
     ref = F.gelu(F.linear(x.float(), dense.bfloat16().float(), layer.bias.detach().bfloat16().float()))
     assert float((y.float() - ref).abs().max()) <= 2e-2 * float(ref.abs().max())
     layer.activation = None  # a different activation: a new kernel state
@@ -155,6 +207,22 @@ def test_compiles_without_graph_breaks():
     torch._dynamo.reset()
     explained = torch._dynamo.explain(lambda t: k(layer, t))(x.bfloat16().requires_grad_())
     assert explained.graph_break_count == 0, explained.break_reasons
+
+
+def test_compiles_on_the_view_without_graph_breaks():
+    """A V:2:M layer whose plan runs the forward on its 2:4 view, traced: the view is gathered inside the graph."""
+    layer, dense, _ = _layer("64:2:8", 128, 64)
+    k = layer.kernel_state(torch.bfloat16)
+    k._ensure_transposed(layer)
+    k._ensure_view24(layer)
+    k.plans[(8, True)] = ("sparse24", "dense", "sddmm")
+    x = torch.randn(8, 64).bfloat16().requires_grad_()
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(lambda t: k(layer, t))(x)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    y = torch.compile(lambda t: k(layer, t), backend="eager")(x)
+    ref = F.linear(x.detach().float(), dense.bfloat16().float(), layer.bias.detach().bfloat16().float())
+    assert float((y.detach().float() - ref).abs().max()) <= 2e-2 * float(ref.abs().max())
 
 
 def test_index_is_kept_only_for_plans_that_read_it():

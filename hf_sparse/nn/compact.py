@@ -8,27 +8,47 @@ through one :class:`CompactKernel`, built once from the layer's position buffers
 * ``packed``: the values in the kernels' fragment order (:mod:`hf_sparse.ops._layout`), with the metadata and block
   columns made once from the positions. The fragment order is a permutation of the dimensions of the zero-padded
   logical values, so a refresh is one strided copy of ``weight`` into the pack, the cast to the compute dtype
-  included (up to six copies when R is not a multiple of 16 or G of 8). The padding is zeroed once and never written;
-  no index is kept for it.
-* ``packed_t`` (2:4 layers whose mask is transposable: every 4x4 block keeps 2 per row and 2 per column, so ``W^T``
-  is 2:4 too): ``W^T`` packed as 2:4, for the input gradient ``dX = dY W`` as an SpMM. Its values are a fixed
-  permutation of the forward pack's, ``perm_t`` (int32): one ``index_select`` per refresh. Built on the first call
-  that trains; dropped again if the measured plans never use it.
-* the plans, per (token bucket, whether the call trains): the forward (``"sparse"``: SpMM; ``"dense"``: cuBLAS on a
-  transient dense weight made by one scatter at the kept index), the input gradient (``"sparse"`` on ``packed_t``,
-  else ``"dense"``), the weight gradient (``"gemm"``: ``dY^T X`` by cuBLAS, then one gather at the kept index, then
-  the cast to the weight's dtype; ``"sddmm"``: the kept positions only, by the SDDMM kernel, straight into
-  ``weight``'s order in fp32). Each is measured once per bucket with :func:`hf_sparse.ops.dispatch.fastest` on the
-  call's own input; where nothing can be measured (CPU, torch.compile tracing, CUDA-graph capture) the plan is
-  :data:`DEFAULT_PLAN`.
+  included (up to six copies when R is not a multiple of 16 or G of 8). The pack lives in ``buf``, followed by one
+  zero (the source of the gathers below); its layout padding is zeroed once and never written. The metadata and
+  columns are kept for good (the SDDMM weight gradient reads them); the values only while a measured plan runs the
+  forward on them or the layer trains (then ``buf`` is the staging of the gathers, refreshed with the cast fused),
+  else they are freed and a refresh stages them in a transient buffer.
+* ``packed_t`` (2:4 layers whose transposed mask is 2:4 too: every 4 consecutive rows of a column keep at most 2, as
+  in a transposable mask): ``W^T`` packed as 2:4, for the input gradient ``dX = dY W`` as an SpMM. Built on the
+  first call that trains; dropped again if the measured plans never use it.
+* ``packed24`` (V:2:M layers, M >= 8): the 2:4 view. A V:2:M weight keeps at most 2 of every M columns of a row, so
+  at most 2 of every 4 aligned ones: it is a 2:4 weight too, and the 2:4 kernel runs it at 2:4 speed (with more
+  zeros than 2:4 needs), which on the H200 beats the V:2:M kernels at M = 8 and 16. Built for the first
+  measurement; dropped if no measured plan runs the forward on it.
+
+  Both 2:4 packs of the layer's values (``packed_t``, ``packed24``) are a fixed permutation of ``buf``: ``perm_t`` /
+  ``perm24`` (int32) give the ``buf`` position of each of their value slots, the zero after the pack for padding, so
+  a refresh is one ``index_select`` each (:func:`_pack24` builds the pack and its permutation from a matrix of
+  ``buf`` positions and its mask). The permutations are 4 bytes per slot (the 2:4 view of a 64:2:8 weight: 2 slots
+  per 4 columns, twice the bytes of the dense bf16 weight): kept while the layer trains; in inference ``perm24`` is
+  dropped once the view is built and remade from the positions if the weight ever changes.
+
+  A V:2:M layer run on its 2:4 view holds the view (half the bytes of the dense weight in the compute dtype) beside
+  its own values (a quarter at 64:2:8): the plan trades that memory for the 2:4 kernel's speed, and such a layer
+  cannot stay within 1.05x the bytes of its checkpoint tensors (the measurement picks the view only where it is
+  faster).
+* the plans, per (token bucket, whether the call trains): the forward (``"sparse"``: SpMM on ``packed``;
+  ``"sparse24"``: SpMM on ``packed24``; ``"dense"``: cuBLAS on a transient dense weight made by one scatter at the
+  kept index), the input gradient (``"sparse"`` on ``packed_t``, else ``"dense"``), the weight gradient (``"gemm"``:
+  ``dY^T X`` by cuBLAS, then one gather at the kept index, then the cast to the weight's dtype; ``"sddmm"``: the kept
+  positions only, by the SDDMM kernel on the layer's own metadata, straight into ``weight``'s order in fp32). Each is
+  measured once per bucket with :func:`hf_sparse.ops.dispatch.fastest` on the call's own input; where nothing can
+  be measured (CPU, torch.compile tracing, CUDA-graph capture) the plan is :data:`DEFAULT_PLAN`.
 
 The packs are refreshed on the first call after the weight changed: when its version counter, its address, the
 bias's version or the count of optimizer steps (:mod:`.optimizer_steps`: fused optimizers do not bump versions)
 differ from the last refresh. Under torch.compile the packs are computed inside the graph on every call instead (the
-same copy and gather: Inductor fuses them), with no Python state read but the plans.
+same copy and gathers: Inductor fuses them), with no Python state read but the plans and the permutations (a
+``"sparse24"`` plan whose ``perm24`` was dropped runs ``"sparse"`` there).
 
 Per call, eager: one tuple compare (the refresh check), one plan lookup, a 2-D reshape of the input each way and the
-kernel call; backward runs in :class:`_CompactLinearFn` on the saved tensors with no lookups.
+kernel call; backward runs in :class:`_CompactLinearFn` (or the extension's C++ node) on the saved tensors with no
+lookups.
 """
 
 from __future__ import annotations
@@ -41,7 +61,7 @@ from torch import Tensor
 
 from ..formats.bitpack import unpack_bits
 from ..ops import dispatch
-from ..ops._layout import logical_from_dense, packed_from_logical, values_to_kernel
+from ..ops._layout import PackedWeight, logical_from_dense, packed_from_logical, values_to_kernel
 from ..ops.sddmm import sddmm_function
 from ..ops.spmm import activate, kernel_activation, spmm_function
 from ..patterns import NM
@@ -111,6 +131,21 @@ def _positions(layer: SparseLinear) -> tuple[Tensor | None, Tensor]:
     return layer.weight_columns, selectors
 
 
+def _pack24(where: Tensor, mask: Tensor, zero: int, dtype: torch.dtype) -> tuple[PackedWeight, Tensor]:
+    """A 2:4 pack (``v=64, m=4``) of the ``(R', K')`` matrix ``where`` under ``mask`` (at most 2 kept in every aligned
+    4 columns of a row), whose kept entries are positions in a flat gather source with a zero at position ``zero``:
+    the pack (values zero), and ``perm``, the source position of each of its value slots (``zero`` for padding: a
+    slot no kept entry fills, the layout's rows and groups beyond the matrix), so that ``index_select(source, 0,
+    perm)`` is the pack's values (int32 where ``zero`` fits)."""
+    rows, cols = where.shape
+    slots, _, selectors, _ = logical_from_dense(where + 1, mask, 64, 4)  # + 1: a padding slot reads 0
+    perm = values_to_kernel(slots, torch.int64).view(-1) - 1
+    perm = torch.where(perm < 0, zero, perm).to(torch.int32 if zero < 2**31 else torch.int64)
+    values = torch.zeros(rows, cols // 2, dtype=dtype, device=where.device)
+    valid = torch.ones((), dtype=torch.bool, device=where.device).expand(rows, cols // 2)
+    return packed_from_logical(values, None, selectors, 64, 4, dtype)._replace(valid=valid), perm
+
+
 def _spmm(x2, values, meta, columns, valid, bias, rows, cols, v, m, fn, code, after, activation) -> Tensor:
     """``act(x2 @ W^T + bias)``: the extension's function ``fn`` where it can take ``x2`` as it is, else the
     ``hf_sparse::spmm`` op (torch.compile, CPU, misaligned input)."""
@@ -144,25 +179,46 @@ def _weight_grad(choice, dy2, x2, weight, index, values, meta, columns, valid, r
 
 class _CompactLinearFn(torch.autograd.Function):
     """``y = act(x W^T + b)`` with ``W`` given by its kept values ``weight`` and the packs made from them; the
-    gradient of ``weight`` is that of the kept values only. ``spec``: (rows, cols, v, m, compute dtype, plan,
-    (spmm function, transposed spmm function, sddmm function), fused activation code, activation after the kernel,
-    activation), the functions None where the ops must be used."""
+    gradient of ``weight`` is that of the kept values only. ``values .. valid``: the pack the forward runs on (the
+    layer's own or its 2:4 view), ``*_t``: the transposed pack, ``*_g``: the layer's own pack (the SDDMM's
+    positions) where the forward runs on the 2:4 view, else None (the forward's pack). ``spec``: (rows, cols, the forward pack's v and m, the layer's v and m, compute dtype, plan,
+    (forward spmm function, transposed spmm function, sddmm function), fused activation code, activation after the
+    kernel, activation), the functions None where the ops must be used."""
 
     @staticmethod
     def forward(
-        ctx, x, weight, bias, bias_c, values, meta, columns, valid, values_t, meta_t, columns_t, valid_t, index, spec
+        ctx,
+        x,
+        weight,
+        bias,
+        bias_c,
+        values,
+        meta,
+        columns,
+        valid,
+        values_t,
+        meta_t,
+        columns_t,
+        valid_t,
+        values_g,
+        meta_g,
+        columns_g,
+        valid_g,
+        index,
+        spec,
     ):
-        rows, cols, v, m, dtype, plan, fns, code, after, activation = spec
+        rows, cols, v, m, _, _, dtype, plan, fns, code, after, activation = spec
         x2 = x.reshape(-1, cols)
         if x2.dtype != dtype:
             x2 = x2.to(dtype)
-        if plan[0] == "sparse":
-            y = _spmm(x2, values, meta, columns, valid, bias_c, rows, cols, v, m, fns[0], code, after, activation)
-        else:
+        if plan[0] == "dense":
             y = F.linear(x2, _dense(weight, index, rows, cols, dtype), bias_c)
             if activation is not None:
                 y = activate(y, activation)
-        ctx.save_for_backward(x2, weight, index, values, meta, columns, valid, values_t, meta_t, columns_t, valid_t)
+        else:
+            y = _spmm(x2, values, meta, columns, valid, bias_c, rows, cols, v, m, fns[0], code, after, activation)
+        own = (values, meta, columns, valid) if meta_g is None else (values_g, meta_g, columns_g, valid_g)
+        ctx.save_for_backward(x2, weight, index, values_t, meta_t, columns_t, valid_t, *own)
         ctx.spec = spec
         ctx.x_shape = x.shape
         ctx.x_dtype = x.dtype
@@ -171,8 +227,8 @@ class _CompactLinearFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        x2, weight, index, values, meta, columns, valid, values_t, meta_t, columns_t, valid_t = ctx.saved_tensors
-        rows, cols, v, m, dtype, plan, fns, _, _, _ = ctx.spec
+        x2, weight, index, values_t, meta_t, columns_t, valid_t, values, meta, columns, valid = ctx.saved_tensors
+        rows, cols, _, _, v, m, dtype, plan, fns, _, _, _ = ctx.spec
         dy2 = dy.reshape(-1, rows)
         if dy2.dtype != dtype:
             dy2 = dy2.to(dtype)
@@ -193,7 +249,7 @@ class _CompactLinearFn(torch.autograd.Function):
             db = dy2.sum(0, dtype=torch.float32)
             if db.dtype != ctx.bias_dtype:
                 db = db.to(ctx.bias_dtype)
-        return dx, dw, db, None, None, None, None, None, None, None, None, None, None, None
+        return (dx, dw, db) + (None,) * 15
 
 
 class CompactKernel:
@@ -205,120 +261,198 @@ class CompactKernel:
         rows, cols = layer.logical_shape
         weight = layer.weight.detach()
         device = weight.device
-        self.dtype, self.rows, self.cols, self.v, self.m = dtype, rows, cols, v, m
+        self.dtype, self.rows, self.cols, self.v, self.m, self.device = dtype, rows, cols, v, m, device
         self.groups = cols // m
         self.activation = layer.activation
         columns, selectors = _positions(layer)
         base = packed_from_logical(weight, columns, selectors, v, m, dtype)  # metadata and block columns
-        n = base.values.numel()
-        self.buf = torch.zeros(n + 1, dtype=dtype, device=device)  # the pack, then a zero: perm_t's padding source
+        self.n, self.shape = base.values.numel(), base.values.shape
         valid = torch.ones((), dtype=torch.bool, device=device).expand(rows, 2 * self.groups)  # every slot is kept
-        self.packed = base._replace(values=self.buf[:n].view(base.values.shape), valid=valid)
+        self.packed = base._replace(values=self._absent(), valid=valid)
+        self.buf: Tensor | None = None  # the pack's values, then a zero: see _ensure_pack
         self.pieces = _pieces(rows, self.groups)
         self.transposable: bool | None = None  # decided on the first call that trains
-        self.packed_t = None
+        self.trained = False  # a call that trains has run: the gathers' staging and permutations are kept
+        self.packed_t: PackedWeight | None = None
         self.perm_t: Tensor | None = None
+        self.packed24: PackedWeight | None = None  # the 2:4 view (V:2:M layers)
+        self.perm24: Tensor | None = None
         bias = layer.bias
         self.bias_lp = None if bias is None or bias.dtype == dtype else bias.detach().to(dtype)
         self.plans: dict[tuple[int, bool], tuple[str, str, str]] = {}
         self.stamp: tuple | None = None
         cuda = device.type == "cuda"
         self.fns = (spmm_function(m, device), None, sddmm_function(m, device)) if cuda else (None, None, None)
+        self.fn24 = spmm_function(4, device) if cuda and m != 4 else None  # the 2:4 view's forward
         self.code, self.after = kernel_activation(self.activation, m, device) if cuda else (0, self.activation)
+        self.code24, self.after24 = kernel_activation(self.activation, 4, device) if cuda else (0, self.activation)
         # the extension's compact_linear (forward and backward in C++) where the kernels run: see _native_fn
         self.native = _native_fn() if cuda else None
-        self.kernel_bits = _kernel_bits(self.fns)
+        self._set_kernel_bits()
         watch_optimizer_steps()
-        self.refresh(layer.weight, bias)
+        self._ensure_pack(layer)
+        self.stamp = _stamp(layer.weight, bias)
 
     # ------------------------------------------------------------------ packs
-    def refresh(self, weight: Tensor, bias: Tensor | None) -> None:
-        """Rebuild the packs (and the bias cast) from the current values: a strided copy, one gather, a copy."""
+    def _absent(self) -> Tensor:
+        """What stands for ``packed.values`` while they are freed: zeros of the pack's shape that take no memory
+        (the SDDMM reads the metadata and columns only)."""
+        return torch.zeros((), dtype=self.dtype, device=self.device).expand(self.shape)
+
+    def _ensure_pack(self, layer: SparseLinear) -> None:
+        """Make ``buf`` (the pack's values, then a zero) from the current values if it was freed."""
+        if self.buf is None:
+            self.buf = self._staged(layer.weight)
+            self.packed = self.packed._replace(values=self.buf[: self.n].view(self.shape))
+
+    def _staged(self, weight: Tensor) -> Tensor:
+        """A fresh ``buf``: zeros, then the values written into the pack."""
+        buf = torch.zeros(self.n + 1, dtype=self.dtype, device=weight.device)
+        _fill(buf[: self.n].view(self.shape), weight.detach(), self.pieces, self.groups)
+        return buf
+
+    def refresh(self, layer: SparseLinear) -> None:
+        """Rebuild the packs (and the bias cast) from the current values: a strided copy into ``buf`` (a transient
+        one where the values were freed), one gather per 2:4 pack, a copy for the bias."""
+        weight, bias = layer.weight, layer.bias
         with torch.no_grad():
-            _fill(self.packed.values, weight.detach(), self.pieces, self.groups)
-            if self.perm_t is not None:
-                torch.index_select(self.buf, 0, self.perm_t, out=self.packed_t.values.view(-1))
+            if self.buf is not None:
+                _fill(self.packed.values, weight.detach(), self.pieces, self.groups)
+                src = self.buf
+            elif self.packed_t is not None or self.packed24 is not None:
+                src = self._staged(weight)
+            if self.packed_t is not None:
+                torch.index_select(src, 0, self.perm_t, out=self.packed_t.values.view(-1))
+            if self.packed24 is not None:
+                perm = self.perm24
+                if perm is None:  # dropped in inference: made again from the positions
+                    perm = self._view24(layer)[1]
+                    if not self.uses_index():
+                        layer._index = None
+                torch.index_select(src, 0, perm, out=self.packed24.values.view(-1))
+                if self.trained:
+                    self.perm24 = perm
             if self.bias_lp is not None:
                 self.bias_lp.copy_(bias.detach())
         self.stamp = _stamp(weight, bias)
 
-    def _functional_packs(self, weight: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor | None, Tensor | None]:
-        """The packs and the bias cast made afresh from ``weight``, without touching the kernel state (the
-        torch.compile path: Inductor fuses them into the graph)."""
-        buf = torch.zeros_like(self.buf)
-        values = buf[: self.buf.numel() - 1].view(self.packed.values.shape)
+    def _functional_packs(self, weight: Tensor, bias: Tensor | None, plan: tuple) -> tuple:
+        """``(values, values_t, values24, bias_c)`` made afresh from ``weight``, without touching the kernel state
+        (the torch.compile path: Inductor fuses them into the graph); ``values24`` only for a ``"sparse24"`` plan."""
+        buf = torch.zeros(self.n + 1, dtype=self.dtype, device=weight.device)
+        values = buf[: self.n].view(self.shape)
         _fill(values, weight, self.pieces, self.groups)
-        values_t = None
+        values_t = values24 = None
         if self.perm_t is not None:
             values_t = torch.index_select(buf, 0, self.perm_t).view(self.packed_t.values.shape)
+        if plan[0] == "sparse24":
+            values24 = torch.index_select(buf, 0, self.perm24).view(self.packed24.values.shape)
         bias_c = bias if bias is None or bias.dtype == self.dtype else bias.to(self.dtype)
-        return values, values_t, bias_c
+        return values, values_t, values24, bias_c
+
+    def _buf_positions(self, layer: SparseLinear) -> tuple[Tensor, Tensor]:
+        """``(where, mask)``, both ``(R, K)``: the ``buf`` position of every kept weight (the zero after the pack
+        elsewhere), and the mask."""
+        rows, cols, dev = self.rows, self.cols, self.device
+        nnz = rows * 2 * self.groups
+        # the pack position of every kept value (values_to_kernel of 1..nnz; 0 there is padding)
+        order = values_to_kernel(torch.arange(1, nnz + 1, device=dev).view(rows, -1), torch.int64).view(-1)
+        at = torch.nonzero(order).squeeze(1)
+        pack_pos = torch.empty(nnz, dtype=torch.int64, device=dev)
+        pack_pos[order[at] - 1] = at
+        flat = layer._kept().long()
+        where = torch.full((rows * cols,), self.n, dtype=torch.int64, device=dev)
+        where[flat] = pack_pos
+        mask = torch.zeros(rows * cols, dtype=torch.bool, device=dev)
+        mask[flat] = True
+        return where.view(rows, cols), mask.view(rows, cols)
 
     @torch.compiler.disable  # once per layer, on its first call that trains
     def _ensure_transposed(self, layer: SparseLinear) -> None:
-        """Decide transposability (once) and build ``packed_t`` / ``perm_t`` where the mask is transposable 2:4."""
+        """Decide transposability (once) and build ``packed_t`` / ``perm_t`` where ``W^T`` is 2:4 too."""
+        self.trained = True
         if self.transposable is not None:
             return
         self.transposable = False
         if self.m != 4:
             return
-        rows, cols, dev = self.rows, self.cols, self.buf.device
-        n, nnz = self.buf.numel() - 1, rows * 2 * self.groups
         with torch.no_grad():
-            # the forward-pack position of every kept value (values_to_kernel of 1..nnz; 0 there is padding)
-            order = values_to_kernel(torch.arange(1, nnz + 1, device=dev).view(rows, -1), torch.int64).view(-1)
-            at = torch.nonzero(order).squeeze(1)
-            pack_pos = torch.empty(nnz, dtype=torch.int64, device=dev)
-            pack_pos[order[at] - 1] = at
-            flat = layer._kept().long()
-            where = torch.full((rows * cols,), n, dtype=torch.int64, device=dev)  # n: the zero after the pack
-            where[flat] = pack_pos
-            mask = torch.zeros(rows * cols, dtype=torch.bool, device=dev)
-            mask[flat] = True
-            mask_t = mask.view(rows, cols).t()
-            if not bool((mask_t.reshape(cols, rows // 4, 4).sum(-1) == 2).all()):
+            where, mask = self._buf_positions(layer)
+            mask_t = mask.t()
+            if not bool((mask_t.reshape(self.cols, self.rows // 4, 4).sum(-1) <= 2).all()):
                 return
-            index_t, _, selectors_t, _ = logical_from_dense(where.view(rows, cols).t(), mask_t, 64, 4)
-            perm_t = values_to_kernel(index_t + 1, torch.int64).view(-1) - 1  # -1: the transposed pack's padding
-            perm_t = torch.where(perm_t < 0, n, perm_t)
-            self.perm_t = perm_t.to(torch.int32 if n < 2**31 else torch.int64)
-            values_t = torch.zeros(cols, rows // 2, dtype=self.dtype, device=dev)
-            base = packed_from_logical(values_t, None, selectors_t, 64, 4, self.dtype)
-            valid_t = torch.ones((), dtype=torch.bool, device=dev).expand(cols, rows // 2)
-            self.packed_t = base._replace(valid=valid_t)
-            torch.index_select(self.buf, 0, self.perm_t, out=self.packed_t.values.view(-1))
+            self.packed_t, self.perm_t = _pack24(where.t(), mask_t, self.n, self.dtype)
+            self._gather(layer, self.packed_t, self.perm_t)
         if self.fns[0] is not None:
-            self.fns = (self.fns[0], spmm_function(4, dev), self.fns[2])
-            self.kernel_bits = _kernel_bits(self.fns)
+            self.fns = (self.fns[0], spmm_function(4, self.device), self.fns[2])
+            self._set_kernel_bits()
         self.transposable = True
+
+    def _view24(self, layer: SparseLinear) -> tuple[PackedWeight, Tensor]:
+        """The 2:4 view's pack (values zero) and ``perm24``, from the positions."""
+        with torch.no_grad():
+            where, mask = self._buf_positions(layer)
+            return _pack24(where, mask, self.n, self.dtype)
+
+    def _ensure_view24(self, layer: SparseLinear) -> None:
+        """Build the 2:4 view (a V:2:M layer's ``"sparse24"`` candidate) if it is not there."""
+        if self.packed24 is None:
+            self.packed24, self.perm24 = self._view24(layer)
+            self._gather(layer, self.packed24, self.perm24)
+
+    def _gather(self, layer: SparseLinear, packed: PackedWeight, perm: Tensor) -> None:
+        """Write the current values into the 2:4 pack ``packed`` through ``perm``."""
+        with torch.no_grad():
+            src = self.buf if self.buf is not None else self._staged(layer.weight)
+            torch.index_select(src, 0, perm, out=packed.values.view(-1))
 
     def drop_transposed(self) -> None:
         """Free ``packed_t`` and ``perm_t`` (no measured plan runs the input gradient on them)."""
         self.packed_t = self.perm_t = None
 
+    def _drop_unused(self, layer: SparseLinear, trains: bool) -> None:
+        """After a measurement (of a call that ``trains`` or not): free what no measured plan reads (see the module
+        docstring)."""
+        forwards = {p[0] for p in self.plans.values()}
+        if "sparse24" not in forwards:
+            self.packed24 = self.perm24 = None
+        elif not self.trained:
+            self.perm24 = None
+        if trains and self.packed_t is not None and all(p[1] != "sparse" for k, p in self.plans.items() if k[1]):
+            self.drop_transposed()
+        staging = self.trained and (self.packed_t is not None or self.packed24 is not None)
+        if "sparse" not in forwards and not staging:
+            self.buf = None
+            self.packed = self.packed._replace(values=self._absent())
+        if not self.uses_index():
+            layer._index = None  # built for the measurement or the permutations only
+
     # ------------------------------------------------------------------ plans
+    def _default(self) -> tuple[str, str, str]:
+        return (DEFAULT_PLAN[0], "sparse" if self.packed_t is not None else "dense", DEFAULT_PLAN[2])
+
     def plan(self, layer: SparseLinear, key: tuple[int, bool], x2: Tensor, bias_c: Tensor | None) -> tuple:
         """The plan for ``key`` ((token bucket, trains)): measured once on ``x2`` (in the compute dtype) where a
         measurement can run, else :data:`DEFAULT_PLAN` (stored, except while torch.compile traces)."""
         plan = self.plans.get(key)
         if plan is not None:
             return plan
-        default = (DEFAULT_PLAN[0], "sparse" if self.packed_t is not None else "dense", DEFAULT_PLAN[2])
         if not (x2.is_cuda and dispatch.can_measure()):
+            plan = self._default()
             if not torch.compiler.is_compiling():
-                self.plans[key] = default
-            return default
-        plan = self._measure(layer, key[1], x2, bias_c)
-        self.plans[key] = plan
-        if not self.uses_index():
-            layer._index = None  # built for the measurement only
-        if key[1] and self.packed_t is not None and all(p[1] != "sparse" for k, p in self.plans.items() if k[1]):
-            self.drop_transposed()
+                self._ensure_pack(layer)
+                self.plans[key] = plan
+            return plan
+        self._ensure_pack(layer)
+        if self.m != 4:
+            self._ensure_view24(layer)
+        plan = self.plans[key] = self._measure(layer, key[1], x2, bias_c)
+        self._drop_unused(layer, key[1])
         return plan
 
     def _measure(self, layer: SparseLinear, trains: bool, x2: Tensor, bias_c: Tensor | None) -> tuple[str, str, str]:
         rows, cols, v, m, dtype = self.rows, self.cols, self.v, self.m, self.dtype
-        p, fns, weight = self.packed, self.fns, layer.weight.detach()
+        p, q, fns, weight = self.packed, self.packed24, self.fns, layer.weight.detach()
         index = layer._kept()
         act = self.activation
 
@@ -327,12 +461,21 @@ class CompactKernel:
                 x2, p.values, p.meta, p.columns, p.valid, bias_c, rows, cols, v, m, fns[0], self.code, self.after, act
             )
 
+        def sparse24():
+            return _spmm(
+                x2, q.values, q.meta, q.columns, q.valid, bias_c, rows, cols, 64, 4, self.fn24, self.code24,
+                self.after24, act,
+            )  # fmt: skip
+
         def dense():
             y = F.linear(x2, _dense(weight, index, rows, cols, dtype), bias_c)
             return y if act is None else activate(y, act)
 
+        forwards = {"sparse": sparse, "dense": dense}
+        if q is not None:
+            forwards["sparse24"] = sparse24
         with torch.no_grad():
-            forward = dispatch.fastest({"sparse": sparse, "dense": dense}, host_too=not trains)
+            forward = dispatch.fastest(forwards, host_too=not trains)
             if not trains:
                 return forward, "dense", DEFAULT_PLAN[2]
             dy2 = torch.randn(x2.shape[0], rows, dtype=dtype, device=x2.device)
@@ -360,58 +503,57 @@ class CompactKernel:
             for (_, trains), p in self.plans.items()
         )
 
+    def _set_kernel_bits(self) -> None:
+        """The ``kernels`` bits of ``compact_linear`` for a forward on the layer's own pack and on its 2:4 view."""
+        self.kernel_bits = _kernel_bits(self.fns)
+        self.kernel_bits24 = _kernel_bits((self.fn24, *self.fns[1:]))
+
     # ------------------------------------------------------------------ the forward
     def __call__(self, layer: SparseLinear, x: Tensor) -> Tensor:
         weight, bias = layer.weight, layer.bias
         trains = torch.is_grad_enabled() and (
             weight.requires_grad or x.requires_grad or (bias is not None and bias.requires_grad)
         )
-        if trains and self.transposable is None:
+        if trains and not self.trained:
             self._ensure_transposed(layer)
-        if torch.compiler.is_compiling():  # the ops, and packs made inside the graph
-            fns = (None, None, None)
-            values, values_t, bias_c = self._functional_packs(weight, bias)
-        else:
-            fns = self.fns
-            if _stamp(weight, bias) != self.stamp:
-                self.refresh(weight, bias)
-            values = self.packed.values
-            values_t = None if self.packed_t is None else self.packed_t.values
-            bias_c = self.bias_lp if self.bias_lp is not None else bias
         dtype, rows, cols = self.dtype, self.rows, self.cols
         tokens = x.numel() // cols
         key = (1 << max(0, tokens - 1).bit_length(), trains)
-        plan = self.plans.get(key)
-        if plan is None:
-            x2 = x.reshape(-1, cols)
-            plan = self.plan(layer, key, x2 if x2.dtype == dtype else x2.to(dtype), bias_c)
+        if torch.compiler.is_compiling():  # the ops, and packs made inside the graph
+            plan = self.plans.get(key) or self._default()
+            if plan[0] == "sparse24" and self.perm24 is None:
+                plan = ("sparse", *plan[1:])
+            fns, fn24 = (None, None, None), None
+            values, values_t, values24, bias_c = self._functional_packs(weight, bias, plan)
+        else:
+            if _stamp(weight, bias) != self.stamp:
+                self.refresh(layer)
+            bias_c = self.bias_lp if self.bias_lp is not None else bias
+            plan = self.plans.get(key)
+            if plan is None:
+                x2 = x.reshape(-1, cols)
+                plan = self.plan(layer, key, x2 if x2.dtype == dtype else x2.to(dtype), bias_c)
+            fns, fn24 = self.fns, self.fn24
+            values = self.packed.values
+            values_t = None if self.packed_t is None else self.packed_t.values
+            values24 = None if self.packed24 is None else self.packed24.values
         p, t = self.packed, self.packed_t
+        if plan[0] == "sparse24":  # the forward on the 2:4 view
+            q = self.packed24
+            fwd = (values24, q.meta, q.columns, q.valid, 64, 4, fn24, self.code24, self.after24)
+        else:
+            fwd = (values, p.meta, p.columns, p.valid, self.v, self.m, fns[0], self.code, self.after)
         index = layer._kept() if plan[0] == "dense" or (trains and (plan[1] == "dense" or plan[2] == "gemm")) else None
         if not trains:  # inference, evaluation: no autograd function
             x2 = x.reshape(-1, cols)
             if x2.dtype != dtype:
                 x2 = x2.to(dtype)
-            if plan[0] == "sparse":
-                y = _spmm(
-                    x2,
-                    values,
-                    p.meta,
-                    p.columns,
-                    p.valid,
-                    bias_c,
-                    rows,
-                    cols,
-                    self.v,
-                    self.m,
-                    fns[0],
-                    self.code,
-                    self.after,
-                    self.activation,
-                )
-            else:
+            if plan[0] == "dense":
                 y = F.linear(x2, _dense(weight, index, rows, cols, dtype), bias_c)
                 if self.activation is not None:
                     y = activate(y, self.activation)
+            else:
+                y = _spmm(x2, *fwd[:4], bias_c, rows, cols, *fwd[4:], self.activation)
             return y.view(*x.shape[:-1], rows)
         if self.native is not None and self.activation is None:  # eager CUDA training: one C++ autograd node
             return self.native(
@@ -419,33 +561,34 @@ class CompactKernel:
                 weight,
                 bias,
                 bias_c,
-                values,
-                p.meta,
-                p.columns,
+                fwd[0],
+                fwd[1],
+                fwd[2],
                 values_t,
                 None if t is None else t.meta,
                 None if t is None else t.columns,
+                p.meta,
+                p.columns,
                 index,
                 rows,
                 cols,
+                fwd[5],
                 self.m,
                 _PLAN_BITS[plan],
-                self.kernel_bits,
+                self.kernel_bits24 if plan[0] == "sparse24" else self.kernel_bits,
             )
-        spec = (rows, cols, self.v, self.m, dtype, plan, fns, self.code, self.after, self.activation)
+        spec = (rows, cols, fwd[4], fwd[5], self.v, self.m, dtype, plan, (fwd[6], *fns[1:]), *fwd[7:], self.activation)
         return _CompactLinearFn.apply(
             x,
             weight,
             bias,
             bias_c,
-            values,
-            p.meta,
-            p.columns,
-            p.valid,
+            *fwd[:4],
             values_t,
             None if t is None else t.meta,
             None if t is None else t.columns,
             None if t is None else t.valid,
+            *((values, p.meta, p.columns, p.valid) if plan[0] == "sparse24" else (None,) * 4),
             index,
             spec,
         )
@@ -453,8 +596,8 @@ class CompactKernel:
 
 #: a plan (forward, input gradient, weight gradient) as the ``plan`` bits of the extension's ``compact_linear``
 _PLAN_BITS = {
-    (f, i, w): (f == "sparse") | (i == "sparse") << 1 | (w == "sddmm") << 2
-    for f in ("sparse", "dense")
+    (f, i, w): (f != "dense") | (i == "sparse") << 1 | (w == "sddmm") << 2
+    for f in ("sparse", "sparse24", "dense")
     for i in ("sparse", "dense")
     for w in ("gemm", "sddmm")
 }
