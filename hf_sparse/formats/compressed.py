@@ -40,6 +40,7 @@ __all__ = [
     "compressed_nbytes",
     "compressed_shapes",
     "decompress",
+    "kept_index",
     "mask_from_compressed",
     "validate",
 ]
@@ -154,6 +155,19 @@ def mask_from_compressed(tensors: dict[str, Tensor], pattern: Pattern, shape: tu
     offsets = _offsets(tensors, pattern, rows, cols)
     mask = torch.zeros(rows, cols // pattern.m, pattern.m, dtype=torch.bool, device=offsets.device)
     return mask.scatter_(-1, offsets, True).reshape(rows, cols)
+
+
+def kept_index(tensors: dict[str, Tensor], pattern: Pattern, shape: tuple[int, int]) -> Tensor:
+    """Flat index (int64, ``(nnz,)``) into the logical ``R * K`` weight of every stored value, in ``weight``'s order:
+    ``dense.view(-1)[kept_index(...)]`` are the values, ``dense.view(-1).index_put_((index,), values)`` the inverse."""
+    rows, cols = shape
+    if isinstance(pattern, Unstructured):
+        return mask_from_compressed(tensors, pattern, shape).reshape(-1).nonzero().squeeze(1)
+    offsets = _offsets(tensors, pattern, rows, cols)  # (R, G, n) within the group
+    groups = cols // pattern.m
+    base = torch.arange(rows, device=offsets.device).view(-1, 1, 1) * cols
+    base = base + torch.arange(groups, device=offsets.device).view(1, -1, 1) * pattern.m
+    return (base + offsets).reshape(-1)
 
 
 def decompress(tensors: dict[str, Tensor], pattern: Pattern, shape: tuple[int, int]) -> Tensor:

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..formats.bitpack import unpack_bits
-from ..formats.compressed import compressed_shapes, decompress, mask_from_compressed, validate
+from ..formats.compressed import compress, compressed_shapes, decompress, kept_index, mask_from_compressed, validate
 from ..ops import PackedWeight, dispatch, pack_from_logical
 from ..ops.spmm import activate
 from ..patterns import NM, Pattern, Unstructured, parse_pattern
@@ -82,6 +82,7 @@ class SparseLinear(nn.Module):
             self.register_buffer(key, torch.zeros(shape, dtype=torch.uint8, device=device))
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device)) if bias else None
         self._dense_cache: tuple[tuple, Tensor] | None = None
+        self._index: Tensor | None = None  # kept_index, int32 where R*K fits (see kept_index)
         self._packed_cache: tuple[tuple, PackedWeight] | None = None
         # (token bucket, dtype) -> (stamp, the measured backend as a function of x): see forward
         self._routes: dict[tuple, tuple[tuple, Callable[[Tensor], Tensor]]] = {}
@@ -90,6 +91,77 @@ class SparseLinear(nn.Module):
         # an activation applied to the output, folded in from the parent module at load (hf_sparse.nn.fold): the
         # 2:4 kernel applies it in its epilogue instead of a separate pass over the output
         self.activation: str | None = None
+
+    @classmethod
+    def from_dense(
+        cls, module: nn.Module, mask: Tensor, pattern: str | Pattern, *, dtype: torch.dtype | None = None
+    ) -> SparseLinear:
+        """The compact layer of an ``nn.Linear`` or GPT-2 ``Conv1D`` whose mask is final.
+
+        ``mask``: bool, in the logical ``(out, in)`` shape (also for ``Conv1D``, whose weight is stored ``(in, out)``),
+        following ``pattern``. ``weight`` becomes the kept values in the on-disk order
+        (:func:`hf_sparse.formats.compressed.compress`), in ``dtype`` (default: the dense weight's, e.g. the fp32
+        master under mixed precision); the positions become the on-disk buffers; ``bias`` is the module's own
+        Parameter. Same device and ``requires_grad`` as the dense weight.
+        """
+        pattern = parse_pattern(pattern)
+        conv1d = type(module).__name__ == "Conv1D"
+        dense = module.weight.detach()
+        if conv1d:
+            dense = dense.t()
+        rows, cols = dense.shape
+        if tuple(mask.shape) != (rows, cols):
+            raise ValueError(
+                f"SparseLinear.from_dense: mask shape {tuple(mask.shape)} != the logical (out, in) weight shape "
+                f"{(rows, cols)} of the {type(module).__name__}; pass the mask in (out, in) layout"
+            )
+        fit = pattern.fit_error(rows, cols)
+        if fit:
+            raise ValueError(f"SparseLinear.from_dense: pattern {pattern} cannot tile shape ({rows}, {cols}): {fit}")
+        tensors = compress(dense, mask.to(dense.device), pattern)
+        values = tensors.pop("weight")
+        nnz = values.numel() if isinstance(pattern, Unstructured) else None
+        bias = getattr(module, "bias", None)
+        layer = cls(
+            cols,
+            rows,
+            pattern,
+            bias=False,
+            nnz=nnz,
+            dense_class="Conv1D" if conv1d else "Linear",
+            dtype=dtype or dense.dtype,
+            device=dense.device,
+        )
+        with torch.no_grad():
+            layer.weight.copy_(values)
+            for key, value in tensors.items():
+                getattr(layer, key).copy_(value)
+        layer.weight.requires_grad_(module.weight.requires_grad)
+        layer.bias = bias
+        return layer
+
+    @property
+    def kept_index(self) -> Tensor:
+        """Flat index (int64, ``(nnz,)``) into the logical ``(out * in)`` weight of each element of ``weight``, in
+        ``weight``'s order. Built from the position buffers on first use and kept by the layer (int32 where
+        ``out * in < 2**31``: half the bytes; this property returns it as int64), rebuilt after ``.to()``; not in
+        the state dict."""
+        return self._kept().long()
+
+    def _kept(self) -> Tensor:
+        """The cached kept index (int32 where it fits) on the weight's device."""
+        index = self._index
+        if index is None:
+            with torch.no_grad():
+                index = kept_index(self.compressed_tensors(), self.pattern, self.logical_shape)
+                rows, cols = self.logical_shape
+                index = index.to(device=self.weight.device, dtype=torch.int32 if rows * cols < 2**31 else torch.int64)
+            self._index = index
+        return index
+
+    def _load_from_state_dict(self, *args, **kwargs):  # new positions: what was derived from them is stale
+        self._drop_derived()
+        super()._load_from_state_dict(*args, **kwargs)
 
     # ------------------------------------------------------------------ compressed tensors
     def compressed_tensors(self) -> dict[str, Tensor]:
@@ -109,14 +181,26 @@ class SparseLinear(nn.Module):
         return mask_from_compressed(self.compressed_tensors(), self.pattern, self.logical_shape)
 
     def dense_weight(self) -> Tensor:
-        """The ``(out, in)`` dense weight, differentiable with respect to the kept values."""
-        if torch.is_grad_enabled() and self.weight.requires_grad:
-            return decompress(self.compressed_tensors(), self.pattern, self.logical_shape)
-        key = (self.weight._version, self.weight.data_ptr(), self.weight.dtype, self.weight.device)
+        """The ``(out, in)`` dense weight (``+0.0`` at pruned positions), differentiable with respect to the kept
+        values: one scatter of ``weight`` at :attr:`kept_index`."""
+        rows, cols = self.logical_shape
+        w = self.weight
+        return (
+            torch.zeros(rows * cols, dtype=w.dtype, device=w.device)
+            .index_put_((self._kept(),), w.reshape(-1))
+            .view(rows, cols)
+        )
+
+    def _reference_weight(self) -> Tensor:
+        """:meth:`dense_weight` for the reference forward: on CPU, without gradients, cached while the values stay
+        the same (a loaded model's inference); rebuilt on every call otherwise (no dense copy is kept on a GPU)."""
+        w = self.weight
+        if w.is_cuda or (torch.is_grad_enabled() and w.requires_grad) or torch.compiler.is_compiling():
+            return self.dense_weight()
+        key = (w._version, w.data_ptr(), w.dtype, w.device)
         if self._dense_cache is None or self._dense_cache[0] != key:
             with torch.no_grad():
-                dense = decompress(self.compressed_tensors(), self.pattern, self.logical_shape)
-            self._dense_cache = (key, dense)
+                self._dense_cache = (key, self.dense_weight())
         return self._dense_cache[1]
 
     def packed_weight(self, dtype: torch.dtype) -> PackedWeight:
@@ -141,10 +225,14 @@ class SparseLinear(nn.Module):
             self._packed_cache = (key, packed)
         return self._packed_cache[1]
 
-    def _apply(self, fn, recurse=True):  # .to()/.half() invalidate the cached dense and packed weights
+    def _drop_derived(self) -> None:
         self._dense_cache = None
+        self._index = None
         self._packed_cache = None
         self._routes.clear()
+
+    def _apply(self, fn, recurse=True):  # .to()/.half(): everything derived is rebuilt on the new device / dtype
+        self._drop_derived()
         return super()._apply(fn, recurse)
 
     def _kernel_dtype(self, x: Tensor) -> torch.dtype | None:
@@ -167,7 +255,7 @@ class SparseLinear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         dtype = self._kernel_dtype(x)
         if dtype is None:
-            y = F.linear(x, self.dense_weight(), self.bias)
+            y = F.linear(x, self._reference_weight(), self.bias)
             return y if self.activation is None else activate(y, self.activation)
         tokens = x.numel() // self.in_features
         route_key = (1 << max(0, tokens - 1).bit_length(), dtype)
@@ -175,7 +263,7 @@ class SparseLinear(nn.Module):
         route = self._routes.get(route_key)
         if route is not None and route[0] == stamp:  # inference's hot path: one dict lookup, then the backend
             return route[1](x if x.dtype == dtype else x.to(dtype))
-        dense = self.dense_weight()
+        dense = self._reference_weight()
         packed = self.packed_weight(dtype)
         xc = x if x.dtype == dtype else x.to(dtype)
         y = dispatch.linear_forward(xc, dense, packed, self.bias, activation=self.activation)
