@@ -49,7 +49,7 @@ def move_optimizer_state(
 ) -> bool:
     """Put ``new`` in ``old``'s place in ``optimizer`` (its param group and its state).
 
-    ``kept_index``: flat indices into the logical ``(out, in)`` weight of ``new``'s elements, in order; every state
+    ``kept_index``: flat indices into the logical ``(out, in)`` weight of ``new``'s elements, in their order; every state
     tensor shaped like ``old`` is gathered there (``transposed``: ``old`` stores ``(in, out)``, GPT-2 ``Conv1D``).
     ``None``: ``new`` has ``old``'s shape and takes its state as it is. Returns whether ``old`` was in ``optimizer``.
     """
@@ -67,7 +67,7 @@ def move_optimizer_state(
         for key, value in state.items():
             if kept_index is not None and isinstance(value, Tensor) and value.shape == old.shape:
                 logical = value.T if transposed else value
-                value = logical.reshape(-1)[kept_index.to(value.device)]
+                value = logical.reshape(-1)[kept_index.to(value.device)].reshape(new.shape)
             moved[key] = value
         opt.state[new] = moved
     return found
