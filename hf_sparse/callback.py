@@ -188,7 +188,8 @@ class SparsityCallback(TrainerCallback):
     def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs):
         if self.pruner is not None and self.pruner.update(state.global_step):
             self._log_per_layer = True
-            self._make_compact(kwargs["model"], kwargs.get("optimizer"), state.global_step)
+            if kwargs.get("model") is not None:
+                self._make_compact(kwargs["model"], kwargs.get("optimizer"), state.global_step)
 
     def on_pre_optimizer_step(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs):
         """The step's full gradient (accumulated, all-reduced under DDP, clipped): OBS statistics, masked decay."""
