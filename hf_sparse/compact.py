@@ -12,7 +12,7 @@ update of an elementwise optimizer reads only its own entry), so the run continu
 
 :class:`~hf_sparse.SparsityCallback` calls it before the optimizer exists when the masks are final from the start
 (a one-shot schedule at step 0), and right after the last mask update of a ramp otherwise. The layers of a model
-under DDP, FSDP or DataParallel cannot change mid-run (the wrapper holds the Parameters):
+under DDP or FSDP cannot change mid-run (the wrapper holds the Parameters):
 :func:`why_not_compact_now` says so and the run continues on the masked dense path.
 
 Checkpoints: :func:`install_load_hook` lets ``model.load_state_dict`` (``Trainer`` resuming, or loading the best
@@ -81,9 +81,7 @@ def why_not_compact_now(model: nn.Module, optimizer=None) -> str | None:
         return "its Parameters are sharded by FSDP2"
     if world_size() > 1:
         return f"it trains in {world_size()} processes, whose DDP/FSDP wrapper holds the Parameters"
-    if torch.cuda.device_count() > 1 and isinstance(model, nn.DataParallel):
-        return "it is wrapped in DataParallel"
-    return None
+    return None  # DataParallel replicates the module at every forward: swapped layers are picked up
 
 
 def make_compact(model: nn.Module, pruner: Pruner, optimizer=None) -> list[str]:
