@@ -1,5 +1,5 @@
-"""SparseLinear (the module loaded checkpoints are made of) builds the kernels' layout from its compressed tensors:
-checked on CPU against the decompressed weight, for every pattern the kernels run."""
+"""SparseLinear (the module loaded checkpoints are made of) builds the kernels' layout from its compressed tensors
+(its kernel state): checked on CPU against the decompressed weight, for every pattern the kernels run."""
 
 from __future__ import annotations
 
@@ -32,21 +32,22 @@ def _loaded(spec: str, rows: int, cols: int, seed: int = 0) -> tuple[SparseLinea
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_packed_weight_encodes_the_loaded_weight(spec, rows, cols, dtype):
     module, dense = _loaded(spec, rows, cols)
-    packed = module.packed_weight(dtype)
+    state = module.kernel_state(dtype)
+    packed = state.packed
     assert packed.dtype == dtype and (packed.rows, packed.cols) == (rows, cols)
     assert torch.equal(dense_from_packed(packed, torch.float32), dense.to(dtype).float())
-    assert module.packed_weight(dtype) is packed  # cached
+    assert module.kernel_state(dtype) is state  # built once
     with torch.no_grad():
         module.weight.mul_(2.0)
-    again = module.packed_weight(dtype)
-    assert again is not packed
-    assert torch.equal(dense_from_packed(again, torch.float32), (2 * dense).to(dtype).float())
+        state(module, torch.randn(1, cols).to(dtype))  # the first call after the change refreshes the pack in place
+    assert state.packed.values is packed.values
+    assert torch.equal(dense_from_packed(state.packed, torch.float32), (2 * dense).to(dtype).float())
 
 
 @pytest.mark.parametrize(("spec", "cols"), [("2:8", 64), ("unstructured:0.5", 64), ("2:4", 36)])
 def test_no_kernel_layout_for_other_patterns_or_shapes(spec, cols):
     module, dense = _loaded(spec, 64, cols)
     with pytest.raises(ValueError, match="no Sparse Tensor Core kernel"):
-        module.packed_weight(torch.bfloat16)
+        module.kernel_state(torch.bfloat16)
     x = torch.randn(3, cols)
     torch.testing.assert_close(module(x), torch.nn.functional.linear(x, dense, module.bias))

@@ -64,6 +64,7 @@ from ..ops._build import KernelUnavailableError
 from ..ops._layout import VALID_M, VALID_V, PackedWeight
 from ..ops.pack import pack, repack, repack_many
 from ..patterns import NM, VNM, Pattern
+from .optimizer_steps import optimizer_steps, watch_optimizer_steps
 from .sparse_matmul import sparse_linear_unchecked
 
 if TYPE_CHECKING:
@@ -203,7 +204,7 @@ class _LayerKernel:
         """What the shadows were built from, short of the mask: the master's version and address, the compute dtype,
         the optimizer steps taken (fused optimizers leave the version alone) and the bias's version."""
         w, bias = self.weight(), self.module.bias
-        return (w._version, w.data_ptr(), dtype, _optimizer_steps, None if bias is None else bias._version)
+        return (w._version, w.data_ptr(), dtype, optimizer_steps(), None if bias is None else bias._version)
 
     def _current_mask_key(self, dtype: torch.dtype) -> tuple:
         mask = self.pruner.masks[self.name]
@@ -313,24 +314,6 @@ class _LayerKernel:
         return route
 
 
-_optimizer_steps = 0  # torch.optim steps taken in this process since the hook below was installed
-_step_hook = None
-
-
-def _count_optimizer_step(optimizer, args, kwargs) -> None:
-    global _optimizer_steps
-    _optimizer_steps += 1
-
-
-def _watch_optimizer_steps() -> None:
-    """Install (once) the global post-step hook that counts optimizer steps (see the module docstring)."""
-    global _step_hook
-    if _step_hook is None:
-        from torch.optim.optimizer import register_optimizer_step_post_hook
-
-        _step_hook = register_optimizer_step_post_hook(_count_optimizer_step)
-
-
 def _fsdp_managed(model: nn.Module) -> set[int]:
     """ids of the modules whose parameters FSDP2 manages (every module under a ``fully_shard``-ed one)."""
     try:
@@ -399,7 +382,7 @@ def enable_kernel_path(model: nn.Module, pruner: Pruner, *, allow_cpu: bool = Fa
         except KernelUnavailableError as err:
             warnings.warn(f"hf_sparse: training stays on the dense path: {err}", stacklevel=2)
             return []
-    _watch_optimizer_steps()
+    watch_optimizer_steps()
     owned = {id(m) for m in model.modules()}
     managed = _fsdp_managed(model)
     pattern = pruner.current_pattern()

@@ -1,48 +1,41 @@
-"""``SparseLinear``: a linear layer whose weight lives in the compressed hf_sparse format.
+"""``SparseLinear``: a linear layer that holds only the kept values of its pruned weight.
 
-This is the module ``from_pretrained`` builds for every pruned layer of an hf_sparse checkpoint. Its parameters and
+This is the module ``from_pretrained`` builds for every pruned layer of an hf_sparse checkpoint, and the one a pruned
+``nn.Linear`` / GPT-2 ``Conv1D`` becomes once its mask is final (:meth:`SparseLinear.from_dense`). Its parameters and
 buffers carry the on-disk names (``weight`` holds the kept values, ``weight_indices`` / ``weight_columns`` /
 ``weight_selectors`` / ``weight_bitmap`` the positions), so loading and saving are plain state-dict copies and a
 save after a load writes the same bytes.
 
-``weight`` is a trainable Parameter: fine-tuning a loaded model updates the kept values and can never revive a
-pruned one, because pruned positions are not represented at all.
+``weight`` is a trainable Parameter: its gradient, optimizer state, clipping and all-reduce see the kept values only,
+and training can never revive a pruned position, because pruned positions are not represented at all.
 
-The forward pass runs on the dense weight rebuilt from the compressed tensors (cached while the values do not
-change) with ``F.linear``, which is bit-exact with the model that was saved. For inference on CUDA in bf16/fp16
-(the weight's dtype, or autocast's) with a pattern the kernels run (2:4, V:2:M), the layer instead builds the kernel
-layout once from its compressed tensors (:func:`hf_sparse.ops.pack_from_logical`; rebuilt only if the values
-change) and goes through the dispatcher (:mod:`hf_sparse.ops.dispatch`), which uses the sparse kernel, cuSPARSELt or
-dense cuBLAS, whichever it measured fastest for the shape. Training a loaded model (gradients on ``weight``) keeps
-the dense path.
+Compute:
 
-Once the dispatcher has measured a token bucket, the layer keeps the choice resolved
-(:func:`hf_sparse.ops.dispatch.resolved_forward`) and later calls go straight to it: inference is often limited by
-the host's time to issue the kernels, not by the GPU (``benchmarks/RESULTS.md``), and the per-call lookups of the
-general path cost a host-bound forward as much as the kernel saves. The resolved route is dropped when the values,
-the bias or the ``HF_SPARSE_*`` variables change.
+* On CUDA in bf16/fp16 (autocast's dtype, else the input's) with a pattern the kernels run (2:4, V:2:M, both
+  dimensions multiples of 8), the layer runs on its own kernel state (:class:`~hf_sparse.nn.compact.CompactKernel`:
+  the packed values, the transposed pack where the mask is transposable 2:4, the measured plan), in training and
+  in inference alike. It keeps no dense copy of the weight.
+* Elsewhere (CPU, fp32 without autocast, other patterns or shapes) it runs the reference: the dense weight rebuilt
+  by one scatter of the values at :attr:`SparseLinear.kept_index`, then ``F.linear`` -- bit-exact with the masked
+  dense layer. On CPU without gradients (a loaded model's inference) that dense weight is cached while the values
+  stay the same; otherwise, and always on a GPU, it is rebuilt on every call and not kept.
 """
 
 from __future__ import annotations
 
-import os
-from collections.abc import Callable
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..formats.bitpack import unpack_bits
 from ..formats.compressed import compress, compressed_shapes, decompress, kept_index, mask_from_compressed, validate
-from ..ops import PackedWeight, dispatch, pack_from_logical
 from ..ops.spmm import activate
-from ..patterns import NM, Pattern, Unstructured, parse_pattern
+from ..patterns import Pattern, Unstructured, parse_pattern
+from .compact import CompactKernel
 from .kernel_path import kernel_pattern
 
 __all__ = ["SparseLinear"]
-
-_ROUTE_ENV = ("HF_SPARSE_BACKEND", "HF_SPARSE_SPMM_KERNEL")  # what the dispatcher and the kernel choice read
 
 
 class SparseLinear(nn.Module):
@@ -83,9 +76,7 @@ class SparseLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device)) if bias else None
         self._dense_cache: tuple[tuple, Tensor] | None = None
         self._index: Tensor | None = None  # kept_index, int32 where R*K fits (see kept_index)
-        self._packed_cache: tuple[tuple, PackedWeight] | None = None
-        # (token bucket, dtype) -> (stamp, the measured backend as a function of x): see forward
-        self._routes: dict[tuple, tuple[tuple, Callable[[Tensor], Tensor]]] = {}
+        self._kernel: CompactKernel | None = None
         vm = kernel_pattern(self.pattern)
         self._kernel_vm = vm if vm is not None and in_features % 8 == 0 and out_features % 8 == 0 else None
         # an activation applied to the output, folded in from the parent module at load (hf_sparse.nn.fold): the
@@ -203,75 +194,42 @@ class SparseLinear(nn.Module):
                 self._dense_cache = (key, self.dense_weight())
         return self._dense_cache[1]
 
-    def packed_weight(self, dtype: torch.dtype) -> PackedWeight:
-        """The weight in the kernels' layout (``dtype`` bf16/fp16), built from the compressed tensors and cached
-        while the values do not change. Only for patterns the kernels run (2:4, V:2:M)."""
-        if self._kernel_vm is None:
-            raise ValueError(f"SparseLinear: no Sparse Tensor Core kernel runs pattern {self.pattern} at this shape")
-        key = (self.weight._version, self.weight.data_ptr(), dtype, self.weight.device)
-        if self._packed_cache is None or self._packed_cache[0] != key:
-            v, m = self._kernel_vm
-            rows, groups = self.out_features, self.in_features // m
-            with torch.no_grad():
-                values = self.weight.detach()
-                if isinstance(self.pattern, NM):  # 2:4: the in-group offsets are the selectors
-                    selectors = unpack_bits(self.weight_indices, 2, 2 * groups)
-                    columns = None
-                else:
-                    selectors = unpack_bits(self.weight_selectors, 2, 2 * groups)
-                    columns = self.weight_columns
-                selectors = selectors.reshape(rows, groups, 2).to(values.device)
-                packed = pack_from_logical(values, columns, selectors, v, m, dtype)
-            self._packed_cache = (key, packed)
-        return self._packed_cache[1]
+    def kernel_state(self, dtype: torch.dtype) -> CompactKernel:
+        """The layer's kernel state for compute dtype ``dtype`` (bf16/fp16): built from the position buffers on first
+        use, rebuilt after ``.to()`` or when the dtype or the folded activation changes. Only for patterns and
+        shapes the kernels run (2:4, V:2:M; both dimensions multiples of 8)."""
+        k = self._kernel
+        if k is None or k.dtype != dtype or k.activation != self.activation:
+            if self._kernel_vm is None:
+                raise ValueError(
+                    f"SparseLinear: no Sparse Tensor Core kernel runs pattern {self.pattern} at shape "
+                    f"{self.logical_shape} (2:4 and V:2:M with both dimensions multiples of 8 only)"
+                )
+            k = self._kernel = _build_kernel(self, dtype)
+        return k
 
     def _drop_derived(self) -> None:
         self._dense_cache = None
         self._index = None
-        self._packed_cache = None
-        self._routes.clear()
+        self._kernel = None
 
     def _apply(self, fn, recurse=True):  # .to()/.half(): everything derived is rebuilt on the new device / dtype
         self._drop_derived()
         return super()._apply(fn, recurse)
 
     def _kernel_dtype(self, x: Tensor) -> torch.dtype | None:
-        """The compute dtype when this call can use the kernels (CUDA inference in bf16/fp16), else None."""
-        if self._kernel_vm is None or not x.is_cuda or (torch.is_grad_enabled() and self.weight.requires_grad):
+        """The compute dtype when this call runs on the kernels (CUDA, bf16/fp16), else None."""
+        if self._kernel_vm is None or not x.is_cuda:
             return None
-        if torch.is_autocast_enabled("cuda"):
-            dtype = torch.get_autocast_dtype("cuda")
-        else:
-            dtype = x.dtype
+        dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else x.dtype
         return dtype if dtype in (torch.bfloat16, torch.float16) else None
-
-    def _stamp(self) -> tuple:
-        """What a resolved route depends on besides the call shape: the values (weight and bias versions and the
-        weight's address) and the environment variables that pick backends and kernels."""
-        w, b = self.weight, self.bias
-        stamp = (w._version, w.data_ptr(), None if b is None else b._version, self.activation)
-        return stamp + tuple(map(os.environ.get, _ROUTE_ENV))
 
     def forward(self, x: Tensor) -> Tensor:
         dtype = self._kernel_dtype(x)
         if dtype is None:
             y = F.linear(x, self._reference_weight(), self.bias)
             return y if self.activation is None else activate(y, self.activation)
-        tokens = x.numel() // self.in_features
-        route_key = (1 << max(0, tokens - 1).bit_length(), dtype)
-        stamp = self._stamp()
-        route = self._routes.get(route_key)
-        if route is not None and route[0] == stamp:  # inference's hot path: one dict lookup, then the backend
-            return route[1](x if x.dtype == dtype else x.to(dtype))
-        dense = self._reference_weight()
-        packed = self.packed_weight(dtype)
-        xc = x if x.dtype == dtype else x.to(dtype)
-        y = dispatch.linear_forward(xc, dense, packed, self.bias, activation=self.activation)
-        if dispatch.backend_mode() == "auto":
-            run = dispatch.resolved_forward(packed, dense, self.bias, tokens, x.device, self.activation)
-            if run is not None:
-                self._routes[route_key] = (stamp, run)
-        return y
+        return self.kernel_state(dtype)(self, x)
 
     def extra_repr(self) -> str:
         act = "" if self.activation is None else f", activation={self.activation}"
@@ -300,3 +258,9 @@ class SparseLinear(nn.Module):
         elif self.dense_class == "Conv1D":
             module.bias.data.zero_()
         return module
+
+
+@torch.compiler.disable
+def _build_kernel(layer: SparseLinear, dtype: torch.dtype) -> CompactKernel:
+    """Built eagerly, also under torch.compile (once per layer: later calls find it built)."""
+    return CompactKernel(layer, dtype)

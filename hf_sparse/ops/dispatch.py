@@ -41,9 +41,11 @@ from .spmm import activate, kernel_activation, spmm, spmm_2d, spmm_function
 __all__ = [
     "adopt_view24",
     "backend_mode",
+    "can_measure",
     "choice",
     "choices",
     "clear_cache",
+    "fastest",
     "linear_forward",
     "resolved_forward",
     "run_forward",
@@ -143,7 +145,8 @@ def _bucket(tokens: int) -> int:
     return 1 << max(0, (tokens - 1).bit_length())
 
 
-def _can_measure() -> bool:
+def can_measure() -> bool:
+    """Whether a measurement may run now: not while torch.compile traces nor while a CUDA graph is captured."""
     if torch.compiler.is_compiling():
         return False
     return not torch.cuda.is_current_stream_capturing()
@@ -202,6 +205,9 @@ def _fastest(candidates: dict[str, Callable[[], object]], rounds: int = 7, host_
         return gpu + (host[name] - least_host) if host_too and spin is not None else gpu
 
     return min(times, key=cost)
+
+
+fastest = _fastest  # the measurement harness, for layers that keep their own measured plans
 
 
 def _key(kind: str, tokens: int, p: PackedWeight, device: torch.device) -> tuple:
@@ -297,7 +303,7 @@ def _cslt_linear(x2: Tensor, weight: Tensor, p: PackedWeight, bias: Tensor | Non
     """``x2 @ weight^T + bias`` by cuSPARSELt: the cached plan when the extension builds here and takes the dtype
     (bf16), else torch's eager op. ``recompress``: compress the weight again first, on either path."""
     if p.dtype in cslt.CACHED_DTYPES and cslt.available():
-        return _cslt_weight(weight, p, recompress).matmul(x2, _stable_bias(bias, p.dtype), _can_measure())
+        return _cslt_weight(weight, p, recompress).matmul(x2, _stable_bias(bias, p.dtype), can_measure())
     comp, alg = _cslt_eager_state(weight, p, x2, recompress)
     b = None if bias is None else bias.to(p.dtype)
     return torch._cslt_sparse_mm(comp, x2.t(), b, alg_id=alg, transpose_result=True)
@@ -433,7 +439,7 @@ def _measure_forward(
 ) -> str:
     """Time every backend that can run this call, cache the fastest under ``key`` and return it (``"sparse"``,
     uncached, while nothing can be measured: CUDA-graph capture, torch.compile tracing)."""
-    if not _can_measure():
+    if not can_measure():
         return "sparse"
     b = None if bias is None else bias.to(p.dtype)
     candidates: dict[str, Callable[[], Tensor]] = {
@@ -520,7 +526,7 @@ def weight_grad(dy: Tensor, x: Tensor, p: PackedWeight, dtype: torch.dtype, choi
 def _measure_weight_grad(dy2: Tensor, x2: Tensor, p: PackedWeight, dtype: torch.dtype) -> str:
     """Time SDDMM + scatter against dense + mask, cache the faster (``"sparse"``, uncached, while nothing can be
     measured)."""
-    if not _can_measure():
+    if not can_measure():
         return "sparse"
     candidates: dict[str, Callable[[], Tensor]] = {
         "sparse": lambda: scatter_dense(sddmm(dy2, x2, p), p, dtype),

@@ -17,7 +17,7 @@ from torch import Tensor
 from ._layout import PackedWeight, kept_columns
 from ._select import kernel_choice, kernel_function
 
-__all__ = ["AUTO_WGMMA_M", "scatter_dense", "sddmm", "sddmm_kernel", "sddmm_reference"]
+__all__ = ["AUTO_WGMMA_M", "scatter_dense", "sddmm", "sddmm_function", "sddmm_kernel", "sddmm_reference"]
 
 # Group sizes M for which ``auto`` picks the wgmma kernel where it can run: those where it was measured faster than
 # the mma.sync kernel on the H200 at 8192 tokens at the shapes of benchmarks/bench_kernels.py (benchmarks/RESULTS.md,
@@ -42,6 +42,13 @@ def sddmm_kernel(m: int, device: torch.device | None = None) -> str:
     return kernel_choice(*_SELECT, m, device)
 
 
+def sddmm_function(m: int, device: torch.device):
+    """The extension function :func:`sddmm_kernel` picks for group size ``m`` on ``device``, called as
+    ``fn(dy2, x2, meta, columns, rows, cols, m)`` with ``dy2`` / ``x2`` 2-D, contiguous, 16-byte aligned, one dtype
+    (bf16/fp16), ``rows % 8 == cols % 8 == 0``; returns the fp32 ``(R, 2G)`` values."""
+    return kernel_function(*_SELECT, m, device, ("sddmm_wgmma", "sddmm"))
+
+
 @torch.library.custom_op("hf_sparse::sddmm", mutates_args=())
 def _sddmm_op(
     dy: Tensor,
@@ -57,8 +64,7 @@ def _sddmm_op(
 ) -> Tensor:
     p = PackedWeight(values, meta, columns, valid, rows, cols, v, m)
     if x.is_cuda and cols % 8 == 0 and rows % 8 == 0 and x.data_ptr() % 16 == 0 and dy.data_ptr() % 16 == 0:
-        fn = kernel_function(*_SELECT, m, x.device, ("sddmm_wgmma", "sddmm"))
-        return fn(dy, x, meta, columns, rows, cols, m)
+        return sddmm_function(m, x.device)(dy, x, meta, columns, rows, cols, m)
     return sddmm_reference(dy, x, p)
 
 

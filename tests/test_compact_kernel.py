@@ -1,0 +1,166 @@
+"""The compact layer's kernel state, checked on CPU: its packs against the layout the kernels are specified by
+(``values_to_kernel``, ``pack``), the SpMM reference on them against the dense products, and the autograd function
+of the CUDA path (run here on the ops' CPU references) against the masked dense layer, for every plan."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hf_sparse.masks import compute_mask
+from hf_sparse.nn import SparseLinear
+from hf_sparse.ops import pack, spmm_reference
+from hf_sparse.ops._layout import dense_from_packed, values_to_kernel
+from hf_sparse.patterns import parse_pattern
+
+# odd-ish shapes: rows % 16 == 8 and groups % 8 != 0 exercise every piece of the strided refresh
+SHAPES = [("2:4", 40, 72), ("2:4", 192, 320), ("64:2:8", 128, 200), ("128:2:16", 128, 96), ("64:2:8", 192, 320)]
+
+
+def _layer(spec: str, rows: int, cols: int, transposable: bool = False, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    dense = torch.nn.Linear(cols, rows)
+    with torch.no_grad():
+        dense.weight.copy_(torch.randn(rows, cols, generator=gen))
+        dense.bias.copy_(torch.randn(rows, generator=gen))
+    mask = compute_mask(dense.weight.detach().abs(), parse_pattern(spec), transposable=transposable)
+    layer = SparseLinear.from_dense(dense, mask, spec)
+    return layer, torch.where(mask, dense.weight.detach(), 0.0), mask
+
+
+@pytest.mark.parametrize(("spec", "rows", "cols"), SHAPES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_pack_is_the_kernel_layout_of_the_values(spec, rows, cols, dtype):
+    layer, dense, _ = _layer(spec, rows, cols)
+    k = layer.kernel_state(dtype)
+    assert torch.equal(k.packed.values, values_to_kernel(layer.weight.detach(), dtype))
+    assert torch.equal(dense_from_packed(k.packed, torch.float32), dense.to(dtype).float())
+    assert k.buf[-1] == 0 and layer.kernel_state(dtype) is k
+    with torch.no_grad():  # new values: the next call refreshes the same pack in place
+        layer.weight.mul_(-2.0)
+    layer(torch.randn(2, cols))  # the CPU reference path does not refresh the kernel state
+    k(layer, torch.randn(2, cols))
+    assert torch.equal(k.packed.values, values_to_kernel(layer.weight.detach(), dtype))
+    assert torch.equal(dense_from_packed(k.packed, torch.float32), (-2 * dense).to(dtype).float())
+
+
+@pytest.mark.parametrize(("rows", "cols"), [(40, 72), (192, 320)])
+def test_transposed_pack_of_a_transposable_mask(rows, cols):
+    layer, dense, mask = _layer("2:4", rows, cols, transposable=True, seed=1)
+    k = layer.kernel_state(torch.bfloat16)
+    x = torch.randn(3, cols, requires_grad=True)
+    k(layer, x)  # the first call that trains builds the transposed pack
+    assert k.transposable
+    expected = pack(dense.t().contiguous(), mask.t().contiguous(), 64, 4, torch.bfloat16)
+    assert torch.equal(k.packed_t.values, expected.values)
+    assert torch.equal(k.packed_t.meta, expected.meta)
+    with torch.no_grad():
+        layer.weight.add_(1.0)
+    k(layer, x)
+    assert torch.equal(
+        k.packed_t.values, pack((dense + mask).t().contiguous(), mask.t(), 64, 4, torch.bfloat16).values
+    )
+    # the SpMM reference on the packs gives the forward and the input-gradient products
+    w = torch.where(mask, dense + 1.0, 0.0).bfloat16().float()
+    xb = torch.randn(5, cols).bfloat16()
+    dy = torch.randn(5, rows).bfloat16()
+    torch.testing.assert_close(spmm_reference(xb, k.packed).float(), (xb.float() @ w.t()).bfloat16().float())
+    torch.testing.assert_close(spmm_reference(dy, k.packed_t).float(), (dy.float() @ w).bfloat16().float())
+
+
+def test_plain_2to4_mask_is_not_transposed():
+    layer, _, _ = _layer("2:4", 64, 64)
+    k = layer.kernel_state(torch.bfloat16)
+    k(layer, torch.randn(2, 64, requires_grad=True))
+    assert k.transposable is False and k.packed_t is None and k.perm_t is None
+
+
+PLANS = [
+    ("sparse", "sparse", "gemm"),
+    ("sparse", "sparse", "sddmm"),
+    ("dense", "dense", "gemm"),
+    ("sparse", "dense", "sddmm"),
+]
+
+
+@pytest.mark.parametrize("plan", PLANS, ids=["-".join(p) for p in PLANS])
+@pytest.mark.parametrize(("spec", "rows", "cols"), [("2:4", 40, 72), ("2:4", 192, 320), ("64:2:8", 192, 320)])
+def test_autograd_function_matches_masked_dense(plan, spec, rows, cols):
+    """Forward, input, weight and bias gradients of the kernel path (ops on their CPU references, bf16) against the
+    masked dense layer in fp32 on the same bf16-rounded operands."""
+    transposable = spec == "2:4" and rows == 192
+    if plan[1] == "sparse" and not transposable:
+        pytest.skip("the sparse input gradient needs a transposable mask")
+    layer, dense, _ = _layer(spec, rows, cols, transposable=transposable, seed=2)
+    k = layer.kernel_state(torch.bfloat16)
+    x = torch.randn(37, cols).bfloat16()
+    g = torch.randn(37, rows).bfloat16()
+    k.plans[(64, True)] = plan
+    xs = x.clone().requires_grad_()
+    y = k(layer, xs)
+    y.backward(g)
+    assert y.dtype == torch.bfloat16 and xs.grad.dtype == torch.bfloat16
+    assert layer.weight.grad.dtype == torch.float32 and layer.weight.grad.shape == layer.weight.shape
+
+    wr = dense.bfloat16().float().requires_grad_()
+    br = layer.bias.detach().bfloat16().float().requires_grad_()
+    xr = x.float().requires_grad_()
+    yr = F.linear(xr, wr, br)
+    yr.backward(g.float())
+
+    def close(a, b, tol=2e-2):
+        a, b = a.detach().float(), b.detach()
+        assert float((a - b).abs().max()) <= tol * float(b.abs().max()), (a, b)
+
+    close(y, yr)
+    close(xs.grad, xr.grad)
+    close(layer.weight.grad.reshape(-1), wr.grad.reshape(-1)[layer.kept_index])
+    close(layer.bias.grad, br.grad)
+    assert k.plans[(64, True)] == plan
+
+
+def test_inference_call_without_autograd_and_gelu():
+    layer, dense, _ = _layer("64:2:8", 128, 64)
+    layer.activation = "gelu"
+    k = layer.kernel_state(torch.bfloat16)
+    x = torch.randn(4, 6, 64).bfloat16()
+    with torch.no_grad():
+        y = k(layer, x)
+    assert y.shape == (4, 6, 128) and not y.requires_grad and (32, False) in k.plans
+    ref = F.gelu(F.linear(x.float(), dense.bfloat16().float(), layer.bias.detach().bfloat16().float()))
+    assert float((y.float() - ref).abs().max()) <= 2e-2 * float(ref.abs().max())
+    layer.activation = None  # a different activation: a new kernel state
+    assert layer.kernel_state(torch.bfloat16) is not k
+
+
+def test_kernel_state_is_not_in_the_state_dict_and_dropped_by_to():
+    layer, _, _ = _layer("2:4", 64, 64)
+    keys = set(layer.state_dict())
+    layer.kernel_state(torch.bfloat16)
+    assert set(layer.state_dict()) == keys == {"weight", "weight_indices", "bias"}
+    layer.to(torch.float64)
+    assert layer._kernel is None
+
+
+def test_compiles_without_graph_breaks():
+    """The reference path (CPU) and the kernel path's autograd function (on the ops' CPU references)."""
+    layer, _, _ = _layer("2:4", 64, 128, transposable=True)
+    x = torch.randn(8, 128)
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(layer)(x)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    k = layer.kernel_state(torch.bfloat16)
+    k(layer, x.bfloat16().requires_grad_())  # eager first call: transposed pack and plan exist
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(lambda t: k(layer, t))(x.bfloat16().requires_grad_())
+    assert explained.graph_break_count == 0, explained.break_reasons
+
+
+def test_index_is_kept_only_for_plans_that_read_it():
+    layer, _, _ = _layer("2:4", 64, 64)
+    k = layer.kernel_state(torch.bfloat16)
+    k.plans = {(32, False): ("sparse", "dense", "gemm"), (32, True): ("sparse", "sparse", "sddmm")}
+    assert not k.uses_index()  # inference plans ignore the gradient parts
+    k.plans[(64, True)] = ("sparse", "dense", "gemm")
+    assert k.uses_index()
