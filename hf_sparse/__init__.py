@@ -5,17 +5,17 @@ an ``HfQuantizer``), so ``AutoModelFor*.from_pretrained`` loads compressed check
 no compiler.
 """
 
-__version__ = "0.1.0"
-
-from .callback import SparsityCallback  # noqa: E402
-from .config import SparsityConfig  # noqa: E402
-from .formats.compressed import FORMAT_VERSION, CompressedFormatError  # noqa: E402
-from .integrations.quantizer import HfSparseConfig, HfSparseQuantizer  # noqa: E402
-from .nn.sparse_linear import SparseLinear  # noqa: E402
-from .patterns import NM, VNM, PatternError, Unstructured, parse_pattern  # noqa: E402
-from .pruner import Pruner  # noqa: E402
-from .serialization import compressed_state_dict, save_pretrained, to_dense  # noqa: E402
-from .trainer import SparseTrainer  # noqa: E402
+from ._version import __version__
+from .callback import SparsityCallback
+from .config import SparsityConfig
+from .formats.compressed import FORMAT_VERSION, CompressedFormatError
+from .integrations.quantizer import HfSparseConfig, HfSparseQuantizer
+from .nn.convert import to_dense
+from .nn.sparse_linear import SparseLinear
+from .patterns import NM, VNM, PatternError, Unstructured, parse_pattern
+from .pruner import Pruner
+from .serialization import compressed_state_dict, save_pretrained
+from .trainer import SparseTrainer
 
 __all__ = [
     "FORMAT_VERSION",

@@ -2,17 +2,26 @@
 
 Event by event:
 
-* ``on_train_begin``: find the targeted layers, bind the schedule to ``state.max_steps``, follow the Parameters a
-  wrapper may have replaced (FSDP2) and, when resuming, restore the masks saved with the checkpoint
-  (see :meth:`SparsityCallback.load_state`).
-* ``on_step_begin``: update the masks if this optimizer step is an update step of the schedule.
+* ``on_init_end`` (inside ``Trainer.__init__``, before the optimizer and any wrapper exist): find the targeted
+  layers (a bad config fails here), let ``load_state_dict`` read checkpoints written before or after the compact
+  switch (:func:`hf_sparse.compact.install_load_hook`), and, when the masks are final from the start (a one-shot
+  schedule at step 0), prune and make the layers compact now, so the optimizer, DDP and FSDP2 only ever see the
+  kept values.
+* ``on_train_begin``: bind the schedule to ``state.max_steps``, follow the Parameters a wrapper may have replaced
+  (FSDP2) and, when resuming, restore the masks saved with the checkpoint (see :meth:`SparsityCallback.load_state`).
+* ``on_step_begin``: update the masks if this optimizer step is an update step of the schedule; once they are
+  final, make the layers compact and move their optimizer state (:func:`hf_sparse.compact.make_compact`), unless
+  a DDP/FSDP wrapper holds the Parameters: then the run stays on the masked dense path and says why once.
 * during backward: each targeted weight's gradient is masked as it is accumulated (a hook installed by the
   pruner), so clipping and the optimizer see zeros at pruned positions.
 * ``on_pre_optimizer_step``: hand the step's full gradient to gradient-based scores (OBS) in the steps before a
   mask update, and add the masked decay in dynamic mode.
 * ``on_optimizer_step``: re-apply the masks, so pruned weights stay exactly ``+0.0`` under momentum and decay.
 * ``on_log``: add overall sparsity, target and flip rate to the logs (per-layer sparsity after each mask update).
-* ``on_save``: write the pruner state (bit-packed masks, level, schedule position) into the checkpoint folder.
+* ``on_save``: write the pruner state (bit-packed masks, level, schedule position, which layers are compact) into
+  the checkpoint folder.
+
+``SparsityConfig(compact=False)`` keeps the dense masked layers to the end.
 """
 
 from __future__ import annotations
@@ -25,8 +34,11 @@ from safetensors.torch import load_file, save_file
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
+from .compact import install_load_hook, make_compact, why_not_compact_now
 from .config import SparsityConfig
 from .distributed import full_tensor
+from .modeling import unwrap_model
+from .ops._build import KernelUnavailableError, load_extension
 from .pruner import Pruner
 
 __all__ = ["PRUNER_STATE_NAME", "SparsityCallback"]
@@ -54,6 +66,8 @@ class SparsityCallback(TrainerCallback):
         self.resume_from = resume_from
         self._pending_state: str | None = None
         self._log_per_layer = False
+        self._compact_refused = False
+        self._load_hook = None
         #: set by SparseTrainer, which merges metrics in Trainer.log itself
         self.adds_metrics_to_logs = True
 
@@ -90,9 +104,41 @@ class SparsityCallback(TrainerCallback):
         logger.info("hf_sparse: restored pruner state from %s", self._pending_state)
         self._pending_state = None
 
+    # ------------------------------------------------------------------ compact layers
+    def _make_compact(self, model, optimizer, step: int) -> None:
+        """Make the pruned layers compact if the masks are final, or log once why not (see :mod:`hf_sparse.compact`)."""
+        pruner = self.pruner
+        if not self.config.compact or not pruner.masks_final or not pruner.dense_layers or self._compact_refused:
+            return
+        why = why_not_compact_now(model, optimizer)
+        if why is not None:
+            self._compact_refused = True
+            logger.warning(
+                "hf_sparse: masks are final at step %d but the layers stay dense and masked: %s. To train them "
+                "compact, reach the final masks before training (schedule='oneshot', start=0)",
+                step,
+                why,
+            )
+            return
+        make_compact(model, pruner, optimizer)
+
     # ------------------------------------------------------------------ events
+    def on_init_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, model=None, **kwargs):
+        """Inside ``Trainer.__init__``: targets, the checkpoint load hook, and compact layers when the masks are final
+        from the start (pruned here from the initial weights, as the first step would)."""
+        if model is None:
+            return
+        if self.pruner is None:
+            self.pruner = Pruner(unwrap_model(model), self.config)
+        if self._load_hook is None:
+            self._load_hook = install_load_hook(model, self.pruner)
+        if self.config.compact and self.pruner.prune_at_start():
+            self._make_compact(model, None, 0)
+
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs):
-        self.setup(kwargs["model"], state.max_steps)
+        model = kwargs["model"]
+        self.setup(model, state.max_steps)
+        self._load_kernels(model)
         self.pruner.rebind()  # the model is wrapped by now: FSDP2 has replaced the Parameters the hooks were on
         if self.resume_from is not None:
             if not self.load_state(self.resume_from):
@@ -103,6 +149,18 @@ class SparsityCallback(TrainerCallback):
             self._restore()
         elif state.global_step > 0 and self.pruner.last_update_step is None:
             self._rebuild_from_weights(state.global_step)
+        self._make_compact(model, kwargs.get("optimizer"), state.global_step)
+
+    def _load_kernels(self, model) -> None:
+        """On CUDA, load the kernels before the first step (building them on first use, ~1-2 minutes, cached): the
+        mask selection of every pruning step and the compact layers then run on them, and the build does not land in
+        the middle of training. Where they cannot be built, training goes on without them."""
+        weight = next(unwrap_model(model).parameters(), None)
+        if self.config.kernels == "auto" and weight is not None and weight.is_cuda:
+            try:
+                load_extension()
+            except KernelUnavailableError as err:
+                logger.info("hf_sparse: the CUDA kernels are unavailable: %s", err)
 
     def _rebuild_from_weights(self, step: int) -> None:
         """Resuming without a saved pruner state: masks are the non-zeros of the resumed weights, at the level the
@@ -124,7 +182,7 @@ class SparsityCallback(TrainerCallback):
             step,
             PRUNER_STATE_NAME,
         )
-        for layer in pruner.layers:
+        for layer in pruner.dense_layers:
             pruner.masks[layer.name] = (full_tensor(layer.weight.detach()) != 0).contiguous()
         pruner.level = level
         pruner.last_update_step = pruner.plan.last_update_step(step)
@@ -133,6 +191,8 @@ class SparsityCallback(TrainerCallback):
     def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs):
         if self.pruner is not None and self.pruner.update(state.global_step):
             self._log_per_layer = True
+            if kwargs.get("model") is not None:
+                self._make_compact(kwargs["model"], kwargs.get("optimizer"), state.global_step)
 
     def on_pre_optimizer_step(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs):
         """The step's full gradient (accumulated, all-reduced under DDP, clipped): OBS statistics, masked decay."""

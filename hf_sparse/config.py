@@ -14,7 +14,9 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
+from ._version import __version__
 from .patterns import NM, VNM, Pattern, PatternError, Unstructured, parse_pattern
+from .registry import SCHEDULES, SCORES
 
 __all__ = ["DEFAULT_IGNORE", "DEFAULT_TARGETS", "SparsityConfig", "check_known_keys"]
 
@@ -124,9 +126,13 @@ class SparsityConfig:
         dense_finetune_start: ``dynamic`` only: from this point on (fraction of training or step, after ``end``)
             the masks are dropped and the model trains dense, the final phase of Hu et al.'s pre-training recipe;
             the model saved at the end is then an ordinary dense checkpoint.
-        kernels: ``"auto"``: once the masks are final, :class:`~hf_sparse.SparseTrainer` runs kernel-ready layers
-            (CUDA, 2:4 or V:2:M) on the Sparse Tensor Core kernels wherever they measure faster than dense;
-            ``"never"``: always the dense masked path.
+        kernels: ``"auto"``: compact layers run on the Sparse Tensor Core kernels (CUDA, 2:4 or V:2:M) wherever
+            they measure faster than dense; ``"never"``: always on dense matmuls.
+        compact: once the masks are final (from the start with a one-shot schedule at step 0, else at the last
+            mask update of the ramp), replace each pruned layer by a compact
+            :class:`~hf_sparse.nn.SparseLinear` whose Parameter holds only the kept values, moving its optimizer
+            state along (see :mod:`hf_sparse.compact`); training continues exactly as the masked dense run would.
+            ``False`` keeps the dense masked layers to the end. Dynamic masks never become final, so they stay dense.
     """
 
     pattern: str = "2:4"
@@ -146,20 +152,17 @@ class SparsityConfig:
     masked_decay: float = 0.0
     dense_finetune_start: float | int | None = None
     kernels: Literal["auto", "never"] = "auto"
+    compact: bool = True
     hf_sparse_version: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
-        from . import __version__
-        from .schedules import available_schedules
-        from .scoring import available_scores
-
         try:
             parsed = parse_pattern(self.pattern)
         except PatternError as err:
             raise ValueError(f"SparsityConfig.pattern={self.pattern!r}: {err}") from None
         self.pattern = str(parsed)
-        if not isinstance(self.schedule, str) or self.schedule not in available_schedules():
-            raise ValueError(f"SparsityConfig.schedule={self.schedule!r}: allowed {sorted(available_schedules())}")
+        if not isinstance(self.schedule, str) or self.schedule not in SCHEDULES:
+            raise ValueError(f"SparsityConfig.schedule={self.schedule!r}: allowed {SCHEDULES.names()}")
         _check_step_or_fraction("start", self.start)
         _check_step_or_fraction("end", self.end)
         if type(self.start) is type(self.end) and self.end < self.start:
@@ -171,8 +174,8 @@ class SparsityConfig:
         for f in fields(self):
             if f.type == "bool":  # annotations are strings here (``from __future__ import annotations``)
                 _check_bool(f.name, getattr(self, f.name))
-        if not isinstance(self.score, str) or self.score not in available_scores():
-            raise ValueError(f"SparsityConfig.score={self.score!r}: allowed {sorted(available_scores())}")
+        if not isinstance(self.score, str) or self.score not in SCORES:
+            raise ValueError(f"SparsityConfig.score={self.score!r}: allowed {SCORES.names()}")
         if self.transposable and not (isinstance(parsed, NM) and (parsed.n, parsed.m) == (2, 4)):
             raise ValueError(
                 f"SparsityConfig.transposable=True needs pattern '2:4' (got {self.pattern!r}): transposable masks "
@@ -185,6 +188,8 @@ class SparsityConfig:
         self._check_obs_and_dynamic(parsed)
         if self.kernels not in ("auto", "never"):
             raise ValueError(f"SparsityConfig.kernels={self.kernels!r}: allowed 'auto' or 'never'")
+        if not isinstance(self.compact, bool):
+            raise ValueError(f"SparsityConfig.compact={self.compact!r}: must be True or False")
         if not self.hf_sparse_version:
             self.hf_sparse_version = __version__
 

@@ -197,7 +197,8 @@ class KeptGradientAllReduce:
         self.elements_total = 0
 
     def _layers_by_param(self) -> dict[int, object]:
-        return {id(layer.module.weight): layer for layer in self.pruner.layers}
+        # a compact layer's gradient holds its kept values only: all-reduced whole, like any dense parameter
+        return {id(layer.module.weight): layer for layer in self.pruner.layers if not layer.compact}
 
     def _kept_index(self, bucket) -> Tensor | None:
         buffer = bucket.buffer()

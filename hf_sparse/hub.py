@@ -346,7 +346,7 @@ def render_model_card(
     """
     from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
-    from hf_sparse import __version__
+    from ._version import __version__
 
     pattern = str(pattern) if pattern is not None else None
     pattern_description, pattern_tags = _pattern_info(pattern)

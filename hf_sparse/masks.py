@@ -260,10 +260,19 @@ def _fusable(t: Tensor, m: Tensor) -> bool:
     )
 
 
-def _mask_extension():
-    from .ops._build import loaded_extension
+#: The kernel extension once this process has loaded it: :func:`hf_sparse.ops._build.load_extension` hands it over
+#: through :func:`use_extension`. This module never loads or builds it (nor imports the ops layer above it).
+_extension = None
 
-    return loaded_extension()
+
+def use_extension(extension) -> None:
+    """Let the mask functions use ``extension``'s kernels (called by the ops layer when it loads them)."""
+    global _extension
+    _extension = extension
+
+
+def _mask_extension():
+    return _extension
 
 
 @cache

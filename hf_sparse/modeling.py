@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import re
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from torch import Tensor, nn
 from transformers.pytorch_utils import Conv1D
@@ -52,22 +52,30 @@ def is_prunable(module: nn.Module) -> bool:
 
 @dataclass
 class TargetLayer:
-    """A layer chosen for pruning: its qualified name, the module, and whether it stores ``(in, out)``."""
+    """A layer chosen for pruning: its qualified name, the module, its logical ``(out, in)`` shape and whether the
+    dense module stores ``(in, out)`` (GPT-2 ``Conv1D``).
+
+    ``compact`` is set once the layer has been replaced by a compact module whose ``weight`` holds only the kept
+    values, in the order of the mask's ``True`` entries (see :mod:`hf_sparse.compact`); ``module`` is then that
+    module, and :attr:`weight` is no longer a dense view.
+    """
 
     name: str
     module: nn.Module
+    shape: tuple[int, int] = field(init=False)
+    transposed: bool = field(init=False)
+    compact: bool = False
 
-    @property
-    def transposed(self) -> bool:
-        return isinstance(self.module, Conv1D)
+    def __post_init__(self) -> None:
+        self.shape = logical_shape(self.module)
+        self.transposed = isinstance(self.module, Conv1D)
 
     @property
     def weight(self) -> Tensor:
+        """The logical ``(out, in)`` dense weight (a view of the parameter); compact layers have none."""
+        if self.compact:
+            raise RuntimeError(f"{self.name} is compact: its weight holds the kept values only")
         return logical_weight(self.module)
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return logical_shape(self.module)
 
 
 def _matches(name: str, regexes: list[str]) -> bool:

@@ -9,6 +9,10 @@ It knows nothing of ``Trainer``: :mod:`hf_sparse.callback` drives it. What it gu
   optimizer state at pruned positions once instead, after which nothing moves them);
 * :meth:`state_dict` / :meth:`load_state_dict` restore masks, level and schedule position exactly.
 
+Once the masks are final a layer may be replaced by a compact module (:mod:`hf_sparse.compact`), reported through
+:meth:`Pruner.replace_module`: its ``weight`` then holds only the kept values, so there is nothing left to mask, and
+the pruner keeps only its mask (for metrics, the saved state and the checkpoint format).
+
 With ``SparsityConfig.dynamic`` the last two change on purpose (see :mod:`hf_sparse.dynamic`): gradients are not
 masked, pruned weights are not zeroed, the layers compute with ``W ⊙ mask`` instead, and masks keep being
 recomputed after the ramp until ``dense_finetune_start`` drops them. :attr:`Pruner.masks_final` says whether
@@ -73,6 +77,7 @@ class Pruner:
         self._sharded_zeros: dict[str, tuple[int, int]] | None = None
         # layer -> (mask, stamp) under which its optimizer state was zeroed at pruned positions (see apply)
         self._zeroed_state: dict[str, tuple[Tensor, tuple]] = {}
+        self.saved_compact: set[str] = set()
         self._install_grad_hooks()
 
     # ------------------------------------------------------------------ schedule
@@ -97,6 +102,18 @@ class Pruner:
         self.recompute(level)
         return True
 
+    def prune_at_start(self) -> bool:
+        """If the masks are final from step 0 whatever the run's length (``start=0`` with a one-shot schedule or
+        ``end=0``) and static: compute them now from the current weights, as the update at step 0 would, and return
+        True (a later :meth:`bind` keeps them). Otherwise change nothing and return False."""
+        cfg = self.config
+        if cfg.dynamic or cfg.start != 0 or not (cfg.schedule == "oneshot" or cfg.end == 0):
+            return False
+        if self.plan is None:
+            self.bind(1)  # start and end are step 0 for any number of steps
+        self.update(0)
+        return self.masks_final
+
     @property
     def is_final(self) -> bool:
         """True once the masks are at the final pattern (and, with a static schedule, will not change)."""
@@ -108,9 +125,9 @@ class Pruner:
 
     @property
     def masks_final(self) -> bool:
-        """True when the masks are at the final pattern and will never change again: what a kernel that packs
-        the weights once (rather than from (weight, mask) on every call) needs before it engages. Never true in
-        dynamic mode, where masks move until the run ends or the dense phase drops them."""
+        """True when the masks are at the final pattern and will never change again: from then on a layer can be
+        made compact (:mod:`hf_sparse.compact`). Never true in dynamic mode, where masks move until the run ends or
+        the dense phase drops them."""
         return self.is_final and not self.config.dynamic
 
     # ------------------------------------------------------------------ dynamic masks
@@ -171,7 +188,7 @@ class Pruner:
         if self.plan is None:
             return
         if self.scorer.needs_gradients and self._collects_gradients(step):
-            for layer in self.layers:
+            for layer in self.dense_layers:
                 grad = layer.module.weight.grad
                 if grad is not None:
                     self.scorer.observe_gradient(layer.name, layer.weight, grad.T if layer.transposed else grad)
@@ -210,6 +227,8 @@ class Pruner:
     def recompute(self, level: int | float) -> None:
         """New masks at ``level`` from the current weights' scores, applied at once."""
         assert self.plan is not None
+        if len(self.dense_layers) < len(self.layers):
+            raise RuntimeError("Pruner.recompute: compact layers keep their final masks; masks cannot change now")
         pattern = self.pattern_for_level(level)
         final = self.plan.quantise(self.pattern.sparsity) == level
         transposable = self.config.transposable and final
@@ -282,7 +301,7 @@ class Pruner:
         ``optimizer``: the optimizer that just stepped (``accelerate``'s wrapper too). Once the masks are final and
         it is a plain ``torch.optim`` Adam, AdamW or SGD, each layer's optimizer state is zeroed at its pruned
         positions once; from then on its pruned weights stay exactly zero by themselves (zero gradient from the
-        hook or the kernel path, zero weight, zero state, and an update that reads only its own entry), so the
+        hook, zero weight, zero state, and an update that reads only its own entry), so the
         masking pass leaves that layer out (~0.7 ms of GPU time per BERT-large step, run J of ``benchmarks/RESULTS.md``).
         A new mask, new state tensors (a resumed optimizer) or another optimizer make the layer masked and its state
         zeroed again.
@@ -292,7 +311,7 @@ class Pruner:
         settled = self._settled_layers(optimizer)
         apply_masks(  # one fused launch on CUDA where it can (masks.apply_masks)
             local_part(layer.module.weight, mask, layer.transposed)
-            for layer in self.layers
+            for layer in self.dense_layers
             if (mask := self.masks[layer.name]) is not None and layer.name not in settled
         )
         self._refresh_sharded_zeros()
@@ -305,7 +324,7 @@ class Pruner:
             self._zeroed_state.clear()
             return set()
         settled, state_pairs = set(), []
-        for layer in self.layers:
+        for layer in self.dense_layers:
             mask, param = self.masks[layer.name], layer.module.weight
             state = opt.state.get(param)
             if mask is None or not state:  # no state yet: the optimizer has not stepped this weight
@@ -322,22 +341,37 @@ class Pruner:
         return settled
 
     def _install_grad_hooks(self) -> None:
-        for layer in self.layers:
+        dense = self.dense_layers
+        for layer in dense:
             param = layer.module.weight
             self._hooks.append(param.register_post_accumulate_grad_hook(self._make_grad_hook(layer)))
-        self._hooked_params = [layer.module.weight for layer in self.layers]
+        self._hooked_params = [layer.module.weight for layer in dense]
+
+    @property
+    def dense_layers(self) -> list[TargetLayer]:
+        """The targeted layers that still hold a dense weight (the pruner masks them); the others are compact."""
+        return [layer for layer in self.layers if not layer.compact]
+
+    def replace_module(self, name: str, module: nn.Module, *, compact: bool) -> None:
+        """Record that layer ``name`` is now ``module``: compact (its ``weight`` holds the kept values of its mask, in
+        the order of the mask's ``True`` entries; the pruner no longer masks it) or dense again. Its mask stays."""
+        layer = next((layer for layer in self.layers if layer.name == name), None)
+        if layer is None:
+            raise KeyError(f"Pruner: no targeted layer {name!r}")
+        layer.module, layer.compact = module, compact
+        self._zeroed_state.pop(name, None)
+        self.remove_hooks()
+        self._install_grad_hooks()
+        self._sharded_zeros = None
 
     def _make_grad_hook(self, layer: TargetLayer):
-        from .nn.kernel_path import needs_grad_mask
-
-        name, transposed, module = layer.name, layer.transposed, layer.module
+        name, transposed = layer.name, layer.transposed
 
         def hook(param: nn.Parameter) -> None:
             if param.grad is None:
                 return
             mask = self.masks[name]
-            # dynamic: straight-through, all weights learn; a kernel-path gradient is already zero where pruned
-            if mask is not None and not self.config.dynamic and needs_grad_mask(module):
+            if mask is not None and not self.config.dynamic:  # dynamic: straight-through, all weights learn
                 apply_mask(*local_part(param.grad, mask, transposed))
 
         return hook
@@ -356,7 +390,7 @@ class Pruner:
         before wrapping would sit on Parameters that never receive a gradient again. DDP keeps the Parameters, and
         then this only re-applies the masks.
         """
-        if [id(layer.module.weight) for layer in self.layers] != [id(p) for p in self._hooked_params]:
+        if [id(layer.module.weight) for layer in self.dense_layers] != [id(p) for p in self._hooked_params]:
             self.remove_hooks()
             self._install_grad_hooks()
         self._sharded_zeros = None
@@ -379,7 +413,15 @@ class Pruner:
     def _count_layer_zeros(self) -> dict[str, tuple[int, int]]:
         weights = [layer.module.weight for layer in self.layers]
         zeros = count_zeros(weights)
-        return {layer.name: (z, w.numel()) for layer, z, w in zip(self.layers, zeros, weights, strict=True)}
+        return {layer.name: self._zeros_of(layer, z) for layer, z in zip(self.layers, zeros, strict=True)}
+
+    def _zeros_of(self, layer: TargetLayer, zeros: int) -> tuple[int, int]:
+        """(zeros, numel) of the layer's logical weight, given the zeros counted in its ``weight`` Parameter: for a
+        compact layer that holds the kept values, the pruned positions are zeros too."""
+        rows, cols = layer.shape
+        if not layer.compact:
+            return zeros, rows * cols
+        return zeros + rows * cols - layer.module.weight.numel(), rows * cols
 
     # ------------------------------------------------------------------ reporting
     def _layer_zeros(self) -> dict[str, tuple[int, int]]:
@@ -393,7 +435,10 @@ class Pruner:
                 self._sharded_zeros = self._count_layer_zeros()  # a collective: before any apply only
             return dict(self._sharded_zeros)
         return {
-            layer.name: (int((self.effective_weight(layer) == 0).sum()), layer.weight.numel()) for layer in self.layers
+            layer.name: self._zeros_of(
+                layer, int(((layer.module.weight if layer.compact else self.effective_weight(layer)) == 0).sum())
+            )
+            for layer in self.layers
         }
 
     def layer_sparsity(self) -> dict[str, float]:
@@ -442,6 +487,7 @@ class Pruner:
             "level": repr(self.level),
             "last_update_step": repr(self.last_update_step),
             "flip_rate": repr(self.flip_rate),
+            "compact": json.dumps([layer.name for layer in self.layers if layer.compact]),
         }
         return tensors, meta
 
@@ -462,10 +508,12 @@ class Pruner:
             packed = tensors[key]
             if packed.shape[0] != rows:
                 raise ValueError(f"pruner state: {key} has {packed.shape[0]} rows, layer {layer.name} has {rows}")
-            self.masks[layer.name] = unpack_bits(packed, 1, cols).bool().to(layer.weight.device)
+            self.masks[layer.name] = unpack_bits(packed, 1, cols).bool().to(layer.module.weight.device)
         self.level = literal_eval(meta["level"])
         self.last_update_step = literal_eval(meta["last_update_step"])
         self.flip_rate = literal_eval(meta["flip_rate"])
+        #: the layers that were compact when the state was saved (read by hf_sparse.compact on resume)
+        self.saved_compact = set(json.loads(meta.get("compact", "[]")))
         self.scorer.reset()  # gradient statistics are not checkpointed (see ObsScore)
         if self.config.dynamic:
             self._sync_forward_masks()

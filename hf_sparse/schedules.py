@@ -22,26 +22,18 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from .patterns import NM, VNM, Pattern, Unstructured
+from .registry import SCHEDULES
 
 __all__ = ["SchedulePlan", "available_schedules", "register_schedule"]
-
-_SCHEDULES: dict[str, Callable[[float], float]] = {}
 
 
 def register_schedule(name: str) -> Callable[[Callable[[float], float]], Callable[[float], float]]:
     """Register ``fn(progress in [0, 1]) -> fraction of the final sparsity in [0, 1]`` under ``name``."""
-
-    def decorator(fn: Callable[[float], float]) -> Callable[[float], float]:
-        if name in _SCHEDULES:
-            raise ValueError(f"schedule {name!r} is already registered")
-        _SCHEDULES[name] = fn
-        return fn
-
-    return decorator
+    return SCHEDULES.register(name)
 
 
 def available_schedules() -> list[str]:
-    return sorted(_SCHEDULES)
+    return SCHEDULES.names()
 
 
 @register_schedule("cubic")
@@ -82,7 +74,7 @@ class SchedulePlan:
     def build(
         cls, pattern: Pattern, schedule: str, start: float | int, end: float | int, update_every: int, total_steps: int
     ) -> SchedulePlan:
-        if schedule not in _SCHEDULES:
+        if schedule not in SCHEDULES:
             raise ValueError(f"unknown schedule {schedule!r}; registered: {available_schedules()}")
         start_step = _resolve_step(start, total_steps)
         end_step = max(start_step, _resolve_step(end, total_steps))
@@ -101,7 +93,7 @@ class SchedulePlan:
         if step >= self.end_step:
             return self.final_sparsity
         progress = (step - self.start_step) / (self.end_step - self.start_step)
-        return self.final_sparsity * _SCHEDULES[self.schedule](progress)
+        return self.final_sparsity * SCHEDULES[self.schedule](progress)
 
     def is_update_step(self, step: int) -> bool:
         """Masks are recomputed at ``start``, every ``update_every`` steps after it, and at ``end``."""

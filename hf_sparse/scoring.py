@@ -22,13 +22,12 @@ from torch import Tensor
 
 from .obs import MAX_SUBSETS, accumulate_fisher, damped_fisher, obs_prune, obs_saliency, obs_update
 from .patterns import NM, VNM, Pattern
+from .registry import SCORES
 
 if TYPE_CHECKING:
     from .config import SparsityConfig
 
 __all__ = ["MagnitudeScore", "ObsScore", "Score", "available_scores", "get_score", "register_score"]
-
-_SCORES: dict[str, type[Score]] = {}
 
 
 class Score:
@@ -77,24 +76,19 @@ class Score:
 
 
 def register_score(name: str) -> Callable[[type[Score]], type[Score]]:
-    def decorator(cls: type[Score]) -> type[Score]:
-        if name in _SCORES:
-            raise ValueError(f"score {name!r} is already registered")
-        _SCORES[name] = cls
-        return cls
-
-    return decorator
+    """Register a :class:`Score` subclass under ``name`` (the value of ``SparsityConfig.score``)."""
+    return SCORES.register(name)
 
 
 def available_scores() -> list[str]:
-    return sorted(_SCORES)
+    return SCORES.names()
 
 
 def get_score(name: str, config: SparsityConfig | None = None) -> Score:
     """A fresh score object; with ``config``, built by the class's :meth:`Score.from_config`."""
-    if name not in _SCORES:
+    if name not in SCORES:
         raise ValueError(f"unknown score {name!r}; registered: {available_scores()}")
-    cls = _SCORES[name]
+    cls = SCORES[name]
     return cls.from_config(config) if config is not None else cls()
 
 

@@ -1,4 +1,10 @@
-"""Saving pruned models in the compressed format, and turning loaded ones back into plain dense models."""
+"""Saving pruned models in the compressed format (``format_version`` 1, ``docs/format.md``).
+
+A pruned layer is written the same whichever form it has in training: a dense masked layer is compressed here, a
+compact one (:mod:`hf_sparse.compact`) already holds the on-disk tensors and is written as it is, so both give the
+same bytes. The quantizer that writes the state dict and ``quantization_config`` is looked up through the
+Transformers registry (``quant_method: "hf_sparse"``): this module does not import :mod:`hf_sparse.integrations`.
+"""
 
 from __future__ import annotations
 
@@ -11,17 +17,15 @@ from typing import Any
 
 import torch
 from torch import nn
+from transformers.quantizers.auto import AutoHfQuantizer
 
 from .distributed import gather_full_state_dict, has_sharded_parameters, is_main_process
-from .formats.compressed import compress
-from .integrations.quantizer import HfSparseConfig, HfSparseQuantizer
+from .formats.compressed import QUANT_METHOD, compress
 from .modeling import unwrap_model
-from .nn.fold import unfold_activation
-from .nn.sparse_linear import SparseLinear
 from .patterns import Unstructured
 from .pruner import Pruner
 
-__all__ = ["compressed_state_dict", "save_pretrained", "to_dense"]
+__all__ = ["compressed_state_dict", "save_pretrained"]
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +46,18 @@ def compressed_state_dict(
     state = dict(state_dict if state_dict is not None else unwrap_model(model).state_dict())
     layers: dict[str, dict[str, Any]] = {}
     for layer in pruner.layers:
+        spec: dict[str, Any] = {
+            "pattern": str(pattern),
+            "shape": list(layer.shape),
+            "module": "Conv1D" if layer.transposed else "Linear",
+        }
+        if transposable:
+            spec["transposable"] = True
+        layers[layer.name] = spec
+        if layer.compact:  # its tensors are the on-disk tensors already
+            if isinstance(pattern, Unstructured):
+                spec["nnz"] = int(state[f"{layer.name}.weight"].numel())
+            continue
         stored = state[f"{layer.name}.weight"].detach()
         weight = stored.T if layer.transposed else stored
         mask = pruner.masks[layer.name].to(weight.device)
@@ -54,23 +70,17 @@ def compressed_state_dict(
         del state[f"{layer.name}.weight"]
         for key, value in tensors.items():
             state[f"{layer.name}.{key}"] = value.contiguous()
-        spec: dict[str, Any] = {
-            "pattern": str(pattern),
-            "shape": list(layer.shape),
-            "module": "Conv1D" if layer.transposed else "Linear",
-        }
-        if transposable:
-            spec["transposable"] = True
         if isinstance(pattern, Unstructured):
             spec["nnz"] = int(tensors["weight"].shape[0])
-        layers[layer.name] = spec
     return state, layers
 
 
 @contextlib.contextmanager
-def _attached_quantizer(model: nn.Module, config: HfSparseConfig, state: dict[str, torch.Tensor]) -> Iterator[None]:
-    """Temporarily give ``model`` the quantizer and config ``save_pretrained`` consults, then restore both."""
-    quantizer = HfSparseQuantizer(config)
+def _attached_quantizer(model: nn.Module, config: dict[str, Any], state: dict[str, torch.Tensor]) -> Iterator[None]:
+    """Temporarily give ``model`` the hf_sparse quantizer (built from ``config``, the ``quantization_config`` dict)
+    that ``save_pretrained`` consults for the state dict to write and for ``config.json``, then restore both."""
+    quantizer = AutoHfQuantizer.from_config(config)
+    config = quantizer.quantization_config
     quantizer.export_state_dict = state
     missing = object()
     old_quantizer = getattr(model, "hf_quantizer", missing)
@@ -112,30 +122,6 @@ def save_pretrained(model: nn.Module, save_directory: str | os.PathLike, pruner:
         model.save_pretrained(save_directory, state_dict=full_state, **kwargs)
         return
     state, layers = compressed_state_dict(model, pruner, full_state)
-    config = HfSparseConfig(layers=layers, sparsity_config=pruner.config.to_dict())
+    config = {"quant_method": QUANT_METHOD, "layers": layers, "sparsity_config": pruner.config.to_dict()}
     with _attached_quantizer(model, config, state):
         model.save_pretrained(save_directory, **kwargs)
-
-
-def to_dense(model: nn.Module) -> nn.Module:
-    """Replace every :class:`SparseLinear` by a plain ``nn.Linear`` (GPT-2: ``Conv1D``) in place; returns ``model``.
-
-    The result has no ``quantization_config`` and saves as an ordinary Transformers checkpoint, for tools that do
-    not know the hf_sparse format.
-    """
-    root = unwrap_model(model)
-    for name, module in list(root.named_modules()):
-        if isinstance(module, SparseLinear):
-            parent_name, _, child = name.rpartition(".")
-            parent = root.get_submodule(parent_name) if parent_name else root
-            unfold_activation(parent, module)  # a GELU folded in at load goes back to its module
-            setattr(parent, child, module.to_dense_module())
-    for attr in ("hf_quantizer", "quantization_method"):
-        if hasattr(root, attr):
-            delattr(root, attr)
-    config = getattr(root, "config", None)
-    if config is not None and hasattr(config, "quantization_config"):
-        del config.quantization_config
-    if hasattr(root, "is_quantized"):
-        root.is_quantized = False
-    return model

@@ -8,53 +8,18 @@ import warnings
 from typing import Any
 
 import torch
-from transformers import Trainer, TrainerCallback
+from transformers import Trainer
 
 from .callback import SparsityCallback
 from .config import SparsityConfig
 from .distributed import has_sharded_parameters, is_main_process
 from .modeling import unwrap_model
-from .nn.kernel_path import disable_kernel_path, enable_kernel_path, masks_final
-from .ops._build import KernelUnavailableError, load_extension
 from .pruner import Pruner
 from .serialization import save_pretrained
 
 __all__ = ["SparseTrainer"]
 
 logger = logging.getLogger(__name__)
-
-
-class _KernelPathSwitch(TrainerCallback):
-    """Puts the pruned layers on the sparse kernels at the first step whose masks are final (runs after the
-    sparsity callback's mask update), and gives them their dense forward back when training ends."""
-
-    def __init__(self, sparsity_callback: SparsityCallback) -> None:
-        self.sparsity_callback = sparsity_callback
-        self.engaged = False
-        self.layers: list[str] = []  # the layers switched (empty without a GPU)
-
-    def on_train_begin(self, args, state, control, model=None, **kwargs):
-        """On CUDA, load the kernels before the first step (building them on first use, ~1-2 minutes, cached): the
-        mask selection of every pruning step then runs on them (:mod:`hf_sparse.masks`), and the build does not
-        land in the middle of training. Where they cannot be built, training goes on with torch's mask selection
-        and :func:`enable_kernel_path` says so when it would switch."""
-        weight = next(unwrap_model(model).parameters(), None) if model is not None else None
-        if weight is not None and weight.is_cuda:
-            try:
-                load_extension()
-            except KernelUnavailableError as err:
-                logger.info("hf_sparse: the CUDA kernels are unavailable: %s", err)
-
-    def on_step_begin(self, args, state, control, model=None, **kwargs):
-        pruner = self.sparsity_callback.pruner
-        if not self.engaged and model is not None and pruner is not None and masks_final(pruner):
-            self.layers = enable_kernel_path(unwrap_model(model), pruner)
-            self.engaged = True
-
-    def on_train_end(self, args, state, control, model=None, **kwargs):
-        if model is not None:
-            disable_kernel_path(unwrap_model(model))
-        self.engaged = False
 
 
 class SparseTrainer(Trainer):
@@ -65,11 +30,14 @@ class SparseTrainer(Trainer):
 
     * logs sparsity metrics through ``Trainer.log`` so every reporting integration receives them;
     * writes ``save_model`` output in the compressed hf_sparse format (``quantization_config`` in ``config.json``),
-      while the ``checkpoint-N`` folders written for resuming stay dense with the masks beside them, so
-      ``train(resume_from_checkpoint=...)`` restores weights, optimizer and masks exactly;
-    * restores the pruner state from the checkpoint it resumes from;
-    * once the masks are final, runs kernel-ready layers on the Sparse Tensor Core kernels
-      (:mod:`hf_sparse.nn.kernel_path`; ``SparsityConfig.kernels="never"`` turns this off).
+      while the ``checkpoint-N`` folders written for resuming hold the model as it trains (dense masked layers,
+      or compact ones after the switch) with the masks beside them, so ``train(resume_from_checkpoint=...)``
+      restores weights, optimizer and masks exactly;
+    * restores the pruner state from the checkpoint it resumes from, and from the best checkpoint with
+      ``load_best_model_at_end``.
+
+    The callback makes the pruned layers compact once their masks are final (:mod:`hf_sparse.compact`;
+    ``SparsityConfig(compact=False)`` turns this off).
 
     ``sparsity_config=None`` trains like ``Trainer`` (useful to fine-tune a model loaded from an hf_sparse
     checkpoint: its :class:`~hf_sparse.nn.SparseLinear` layers keep their pattern by construction).
@@ -108,12 +76,7 @@ class SparseTrainer(Trainer):
             self.sparsity_callback = SparsityCallback(sparsity_config)
             self.sparsity_callback.adds_metrics_to_logs = False
             callbacks.append(self.sparsity_callback)
-            if sparsity_config.kernels == "auto":
-                callbacks.append(_KernelPathSwitch(self.sparsity_callback))
-        super().__init__(*args, callbacks=callbacks, **kwargs)
-        if self.sparsity_callback is not None:
-            # find targets now, so a bad config fails before training starts
-            self.sparsity_callback.pruner = Pruner(unwrap_model(self.model), sparsity_config)
+        super().__init__(*args, callbacks=callbacks, **kwargs)  # the callback's on_init_end finds the targets
 
     def compute_loss(self, model, inputs, return_outputs: bool = False, num_items_in_batch=None):
         """``Trainer.compute_loss``, mixed with the distillation loss on training batches when a teacher is set."""
@@ -217,7 +180,7 @@ class SparseTrainer(Trainer):
 
         pattern = self.pruner.current_pattern()
         total = sum(t.numel() * t.element_size() for t in unwrap_model(self.model).state_dict().values())
-        for layer in self.pruner.layers:
+        for layer in self.pruner.dense_layers:  # compact layers hold the compressed tensors already
             weight = layer.weight
             nnz = int(self.pruner.masks[layer.name].sum()) if isinstance(pattern, Unstructured) else None
             total += compressed_nbytes(pattern, *layer.shape, weight.element_size(), nnz)

@@ -44,7 +44,8 @@ PATTERN = "64:2:8"  # V=64 rows: FSDP2 cuts the 128-row FFN weight into two 64-r
 # ---------------------------------------------------------------------------------------------------- helpers
 def _config() -> SparsityConfig:
     # levels change at steps 2 and 4 (64:3:8, then 64:2:8), so masks are recomputed from trained weights
-    return SparsityConfig(pattern=PATTERN, schedule="cubic", start=0, end=4, update_every=2)
+    # compact=False: the one-process reference stays masked dense, as the DDP run does (no mid-run switch under DDP)
+    return SparsityConfig(pattern=PATTERN, schedule="cubic", start=0, end=4, update_every=2, compact=False)
 
 
 def _model(family: str = "bert"):

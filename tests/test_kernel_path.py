@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import ToyClassification, random_ids, tiny_config
+from conftest import random_ids, tiny_config
 from helpers import prune_now
-from transformers import AutoModelForSequenceClassification, TrainingArguments
+from transformers import AutoModelForSequenceClassification
 
-from hf_sparse import SparseTrainer, SparsityConfig
+from hf_sparse import SparsityConfig
 from hf_sparse.nn.kernel_path import disable_kernel_path, enable_kernel_path, kernel_path_layers, kernel_pattern
 from hf_sparse.patterns import parse_pattern
-from hf_sparse.trainer import _KernelPathSwitch
 
 
 def _model(family="bert", seed=0):
@@ -144,34 +143,6 @@ def test_replaced_mask_triggers_full_pack():
     assert float((y.float() - ref).norm() / ref.norm()) < 1e-2
 
 
-def test_sparse_trainer_adds_the_switch_unless_never(tmp_path):
-    args = TrainingArguments(
-        output_dir=str(tmp_path),
-        max_steps=2,
-        per_device_train_batch_size=8,
-        report_to=[],
-        use_cpu=True,
-        save_strategy="no",
-        disable_tqdm=True,
-    )
-    cfg = dict(pattern="64:2:8", schedule="oneshot", start=0, end=0)
-    trainer = SparseTrainer(
-        model=_model(), args=args, train_dataset=ToyClassification(), sparsity_config=SparsityConfig(**cfg)
-    )
-    switch = [cb for cb in trainer.callback_handler.callbacks if isinstance(cb, _KernelPathSwitch)]
-    assert len(switch) == 1
-    trainer.train()
-    assert switch[0].layers == ([] if not torch.cuda.is_available() else switch[0].layers)
-    assert kernel_path_layers(trainer.model) == []  # given back at the end of training
-    never = SparseTrainer(
-        model=_model(),
-        args=args,
-        train_dataset=ToyClassification(),
-        sparsity_config=SparsityConfig(**cfg, kernels="never"),
-    )
-    assert not any(isinstance(cb, _KernelPathSwitch) for cb in never.callback_handler.callbacks)
-
-
 def test_gpt2_conv1d_layers_take_the_path_with_their_transposed_weight():
     torch.manual_seed(4)
     model = AutoModelForSequenceClassification.from_config(tiny_config("gpt2"))
@@ -291,39 +262,6 @@ def test_refresh_without_lp_repacks_from_the_master():
     assert torch.equal(state.packed.values, pack(weight.detach().bfloat16(), mask, 64, 8, torch.bfloat16).values)
     state.refresh(torch.bfloat16)  # a dense choice appears: the copy is made without touching the packs
     assert torch.equal(state.lp, weight.detach().bfloat16())
-
-
-def test_grad_hook_masks_only_gradients_the_kernel_path_did_not_make(monkeypatch):
-    """The kernel path's weight gradient is zero at pruned positions already, so the pruner's hook leaves it alone
-    (after its first call); a forward that took the dense route (here fp32, no autocast) leaves a dense gradient,
-    and the hook masks it."""
-    import hf_sparse.pruner as pruner_module
-
-    masked = []
-    real = pruner_module.apply_mask
-    monkeypatch.setattr(pruner_module, "apply_mask", lambda t, m: (masked.append(t), real(t, m))[1])
-    model = _model(seed=10)
-    pruner = prune_now(model, "64:2:8")
-    enable_kernel_path(model, pruner, allow_cpu=True)
-    ids, labels = random_ids(4, 12, seed=11), torch.tensor([0, 1, 2, 1])
-
-    def backward(autocast: bool) -> None:
-        model.zero_grad(set_to_none=True)
-        masked.clear()
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            model(input_ids=ids, labels=labels).loss.backward()
-        for layer in pruner.layers:
-            grad = layer.module.weight.grad.T if layer.transposed else layer.module.weight.grad
-            assert torch.count_nonzero(grad[~pruner.masks[layer.name]]) == 0, layer.name
-
-    backward(autocast=True)
-    assert len(masked) == len(pruner.layers)  # first call: whatever was there before the switch
-    backward(autocast=True)
-    assert masked == []
-    backward(autocast=False)  # fp32: the layers' own dense forward
-    assert len(masked) == len(pruner.layers)
-    backward(autocast=True)
-    assert masked == []
 
 
 def _on_kernel_path_after_backward(seed: int):

@@ -295,8 +295,9 @@ def test_trainer_run_with_obs_reaches_the_exact_pattern(tmp_path, pattern):
     trainer.train()
     pruner = trainer.pruner
     assert pruner.is_final and pruner.masks_final
-    for layer in pruner.layers:
-        weight, mask = layer.weight.detach(), pruner.masks[layer.name]
+    for layer in pruner.layers:  # compact since the final update at step 9: the kept values at the mask's positions
+        assert layer.compact and torch.equal(layer.module.mask(), pruner.masks[layer.name])
+        weight, mask = layer.module.dense_weight().detach(), pruner.masks[layer.name]
         assert (weight[~mask] == 0).all() and not torch.signbit(weight[~mask]).any()
         compress(weight, mask, pruner.current_pattern())
     # updates at 3 (nothing at target 0), 6 and 9: gradients gathered only in the 2 steps before 6 and 9

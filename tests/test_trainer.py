@@ -24,12 +24,21 @@ def _model(family="bert", dtype=torch.float32):
     return AutoModelForSequenceClassification.from_config(tiny_config(family)).to(dtype)
 
 
+def _logical(layer) -> torch.Tensor:
+    """The layer's logical (out, in) weight, dense or compact."""
+    return layer.module.dense_weight().detach() if layer.compact else layer.weight.detach()
+
+
 def _check_final_masks(pruner):
     pattern = pruner.current_pattern()
     assert pruner.is_final
     for layer in pruner.layers:
-        weight = layer.weight.detach()
         mask = pruner.masks[layer.name]
+        if layer.compact:  # the masks were final: the layer holds its kept values only, at the mask's positions
+            layer.module.validate(layer.name)
+            assert torch.equal(layer.module.mask(), mask) and str(layer.module.pattern) == str(pattern), layer.name
+            continue
+        weight = layer.weight.detach()
         pruned = weight[~mask]
         assert (pruned == 0).all() and not torch.signbit(pruned).any(), layer.name
         compress(weight, mask, pattern)  # raises unless the mask follows the pattern exactly
@@ -57,16 +66,17 @@ def test_sparse_trainer_reaches_the_pattern(tmp_path, pattern, extra):
     sparsity = trainer.pruner.layer_sparsity()
     target = hf_sparse.parse_pattern(pattern).sparsity
     if extra.get("global_unstructured"):
-        total = sum(layer.weight.numel() for layer in trainer.pruner.layers)
-        zeros = sum(int((layer.weight == 0).sum()) for layer in trainer.pruner.layers)
+        total = sum(_logical(layer).numel() for layer in trainer.pruner.layers)
+        zeros = sum(int((_logical(layer) == 0).sum()) for layer in trainer.pruner.layers)
         assert zeros / total == pytest.approx(target, abs=1e-3)
     else:
         assert all(value == pytest.approx(target, abs=1e-3) for value in sparsity.values())
-    assert any(not torch.equal(before[layer.name], layer.weight.detach()) for layer in trainer.pruner.layers)
+    assert any(not torch.equal(before[layer.name], _logical(layer)) for layer in trainer.pruner.layers)
     logs = [h for h in trainer.state.log_history if "loss" in h]
     assert logs and all("sparsity" in h for h in logs)
     assert logs[-1]["sparsity"] == pytest.approx(target, abs=1e-3)
     assert any(k.startswith("sparsity/bert.encoder.layer.0") for h in logs for k in h)
+    assert all(layer.compact for layer in trainer.pruner.layers)  # the masks were final at step 6 of 12
     # the classifier head and embeddings stay dense
     assert (model.classifier.weight != 0).all() and (model.bert.embeddings.word_embeddings.weight[1:] != 0).all()
 

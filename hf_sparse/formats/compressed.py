@@ -33,6 +33,8 @@ from .bitpack import pack_bits, packed_row_bytes, unpack_bits
 
 __all__ = [
     "FORMAT_VERSION",
+    "POSITION_KEYS",
+    "QUANT_METHOD",
     "CompressedFormatError",
     "compress",
     "compressed_nbytes",
@@ -44,6 +46,10 @@ __all__ = [
 ]
 
 FORMAT_VERSION = 1
+#: ``quantization_config.quant_method`` of an hf_sparse checkpoint (``config.json``).
+QUANT_METHOD = "hf_sparse"
+#: The position tensors a compressed weight may have beside its values (each pattern has one or two of them).
+POSITION_KEYS = ("weight_indices", "weight_columns", "weight_selectors", "weight_bitmap")
 
 
 class CompressedFormatError(ValueError):

@@ -37,9 +37,10 @@ from transformers.pytorch_utils import Conv1D
 from transformers.quantizers import HfQuantizer, register_quantization_config, register_quantizer
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
-from .. import __version__
-from ..formats.compressed import FORMAT_VERSION, CompressedFormatError, compressed_shapes
+from .._version import __version__
+from ..formats.compressed import FORMAT_VERSION, QUANT_METHOD, CompressedFormatError, compressed_shapes
 from ..formats.safetensors_header import read_safetensors_header
+from ..nn.convert import to_dense
 from ..nn.fold import fold_activations
 from ..nn.sparse_linear import SparseLinear
 from ..patterns import Unstructured, parse_pattern
@@ -47,8 +48,6 @@ from ..patterns import Unstructured, parse_pattern
 __all__ = ["QUANT_METHOD", "HfSparseConfig", "HfSparseQuantizer"]
 
 logger = logging.getLogger(__name__)
-
-QUANT_METHOD = "hf_sparse"
 
 _SAFETENSORS_DTYPES = {"U8": torch.uint8}
 
@@ -306,6 +305,4 @@ class HfSparseQuantizer(HfQuantizer):
         return True
 
     def _dequantize(self, model: nn.Module, dtype=None) -> nn.Module:
-        from ..serialization import to_dense
-
         return to_dense(model)

@@ -31,6 +31,8 @@ from types import ModuleType
 
 import torch
 
+from ..masks import use_extension
+
 __all__ = [
     "KernelUnavailableError",
     "arch_flags",
@@ -160,7 +162,7 @@ def load_extension() -> ModuleType:
     if name in _build_failures:
         raise _build_failures[name]
     try:
-        return cpp_extension.load(
+        extension = cpp_extension.load(
             name=name,
             sources=[str(src / s) for s in SOURCES],
             extra_cflags=["-O3"],  # no -std: torch picks its headers' own (C++17 in torch 2.11, C++20 in 2.13)
@@ -175,6 +177,8 @@ def load_extension() -> ModuleType:
             "commands, check that nvcc matches torch.version.cuda, or use the dense path"
         )
         raise err from exc
+    use_extension(extension)  # the mask selection and fused masking of hf_sparse.masks run on it from now on
+    return extension
 
 
 def _cusparselt_prefixes() -> list[Path]:

@@ -1,0 +1,261 @@
+"""The compact switch inside training: once masks are final, pruned layers hold their kept values only, and the run
+continues exactly as the masked dense run (``SparsityConfig(compact=False)``) would have."""
+
+from __future__ import annotations
+
+import copy
+import json
+import struct
+
+import pytest
+import torch
+from conftest import ToyClassification, tiny_config
+from helpers import StopAt, prune_now, trainer_args
+from transformers import AutoModelForSequenceClassification, Trainer, TrainerCallback
+
+from hf_sparse import SparseLinear, SparseTrainer, SparsityCallback, SparsityConfig, save_pretrained
+from hf_sparse.compact import make_compact
+
+GRADUAL = dict(pattern="2:4", schedule="linear", start=0, end=6, update_every=3)  # levels 3:4 at 0, 2:4 at 6
+ONESHOT = dict(pattern="64:2:8", schedule="oneshot", start=0)
+
+
+def _model(family="bert"):
+    torch.manual_seed(0)
+    return AutoModelForSequenceClassification.from_config(tiny_config(family))
+
+
+def _recording(trainer_cls):
+    class Recording(trainer_cls):
+        """Records the full-precision loss of every micro-batch (Trainer logs it rounded)."""
+
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+            self.losses.append((loss[0] if return_outputs else loss).detach().clone())
+            return loss
+
+    return Recording
+
+
+def _run(
+    tmp_path,
+    *,
+    compact=True,
+    family="bert",
+    plain=False,
+    schedule=GRADUAL,
+    callbacks=(),
+    resume=None,
+    evaluate=False,
+    **args,
+):
+    config = SparsityConfig(**schedule, compact=compact)
+    settings = dict(max_steps=9, weight_decay=0.1, max_grad_norm=0.0, logging_steps=1, dataloader_drop_last=True)
+    settings.update(args)
+    common = dict(model=_model(family), args=trainer_args(tmp_path, **settings), train_dataset=ToyClassification())
+    if evaluate:
+        common["eval_dataset"] = ToyClassification(16)
+    if plain:
+        callback = SparsityCallback(config)
+        trainer = _recording(Trainer)(**common, callbacks=[*callbacks, callback])
+        trainer.pruner = callback.pruner
+    else:
+        trainer = _recording(SparseTrainer)(**common, sparsity_config=config, callbacks=list(callbacks))
+    trainer.losses = []
+    trainer.train(resume_from_checkpoint=resume)
+    return trainer
+
+
+def _pruner(trainer):
+    return trainer.pruner  # plain Trainer: set by _run
+
+
+def _kept_values(pruner, layer):
+    """The layer's kept values in the compact order, from either form."""
+    if layer.compact:
+        return layer.module.weight.detach()
+    flat = layer.weight.detach().reshape(-1)
+    other = [m for m in pruner.layers if m.name == layer.name][0]
+    return flat[torch.nonzero(pruner.masks[other.name].reshape(-1)).squeeze(1)]
+
+
+def _assert_same_training(compact_trainer, dense_trainer):
+    assert len(compact_trainer.losses) == len(dense_trainer.losses) > 0
+    for step, (a, b) in enumerate(zip(compact_trainer.losses, dense_trainer.losses, strict=True)):
+        assert torch.equal(a, b), f"loss of micro-batch {step}: {a.item()!r} != {b.item()!r}"
+    cp, dp = _pruner(compact_trainer), _pruner(dense_trainer)
+    pruned = set()
+    for a, b in zip(cp.layers, dp.layers, strict=True):
+        assert a.compact and not b.compact, a.name
+        assert torch.equal(cp.masks[a.name], dp.masks[b.name]), a.name
+        values, index = a.module.weight.detach().reshape(-1), a.module.kept_index.long()
+        dense = b.weight.detach().reshape(-1)
+        assert torch.equal(values, dense[index]), a.name  # the kept weights, bit for bit
+        assert int(torch.count_nonzero(dense)) <= values.numel()  # and nothing else survives in the dense run
+        pruned.add(f"{a.name}.weight")
+    rest = dict(dense_trainer.model.named_parameters())
+    for name, p in compact_trainer.model.named_parameters():
+        if name not in pruned:
+            assert torch.equal(p, rest[name]), name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "family, optim, plain",
+    [
+        ("bert", "adamw_torch", False),
+        ("bert", "adamw_torch_fused", True),
+        ("gpt2", "adamw_torch", False),  # Conv1D: state transposed to the logical (out, in) order
+        ("bert", "sgd", False),
+    ],
+    ids=["bert-adamw", "bert-fused-adamw-Trainer", "gpt2-adamw", "bert-sgd-momentum"],
+)
+def test_switch_at_final_update_continues_the_masked_run_exactly(tmp_path, family, optim, plain):
+    extra = {"optim_args": "momentum=0.9"} if optim == "sgd" else {}
+    kwargs = dict(family=family, plain=plain, optim=optim, **extra)
+    compact = _run(tmp_path / "compact", compact=True, **kwargs)
+    dense = _run(tmp_path / "dense", compact=False, **kwargs)
+    assert compact.state.global_step == 9
+    _assert_same_training(compact, dense)
+    # the optimizer carried the moved state: the compact Parameter has Adam moments / momentum of its own shape
+    optimizer = getattr(compact.optimizer, "optimizer", compact.optimizer)
+    layer = _pruner(compact).layers[0]
+    state = optimizer.state[layer.module.weight]
+    assert state and all(v.shape == layer.module.weight.shape for v in state.values() if v.dim() > 0)
+
+
+@pytest.mark.slow
+def test_oneshot_at_step_zero_is_compact_before_the_optimizer_exists(tmp_path):
+    config = SparsityConfig(**ONESHOT)
+    trainer = SparseTrainer(
+        model=_model(),
+        args=trainer_args(tmp_path, max_steps=4),
+        train_dataset=ToyClassification(),
+        sparsity_config=config,
+    )
+    assert trainer.optimizer is None
+    assert all(layer.compact and isinstance(layer.module, SparseLinear) for layer in trainer.pruner.layers)
+    assert isinstance(trainer.model.bert.encoder.layer[0].output.dense, SparseLinear)
+    compact = _run(tmp_path / "c", schedule=ONESHOT, max_steps=4)
+    dense = _run(tmp_path / "d", schedule=ONESHOT, max_steps=4, compact=False)
+    _assert_same_training(compact, dense)
+
+
+def test_compact_layers_hold_kept_values_only(tmp_path):
+    """Parameters, gradients (as the optimizer sees them) and optimizer state of pruned layers: nnz elements each."""
+    seen = []
+
+    class Count(TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, model=None, optimizer=None, **kwargs):
+            pruner = _pruner(trainer_ref[0])
+            for layer in pruner.layers:
+                if not layer.compact:
+                    continue
+                nnz = int(pruner.masks[layer.name].sum())
+                weight = layer.module.weight
+                moments = [v for v in optimizer.optimizer.state[weight].values() if v.dim() > 0]
+                seen.append((weight.numel(), weight.grad.numel(), *(v.numel() for v in moments), nnz))
+
+    trainer_ref = []
+    config = SparsityConfig(**GRADUAL)
+    trainer = SparseTrainer(
+        model=_model(),
+        args=trainer_args(tmp_path, max_steps=9, dataloader_drop_last=True),
+        train_dataset=ToyClassification(),
+        sparsity_config=config,
+        callbacks=[Count()],
+    )
+    trainer_ref.append(trainer)
+    trainer.train()
+    assert seen  # steps 7-9 ran compact
+    for counts in seen:
+        assert len(counts) == 5 and len(set(counts)) == 1, counts  # param, grad, exp_avg, exp_avg_sq, nnz
+    nnz = sum(int(m.sum()) for m in trainer.pruner.masks.values())
+    dense = sum(layer.shape[0] * layer.shape[1] for layer in trainer.pruner.layers)
+    assert nnz * 2 == dense
+
+
+def test_dynamic_masks_and_compact_false_stay_dense(tmp_path):
+    trainer = _run(tmp_path / "off", compact=False, max_steps=8)
+    assert not any(layer.compact for layer in _pruner(trainer).layers)
+    dynamic = dict(pattern="2:4", schedule="linear", start=0, end=4, update_every=2, dynamic=True)
+    trainer = _run(tmp_path / "dyn", schedule=dynamic, max_steps=8)
+    assert not any(layer.compact for layer in _pruner(trainer).layers)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "cut, plain",
+    [(4, False), (8, False), (8, True)],
+    ids=["before-switch", "after-switch", "after-switch-Trainer+callback"],
+)
+def test_resume_across_the_switch_is_exact(tmp_path, cut, plain):
+    """Checkpoints at 4 (dense layers, 3:4 masks) and 8 (compact since step 6); the plain Trainer loads the compact
+    tensors of checkpoint-8 through the callback's load hook."""
+    kwargs = dict(plain=plain, save_strategy="steps", save_steps=4, max_steps=10)
+    whole = _run(tmp_path / "whole", **kwargs)
+    _run(tmp_path / "cut", callbacks=[StopAt(cut)], **kwargs)
+    resumed = _run(tmp_path / "cut", resume=str(tmp_path / "cut" / f"checkpoint-{cut}"), **kwargs)
+    assert resumed.state.global_step == whole.state.global_step == 10
+    assert whole.losses[-2:] == resumed.losses[-2:]
+    for a, b in zip(_pruner(whole).layers, _pruner(resumed).layers, strict=True):
+        assert a.compact and b.compact
+        assert torch.equal(_pruner(whole).masks[a.name], _pruner(resumed).masks[b.name])
+    resumed_params = dict(resumed.model.named_parameters())
+    for name, p in whole.model.named_parameters():
+        assert torch.equal(p, resumed_params[name]), name
+
+
+def _safetensors_parts(folder):
+    """(header, data bytes) of ``model.safetensors``: the header as a dict, because safetensors writes its metadata
+    entries in a random order (a Rust HashMap: two saves of the same model differ there); everything else is bytes."""
+    raw = (folder / "model.safetensors").read_bytes()
+    length = struct.unpack("<Q", raw[:8])[0]
+    return json.loads(raw[8 : 8 + length]), raw[8 + length :]
+
+
+def test_save_from_compact_equals_save_from_masked_dense(tmp_path):
+    """The compact layer's tensors are the on-disk tensors: both forms write the same bytes (format_version 1)."""
+    for pattern, extra in [("2:4", {"transposable": True}), ("64:2:8", {}), ("unstructured:0.7", {})]:
+        model = _model("gpt2" if pattern == "64:2:8" else "bert")
+        pruner = prune_now(model, pattern, **extra)
+        save_pretrained(model, tmp_path / f"dense-{pattern}", pruner)
+        compact_model = copy.deepcopy(model)
+        compact_pruner = copy.copy(pruner)
+        compact_pruner.layers = [copy.copy(layer) for layer in pruner.layers]
+        for layer in compact_pruner.layers:
+            layer.module = compact_model.get_submodule(layer.name)
+        make_compact(compact_model, compact_pruner)
+        assert all(isinstance(compact_model.get_submodule(layer.name), SparseLinear) for layer in pruner.layers)
+        save_pretrained(compact_model, tmp_path / f"compact-{pattern}", compact_pruner)
+        dense_file, compact_file = (tmp_path / f"{form}-{pattern}" for form in ("dense", "compact"))
+        assert (dense_file / "config.json").read_bytes() == (compact_file / "config.json").read_bytes(), pattern
+        assert _safetensors_parts(dense_file) == _safetensors_parts(compact_file), pattern
+        assert b'"format_version": 1' in (tmp_path / f"compact-{pattern}" / "config.json").read_bytes()
+
+
+def test_load_best_model_from_before_the_switch(tmp_path):
+    """The best checkpoint predates the switch: the compact layers go back to dense, with that checkpoint's masks."""
+
+    class Probe(TrainerCallback):  # makes step 4 (3:4 masks, dense layers) the best checkpoint
+        def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+            metrics["eval_probe"] = abs(state.global_step - 4)
+
+    trainer = _run(
+        tmp_path,
+        max_steps=12,
+        eval_strategy="steps",
+        eval_steps=4,
+        save_strategy="steps",
+        save_steps=4,
+        load_best_model_at_end=True,
+        metric_for_best_model="eval_probe",
+        greater_is_better=False,
+        callbacks=[Probe()],
+        evaluate=True,
+    )
+    assert trainer.state.best_model_checkpoint.endswith("checkpoint-4")
+    assert trainer.pruner.level == 3 and not any(layer.compact for layer in trainer.pruner.layers)
+    trainer.save_model(str(tmp_path / "out"))
+    loaded = AutoModelForSequenceClassification.from_pretrained(tmp_path / "out")
+    assert str(loaded.bert.encoder.layer[0].output.dense.pattern) == "3:4"
