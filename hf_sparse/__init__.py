@@ -12,6 +12,7 @@ from .config import SparsityConfig  # noqa: E402
 from .formats.compressed import FORMAT_VERSION, CompressedFormatError  # noqa: E402
 from .integrations.quantizer import HfSparseConfig, HfSparseQuantizer  # noqa: E402
 from .nn.sparse_linear import SparseLinear  # noqa: E402
+from .oneshot import oneshot  # noqa: E402
 from .patterns import NM, VNM, PatternError, Unstructured, parse_pattern  # noqa: E402
 from .pruner import Pruner  # noqa: E402
 from .serialization import compressed_state_dict, save_pretrained, to_dense  # noqa: E402
@@ -33,6 +34,7 @@ __all__ = [
     "Unstructured",
     "__version__",
     "compressed_state_dict",
+    "oneshot",
     "parse_pattern",
     "save_pretrained",
     "to_dense",

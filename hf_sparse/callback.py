@@ -3,7 +3,8 @@
 Event by event:
 
 * ``on_train_begin``: find the targeted layers, bind the schedule to ``state.max_steps``, follow the Parameters a
-  wrapper may have replaced (FSDP2) and, when resuming, restore the masks saved with the checkpoint
+  wrapper may have replaced (FSDP2), give activation-aware scores their calibration batches (see
+  :func:`calibration_loader`) and, when resuming, restore the masks saved with the checkpoint
   (see :meth:`SparsityCallback.load_state`).
 * ``on_step_begin``: update the masks if this optimizer step is an update step of the schedule.
 * during backward: each targeted weight's gradient is masked as it is accumulated (a hook installed by the
@@ -20,21 +21,47 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Callable, Iterable
 
+import torch
 from safetensors.torch import load_file, save_file
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
+from .calibration import CalibrationSource
 from .config import SparsityConfig
 from .distributed import full_tensor
 from .pruner import Pruner
 
-__all__ = ["PRUNER_STATE_NAME", "SparsityCallback"]
+__all__ = ["PRUNER_STATE_NAME", "SparsityCallback", "calibration_loader"]
 
 logger = logging.getLogger(__name__)
 
 #: File written next to every Trainer checkpoint.
 PRUNER_STATE_NAME = "hf_sparse_pruner.safetensors"
+
+
+def calibration_loader(train_dataloader, num_batches: int, seed: int) -> Callable[[], Iterable]:
+    """Calibration batches drawn from the training data: the ``num_batches`` first batches of a new loader over the
+    train dataloader's dataset and collator (unused columns already removed by ``Trainer``), shuffled by a
+    generator seeded with ``seed``, so every mask update sees the same batches. Iterating it does not touch the
+    training loader's iteration, sampler state or RNG."""
+    dataset, collate = train_dataloader.dataset, train_dataloader.collate_fn
+    batch_size = getattr(train_dataloader, "batch_size", None)
+    batch_size = batch_size or getattr(getattr(train_dataloader, "batch_sampler", None), "batch_size", None) or 8
+
+    def batches() -> Iterable:
+        shuffle = not isinstance(dataset, torch.utils.data.IterableDataset)
+        generator = torch.Generator().manual_seed(seed)
+        loader = torch.utils.data.DataLoader(
+            dataset, batch_size=batch_size, shuffle=shuffle, collate_fn=collate, generator=generator
+        )
+        for i, batch in enumerate(loader):
+            if i >= num_batches:
+                return
+            yield batch
+
+    return batches
 
 
 class SparsityCallback(TrainerCallback):
@@ -44,14 +71,23 @@ class SparsityCallback(TrainerCallback):
         config: what to prune and when.
         resume_from: a checkpoint folder to restore the pruner state from; by default, when ``Trainer`` resumes,
             the state is read from ``output_dir/checkpoint-<global_step>``.
+        calibration: batches for activation-aware scores (``"wanda"``, ``"sparsegpt"``): an iterable of dicts of
+            tensors or a function returning one (at most ``config.calibration_batches`` of its batches are used);
+            by default ``config.calibration_batches`` batches of the training data (:func:`calibration_loader`).
     """
 
-    def __init__(self, config: SparsityConfig, resume_from: str | os.PathLike | None = None) -> None:
+    def __init__(
+        self,
+        config: SparsityConfig,
+        resume_from: str | os.PathLike | None = None,
+        calibration: CalibrationSource | None = None,
+    ) -> None:
         if not isinstance(config, SparsityConfig):
             raise TypeError(f"SparsityCallback needs a SparsityConfig, got {type(config).__name__}")
         self.config = config
         self.pruner: Pruner | None = None
         self.resume_from = resume_from
+        self.calibration = calibration
         self._pending_state: str | None = None
         self._log_per_layer = False
         #: set by SparseTrainer, which merges metrics in Trainer.log itself
@@ -91,6 +127,12 @@ class SparsityCallback(TrainerCallback):
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs):
         self.setup(kwargs["model"], state.max_steps)
         self.pruner.rebind()  # the model is wrapped by now: FSDP2 has replaced the Parameters the hooks were on
+        if self.pruner.scorer.needs_calibration:
+            if self.calibration is not None:
+                self.pruner.set_calibration(self.calibration, self.config.calibration_batches)
+            elif kwargs.get("train_dataloader") is not None:
+                loader = calibration_loader(kwargs["train_dataloader"], self.config.calibration_batches, args.seed)
+                self.pruner.set_calibration(loader)
         if self.resume_from is not None:
             if not self.load_state(self.resume_from):
                 raise FileNotFoundError(f"SparsityCallback: no {PRUNER_STATE_NAME} in {self.resume_from}")

@@ -73,6 +73,11 @@ class SparsityConfig:
         dense_finetune_start: ``dynamic`` only: from this point on (fraction of training or step, after ``end``)
             the masks are dropped and the model trains dense, the final phase of Hu et al.'s pre-training recipe;
             the model saved at the end is then an ordinary dense checkpoint.
+        calibration_batches: activation-aware scores (``"wanda"``, ``"sparsegpt"``) inside a Trainer: how many batches
+            of the training data (a fixed, seeded draw of the train dataloader's dataset and collator) run through
+            the model before each mask update. :func:`hf_sparse.oneshot` uses the batches it is given.
+        sparsegpt_damp: ``score="sparsegpt"``: dampening relative to the mean diagonal of each layer's ``Xᵀ X``.
+        sparsegpt_block_size: ``score="sparsegpt"``: columns per lazy-update block of the sweep.
         kernels: ``"auto"``: once the masks are final, :class:`~hf_sparse.SparseTrainer` runs kernel-ready layers
             (CUDA, 2:4 or V:2:M) on the Sparse Tensor Core kernels wherever they measure faster than dense;
             ``"never"``: always the dense masked path.
@@ -94,6 +99,9 @@ class SparsityConfig:
     dynamic: bool = False
     masked_decay: float = 0.0
     dense_finetune_start: float | int | None = None
+    calibration_batches: int = 32
+    sparsegpt_damp: float = 1e-2
+    sparsegpt_block_size: int = 128
     kernels: Literal["auto", "never"] = "auto"
     hf_sparse_version: str = field(default="", compare=False)
 
@@ -139,6 +147,7 @@ class SparsityConfig:
                 f"SparsityConfig.global_unstructured=True needs an 'unstructured:S' pattern, got {self.pattern!r}"
             )
         self._check_obs_and_dynamic(parsed)
+        self._check_calibration()
         if self.kernels not in ("auto", "never"):
             raise ValueError(f"SparsityConfig.kernels={self.kernels!r}: allowed 'auto' or 'never'")
         if not self.hf_sparse_version:
@@ -180,6 +189,23 @@ class SparsityConfig:
                     f"{'start' if self.schedule == 'oneshot' else 'end'}={end!r}: the masks reach the final "
                     "pattern first"
                 )
+
+    def _check_calibration(self) -> None:
+        from .scoring import get_score
+
+        for name in ("calibration_batches", "sparsegpt_block_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"SparsityConfig.{name}={value!r}: must be an int >= 1")
+        damp = self.sparsegpt_damp
+        if isinstance(damp, bool) or not isinstance(damp, int | float) or not damp > 0:
+            raise ValueError(f"SparsityConfig.sparsegpt_damp={damp!r}: must be a number > 0 (relative dampening)")
+        if self.global_unstructured and get_score(self.score).needs_calibration:
+            raise ValueError(
+                f"SparsityConfig.global_unstructured=True with score={self.score!r}: activation-aware scores prune "
+                "layer by layer (each layer sees the inputs of the already-pruned ones), so no global threshold "
+                "exists; use global_unstructured=False (per-layer sparsity) or score='magnitude'"
+            )
 
     @property
     def parsed_pattern(self) -> Pattern:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import warnings
@@ -57,6 +58,31 @@ class _KernelPathSwitch(TrainerCallback):
         self.engaged = False
 
 
+class _DenseTeacherSnapshot(TrainerCallback):
+    """Self-distillation: at the step where pruning begins (before the sparsity callback prunes), a frozen copy of
+    the model as it is then (the end of the dense phase) becomes the trainer's teacher."""
+
+    def __init__(self, trainer: SparseTrainer) -> None:
+        self.trainer = trainer
+        self.warned = False
+
+    def on_step_begin(self, args, state, control, model=None, **kwargs):
+        trainer, pruner = self.trainer, self.trainer.pruner
+        if trainer.teacher_model is not None or pruner is None or pruner.plan is None or model is None:
+            return
+        if pruner.level is None and pruner.plan.level(state.global_step) is not None:
+            teacher = copy.deepcopy(unwrap_model(model))
+            trainer.teacher_model = teacher.eval().requires_grad_(False)
+            logger.info("hf_sparse: step %d: dense model copied as the self-distillation teacher", state.global_step)
+        elif pruner.level is not None and not self.warned:
+            self.warned = True
+            warnings.warn(
+                "hf_sparse: self-distillation: training resumed after the dense phase, whose model (the teacher) is "
+                "not saved in checkpoints; training goes on without distillation",
+                stacklevel=2,
+            )
+
+
 class SparseTrainer(Trainer):
     """``Trainer`` plus gradual N:M / V:N:M pruning.
 
@@ -78,6 +104,11 @@ class SparseTrainer(Trainer):
     the training loss becomes ``(1 - distill_alpha) * task_loss + distill_alpha * kd_loss`` (see
     :mod:`hf_sparse.distillation`). The teacher is frozen, kept in eval mode and moved to the training device; it
     runs under the same autocast as the student and only on training batches (evaluation reports the task loss).
+
+    Self-distillation: with ``self_distillation=True`` (and no ``teacher_model``) the teacher is the model itself as
+    it is when pruning begins: at the first pruning step a frozen copy is taken (one more copy of the model in
+    memory), so a run with a dense phase (``SparsityConfig.start > 0``) distils the pruned model from its own dense
+    phase, with no separate teacher run. Before that step the loss is the task loss.
     """
 
     def __init__(
@@ -85,17 +116,23 @@ class SparseTrainer(Trainer):
         *args: Any,
         sparsity_config: SparsityConfig | None = None,
         teacher_model: torch.nn.Module | None = None,
+        self_distillation: bool = False,
         distill_alpha: float = 0.5,
         distill_temperature: float = 2.0,
         **kwargs: Any,
     ) -> None:
-        if teacher_model is not None:
+        if self_distillation and teacher_model is not None:
+            raise ValueError("give teacher_model or self_distillation=True, not both: self-distillation makes its own")
+        if self_distillation and sparsity_config is None:
+            raise ValueError("self_distillation=True needs a sparsity_config: the teacher is the model before pruning")
+        if teacher_model is not None or self_distillation:
             if not 0.0 <= distill_alpha <= 1.0:
                 raise ValueError(
                     f"distill_alpha must be in [0, 1] (weight of the distillation loss), got {distill_alpha}"
                 )
             if distill_temperature <= 0:
                 raise ValueError(f"distill_temperature must be > 0, got {distill_temperature}")
+        if teacher_model is not None:
             teacher_model.eval().requires_grad_(False)
         self.teacher_model = teacher_model
         self.distill_alpha = distill_alpha
@@ -107,6 +144,8 @@ class SparseTrainer(Trainer):
                 raise TypeError(f"sparsity_config must be a SparsityConfig, got {type(sparsity_config).__name__}")
             self.sparsity_callback = SparsityCallback(sparsity_config)
             self.sparsity_callback.adds_metrics_to_logs = False
+            if self_distillation:
+                callbacks.append(_DenseTeacherSnapshot(self))  # before the sparsity callback prunes
             callbacks.append(self.sparsity_callback)
             if sparsity_config.kernels == "auto":
                 callbacks.append(_KernelPathSwitch(self.sparsity_callback))
