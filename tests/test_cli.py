@@ -71,3 +71,50 @@ def test_demo_end_to_end(tmp_path):
     report = json.loads((tmp_path / "demo_report.json").read_text())
     assert report["sparsity"] == pytest.approx(0.5) and report["max_logit_diff"] == 0.0
     assert report["checkpoint_bytes"] / report["dense_bytes"] < 0.6
+
+
+def test_prune_command_writes_a_loadable_checkpoint_and_card(tmp_path, capsys):
+    from _tiny_models import build_tiny_bert
+    from transformers import AutoModel
+
+    texts = [f"the film number {i} was {'good' if i % 2 else 'bad'} and long" for i in range(40)]
+    model_dir = build_tiny_bert(tmp_path / "model", texts)
+    calibration = tmp_path / "train.tsv"
+    calibration.write_text("sentence\tlabel\n" + "".join(f"{t}\t{i % 2}\n" for i, t in enumerate(texts)))
+    out = tmp_path / "pruned"
+    argv = [
+        "prune",
+        str(model_dir),
+        "--pattern",
+        "2:4",
+        "--score",
+        "sparsegpt",
+        "--calibration_file",
+        str(calibration),
+    ]
+    assert main([*argv, "--num_calibration_samples", "16", "--max_seq_length", "16", "--output_dir", str(out)]) == 0
+    assert "pruned 12 layers to 2:4 (sparsegpt); sparsity 50.00%" in capsys.readouterr().out
+    config = json.loads((out / "config.json").read_text())
+    assert config["quantization_config"]["sparsity_config"]["score"] == "sparsegpt"
+    card = (out / "README.md").read_text()
+    assert "2:4" in card and "train.tsv" in card
+    loaded = AutoModel.from_pretrained(out)
+    assert isinstance(loaded.encoder.layer[0].attention.self.query, hf_sparse.SparseLinear)
+    assert main(["prune", str(model_dir), "--calibration_file", str(tmp_path / "x.txt"), "--output_dir", "o"]) == 2
+    assert "expected one of .tsv, .csv, .json, .jsonl" in capsys.readouterr().err
+
+
+def test_calibration_texts_from_every_format(tmp_path):
+    from hf_sparse.calibration_data import read_texts
+
+    (tmp_path / "a.csv").write_text('id,body\n1,"first text, with comma"\n2,second text\n')
+    assert read_texts(tmp_path / "a.csv") == ["first text, with comma", "second text"]  # detected: has spaces
+    (tmp_path / "b.jsonl").write_text('{"text": "one line"}\n{"text": ""}\n{"text": "two"}\n')
+    assert read_texts(tmp_path / "b.jsonl") == ["one line", "two"]
+    squad = {"data": [{"title": "t", "paragraphs": [{"context": "a context here", "qas": []}]}]}
+    (tmp_path / "c.json").write_text(json.dumps(squad))
+    assert read_texts(tmp_path / "c.json") == ["a context here"]
+    (tmp_path / "d.json").write_text(json.dumps([{"q": "x y", "sentence": "s t"}]))
+    assert read_texts(tmp_path / "d.json", "q") == ["x y"]
+    with pytest.raises(ValueError, match="no column 'nope'"):
+        read_texts(tmp_path / "d.json", "nope")
