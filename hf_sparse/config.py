@@ -54,7 +54,10 @@ class SparsityConfig:
         ignore: module-name regexes never pruned, applied after ``targets``.
         score: importance used to rank weights; ``"magnitude"`` (|w|), ``"obs"`` (second-order Optimal Brain
             Surgeon with an empirical Fisher: exact best subset per group and an update of the weights that stay,
-            see :class:`hf_sparse.scoring.ObsScore`), or any name registered with
+            see :class:`hf_sparse.scoring.ObsScore`), ``"wanda"`` (``|W|`` times each input feature's norm) or
+            ``"sparsegpt"`` (layer-wise reconstruction of each layer's outputs, moving the kept weights), both from
+            calibration batches run through the model before each update (see :mod:`hf_sparse.calibration`), or
+            any name registered with
             :func:`hf_sparse.scoring.register_score`.
         transposable: make 2:4 masks valid for ``W`` and ``W.T`` (exact search over the 90 patterns per 4x4 block).
         global_unstructured: rank unstructured importance across all targeted layers instead of per layer.

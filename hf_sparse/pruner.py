@@ -9,6 +9,11 @@ It knows nothing of ``Trainer``: :mod:`hf_sparse.callback` drives it. What it gu
   optimizer state at pruned positions once instead, after which nothing moves them);
 * :meth:`state_dict` / :meth:`load_state_dict` restore masks, level and schedule position exactly.
 
+Activation-aware scores (Wanda, SparseGPT: ``needs_calibration``) read the layers' inputs: :meth:`set_calibration`
+says where the batches come from (``hf_sparse.oneshot``'s argument, or the training data through the callback),
+and :meth:`recompute` then prunes each layer inside a block-by-block calibration pass
+(:mod:`hf_sparse.calibration`), so every layer is scored on the inputs the already-pruned layers give it.
+
 With ``SparsityConfig.dynamic`` the last two change on purpose (see :mod:`hf_sparse.dynamic`): gradients are not
 masked, pruned weights are not zeroed, the layers compute with ``W ⊙ mask`` instead, and masks keep being
 recomputed after the ramp until ``dense_finetune_start`` drops them. :attr:`Pruner.masks_final` says whether

@@ -76,9 +76,7 @@ def inverse_cholesky(hessian: Tensor, damp: float) -> Tensor:
     mean_diag = float(h.diagonal().mean())
     if not mean_diag > 0:
         return torch.eye(h.shape[0], dtype=torch.float32, device=h.device)
-    h.diagonal().add_(damp * mean_diag)
-    dead = h.diagonal() <= 0  # cannot happen with damp > 0; kept for damp = 0 in tests
-    h[dead, dead] = 1.0
+    h.diagonal().add_(damp * mean_diag)  # also makes the diagonal of a feature no token used positive
     inverse = torch.cholesky_inverse(torch.linalg.cholesky(h))
     return torch.linalg.cholesky(inverse, upper=True)
 
