@@ -74,6 +74,12 @@ class _DenseTeacherSnapshot(TrainerCallback):
             teacher = copy.deepcopy(unwrap_model(model))
             trainer.teacher_model = teacher.eval().requires_grad_(False)
             logger.info("hf_sparse: step %d: dense model copied as the self-distillation teacher", state.global_step)
+            if state.global_step == 0:
+                warnings.warn(
+                    "hf_sparse: self-distillation teacher taken at step 0, before any fine-tuning; give the run a "
+                    "dense phase (SparsityConfig.start > 0) so the teacher has learnt the task",
+                    stacklevel=2,
+                )
         elif pruner.level is not None and not self.warned:
             self.warned = True
             warnings.warn(

@@ -104,3 +104,16 @@ def test_self_distillation_arguments_are_checked(tmp_path):
         )
     with pytest.raises(ValueError, match="needs a sparsity_config"):
         SparseTrainer(model=_model(), args=trainer_args(tmp_path), self_distillation=True)
+
+
+def test_self_distillation_without_a_dense_phase_warns(tmp_path):
+    trainer = SparseTrainer(
+        model=_model(),
+        args=trainer_args(tmp_path, max_steps=1),
+        train_dataset=ToyClassification(),
+        sparsity_config=SparsityConfig(pattern="2:4", schedule="oneshot", start=0, end=0),
+        self_distillation=True,
+    )
+    with pytest.warns(UserWarning, match="before any fine-tuning"):
+        trainer.train()
+    assert trainer.teacher_model is not None
