@@ -177,8 +177,8 @@ def distillation_kwargs(args: DistillationArguments, auto_cls, dtype: Any, spars
         return {}
     if not sparse:
         raise ValueError(
-            "--distill_from / --self_distill need a sparse run (--sparsity_pattern or --recipe): they are "
-            "SparseTrainer options"
+            f"{'--self_distill' if args.self_distill else '--distill_from'} needs a sparse run (--sparsity_pattern or "
+            "--recipe): it is a SparseTrainer option"
         )
     if args.distill_from is not None and args.self_distill:
         raise ValueError("give --distill_from or --self_distill, not both")
