@@ -4,6 +4,10 @@ Every flag maps onto one ``hf_sparse.SparsityConfig`` field. Flags default to ``
 ``--recipe`` file sets everything at once, any flag given on the command line overrides that recipe's value, and
 whatever neither sets keeps ``SparsityConfig``'s own default. Without a pattern (from either) the run is dense and
 uses a plain ``transformers.Trainer``, so the same script produces the dense baseline.
+
+``--recipe`` takes a file, or the name of one shipped in ``examples/recipes/`` (``--recipe prune_then_recover``).
+A recipe may carry a ``distillation:`` section (``self_distill``, ``alpha``, ``temperature``) next to its
+``sparsity:`` one; the ``--self_distill`` / ``--distill_alpha`` / ``--distill_temperature`` flags win over it.
 """
 
 from __future__ import annotations
@@ -20,10 +24,14 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "DistillationArguments",
     "SparsityArguments",
+    "available_recipes",
     "build_sparsity_config",
     "distillation_kwargs",
     "load_recipe",
+    "load_recipe_distillation",
+    "merge_distillation",
     "per_batch_mean_loss",
+    "resolve_recipe",
     "sparsity_config_kwargs",
     "trainer_class",
     "write_card",
@@ -46,7 +54,13 @@ FLAG_TO_CONFIG = {
     "sparsity_dynamic": "dynamic",
     "sparsity_masked_decay": "masked_decay",
     "sparsity_dense_finetune_start": "dense_finetune_start",
+    "sparsity_calibration_batches": "calibration_batches",
+    "sparsity_sparsegpt_damp": "sparsegpt_damp",
 }
+#: recipe ``distillation:`` key -> DistillationArguments field
+RECIPE_DISTILLATION = {"self_distill": "self_distill", "alpha": "distill_alpha", "temperature": "distill_temperature"}
+#: where ``--recipe NAME`` looks
+RECIPES_DIR = Path(__file__).resolve().parent / "recipes"
 
 
 @dataclass
@@ -75,7 +89,10 @@ class SparsityArguments:
     prune_ignore: list[str] | None = field(
         default=None, metadata={"help": "Regexes of module names never to prune (e.g. the classifier)."}
     )
-    sparsity_score: str | None = field(default=None, metadata={"help": "Importance score: 'magnitude' or 'obs'."})
+    sparsity_score: str | None = field(
+        default=None,
+        metadata={"help": "Importance score: 'magnitude', 'obs', or activation-aware 'wanda' / 'sparsegpt'."},
+    )
     transposable_masks: bool | None = field(
         default=None,
         metadata={"help": "Use transposable 2:4 masks (sparse input gradients too).", "nargs": "?", "const": True},
@@ -108,10 +125,18 @@ class SparsityArguments:
             "the saved model is then dense."
         },
     )
+    sparsity_calibration_batches: int | None = field(
+        default=None,
+        metadata={"help": "wanda/sparsegpt: training batches run through the model before each mask update."},
+    )
+    sparsity_sparsegpt_damp: float | None = field(
+        default=None, metadata={"help": "sparsegpt: dampening relative to the mean diagonal of each layer's X^T X."}
+    )
     recipe: str | None = field(
         default=None,
         metadata={
-            "help": "JSON or YAML file setting the sparsity fields at once; flags given on the command line win."
+            "help": "A recipe name from examples/recipes (prune_then_recover, gradual_sparsegpt, ...) or a JSON/YAML "
+            "file setting the sparsity (and distillation) fields at once; flags given on the command line win."
         },
     )
 
@@ -124,28 +149,49 @@ class DistillationArguments:
         default=None,
         metadata={"help": "Folder of a dense model fine-tuned on this task (same head and tokenizer): the teacher."},
     )
-    distill_alpha: float = field(
-        default=0.5, metadata={"help": "Weight of the distillation loss: (1 - a) * task loss + a * KD loss."}
+    self_distill: bool | None = field(
+        default=None,
+        metadata={
+            "help": "Self-distillation: the teacher is a frozen copy of this model taken when pruning begins (the end "
+            "of the dense phase, SparsityConfig.start); no separate teacher run.",
+            "nargs": "?",
+            "const": True,
+        },
     )
-    distill_temperature: float = field(default=2.0, metadata={"help": "Softmax temperature of the KD loss."})
+    distill_alpha: float | None = field(
+        default=None, metadata={"help": "Weight of the distillation loss: (1 - a) * task loss + a * KD loss (0.5)."}
+    )
+    distill_temperature: float | None = field(
+        default=None, metadata={"help": "Softmax temperature of the KD loss (2.0)."}
+    )
+
+
+#: DistillationArguments defaults when neither a flag nor the recipe sets them
+DISTILLATION_DEFAULTS = {"self_distill": False, "distill_alpha": 0.5, "distill_temperature": 2.0}
 
 
 def distillation_kwargs(args: DistillationArguments, auto_cls, dtype: Any, sparse: bool) -> dict[str, Any]:
-    """``SparseTrainer`` keyword arguments for ``--distill_from`` (empty without it). The teacher is loaded with
-    ``auto_cls.from_pretrained`` in the student's dtype."""
-    if args.distill_from is None:
+    """``SparseTrainer`` keyword arguments for ``--distill_from`` or ``--self_distill`` (empty without either). The
+    teacher of ``--distill_from`` is loaded with ``auto_cls.from_pretrained`` in the student's dtype."""
+    if args.distill_from is None and not args.self_distill:
         return {}
     if not sparse:
         raise ValueError(
-            "--distill_from needs a sparse run (--sparsity_pattern or --recipe): it is a SparseTrainer option"
+            f"{'--self_distill' if args.self_distill else '--distill_from'} needs a sparse run (--sparsity_pattern or "
+            "--recipe): it is a SparseTrainer option"
         )
+    if args.distill_from is not None and args.self_distill:
+        raise ValueError("give --distill_from or --self_distill, not both")
+    alpha = args.distill_alpha if args.distill_alpha is not None else DISTILLATION_DEFAULTS["distill_alpha"]
+    temperature = args.distill_temperature
+    temperature = temperature if temperature is not None else DISTILLATION_DEFAULTS["distill_temperature"]
+    kwargs: dict[str, Any] = {"distill_alpha": alpha, "distill_temperature": temperature}
+    if args.self_distill:
+        logger.info("self-distillation from the dense phase (alpha %s, T %s)", alpha, temperature)
+        return {"self_distillation": True, **kwargs}
     teacher = auto_cls.from_pretrained(args.distill_from, dtype=dtype)
-    logger.info("distilling from %s (alpha %s, T %s)", args.distill_from, args.distill_alpha, args.distill_temperature)
-    return {
-        "teacher_model": teacher,
-        "distill_alpha": args.distill_alpha,
-        "distill_temperature": args.distill_temperature,
-    }
+    logger.info("distilling from %s (alpha %s, T %s)", args.distill_from, alpha, temperature)
+    return {"teacher_model": teacher, **kwargs}
 
 
 def _parse_point(value: Any) -> Any:
@@ -164,24 +210,50 @@ def _parse_point(value: Any) -> Any:
         ) from None
 
 
-def load_recipe(path: str | os.PathLike) -> dict[str, Any]:
-    """Read a recipe (JSON, or YAML if PyYAML is installed) into ``SparsityConfig`` field names.
+def available_recipes() -> list[str]:
+    """Names of the recipes shipped in ``examples/recipes``."""
+    return sorted(p.stem for p in RECIPES_DIR.glob("*.*") if p.suffix in {".yaml", ".yml", ".json"})
 
-    Keys may be the config's names (``pattern``, ``start``) or the flags' (``sparsity_pattern``, ``prune_targets``);
-    the sparsity keys may also sit under a top-level ``sparsity:`` section. Unknown keys are an error, so a typo
-    does not silently train the wrong model.
-    """
-    path = Path(path)
+
+def resolve_recipe(recipe: str | os.PathLike) -> Path:
+    """A recipe file: ``recipe`` itself if it exists, else the shipped recipe of that name."""
+    path = Path(recipe)
+    if path.is_file():
+        return path
+    if path.suffix == "" and len(path.parts) == 1:
+        for suffix in (".yaml", ".yml", ".json"):
+            candidate = RECIPES_DIR / f"{recipe}{suffix}"
+            if candidate.is_file():
+                return candidate
+    raise FileNotFoundError(f"recipe {str(recipe)!r}: no such file, nor a shipped recipe {available_recipes()}")
+
+
+def _read_recipe(path: str | os.PathLike) -> tuple[Path, Any]:
+    path = resolve_recipe(path)
     text = path.read_text(encoding="utf-8")
     if path.suffix.lower() in {".yaml", ".yml"}:
         try:
             import yaml
         except ImportError:
             raise ImportError(f"{path} is YAML: pip install pyyaml, or write the recipe as JSON") from None
-        data = yaml.safe_load(text)
-    else:
-        data = json.loads(text)
+        return path, yaml.safe_load(text)
+    return path, json.loads(text)
+
+
+def load_recipe(path: str | os.PathLike) -> dict[str, Any]:
+    """Read a recipe (JSON, or YAML if PyYAML is installed; a file or a shipped recipe's name) into
+    ``SparsityConfig`` field names.
+
+    Keys may be the config's names (``pattern``, ``start``) or the flags' (``sparsity_pattern``, ``prune_targets``);
+    the sparsity keys may also sit under a top-level ``sparsity:`` section (next to an optional ``distillation:``
+    one, see :func:`load_recipe_distillation`). Unknown keys are an error, so a typo does not silently train the
+    wrong model.
+    """
+    path, data = _read_recipe(path)
     if isinstance(data, dict) and isinstance(data.get("sparsity"), dict):
+        other = sorted(set(data) - {"sparsity", "distillation"})
+        if other:
+            raise ValueError(f"{path}: unknown recipe sections {other}; allowed: sparsity, distillation")
         data = data["sparsity"]
     if not isinstance(data, dict):
         raise ValueError(f"{path}: a recipe must be a mapping of sparsity settings, got {type(data).__name__}")
@@ -189,6 +261,31 @@ def load_recipe(path: str | os.PathLike) -> dict[str, Any]:
 
     check_known_keys(data, set(FLAG_TO_CONFIG) | set(FLAG_TO_CONFIG.values()), f"recipe {path}")
     return {FLAG_TO_CONFIG.get(k, k): v for k, v in data.items()}
+
+
+def load_recipe_distillation(path: str | os.PathLike) -> dict[str, Any]:
+    """A recipe's ``distillation:`` section as ``DistillationArguments`` field names (empty when it has none)."""
+    path, data = _read_recipe(path)
+    section = data.get("distillation") if isinstance(data, dict) else None
+    if section is None:
+        return {}
+    unknown = sorted(set(section) - set(RECIPE_DISTILLATION)) if isinstance(section, dict) else None
+    if unknown is None or unknown:
+        raise ValueError(
+            f"{path}: distillation keys {unknown or section!r} unknown; allowed: {sorted(RECIPE_DISTILLATION)}"
+        )
+    return {RECIPE_DISTILLATION[k]: v for k, v in section.items()}
+
+
+def merge_distillation(args: DistillationArguments, recipe: str | None) -> DistillationArguments:
+    """Fill the distillation flags not given on the command line from the recipe's ``distillation:`` section."""
+    from_recipe = load_recipe_distillation(recipe) if recipe else {}
+    for name, value in from_recipe.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if args.self_distill is None:
+        args.self_distill = DISTILLATION_DEFAULTS["self_distill"]
+    return args
 
 
 def sparsity_config_kwargs(args: SparsityArguments) -> dict[str, Any] | None:
@@ -244,6 +341,7 @@ def parse_args_and_setup(model_cls, data_cls, argv: list[str] | None, logger: lo
     datasets.utils.logging.set_verbosity(log_level)
     transformers.utils.logging.set_verbosity(log_level)
     sparsity_kwargs = sparsity_config_kwargs(sparse_args)
+    distill_args = merge_distillation(distill_args, sparse_args.recipe)
     sparsity_config = build_sparsity_config(sparsity_kwargs) if sparsity_kwargs is not None else None
     logger.info("sparsity: %s", sparsity_kwargs or "none (dense run)")
     set_seed(training_args.seed)

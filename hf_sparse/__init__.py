@@ -12,6 +12,7 @@ from .formats.compressed import FORMAT_VERSION, CompressedFormatError
 from .integrations.quantizer import HfSparseConfig, HfSparseQuantizer
 from .nn.convert import to_dense
 from .nn.sparse_linear import SparseLinear
+from .oneshot import oneshot
 from .patterns import NM, VNM, PatternError, Unstructured, parse_pattern
 from .pruner import Pruner
 from .serialization import compressed_state_dict, save_pretrained
@@ -33,6 +34,7 @@ __all__ = [
     "Unstructured",
     "__version__",
     "compressed_state_dict",
+    "oneshot",
     "parse_pattern",
     "save_pretrained",
     "to_dense",

@@ -8,7 +8,8 @@ Event by event:
   schedule at step 0), prune and make the layers compact now, so the optimizer, DDP and FSDP2 only ever see the
   kept values.
 * ``on_train_begin``: bind the schedule to ``state.max_steps``, follow the Parameters a wrapper may have replaced
-  (FSDP2) and, when resuming, restore the masks saved with the checkpoint (see :meth:`SparsityCallback.load_state`).
+  (FSDP2), give activation-aware scores their calibration batches (see :func:`calibration_loader`) and, when
+  resuming, restore the masks saved with the checkpoint (see :meth:`SparsityCallback.load_state`).
 * ``on_step_begin``: update the masks if this optimizer step is an update step of the schedule; once they are
   final, make the layers compact and move their optimizer state (:func:`hf_sparse.compact.make_compact`), unless
   a DDP/FSDP wrapper holds the Parameters: then the run stays on the masked dense path and says why once.
@@ -29,11 +30,14 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Callable, Iterable
 
+import torch
 from safetensors.torch import load_file, save_file
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
+from .calibration import CalibrationSource
 from .compact import install_load_hook, make_compact, why_not_compact_now
 from .config import SparsityConfig
 from .distributed import full_tensor
@@ -41,12 +45,35 @@ from .modeling import unwrap_model
 from .ops._build import KernelUnavailableError, load_extension
 from .pruner import Pruner
 
-__all__ = ["PRUNER_STATE_NAME", "SparsityCallback"]
+__all__ = ["PRUNER_STATE_NAME", "SparsityCallback", "calibration_loader"]
 
 logger = logging.getLogger(__name__)
 
 #: File written next to every Trainer checkpoint.
 PRUNER_STATE_NAME = "hf_sparse_pruner.safetensors"
+
+
+def calibration_loader(train_dataloader, num_batches: int, seed: int) -> Callable[[], Iterable]:
+    """Calibration batches drawn from the training data: the ``num_batches`` first batches of a new loader over the
+    train dataloader's dataset and collator (unused columns already removed by ``Trainer``), shuffled by a
+    generator seeded with ``seed``, so every mask update sees the same batches. Iterating it does not touch the
+    training loader's iteration, sampler state or RNG."""
+    dataset, collate = train_dataloader.dataset, train_dataloader.collate_fn
+    batch_size = getattr(train_dataloader, "batch_size", None)
+    batch_size = batch_size or getattr(getattr(train_dataloader, "batch_sampler", None), "batch_size", None) or 8
+
+    def batches() -> Iterable:
+        shuffle = not isinstance(dataset, torch.utils.data.IterableDataset)
+        generator = torch.Generator().manual_seed(seed)
+        loader = torch.utils.data.DataLoader(
+            dataset, batch_size=batch_size, shuffle=shuffle, collate_fn=collate, generator=generator
+        )
+        for i, batch in enumerate(loader):
+            if i >= num_batches:
+                return
+            yield batch
+
+    return batches
 
 
 class SparsityCallback(TrainerCallback):
@@ -56,14 +83,23 @@ class SparsityCallback(TrainerCallback):
         config: what to prune and when.
         resume_from: a checkpoint folder to restore the pruner state from; by default, when ``Trainer`` resumes,
             the state is read from ``output_dir/checkpoint-<global_step>``.
+        calibration: batches for activation-aware scores (``"wanda"``, ``"sparsegpt"``): an iterable of dicts of
+            tensors or a function returning one (at most ``config.calibration_batches`` of its batches are used);
+            by default ``config.calibration_batches`` batches of the training data (:func:`calibration_loader`).
     """
 
-    def __init__(self, config: SparsityConfig, resume_from: str | os.PathLike | None = None) -> None:
+    def __init__(
+        self,
+        config: SparsityConfig,
+        resume_from: str | os.PathLike | None = None,
+        calibration: CalibrationSource | None = None,
+    ) -> None:
         if not isinstance(config, SparsityConfig):
             raise TypeError(f"SparsityCallback needs a SparsityConfig, got {type(config).__name__}")
         self.config = config
         self.pruner: Pruner | None = None
         self.resume_from = resume_from
+        self.calibration = calibration
         self._pending_state: str | None = None
         self._log_per_layer = False
         self._compact_refused = False
@@ -132,14 +168,31 @@ class SparsityCallback(TrainerCallback):
             self.pruner = Pruner(unwrap_model(model), self.config)
         if self._load_hook is None:
             self._load_hook = install_load_hook(model, self.pruner)
-        if self.config.compact and self.pruner.prune_at_start():
+        if self.config.compact and self._calibrated_at_init() and self.pruner.prune_at_start():
             self._make_compact(model, None, 0)
+
+    def _calibrated_at_init(self) -> bool:
+        """Whether the score can prune inside ``Trainer.__init__``: activation-aware scores need calibration batches,
+        which then exist only when given to the callback (the train dataloader comes at train start; without given
+        batches the one-shot masks are made at step 0 and the layers turn compact there)."""
+        if not self.pruner.scorer.needs_calibration:
+            return True
+        if self.calibration is None:
+            return False
+        self.pruner.set_calibration(self.calibration, self.config.calibration_batches)
+        return True
 
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs):
         model = kwargs["model"]
         self.setup(model, state.max_steps)
         self._load_kernels(model)
         self.pruner.rebind()  # the model is wrapped by now: FSDP2 has replaced the Parameters the hooks were on
+        if self.pruner.scorer.needs_calibration:
+            if self.calibration is not None:
+                self.pruner.set_calibration(self.calibration, self.config.calibration_batches)
+            elif kwargs.get("train_dataloader") is not None:
+                loader = calibration_loader(kwargs["train_dataloader"], self.config.calibration_batches, args.seed)
+                self.pruner.set_calibration(loader)
         if self.resume_from is not None:
             if not self.load_state(self.resume_from):
                 raise FileNotFoundError(f"SparsityCallback: no {PRUNER_STATE_NAME} in {self.resume_from}")

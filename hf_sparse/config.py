@@ -107,7 +107,10 @@ class SparsityConfig:
         ignore: module-name regexes never pruned, applied after ``targets``.
         score: importance used to rank weights; ``"magnitude"`` (|w|), ``"obs"`` (second-order Optimal Brain
             Surgeon with an empirical Fisher: exact best subset per group and an update of the weights that stay,
-            see :class:`hf_sparse.scoring.ObsScore`), or any name registered with
+            see :class:`hf_sparse.scoring.ObsScore`), ``"wanda"`` (``|W|`` times each input feature's norm) or
+            ``"sparsegpt"`` (layer-wise reconstruction of each layer's outputs, moving the kept weights), both from
+            calibration batches run through the model before each update (see :mod:`hf_sparse.calibration`), or
+            any name registered with
             :func:`hf_sparse.scoring.register_score`.
         transposable: make 2:4 masks valid for ``W`` and ``W.T`` (exact search over the 90 patterns per 4x4 block).
         global_unstructured: rank unstructured importance across all targeted layers instead of per layer.
@@ -126,13 +129,11 @@ class SparsityConfig:
         dense_finetune_start: ``dynamic`` only: from this point on (fraction of training or step, after ``end``)
             the masks are dropped and the model trains dense, the final phase of Hu et al.'s pre-training recipe;
             the model saved at the end is then an ordinary dense checkpoint.
-        kernels: ``"auto"``: compact layers run on the Sparse Tensor Core kernels (CUDA, 2:4 or V:2:M) wherever
-            they measure faster than dense; ``"never"``: always on dense matmuls.
-        compact: once the masks are final (from the start with a one-shot schedule at step 0, else at the last
-            mask update of the ramp), replace each pruned layer by a compact
-            :class:`~hf_sparse.nn.SparseLinear` whose Parameter holds only the kept values, moving its optimizer
-            state along (see :mod:`hf_sparse.compact`); training continues exactly as the masked dense run would.
-            ``False`` keeps the dense masked layers to the end. Dynamic masks never become final, so they stay dense.
+        calibration_batches: activation-aware scores (``"wanda"``, ``"sparsegpt"``) inside a Trainer: how many batches
+            of the training data (a fixed, seeded draw of the train dataloader's dataset and collator) run through
+            the model before each mask update. :func:`hf_sparse.oneshot` uses the batches it is given.
+        sparsegpt_damp: ``score="sparsegpt"``: dampening relative to the mean diagonal of each layer's ``Xᵀ X``.
+        sparsegpt_block_size: ``score="sparsegpt"``: columns per lazy-update block of the sweep.
     """
 
     pattern: str = "2:4"
@@ -151,6 +152,9 @@ class SparsityConfig:
     dynamic: bool = False
     masked_decay: float = 0.0
     dense_finetune_start: float | int | None = None
+    calibration_batches: int = 32
+    sparsegpt_damp: float = 1e-2
+    sparsegpt_block_size: int = 128
     kernels: Literal["auto", "never"] = "auto"
     compact: bool = True
     hf_sparse_version: str = field(default="", compare=False)
@@ -186,6 +190,7 @@ class SparsityConfig:
                 f"SparsityConfig.global_unstructured=True needs an 'unstructured:S' pattern, got {self.pattern!r}"
             )
         self._check_obs_and_dynamic(parsed)
+        self._check_calibration()
         if self.kernels not in ("auto", "never"):
             raise ValueError(f"SparsityConfig.kernels={self.kernels!r}: allowed 'auto' or 'never'")
         if not isinstance(self.compact, bool):
@@ -231,6 +236,23 @@ class SparsityConfig:
                     f"{'start' if self.schedule == 'oneshot' else 'end'}={end!r}: the masks reach the final "
                     "pattern first"
                 )
+
+    def _check_calibration(self) -> None:
+        from .scoring import get_score
+
+        for name in ("calibration_batches", "sparsegpt_block_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"SparsityConfig.{name}={value!r}: must be an int >= 1")
+        damp = self.sparsegpt_damp
+        if isinstance(damp, bool) or not isinstance(damp, int | float) or not damp > 0:
+            raise ValueError(f"SparsityConfig.sparsegpt_damp={damp!r}: must be a number > 0 (relative dampening)")
+        if self.global_unstructured and get_score(self.score).needs_calibration:
+            raise ValueError(
+                f"SparsityConfig.global_unstructured=True with score={self.score!r}: activation-aware scores prune "
+                "layer by layer (each layer sees the inputs of the already-pruned ones), so no global threshold "
+                "exists; use global_unstructured=False (per-layer sparsity) or score='magnitude'"
+            )
 
     @property
     def parsed_pattern(self) -> Pattern:

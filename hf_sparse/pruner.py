@@ -9,9 +9,10 @@ It knows nothing of ``Trainer``: :mod:`hf_sparse.callback` drives it. What it gu
   optimizer state at pruned positions once instead, after which nothing moves them);
 * :meth:`state_dict` / :meth:`load_state_dict` restore masks, level and schedule position exactly.
 
-Once the masks are final a layer may be replaced by a compact module (:mod:`hf_sparse.compact`), reported through
-:meth:`Pruner.replace_module`: its ``weight`` then holds only the kept values, so there is nothing left to mask, and
-the pruner keeps only its mask (for metrics, the saved state and the checkpoint format).
+Activation-aware scores (Wanda, SparseGPT: ``needs_calibration``) read the layers' inputs: :meth:`set_calibration`
+says where the batches come from (``hf_sparse.oneshot``'s argument, or the training data through the callback),
+and :meth:`recompute` then prunes each layer inside a block-by-block calibration pass
+(:mod:`hf_sparse.calibration`), so every layer is scored on the inputs the already-pruned layers give it.
 
 With ``SparsityConfig.dynamic`` the last two change on purpose (see :mod:`hf_sparse.dynamic`): gradients are not
 masked, pruned weights are not zeroed, the layers compute with ``W ⊙ mask`` instead, and masks keep being
@@ -29,12 +30,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from .calibration import CalibrationSource, prepare_batches, run_calibration
 from .config import SparsityConfig
 from .distributed import _broadcast_, broadcast_masks, count_zeros, full_tensor, is_sharded, local_part, world_size
 from .dynamic import masked_decay_, remove_masked_forward, set_masked_forward
 from .formats.bitpack import pack_bits, unpack_bits
 from .masks import apply_mask, apply_masks, compute_mask, unstructured_mask, unstructured_threshold
-from .modeling import TargetLayer, find_target_layers
+from .modeling import TargetLayer, find_target_layers, unwrap_model
 from .patterns import Pattern, Unstructured
 from .schedules import SchedulePlan, _resolve_step
 from .scoring import get_score
@@ -67,6 +69,11 @@ class Pruner:
         self.layers: list[TargetLayer] = find_target_layers(model, config, self.pattern)
         self.masks: dict[str, Tensor | None] = {layer.name: None for layer in self.layers}
         self.scorer = get_score(config.score, config)
+        self.model = unwrap_model(model)
+        self.calibration: CalibrationSource | None = None
+        self.calibration_max_batches: int | None = None
+        #: show a progress bar over the blocks of a calibration pass (hf_sparse.oneshot turns it on)
+        self.calibration_progress = False
         self.plan: SchedulePlan | None = None
         self.dense_start_step: int | None = None
         self.level: int | float | None = None
@@ -223,6 +230,12 @@ class Pruner:
         return self.plan.pattern_at(level)
 
     # ------------------------------------------------------------------ masks
+    def set_calibration(self, source: CalibrationSource | None, max_batches: int | None = None) -> None:
+        """Where activation-aware scores (``needs_calibration``) get their batches at each mask update: an iterable
+        of dicts of tensors, or a function returning one; at most ``max_batches`` of them (``None``: all)."""
+        self.calibration = source
+        self.calibration_max_batches = max_batches
+
     @torch.no_grad()
     def recompute(self, level: int | float) -> None:
         """New masks at ``level`` from the current weights' scores, applied at once."""
@@ -234,52 +247,88 @@ class Pruner:
         transposable = self.config.transposable and final
         global_threshold = isinstance(pattern, Unstructured) and self.config.global_unstructured
         direct = self.scorer.provides_prune and not transposable and not global_threshold
-        if self.scorer.provides_prune and self.is_sharded:
+        if (self.scorer.provides_prune or self.scorer.needs_calibration) and self.is_sharded:
             raise NotImplementedError(
-                f"score={self.config.score!r} moves the weights it keeps, which hf_sparse does not do on FSDP2-sharded "
-                "weights yet; train with DDP or one process, or use score='magnitude'"
+                f"score={self.config.score!r} needs the full weights (and, activation-aware, calibration passes "
+                "layer by layer), which hf_sparse does not do on FSDP2-sharded weights yet; train with DDP or one "
+                "process, or use score='magnitude'"
             )
-        scores = (
-            {}
-            if direct
-            else {layer.name: self.scorer.score(layer.name, full_tensor(layer.weight)) for layer in self.layers}
-        )
         threshold = None
         if global_threshold:
-            threshold = unstructured_threshold(list(scores.values()), pattern.sparsity)
-        flips = total = 0
-        for layer in self.layers:
-            previous = self.masks[layer.name]
-            new_weight = None
-            if direct:
-                # nested ramp levels: a weight pruned earlier stays pruned (dynamic masks may move freely)
-                allowed = None if self.config.dynamic else previous
-                mask, new_weight = self.scorer.prune(layer.name, layer.weight, pattern, allowed)
-            else:
-                score = scores.pop(layer.name)
-                if threshold is not None:
-                    mask = unstructured_mask(score, pattern.sparsity, threshold)
-                else:
-                    mask = compute_mask(score, pattern, transposable=transposable)
-                if self.scorer.provides_prune:
-                    new_weight = self.scorer.compensate(layer.name, layer.weight, mask.to(layer.weight.device))
-            mask = mask.to(layer.weight.device).contiguous()
-            broadcast_masks({layer.name: mask})  # rank 0's mask on every rank (a no-op in one process)
-            if new_weight is not None and world_size() > 1:
-                new_weight = new_weight.to(layer.weight.device).contiguous()
-                _broadcast_(new_weight)  # and rank 0's compensated weights
-            if previous is not None:
-                flips += int((previous != mask).sum())
-                total += mask.numel()
-            self.masks[layer.name] = mask
-            self._write_weight(layer, mask, new_weight)
+            scores = [self.scorer.score(layer.name, full_tensor(layer.weight)) for layer in self.layers]
+            threshold = unstructured_threshold(scores, pattern.sparsity)
+            del scores
+        counts = [0, 0]  # flipped, compared
+
+        def prune(layer: TargetLayer) -> None:
+            flips, total = self._prune_layer(layer, pattern, direct, transposable, threshold)
+            counts[0] += flips
+            counts[1] += total
+            self.scorer.release(layer.name)
+
+        if self.scorer.needs_calibration:
+            self._calibrated(prune)
+        else:
+            for layer in self.layers:
+                prune(layer)
         self._refresh_sharded_zeros()
         self.scorer.reset()
         if self.config.dynamic:
             self._sync_forward_masks()
-        self.flip_rate = flips / total if total else None
+        self.flip_rate = counts[0] / counts[1] if counts[1] else None
         self.level = level
         logger.info("hf_sparse: masks updated to %s (flip rate %s)", pattern, self.flip_rate)
+
+    def _calibrated(self, prune) -> None:
+        """Run the calibration batches block by block (:mod:`hf_sparse.calibration`), pruning each layer once the
+        score has seen its inputs."""
+        if self.calibration is None:
+            raise RuntimeError(
+                f"score={self.config.score!r} needs calibration batches: pass them to hf_sparse.oneshot(model, config, "
+                "calibration), train with SparsityCallback / SparseTrainer (which draw them from the training data), "
+                "or call pruner.set_calibration(batches)"
+            )
+        batches = prepare_batches(self.model, self.calibration, self.calibration_max_batches)
+        scorer = self.scorer
+        run_calibration(
+            self.model,
+            self.layers,
+            batches,
+            observe=scorer.observe_input,
+            share=scorer.share_statistics,
+            prune=prune,
+            progress=self.calibration_progress,
+        )
+
+    def _prune_layer(
+        self, layer: TargetLayer, pattern: Pattern, direct: bool, transposable: bool, threshold: float | None
+    ) -> tuple[int, int]:
+        """New mask (and, for scores that move weights, new weights) of one layer; returns ``(flipped, compared)``."""
+        previous = self.masks[layer.name]
+        new_weight = None
+        if direct:
+            # nested ramp levels: a weight pruned earlier stays pruned (dynamic masks may move freely)
+            allowed = None if self.config.dynamic else previous
+            mask, new_weight = self.scorer.prune(layer.name, layer.weight, pattern, allowed)
+        else:
+            score = self.scorer.score(layer.name, full_tensor(layer.weight))
+            if threshold is not None:
+                mask = unstructured_mask(score, pattern.sparsity, threshold)
+            else:
+                mask = compute_mask(score, pattern, transposable=transposable)
+            del score
+            if self.scorer.provides_prune:
+                new_weight = self.scorer.compensate(layer.name, layer.weight, mask.to(layer.weight.device))
+        mask = mask.to(layer.weight.device).contiguous()
+        broadcast_masks({layer.name: mask})  # rank 0's mask on every rank (a no-op in one process)
+        if new_weight is not None and world_size() > 1:
+            new_weight = new_weight.to(layer.weight.device).contiguous()
+            _broadcast_(new_weight)  # and rank 0's compensated weights
+        self.masks[layer.name] = mask
+        self._write_weight(layer, mask, new_weight)
+        if previous is None:
+            return 0, 0
+        return int((previous != mask).sum()), mask.numel()
 
     @torch.no_grad()
     def _write_weight(self, layer: TargetLayer, mask: Tensor, new_weight: Tensor | None) -> None:

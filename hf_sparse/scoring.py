@@ -8,6 +8,10 @@ A score that does more than rank weights (second-order OBS picks whole subsets p
 that stay) sets ``provides_prune`` and implements :meth:`Score.prune`; the pruner then calls it instead of
 ``score`` + :func:`~hf_sparse.masks.compute_mask`, and calls :meth:`Score.compensate` after any mask it builds
 itself (transposable 2:4, global unstructured thresholds).
+
+A score that looks at the layers' inputs (Wanda, SparseGPT) sets ``needs_calibration``: before each mask update the
+pruner runs calibration batches through the model block by block (:mod:`hf_sparse.calibration`) and hands the
+score each targeted layer's inputs through :meth:`Score.observe_input` just before that layer is pruned.
 """
 
 from __future__ import annotations
@@ -20,14 +24,26 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from .masks import _top_k_last_dim, compute_mask
 from .obs import MAX_SUBSETS, accumulate_fisher, damped_fisher, obs_prune, obs_saliency, obs_update
-from .patterns import NM, VNM, Pattern
+from .patterns import NM, VNM, Pattern, Unstructured
 from .registry import SCORES
+from .sparsegpt import accumulate_hessian, accumulate_sq_norms, sparsegpt_prune, sparsegpt_saliency, wanda_score
 
 if TYPE_CHECKING:
     from .config import SparsityConfig
 
-__all__ = ["MagnitudeScore", "ObsScore", "Score", "available_scores", "get_score", "register_score"]
+__all__ = [
+    "CalibratedScore",
+    "MagnitudeScore",
+    "ObsScore",
+    "Score",
+    "SparseGPTScore",
+    "WandaScore",
+    "available_scores",
+    "get_score",
+    "register_score",
+]
 
 
 class Score:
@@ -37,11 +53,14 @@ class Score:
     gradient (after accumulation, all-reduce and clipping), during the ``gradient_window`` steps before each mask
     update (every step when ``None``), so a score can build curvature estimates.
     ``provides_prune``: the pruner calls :meth:`prune` for masks and new weights instead of ranking :meth:`score`.
+    ``needs_calibration``: the pruner calls :meth:`observe_input` with each layer's calibration inputs before it
+    prunes that layer (see :class:`CalibratedScore`).
     """
 
     needs_gradients: bool = False
     gradient_window: int | None = None
     provides_prune: bool = False
+    needs_calibration: bool = False
 
     @classmethod
     def from_config(cls, config: SparsityConfig) -> Score:
@@ -53,6 +72,15 @@ class Score:
 
     def observe_gradient(self, name: str, weight: Tensor, grad: Tensor) -> None:
         """Called with each layer's logical gradient when ``needs_gradients``; a no-op by default."""
+
+    def observe_input(self, name: str, inputs: Tensor) -> None:
+        """Called with ``(tokens, in_features)`` inputs of layer ``name`` when ``needs_calibration``; a no-op here."""
+
+    def share_statistics(self, name: str, source: str) -> None:
+        """Layer ``name`` sees the same inputs as ``source`` (query, key and value): reuse its statistics."""
+
+    def release(self, name: str) -> None:
+        """Drop layer ``name``'s statistics once it is pruned; a no-op by default."""
 
     def prune(
         self, name: str, weight: Tensor, pattern: Pattern, previous: Tensor | None = None
@@ -190,3 +218,111 @@ class ObsScore(Score):
     def reset(self) -> None:
         self._sums.clear()
         self._counts.clear()
+
+
+class CalibratedScore(Score):
+    """Base of the scores computed from the layers' calibration inputs: one statistic tensor per layer, accumulated
+    by :meth:`accumulate` from every batch's ``(tokens, in_features)`` inputs (padding tokens left out), shared by
+    layers with the same inputs, dropped as soon as the layer is pruned. The pruner collects one layer (or one group
+    of layers sharing their inputs) at a time, so one statistic is alive at once."""
+
+    needs_calibration = True
+
+    def __init__(self) -> None:
+        self._stats: dict[str, Tensor] = {}
+
+    def accumulate(self, stat: Tensor | None, inputs: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def observe_input(self, name: str, inputs: Tensor) -> None:
+        self._stats[name] = self.accumulate(self._stats.get(name), inputs)
+
+    def share_statistics(self, name: str, source: str) -> None:
+        if source in self._stats:
+            self._stats[name] = self._stats[source]
+
+    def release(self, name: str) -> None:
+        self._stats.pop(name, None)
+
+    def statistics(self, name: str) -> Tensor:
+        if name not in self._stats:
+            raise RuntimeError(
+                f"score {type(self).__name__}: no calibration input reached layer {name!r}; the pruner collects "
+                "them before each mask update (hf_sparse.oneshot, or a Trainer with SparsityCallback/SparseTrainer)"
+            )
+        return self._stats[name]
+
+    def reset(self) -> None:
+        self._stats.clear()
+
+
+@register_score("wanda")
+class WandaScore(CalibratedScore):
+    """Wanda (Sun et al. 2023): ``|W_ij| · ‖X_j‖₂``, the weight's magnitude times the norm of its input feature over
+    the calibration tokens.
+
+    N:M and V:N:M rank within their groups as magnitude does; unstructured sparsity is taken per output row (each
+    row keeps the same fraction, Wanda's comparison group) unless ``global_unstructured`` asks for one threshold
+    across layers; transposable 2:4 ranks the Wanda score. Statistics: ``in_features`` floats per layer.
+    """
+
+    provides_prune = True
+
+    def accumulate(self, stat: Tensor | None, inputs: Tensor) -> Tensor:
+        return accumulate_sq_norms(stat, inputs)
+
+    def score(self, name: str, weight: Tensor) -> Tensor:
+        return wanda_score(weight, self.statistics(name))
+
+    def prune(
+        self, name: str, weight: Tensor, pattern: Pattern, previous: Tensor | None = None
+    ) -> tuple[Tensor, None]:
+        score = self.score(name, weight)
+        if previous is not None:
+            score = score.masked_fill(~previous.to(score.device), -1.0)  # pruned earlier: stays pruned
+        if isinstance(pattern, Unstructured):
+            return _top_k_last_dim(score, round((1.0 - pattern.sparsity) * score.shape[1])), None
+        return compute_mask(score, pattern), None
+
+
+@register_score("sparsegpt")
+class SparseGPTScore(CalibratedScore):
+    """SparseGPT (Frantar & Alistarh 2023): layer-wise reconstruction with the inputs' Hessian ``H = Xᵀ X``; masks
+    and moved weights from :func:`hf_sparse.sparsegpt.sparsegpt_prune` (N:M, V:N:M and unstructured chosen during
+    the sweep; transposable 2:4 and global unstructured masks built by the pruner from :meth:`score`, then
+    compensated with the same sweep).
+
+    Statistics: ``H`` in float32, ``in_features² · 4`` bytes for the one layer being pruned (2.4 MB for a
+    768-wide input, 36 MB for BERT-base's 3072-wide FFN output layer, 485 MB for a 7B-class 11008-wide
+    ``down_proj``), plus about as much again while the layer is pruned (``U``).
+    """
+
+    provides_prune = True
+
+    def __init__(self, damp: float = 0.01, block_size: int = 128) -> None:
+        super().__init__()
+        self.damp = damp
+        self.block_size = block_size
+
+    @classmethod
+    def from_config(cls, config: SparsityConfig) -> SparseGPTScore:
+        return cls(config.sparsegpt_damp, config.sparsegpt_block_size)
+
+    def accumulate(self, stat: Tensor | None, inputs: Tensor) -> Tensor:
+        return accumulate_hessian(stat, inputs)
+
+    def score(self, name: str, weight: Tensor) -> Tensor:
+        return sparsegpt_saliency(weight, self.statistics(name), self.damp)
+
+    def prune(
+        self, name: str, weight: Tensor, pattern: Pattern, previous: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
+        return sparsegpt_prune(
+            weight, self.statistics(name), pattern, eligible=previous, damp=self.damp, block_size=self.block_size
+        )
+
+    def compensate(self, name: str, weight: Tensor, mask: Tensor) -> Tensor:
+        _, new_weight = sparsegpt_prune(
+            weight, self.statistics(name), None, mask=mask, damp=self.damp, block_size=self.block_size
+        )
+        return new_weight

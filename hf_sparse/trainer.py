@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import warnings
 from typing import Any
 
 import torch
-from transformers import Trainer
+from transformers import Trainer, TrainerCallback
 
 from .callback import SparsityCallback
 from .config import SparsityConfig
@@ -20,6 +21,37 @@ from .serialization import save_pretrained
 __all__ = ["SparseTrainer"]
 
 logger = logging.getLogger(__name__)
+
+
+class _DenseTeacherSnapshot(TrainerCallback):
+    """Self-distillation: at the step where pruning begins (before the sparsity callback prunes), a frozen copy of
+    the model as it is then (the end of the dense phase) becomes the trainer's teacher."""
+
+    def __init__(self, trainer: SparseTrainer) -> None:
+        self.trainer = trainer
+        self.warned = False
+
+    def on_step_begin(self, args, state, control, model=None, **kwargs):
+        trainer, pruner = self.trainer, self.trainer.pruner
+        if trainer.teacher_model is not None or pruner is None or pruner.plan is None or model is None:
+            return
+        if pruner.level is None and pruner.plan.level(state.global_step) is not None:
+            teacher = copy.deepcopy(unwrap_model(model))
+            trainer.teacher_model = teacher.eval().requires_grad_(False)
+            logger.info("hf_sparse: step %d: dense model copied as the self-distillation teacher", state.global_step)
+            if state.global_step == 0:
+                warnings.warn(
+                    "hf_sparse: self-distillation teacher taken at step 0, before any fine-tuning; give the run a "
+                    "dense phase (SparsityConfig.start > 0) so the teacher has learnt the task",
+                    stacklevel=2,
+                )
+        elif pruner.level is not None and not self.warned:
+            self.warned = True
+            warnings.warn(
+                "hf_sparse: self-distillation: training resumed after the dense phase, whose model (the teacher) is "
+                "not saved in checkpoints; training goes on without distillation",
+                stacklevel=2,
+            )
 
 
 class SparseTrainer(Trainer):
@@ -46,6 +78,11 @@ class SparseTrainer(Trainer):
     the training loss becomes ``(1 - distill_alpha) * task_loss + distill_alpha * kd_loss`` (see
     :mod:`hf_sparse.distillation`). The teacher is frozen, kept in eval mode and moved to the training device; it
     runs under the same autocast as the student and only on training batches (evaluation reports the task loss).
+
+    Self-distillation: with ``self_distillation=True`` (and no ``teacher_model``) the teacher is the model itself as
+    it is when pruning begins: at the first pruning step a frozen copy is taken (one more copy of the model in
+    memory), so a run with a dense phase (``SparsityConfig.start > 0``) distils the pruned model from its own dense
+    phase, with no separate teacher run. Before that step the loss is the task loss.
     """
 
     def __init__(
@@ -53,17 +90,23 @@ class SparseTrainer(Trainer):
         *args: Any,
         sparsity_config: SparsityConfig | None = None,
         teacher_model: torch.nn.Module | None = None,
+        self_distillation: bool = False,
         distill_alpha: float = 0.5,
         distill_temperature: float = 2.0,
         **kwargs: Any,
     ) -> None:
-        if teacher_model is not None:
+        if self_distillation and teacher_model is not None:
+            raise ValueError("give teacher_model or self_distillation=True, not both: self-distillation makes its own")
+        if self_distillation and sparsity_config is None:
+            raise ValueError("self_distillation=True needs a sparsity_config: the teacher is the model before pruning")
+        if teacher_model is not None or self_distillation:
             if not 0.0 <= distill_alpha <= 1.0:
                 raise ValueError(
                     f"distill_alpha must be in [0, 1] (weight of the distillation loss), got {distill_alpha}"
                 )
             if distill_temperature <= 0:
                 raise ValueError(f"distill_temperature must be > 0, got {distill_temperature}")
+        if teacher_model is not None:
             teacher_model.eval().requires_grad_(False)
         self.teacher_model = teacher_model
         self.distill_alpha = distill_alpha
@@ -75,6 +118,8 @@ class SparseTrainer(Trainer):
                 raise TypeError(f"sparsity_config must be a SparsityConfig, got {type(sparsity_config).__name__}")
             self.sparsity_callback = SparsityCallback(sparsity_config)
             self.sparsity_callback.adds_metrics_to_logs = False
+            if self_distillation:
+                callbacks.append(_DenseTeacherSnapshot(self))  # before the sparsity callback prunes
             callbacks.append(self.sparsity_callback)
         super().__init__(*args, callbacks=callbacks, **kwargs)  # the callback's on_init_end finds the targets
 

@@ -1,8 +1,6 @@
 import json
-import os
 import subprocess
 import sys
-import tempfile
 
 import pytest
 import torch
@@ -12,7 +10,6 @@ from transformers import AutoModelForSequenceClassification
 
 import hf_sparse
 from hf_sparse.cli import main
-from hf_sparse.demo import DemoReport, checkpoint_fields
 
 
 @pytest.fixture
@@ -109,45 +106,50 @@ def test_demo_end_to_end(tmp_path):
     assert "max |logit difference| after reload:    0" in result.stdout
     report = json.loads((tmp_path / "demo_report.json").read_text())
     assert report["sparsity"] == pytest.approx(0.5) and report["max_logit_diff"] == 0.0
-    assert report["checkpoint_bytes"] == os.path.getsize(tmp_path / "model" / "model.safetensors")
-    assert report["pruned_bytes"] / report["pruned_dense_bytes"] < 0.6
 
 
-@pytest.mark.parametrize(
-    "argv, text",
-    [
-        (["--pattern", "3:2"], "--pattern '3:2': SparsityConfig.pattern='3:2'"),
-        (["--pattern", "2:4:8"], "v=2"),
-        (["--max_steps", "0"], "--max_steps 0: the demo trains dense for a third of its steps"),
-        (["--max_steps", "-5"], "needs at least 3 steps"),
-    ],
-)
-def test_demo_bad_arguments_are_a_clear_error_and_create_nothing(tmp_path, monkeypatch, capsys, argv, text):
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))  # where the demo's default output folder goes
-    (tmp_path / "tmp").mkdir()
-    assert main(["demo", "--output_dir", str(tmp_path / "out"), *argv]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("hf-sparse demo: ") and text in err and "Traceback" not in err
-    assert not (tmp_path / "out").exists()
-    assert main(["demo", *argv]) == 2
-    assert list((tmp_path / "tmp").iterdir()) == []
+def test_prune_command_writes_a_loadable_checkpoint_and_card(tmp_path, capsys):
+    from _tiny_models import build_tiny_bert
+    from transformers import AutoModel
+
+    texts = [f"the film number {i} was {'good' if i % 2 else 'bad'} and long" for i in range(40)]
+    model_dir = build_tiny_bert(tmp_path / "model", texts)
+    calibration = tmp_path / "train.tsv"
+    calibration.write_text("sentence\tlabel\n" + "".join(f"{t}\t{i % 2}\n" for i, t in enumerate(texts)))
+    out = tmp_path / "pruned"
+    argv = [
+        "prune",
+        str(model_dir),
+        "--pattern",
+        "2:4",
+        "--score",
+        "sparsegpt",
+        "--calibration_file",
+        str(calibration),
+    ]
+    assert main([*argv, "--num_calibration_samples", "16", "--max_seq_length", "16", "--output_dir", str(out)]) == 0
+    assert "pruned 12 layers to 2:4 (sparsegpt); sparsity 50.00%" in capsys.readouterr().out
+    config = json.loads((out / "config.json").read_text())
+    assert config["quantization_config"]["sparsity_config"]["score"] == "sparsegpt"
+    card = (out / "README.md").read_text()
+    assert "2:4" in card and "train.tsv" in card
+    loaded = AutoModel.from_pretrained(out)
+    assert isinstance(loaded.encoder.layer[0].attention.self.query, hf_sparse.SparseLinear)
+    assert main(["prune", str(model_dir), "--calibration_file", str(tmp_path / "x.txt"), "--output_dir", "o"]) == 2
+    assert "expected one of .tsv, .csv, .json, .jsonl" in capsys.readouterr().err
 
 
-def test_demo_report_gives_the_whole_file_and_the_pruned_layers(checkpoint):
-    from safetensors.torch import load_file
+def test_calibration_texts_from_every_format(tmp_path):
+    from hf_sparse.calibration_data import read_texts
 
-    fields = checkpoint_fields(checkpoint)
-    file_bytes = os.path.getsize(checkpoint / "model.safetensors")
-    layers = json.loads((checkpoint / "config.json").read_text())["quantization_config"]["layers"]
-    tensors = load_file(checkpoint / "model.safetensors")
-    pruned = sum(
-        t.numel() * t.element_size() for k, t in tensors.items() if any(k.startswith(f"{n}.weight") for n in layers)
-    )
-    dense_pruned = sum(rows * cols * 2 for rows, cols in (spec["shape"] for spec in layers.values()))  # bf16
-    assert fields["checkpoint_bytes"] == file_bytes and fields["pruned_bytes"] == pruned
-    assert fields["pruned_dense_bytes"] == dense_pruned
-    assert fields["checkpoint_dense_bytes"] == file_bytes - pruned + dense_pruned
-    report = DemoReport("64:2:8", 0.5, 0.5, 0.5, max_logit_diff=0.0, seconds=1.0, output_dir="x", **fields)
-    text = report.to_text()
-    assert f"checkpoint file (model.safetensors):    {file_bytes / 1e6:.2f} MB" in text
-    assert f"pruned layers' weights in it:           {pruned / 1e6:.2f} MB" in text
+    (tmp_path / "a.csv").write_text('id,body\n1,"first text, with comma"\n2,second text\n')
+    assert read_texts(tmp_path / "a.csv") == ["first text, with comma", "second text"]  # detected: has spaces
+    (tmp_path / "b.jsonl").write_text('{"text": "one line"}\n{"text": ""}\n{"text": "two"}\n')
+    assert read_texts(tmp_path / "b.jsonl") == ["one line", "two"]
+    squad = {"data": [{"title": "t", "paragraphs": [{"context": "a context here", "qas": []}]}]}
+    (tmp_path / "c.json").write_text(json.dumps(squad))
+    assert read_texts(tmp_path / "c.json") == ["a context here"]
+    (tmp_path / "d.json").write_text(json.dumps([{"q": "x y", "sentence": "s t"}]))
+    assert read_texts(tmp_path / "d.json", "q") == ["x y"]
+    with pytest.raises(ValueError, match="no column 'nope'"):
+        read_texts(tmp_path / "d.json", "nope")

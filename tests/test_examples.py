@@ -220,6 +220,37 @@ def test_shipped_recipes_are_valid():
         hf_sparse.SparsityConfig(**load_recipe(path))
 
 
+def test_recipes_by_name_and_their_distillation_section(tmp_path):
+    from sparse_args import (
+        DistillationArguments,
+        available_recipes,
+        distillation_kwargs,
+        load_recipe,
+        merge_distillation,
+    )
+
+    assert {"prune_then_recover", "gradual_sparsegpt", "gradual_wanda"} <= set(available_recipes())
+    assert load_recipe("prune_then_recover") == {
+        "pattern": "2:4",
+        "schedule": "oneshot",
+        "start": 0.4,
+        "end": 0.4,
+        "score": "sparsegpt",
+        "calibration_batches": 32,
+    }
+    args = merge_distillation(DistillationArguments(distill_alpha=0.8), "prune_then_recover")
+    assert (args.self_distill, args.distill_alpha, args.distill_temperature) == (True, 0.8, 2.0)  # the flag wins
+    kwargs = distillation_kwargs(args, None, "float32", sparse=True)
+    assert kwargs == {"self_distillation": True, "distill_alpha": 0.8, "distill_temperature": 2.0}
+    assert distillation_kwargs(merge_distillation(DistillationArguments(), "gradual_wanda"), None, None, True) == {}
+    with pytest.raises(FileNotFoundError, match="nor a shipped recipe"):
+        load_recipe("prune_then_recovr")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("sparsity:\n  pattern: '2:4'\ndistillation:\n  alpah: 0.5\n")
+    with pytest.raises(ValueError, match="distillation keys \\['alpah'\\] unknown"):
+        merge_distillation(DistillationArguments(), str(bad))
+
+
 # ------------------------------------------------------------------------------------------------ GLUE end to end
 
 
@@ -234,6 +265,15 @@ def test_run_glue_dense(files, tmp_path, run_glue):
     assert lines[0] == "index\tprediction" and len(lines) == 5 and lines[1].split("\t")[1] in {"negative", "positive"}
     config = json.loads((out / "config.json").read_text())
     assert "quantization_config" not in config and config["id2label"] == {"0": "negative", "1": "positive"}
+
+
+@pytest.mark.slow
+def test_run_glue_prune_then_recover_recipe(files, tmp_path, run_glue):
+    out = tmp_path / "ptr"
+    flags = "--do_train --max_train_samples 16 --num_train_epochs 2 --recipe prune_then_recover".split()
+    run_glue.main(_glue_argv(files, tmp_path, "sst2", out, "--data_dir", str(files["sst2"]), *flags))
+    qconfig = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qconfig["sparsity_config"]["score"] == "sparsegpt" and qconfig["sparsity_config"]["pattern"] == "2:4"
 
 
 def test_run_glue_sparse_recipe_loads_back(files, tmp_path, run_glue):
