@@ -238,8 +238,6 @@ class SparsityConfig:
                 )
 
     def _check_calibration(self) -> None:
-        from .scoring import get_score
-
         for name in ("calibration_batches", "sparsegpt_block_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -247,7 +245,7 @@ class SparsityConfig:
         damp = self.sparsegpt_damp
         if isinstance(damp, bool) or not isinstance(damp, int | float) or not damp > 0:
             raise ValueError(f"SparsityConfig.sparsegpt_damp={damp!r}: must be a number > 0 (relative dampening)")
-        if self.global_unstructured and get_score(self.score).needs_calibration:
+        if self.global_unstructured and SCORES[self.score].needs_calibration:
             raise ValueError(
                 f"SparsityConfig.global_unstructured=True with score={self.score!r}: activation-aware scores prune "
                 "layer by layer (each layer sees the inputs of the already-pruned ones), so no global threshold "

@@ -54,3 +54,8 @@ class StopAt(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         if state.global_step == self.step:
             control.should_training_stop = True
+
+
+def logical_weight(layer) -> torch.Tensor:
+    """A pruner layer's logical (out, in) weight, dense or compact."""
+    return layer.module.dense_weight().detach() if layer.compact else layer.weight.detach()

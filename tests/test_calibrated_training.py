@@ -4,7 +4,7 @@ step of a gradual ramp), and self-distillation from the model's own dense phase.
 import pytest
 import torch
 from conftest import ToyClassification, tiny_config
-from helpers import trainer_args
+from helpers import logical_weight, trainer_args
 from transformers import AutoModelForSequenceClassification, Trainer, TrainerCallback
 
 from hf_sparse import SparseTrainer, SparsityCallback, SparsityConfig
@@ -55,8 +55,9 @@ def test_gradual_activation_aware_pruning_with_a_plain_trainer(tmp_path, score, 
     pruner = callback.pruner
     assert pruner.is_final
     for layer in pruner.layers:
-        compress(layer.weight.detach(), pruner.masks[layer.name], pruner.current_pattern())  # exact pattern
-        assert (layer.weight.detach()[~pruner.masks[layer.name]] == 0).all()
+        weight = logical_weight(layer)
+        compress(weight, pruner.masks[layer.name], pruner.current_pattern())  # exact pattern
+        assert (weight[~pruner.masks[layer.name]] == 0).all()
     # every update drew 3 batches of 8 from the training data: updates at steps 0, 2, 4 (and 6 for 64:2:8's ramp)
     assert counter.drawn[:-1] and all(n == 3 for n in counter.drawn)
     batch = next(iter(pruner.calibration()))

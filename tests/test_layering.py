@@ -31,9 +31,16 @@ PACKAGE = Path(__file__).resolve().parents[1] / "hf_sparse"
 LAYERS: list[tuple[str, ...]] = [
     ("hf_sparse.patterns", "hf_sparse.registry", "hf_sparse._version"),
     ("hf_sparse.config",),
-    ("hf_sparse.masks", "hf_sparse.obs", "hf_sparse.scoring", "hf_sparse.formats.bitpack"),
+    ("hf_sparse.masks", "hf_sparse.obs", "hf_sparse.sparsegpt", "hf_sparse.scoring", "hf_sparse.formats.bitpack"),
     ("hf_sparse.schedules",),
-    ("hf_sparse.pruner", "hf_sparse.modeling", "hf_sparse.distributed", "hf_sparse.dynamic"),
+    (
+        "hf_sparse.pruner",
+        "hf_sparse.modeling",
+        "hf_sparse.calibration",
+        "hf_sparse.distributed",
+        "hf_sparse.dynamic",
+        "hf_sparse.oneshot",
+    ),
     ("hf_sparse.formats",),
     ("hf_sparse.ops",),
     ("hf_sparse.nn",),
@@ -47,7 +54,7 @@ LAYERS: list[tuple[str, ...]] = [
         "hf_sparse.metrics",
     ),
     ("hf_sparse.integrations", "hf_sparse.inspect"),
-    ("hf_sparse.cli", "hf_sparse.demo", "hf_sparse"),
+    ("hf_sparse.cli", "hf_sparse.demo", "hf_sparse.calibration_data", "hf_sparse"),
 ]
 
 

@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 from conftest import ToyClassification, tiny_config
-from helpers import StopAt, trainer_args
+from helpers import StopAt, logical_weight, trainer_args
 from transformers import AutoModelForSequenceClassification, Trainer, TrainerCallback
 
 import hf_sparse
@@ -22,11 +22,6 @@ def _args(tmp_path, **kwargs):
 def _model(family="bert", dtype=torch.float32):
     torch.manual_seed(0)
     return AutoModelForSequenceClassification.from_config(tiny_config(family)).to(dtype)
-
-
-def _logical(layer) -> torch.Tensor:
-    """The layer's logical (out, in) weight, dense or compact."""
-    return layer.module.dense_weight().detach() if layer.compact else layer.weight.detach()
 
 
 def _check_final_masks(pruner):
@@ -66,12 +61,12 @@ def test_sparse_trainer_reaches_the_pattern(tmp_path, pattern, extra):
     sparsity = trainer.pruner.layer_sparsity()
     target = hf_sparse.parse_pattern(pattern).sparsity
     if extra.get("global_unstructured"):
-        total = sum(_logical(layer).numel() for layer in trainer.pruner.layers)
-        zeros = sum(int((_logical(layer) == 0).sum()) for layer in trainer.pruner.layers)
+        total = sum(logical_weight(layer).numel() for layer in trainer.pruner.layers)
+        zeros = sum(int((logical_weight(layer) == 0).sum()) for layer in trainer.pruner.layers)
         assert zeros / total == pytest.approx(target, abs=1e-3)
     else:
         assert all(value == pytest.approx(target, abs=1e-3) for value in sparsity.values())
-    assert any(not torch.equal(before[layer.name], _logical(layer)) for layer in trainer.pruner.layers)
+    assert any(not torch.equal(before[layer.name], logical_weight(layer)) for layer in trainer.pruner.layers)
     logs = [h for h in trainer.state.log_history if "loss" in h]
     assert logs and all("sparsity" in h for h in logs)
     assert logs[-1]["sparsity"] == pytest.approx(target, abs=1e-3)
