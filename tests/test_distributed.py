@@ -162,18 +162,39 @@ def _setup_rank(rank: int, port: int) -> None:
     torch.set_num_threads(1)
 
 
+def _run_worker(rank: int, worker, port: int, out: str, *extra) -> None:
+    """``worker(rank, port, out, *extra)``, then the process group destroyed before the process exits.
+
+    A process that exits with its gloo group alive can abort after its work is done (SIGABRT, "terminate called
+    without an active exception"): gloo's threads still hold finished work whose tensors are released while the
+    interpreter is being finalised. After a worker's last collective, a barrier keeps one rank from closing its
+    connections while the other still reads from them; after a failure the group is destroyed without it, so
+    the other rank's collective fails at once instead of waiting for the timeout.
+    """
+    import torch.distributed as dist
+
+    try:
+        worker(rank, port, out, *extra)
+        if dist.is_initialized():
+            dist.barrier()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
 def _spawn(worker, out: Path, *extra, timeout: float = 240.0, nprocs: int = WORLD) -> None:
     """Run ``worker(rank, port, out, *extra)`` in fresh processes; fail (and stop them) if they hang."""
     import torch.multiprocessing as mp
 
-    args = (_free_port(), str(out), *extra)
-    context = mp.start_processes(worker, args=args, nprocs=nprocs, join=False, start_method="spawn")
+    args = (worker, _free_port(), str(out), *extra)
+    context = mp.start_processes(_run_worker, args=args, nprocs=nprocs, join=False, start_method="spawn")
     deadline = time.monotonic() + timeout
     while not context.join(timeout=1):
         if time.monotonic() > deadline:
             for process in context.processes:
                 if process.is_alive():
                     process.kill()
+                process.join()
             pytest.fail(f"distributed workers did not finish in {timeout:.0f} s")
 
 
