@@ -50,6 +50,10 @@ def _storage_of(t: Tensor) -> tuple[int, int]:
 # all three are zero (weight decay included). Exact types: a subclass may change the update.
 _ELEMENTWISE_OPTIMIZERS = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
 
+# SparsityConfig fields a resumed run must share with the saved pruner state: they decide which layers are masked
+# and the masks' shape, so masks saved under other values do not fit.
+_RESUME_FIELDS = ("pattern", "targets", "ignore")
+
 
 class Pruner:
     """Masks for the layers of ``model`` that ``config`` targets.
@@ -448,10 +452,22 @@ class Pruner:
     def load_state_dict(self, tensors: dict[str, Tensor], meta: dict[str, str]) -> None:
         """Restore masks (checked against each layer's shape) and schedule position, then re-apply the masks."""
         saved = json.loads(meta.get("config", "{}"))
-        if saved.get("pattern") != self.config.pattern:
+        current = json.loads(self.config.to_json_string())
+        changed = [key for key in _RESUME_FIELDS if saved.get(key) != current[key]]
+        if changed:
+            was = ", ".join(f"{key}={saved.get(key)!r}" for key in changed)
+            now = ", ".join(f"{key}={current[key]!r}" for key in changed)
             raise ValueError(
-                f"pruner state was saved for pattern {saved.get('pattern')!r} but this run uses "
-                f"{self.config.pattern!r}; resume with the same SparsityConfig"
+                f"pruner state was saved with {was} but this run uses {now}: these decide which layers are pruned "
+                "and how, so the saved masks do not fit this run. Resume with the SparsityConfig the checkpoint "
+                "was trained with, or start a new run from the checkpoint's weights without resuming"
+            )
+        names = {layer.name for layer in self.layers}
+        foreign = sorted(key.removeprefix("mask.") for key in tensors if key.removeprefix("mask.") not in names)
+        if foreign:
+            raise ValueError(
+                f"pruner state holds masks for {len(foreign)} layer(s) this run does not prune ({', '.join(foreign)}); "
+                "resume the model and SparsityConfig the checkpoint was trained with"
             )
         for layer in self.layers:
             key = f"mask.{layer.name}"
