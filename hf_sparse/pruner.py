@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import warnings
 from ast import literal_eval
 from typing import Any
 
@@ -84,7 +85,39 @@ class Pruner:
         cfg = self.config
         self.plan = SchedulePlan.build(self.pattern, cfg.schedule, cfg.start, cfg.end, cfg.update_every, total_steps)
         self._bind_dense_phase(total_steps)
+        self._warn_if_unfinished(total_steps)
         return self.plan
+
+    def _warn_if_unfinished(self, total_steps: int) -> None:
+        """One warning when the schedule cannot reach the pattern within the run's optimizer steps (masks update
+        at the start of a step, and the last step is ``total_steps - 1``): the saved model then holds a lower
+        sparsity than the config names, or none at all."""
+        plan, cfg = self.plan, self.config
+        assert plan is not None
+        last = total_steps - 1
+        if plan.end_step <= last:
+            return
+        level = plan.level(last)
+        if cfg.schedule == "oneshot":
+            when = f"prunes to {self.pattern} at step {plan.start_step} (SparsityConfig.start={cfg.start!r})"
+            change = f"Set start to a step below {total_steps} (or a fraction of the run below 1)"
+        else:
+            when = (
+                f"starts at step {plan.start_step} (SparsityConfig.start={cfg.start!r}) and reaches {self.pattern} "
+                f"at step {plan.end_step} (end={cfg.end!r})"
+            )
+            change = (
+                f"Set start and end to steps below {total_steps} (or fractions of the run, e.g. start=0.1, end=0.6)"
+            )
+        if level is None:
+            outcome = "no layer will be pruned and the saved model will be dense"
+        else:
+            outcome = f"the masks stop at {plan.pattern_at(level)} and the saved model holds that, not {self.pattern}"
+        warnings.warn(
+            f"hf_sparse: the sparsity schedule {when}, but this run's {total_steps} optimizer steps end at step "
+            f"{last}: {outcome}. {change}, or train for at least {plan.end_step + 1} steps",
+            stacklevel=3,
+        )
 
     def update(self, step: int) -> bool:
         """Recompute masks if ``step`` is an update step not yet done; returns whether masks changed."""
