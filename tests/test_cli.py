@@ -47,6 +47,7 @@ def test_inspect_missing_folder(tmp_path, capsys):
     assert "no config.json" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # ~2 minutes on 2 CPU cores
 def test_demo_end_to_end(tmp_path):
     """The README's main command, shortened: trains, prunes, saves, reloads and checks the logits."""
     result = subprocess.run(

@@ -35,6 +35,8 @@ from hf_sparse import SparseTrainer, SparsityCallback, SparsityConfig, save_pret
 from hf_sparse.distributed import full_tensor, gather_full_state_dict, local_part
 from hf_sparse.formats.compressed import compress
 
+pytestmark = pytest.mark.slow  # spawning two workers that import transformers: 10-20 s on 2 CPU cores
+
 WORLD = 2
 PER_DEVICE = 4
 STEPS = 6

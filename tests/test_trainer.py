@@ -176,6 +176,7 @@ def _resume_run(tmp_path, trainer_cls, stop_at=None, resume=None):
     return trainer, pruner(), record.masks
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("trainer_cls", [SparseTrainer, Trainer], ids=["SparseTrainer", "Trainer+callback"])
 def test_resume_is_exact(tmp_path, trainer_cls):
     whole, whole_pruner, whole_masks = _resume_run(tmp_path / "whole", trainer_cls)

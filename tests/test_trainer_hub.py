@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import ToyClassification, random_ids, tiny_config
-from helpers import logits
+from helpers import logits, trainer_args
 from huggingface_hub import HfApi, ModelCard
 from safetensors.torch import load_file
 from transformers import AutoModelForSequenceClassification, TrainingArguments
@@ -92,16 +92,8 @@ def _short_run(tmp_path, **schedule):
     """4 optimizer steps (0 to 3) under ``schedule``; returns the trainer and the schedule warnings of train()."""
     torch.manual_seed(0)
     model = AutoModelForSequenceClassification.from_config(tiny_config("bert"))
-    args = TrainingArguments(
-        output_dir=str(tmp_path / "run"),
-        max_steps=4,
-        per_device_train_batch_size=8,
-        report_to=[],
-        use_cpu=True,
-        save_strategy="no",
-        disable_tqdm=True,
-    )
     config = SparsityConfig(pattern="2:8", **schedule)
+    args = trainer_args(tmp_path / "run", max_steps=4)
     trainer = SparseTrainer(model=model, args=args, train_dataset=ToyClassification(), sparsity_config=config)
     with pytest.warns(UserWarning, match="hf_sparse: the sparsity schedule") as record:
         trainer.train()
