@@ -495,8 +495,8 @@ class Pruner:
                 "and how, so the saved masks do not fit this run. Resume with the SparsityConfig the checkpoint "
                 "was trained with, or start a new run from the checkpoint's weights without resuming"
             )
-        names = {layer.name for layer in self.layers}
-        foreign = sorted(key.removeprefix("mask.") for key in tensors if key.removeprefix("mask.") not in names)
+        saved_layers = {key.removeprefix("mask.") for key in tensors if key.startswith("mask.")}
+        foreign = sorted(saved_layers - {layer.name for layer in self.layers})
         if foreign:
             raise ValueError(
                 f"pruner state holds masks for {len(foreign)} layer(s) this run does not prune ({', '.join(foreign)}); "
