@@ -274,6 +274,23 @@ def _bucket_view_check(rank: int, kept_only: bool = False) -> dict:
     return seen
 
 
+def _leave_work_in_flight(rank: int, port: int, out: str) -> None:
+    """Start gloo, leave an all-reduce in flight and return; at exit, record whether the group was still alive."""
+    import atexit
+
+    _setup_rank(rank, port)
+    torch.distributed.init_process_group("gloo")
+    alive = Path(out) / f"group_alive_at_exit_rank{rank}"
+    atexit.register(lambda: alive.write_text(str(torch.distributed.is_initialized())))
+    torch.distributed.all_reduce(torch.ones(1000), async_op=True)
+
+
+def test_workers_destroy_their_process_group_before_exiting(tmp_path):
+    # a group left alive at exit can abort the process after its work is done (SIGABRT), so _spawn would fail too
+    _spawn(_leave_work_in_flight, tmp_path)
+    assert [(tmp_path / f"group_alive_at_exit_rank{r}").read_text() for r in range(WORLD)] == ["False"] * WORLD
+
+
 @pytest.fixture(scope="module")
 def ddp_run(workers):
     """The two-rank DDP run (workers) and the single-process run on the same global batch (here)."""
