@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # sparse_args.py next 
 
 from sparse_args import (  # noqa: E402
     distillation_kwargs,
+    end_process_group,
     parse_args_and_setup,
     per_batch_mean_loss,
     trainer_class,
@@ -439,4 +440,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    finally:
+        end_process_group()

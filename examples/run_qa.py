@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # sparse_args.py and u
 
 from sparse_args import (  # noqa: E402
     distillation_kwargs,
+    end_process_group,
     parse_args_and_setup,
     per_batch_mean_loss,
     trainer_class,
@@ -448,4 +449,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    finally:
+        end_process_group()

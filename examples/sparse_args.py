@@ -27,6 +27,7 @@ __all__ = [
     "available_recipes",
     "build_sparsity_config",
     "distillation_kwargs",
+    "end_process_group",
     "load_recipe",
     "load_recipe_distillation",
     "merge_distillation",
@@ -374,6 +375,16 @@ def trainer_class(sparse: bool):
     if not hasattr(hf_sparse, "SparseTrainer"):
         raise ImportError("this hf_sparse has no SparseTrainer: install a release with training support")
     return hf_sparse.SparseTrainer
+
+
+def end_process_group() -> None:
+    """Destroy the process group ``torchrun`` runs start (``Trainer`` creates it): a process that exits with its
+    group alive can abort at exit (SIGABRT, "terminate called without an active exception") after its work is
+    done, because the backend's threads still hold work whose tensors are freed while Python shuts down."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def write_card(

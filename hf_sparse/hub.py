@@ -39,6 +39,7 @@ __all__ = [
     "render_model_card",
     "save_training_plot",
     "write_model_card",
+    "written_pattern",
 ]
 
 #: Name of the plot written next to README.md; the card links it relatively so it shows on the Hub.
@@ -212,6 +213,18 @@ def save_training_plot(history: Mapping[str, Any], path: str | os.PathLike) -> P
 # ------------------------------------------------------------------------------------------------------ the card
 
 
+def written_pattern(folder: str | os.PathLike) -> str | None:
+    """The pattern(s) of the checkpoint in ``folder`` as its ``config.json`` names them (``"2:4"``, or
+    ``"2:4, 64:2:8"`` for a mix); ``None`` for a checkpoint without an hf_sparse ``quantization_config``."""
+    path = Path(folder) / "config.json"
+    saved = json.loads(path.read_text()) if path.is_file() else {}
+    qdict = saved.get("quantization_config") or {}
+    if qdict.get("quant_method") != "hf_sparse":
+        return None
+    patterns = qdict.get("patterns") or [qdict.get("pattern")]
+    return ", ".join(str(p) for p in patterns if p) or None
+
+
 def find_template(template: str | os.PathLike | None = None) -> Path:
     """The card template: ``template`` if given, else the package's copy, else ``model_cards/`` of a checkout."""
     candidates = [Path(template)] if template is not None else []
@@ -304,6 +317,15 @@ def _layer_rows(layer_table: Mapping[str, Mapping] | Sequence[Mapping] | None) -
     return rows, overall
 
 
+def _dense_reason(schedule: str | Mapping | None) -> str | None:
+    """Why a checkpoint trained with a sparsity configuration holds no pruned layer."""
+    if not isinstance(schedule, Mapping):
+        return None
+    if schedule.get("dense_finetune_start") is not None:
+        return "the sparsity configuration below ends with dense fine-tuning, which drops the masks"
+    return "training ended before the sparsity schedule below pruned any layer"
+
+
 def _speedup_text(speedup: float | str | Mapping[str, Any] | None) -> str:
     if speedup is None:
         return "not measured"
@@ -337,6 +359,8 @@ def render_model_card(
 ) -> str:
     """Render the model card (YAML metadata + markdown) and return it as a string.
 
+    ``pattern`` is the pattern the checkpoint's layers hold (``None``: a dense checkpoint, and the card says no
+    layer is pruned); where ``schedule`` names another final pattern, the card says training ended before it.
     ``task`` is a pipeline name (``"text-classification"``, ``"question-answering"``; it picks the ``AutoModel``
     class in the loading snippet) or free text. ``schedule`` is a schedule name or ``SparsityConfig.to_dict()``.
     ``layer_table`` is ``Pruner.sparsity_report()`` (or a list of rows with a ``name``). ``metrics`` go into
@@ -349,6 +373,7 @@ def render_model_card(
     from ._version import __version__
 
     pattern = str(pattern) if pattern is not None else None
+    target = str(schedule.get("pattern")) if isinstance(schedule, Mapping) and schedule.get("pattern") else None
     pattern_description, pattern_tags = _pattern_info(pattern)
     pipeline_tag, auto_class = _TASK_PIPELINES.get(task or "", (None, "AutoModel"))
     metric_items = _metric_items(metrics)
@@ -368,7 +393,7 @@ def render_model_card(
             for key, value in metric_items
             if not key.endswith("loss")  # a loss is not a benchmark result
         ] or None
-    all_tags = ["hf_sparse", "sparsity", "pruning", *pattern_tags, *tags]
+    all_tags = ["hf_sparse", *(["sparsity", "pruning"] if pattern else []), *pattern_tags, *tags]
     card_data = ModelCardData(
         library_name="transformers",
         base_model=base_model if base_is_repo else None,
@@ -379,7 +404,8 @@ def render_model_card(
         eval_results=eval_results,
         model_name=model_name if eval_results else None,
     )
-    layers, overall = _layer_rows(layer_table)
+    # a dense checkpoint has no pruned layer, whatever sparsity_report() lists as targeted
+    layers, overall = _layer_rows(layer_table) if pattern is not None else ([], "none (no layer is pruned)")
     ratio = f"{checkpoint_bytes / dense_bytes:.2f}×" if checkpoint_bytes and dense_bytes else "not recorded"
     schedule_dict = dict(schedule) if isinstance(schedule, Mapping) else None
     metric_label = ((history or {}).get("metric_name") or "the eval metric").removeprefix("eval_")
@@ -394,6 +420,8 @@ def render_model_card(
         dataset=dataset,
         pattern=pattern,
         pattern_description=pattern_description,
+        target_pattern=target if pattern is not None and target != pattern else None,
+        dense_reason=_dense_reason(schedule) if pattern is None else None,
         repo_id=repo_id or "path/to/this/model",
         auto_class=auto_class,
         schedule_rows=_schedule_rows(schedule),
@@ -420,10 +448,17 @@ def write_model_card(
     """Write ``README.md`` (and ``sparsity_history.png`` when possible) into ``output_dir``; returns the README path.
 
     ``card_kwargs`` are :func:`render_model_card`'s; ``checkpoint_bytes`` defaults to the weight files already
-    in ``output_dir``, so call this after ``save_model``.
+    in ``output_dir``, so call this after ``save_model``. Where ``output_dir`` holds a ``config.json``, the card
+    gives the pattern that checkpoint holds (from its ``quantization_config``; none: dense), whatever ``pattern``
+    says, so that the card never contradicts the weights beside it.
     """
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
+    if (out / "config.json").is_file():
+        written = written_pattern(out)
+        if card_kwargs.get("pattern") is not None and str(card_kwargs["pattern"]) != str(written):
+            logger.info("the card gives %s, the pattern of the checkpoint in %s", written or "dense", out)
+        card_kwargs["pattern"] = written
     plot_path = save_training_plot(history, out / PLOT_FILENAME) if plot and history else None
     card_kwargs.setdefault("checkpoint_bytes", directory_weight_bytes(out) or None)
     text = render_model_card(history=history, plot_filename=plot_path.name if plot_path else None, **card_kwargs)
@@ -446,7 +481,8 @@ def model_card_kwargs_from_trainer(
 ) -> dict[str, Any]:
     """Collect :func:`write_model_card`'s arguments from a trained ``SparseTrainer`` (or a plain ``Trainer``).
 
-    Reads ``trainer.pruner.sparsity_report()``, the sparsity config (``trainer.sparsity_config``, else
+    Reads the pattern the pruner's masks are at (what ``save_model`` writes; ``None`` when nothing was pruned),
+    ``trainer.pruner.sparsity_report()``, the sparsity config (``trainer.sparsity_config``, else
     ``trainer.pruner.config``), and ``trainer.state.log_history`` for the metrics (the last eval, unless
     ``metrics`` is given) and the plot. ``metric_key`` defaults to ``args.metric_for_best_model``.
     """
@@ -458,12 +494,13 @@ def model_card_kwargs_from_trainer(
         evals = [e for e in log_history if any(k.startswith("eval_") for k in e)]
         metrics = {k: v for k, v in evals[-1].items() if k.startswith("eval_")} if evals else None
     model = trainer.model
+    reached = pruner.current_pattern() if pruner is not None and hasattr(pruner, "current_pattern") else None
     return {
         "base_model": base_model or getattr(getattr(model, "config", None), "_name_or_path", None) or None,
         "task": task,
         "dataset": dataset,
         "dataset_id": dataset_id,
-        "pattern": str(config_dict["pattern"]) if config_dict and config_dict.get("pattern") is not None else None,
+        "pattern": str(reached) if reached is not None else None,
         "schedule": config_dict,
         "layer_table": pruner.sparsity_report() if pruner is not None and hasattr(pruner, "sparsity_report") else None,
         "dense_bytes": dense_bytes,
@@ -593,9 +630,7 @@ def _auto_card(model, folder: Path, repo_id: str, pruner=None) -> str:
     """A card for a model with no training record: what the saved ``config.json`` and the weights say."""
     saved = json.loads((folder / "config.json").read_text()) if (folder / "config.json").is_file() else {}
     qdict = saved.get("quantization_config") or {}
-    is_ours = qdict.get("quant_method") == "hf_sparse"
-    patterns = (qdict.get("patterns") or [qdict.get("pattern")]) if is_ours else []
-    pattern = ", ".join(str(p) for p in patterns if p) or None
+    pattern = written_pattern(folder)
     schedule = qdict.get("sparsity_config") if isinstance(qdict.get("sparsity_config"), Mapping) else None
     architectures = list(saved.get("architectures") or [])
     suffixes = {task: cls.removeprefix("AutoModel") for task, (_, cls) in _TASK_PIPELINES.items()}

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import logging
+import warnings
 from ast import literal_eval
 from typing import Any
 
@@ -55,6 +56,10 @@ def _storage_of(t: Tensor) -> tuple[int, int]:
 # Optimizers whose update of an entry reads only that entry's weight, gradient and state, and leaves it at zero when
 # all three are zero (weight decay included). Exact types: a subclass may change the update.
 _ELEMENTWISE_OPTIMIZERS = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
+
+# SparsityConfig fields a resumed run must share with the saved pruner state: they decide which layers are masked
+# and the masks' shape, so masks saved under other values do not fit.
+_RESUME_FIELDS = ("pattern", "targets", "ignore")
 
 
 class Pruner:
@@ -92,7 +97,39 @@ class Pruner:
         cfg = self.config
         self.plan = SchedulePlan.build(self.pattern, cfg.schedule, cfg.start, cfg.end, cfg.update_every, total_steps)
         self._bind_dense_phase(total_steps)
+        self._warn_if_unfinished(total_steps)
         return self.plan
+
+    def _warn_if_unfinished(self, total_steps: int) -> None:
+        """One warning when the schedule cannot reach the pattern within the run's optimizer steps (masks update
+        at the start of a step, and the last step is ``total_steps - 1``): the saved model then holds a lower
+        sparsity than the config names, or none at all."""
+        plan, cfg = self.plan, self.config
+        assert plan is not None
+        last = total_steps - 1
+        if plan.end_step <= last:
+            return
+        level = plan.level(last)
+        if cfg.schedule == "oneshot":
+            when = f"prunes to {self.pattern} at step {plan.start_step} (SparsityConfig.start={cfg.start!r})"
+            change = f"Set start to a step below {total_steps} (or a fraction of the run below 1)"
+        else:
+            when = (
+                f"starts at step {plan.start_step} (SparsityConfig.start={cfg.start!r}) and reaches {self.pattern} "
+                f"at step {plan.end_step} (end={cfg.end!r})"
+            )
+            change = (
+                f"Set start and end to steps below {total_steps} (or fractions of the run, e.g. start=0.1, end=0.6)"
+            )
+        if level is None:
+            outcome = "no layer will be pruned and the saved model will be dense"
+        else:
+            outcome = f"the masks stop at {plan.pattern_at(level)} and the saved model holds that, not {self.pattern}"
+        warnings.warn(
+            f"hf_sparse: the sparsity schedule {when}, but this run's {total_steps} optimizer steps end at step "
+            f"{last}: {outcome}. {change}, or train for at least {plan.end_step + 1} steps",
+            stacklevel=3,
+        )
 
     def update(self, step: int) -> bool:
         """Recompute masks if ``step`` is an update step not yet done; returns whether masks changed."""
@@ -543,10 +580,22 @@ class Pruner:
     def load_state_dict(self, tensors: dict[str, Tensor], meta: dict[str, str]) -> None:
         """Restore masks (checked against each layer's shape) and schedule position, then re-apply the masks."""
         saved = json.loads(meta.get("config", "{}"))
-        if saved.get("pattern") != self.config.pattern:
+        current = json.loads(self.config.to_json_string())
+        changed = [key for key in _RESUME_FIELDS if saved.get(key) != current[key]]
+        if changed:
+            was = ", ".join(f"{key}={saved.get(key)!r}" for key in changed)
+            now = ", ".join(f"{key}={current[key]!r}" for key in changed)
             raise ValueError(
-                f"pruner state was saved for pattern {saved.get('pattern')!r} but this run uses "
-                f"{self.config.pattern!r}; resume with the same SparsityConfig"
+                f"pruner state was saved with {was} but this run uses {now}: these decide which layers are pruned "
+                "and how, so the saved masks do not fit this run. Resume with the SparsityConfig the checkpoint "
+                "was trained with, or start a new run from the checkpoint's weights without resuming"
+            )
+        saved_layers = {key.removeprefix("mask.") for key in tensors if key.startswith("mask.")}
+        foreign = sorted(saved_layers - {layer.name for layer in self.layers})
+        if foreign:
+            raise ValueError(
+                f"pruner state holds masks for {len(foreign)} layer(s) this run does not prune ({', '.join(foreign)}); "
+                "resume the model and SparsityConfig the checkpoint was trained with"
             )
         for layer in self.layers:
             key = f"mask.{layer.name}"

@@ -178,7 +178,8 @@ class SparseTrainer(Trainer):
             logger.warning("hf_sparse: best checkpoint %s has no pruner state; keeping the final masks", best)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """Compressed checkpoint (``quantization_config`` in ``config.json``) once the model has been pruned.
+        """Compressed checkpoint (``quantization_config`` in ``config.json``) once the model has been pruned, and
+        a model card that says what the checkpoint holds (the pattern reached; dense when nothing was pruned).
 
         Checkpoints that ``Trainer`` writes for resuming (``_internal_call``) stay dense. Under FSDP2 call it on
         every rank (as with ``Trainer.save_model``): the full weights are gathered and the main process writes.
@@ -186,6 +187,8 @@ class SparseTrainer(Trainer):
         pruner = self.pruner
         if _internal_call or pruner is None or pruner.current_pattern() is None:
             super().save_model(output_dir, _internal_call=_internal_call)
+            if not _internal_call and pruner is not None and self.args.should_save:
+                self._write_model_card(output_dir if output_dir is not None else self.args.output_dir)  # "dense"
             return
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         model = self.accelerator.unwrap_model(self.model, keep_torch_compile=False)

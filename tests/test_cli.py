@@ -83,6 +83,7 @@ def test_inspect_corrupt_config_is_a_clear_error(checkpoint, capsys):
     assert "config.json: not valid JSON" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # ~2 minutes on 2 CPU cores
 def test_demo_end_to_end(tmp_path):
     """The README's main command, shortened: trains, prunes, saves, reloads and checks the logits."""
     result = subprocess.run(

@@ -35,6 +35,8 @@ from hf_sparse import SparseTrainer, SparsityCallback, SparsityConfig, save_pret
 from hf_sparse.distributed import full_tensor, gather_full_state_dict, local_part
 from hf_sparse.formats.compressed import compress
 
+pytestmark = pytest.mark.slow  # spawning two workers that import transformers: 10-20 s on 2 CPU cores
+
 WORLD = 2
 PER_DEVICE = 4
 STEPS = 6
@@ -163,18 +165,39 @@ def _setup_rank(rank: int, port: int) -> None:
     torch.set_num_threads(1)
 
 
+def _run_worker(rank: int, worker, port: int, out: str, *extra) -> None:
+    """``worker(rank, port, out, *extra)``, then the process group destroyed before the process exits.
+
+    A process that exits with its gloo group alive can abort after its work is done (SIGABRT, "terminate called
+    without an active exception"): gloo's threads still hold finished work whose tensors are released while the
+    interpreter is being finalised. After a worker's last collective, a barrier keeps one rank from closing its
+    connections while the other still reads from them; after a failure the group is destroyed without it, so
+    the other rank's collective fails at once instead of waiting for the timeout.
+    """
+    import torch.distributed as dist
+
+    try:
+        worker(rank, port, out, *extra)
+        if dist.is_initialized():
+            dist.barrier()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
 def _spawn(worker, out: Path, *extra, timeout: float = 240.0, nprocs: int = WORLD) -> None:
     """Run ``worker(rank, port, out, *extra)`` in fresh processes; fail (and stop them) if they hang."""
     import torch.multiprocessing as mp
 
-    args = (_free_port(), str(out), *extra)
-    context = mp.start_processes(worker, args=args, nprocs=nprocs, join=False, start_method="spawn")
+    args = (worker, _free_port(), str(out), *extra)
+    context = mp.start_processes(_run_worker, args=args, nprocs=nprocs, join=False, start_method="spawn")
     deadline = time.monotonic() + timeout
     while not context.join(timeout=1):
         if time.monotonic() > deadline:
             for process in context.processes:
                 if process.is_alive():
                     process.kill()
+                process.join()
             pytest.fail(f"distributed workers did not finish in {timeout:.0f} s")
 
 
@@ -250,6 +273,23 @@ def _bucket_view_check(rank: int, kept_only: bool = False) -> dict:
         optimizer.zero_grad()
     seen["sent_fraction"] = hook_state.elements_sent / hook_state.elements_total if kept_only else 1.0
     return seen
+
+
+def _leave_work_in_flight(rank: int, port: int, out: str) -> None:
+    """Start gloo, leave an all-reduce in flight and return; at exit, record whether the group was still alive."""
+    import atexit
+
+    _setup_rank(rank, port)
+    torch.distributed.init_process_group("gloo")
+    alive = Path(out) / f"group_alive_at_exit_rank{rank}"
+    atexit.register(lambda: alive.write_text(str(torch.distributed.is_initialized())))
+    torch.distributed.all_reduce(torch.ones(1000), async_op=True)
+
+
+def test_workers_destroy_their_process_group_before_exiting(tmp_path):
+    # a group left alive at exit can abort the process after its work is done (SIGABRT), so _spawn would fail too
+    _spawn(_leave_work_in_flight, tmp_path)
+    assert [(tmp_path / f"group_alive_at_exit_rank{r}").read_text() for r in range(WORLD)] == ["False"] * WORLD
 
 
 @pytest.fixture(scope="module")

@@ -315,6 +315,21 @@ def test_run_glue_sparse_recipe_loads_back(files, tmp_path, run_glue):
     assert float((w == 0).float().mean()) == pytest.approx(0.75)
 
 
+def test_run_glue_schedule_beyond_max_steps_warns_and_its_card_says_dense(files, tmp_path, run_glue):
+    from huggingface_hub import ModelCard
+
+    out = tmp_path / "never"
+    flags = "--do_train --max_train_samples 8 --max_steps 4 --sparsity_pattern 2:4".split()
+    flags += ["--sparsity_start", "500", "--sparsity_end", "600", "--data_dir", str(files["sst2"])]
+    with pytest.warns(UserWarning, match="starts at step 500.*no layer will be pruned") as record:
+        run_glue.main(_glue_argv(files, tmp_path, "sst2", out, *flags))
+    assert len([w for w in record if "the sparsity schedule" in str(w.message)]) == 1
+    assert "quantization_config" not in json.loads((out / "config.json").read_text())
+    card = ModelCard((out / "README.md").read_text())
+    assert "no layer of this checkpoint is pruned" in card.text and "pruned to" not in card.text
+    assert "sparsity-2:4" not in card.data.tags
+
+
 def test_run_glue_mnli_matched_and_mismatched(files, tmp_path, run_glue):
     out = tmp_path / "mnli"
     metrics = run_glue.main(_glue_argv(files, tmp_path, "mnli", out, "--data_dir", str(files["mnli"]), "--do_eval"))

@@ -148,10 +148,23 @@ def test_torch_compile(tmp_path):
     _check_final_masks(trainer.pruner)
 
 
+class _MaskRecord(TrainerCallback):
+    """The masks each optimizer step ran with, by ``state.global_step`` after the step (``None`` while dense)."""
+
+    def __init__(self) -> None:
+        self.pruner = None  # a callable: the pruner exists only once the trainer does (the callback's: once training)
+        self.masks: dict[int, dict[str, torch.Tensor | None]] = {}
+
+    def on_step_end(self, args, state, control, **kwargs):
+        masks = self.pruner().masks
+        self.masks[state.global_step] = {n: None if m is None else m.clone() for n, m in masks.items()}
+
+
 def _resume_run(tmp_path, trainer_cls, stop_at=None, resume=None):
     config = SparsityConfig(pattern="2:8", schedule="cubic", start=2, end=14, update_every=3)
     args = _args(tmp_path, max_steps=18, save_strategy="steps", save_steps=7, dataloader_drop_last=True)
-    callbacks = [StopAt(stop_at)] if stop_at else []
+    record = _MaskRecord()
+    callbacks = [record, StopAt(stop_at)] if stop_at else [record]
     if trainer_cls is SparseTrainer:
         trainer = SparseTrainer(
             model=_model(), args=args, train_dataset=ToyClassification(), sparsity_config=config, callbacks=callbacks
@@ -163,19 +176,28 @@ def _resume_run(tmp_path, trainer_cls, stop_at=None, resume=None):
             model=_model(), args=args, train_dataset=ToyClassification(), callbacks=[*callbacks, callback]
         )
         pruner = lambda: callback.pruner  # noqa: E731
+    record.pruner = pruner
     trainer.train(resume_from_checkpoint=resume)
-    return trainer, pruner()
+    return trainer, pruner(), record.masks
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("trainer_cls", [SparseTrainer, Trainer], ids=["SparseTrainer", "Trainer+callback"])
 def test_resume_is_exact(tmp_path, trainer_cls):
-    whole, whole_pruner = _resume_run(tmp_path / "whole", trainer_cls)
+    whole, whole_pruner, whole_masks = _resume_run(tmp_path / "whole", trainer_cls)
     _resume_run(tmp_path / "cut", trainer_cls, stop_at=7)
     checkpoint = tmp_path / "cut" / "checkpoint-7"
     assert (checkpoint / PRUNER_STATE_NAME).is_file()
-    # the masks at step 7 are an intermediate level: resuming must restore them, not recompute them
-    resumed, resumed_pruner = _resume_run(tmp_path / "cut", trainer_cls, resume=str(checkpoint))
+    # the masks at step 7 are an intermediate level (from the update at step 5): resuming must restore them. Step 7
+    # must run with them too, not only the steps after the next update (step 8), which recomputes the masks from
+    # the weights and so would hide a resume that dropped them: compare the masks of every resumed step.
+    resumed, resumed_pruner, resumed_masks = _resume_run(tmp_path / "cut", trainer_cls, resume=str(checkpoint))
     assert resumed.state.global_step == whole.state.global_step == 18
+    assert sorted(resumed_masks) == list(range(8, 19))
+    for step, masks in resumed_masks.items():
+        for name, mask in masks.items():
+            expected = whole_masks[step][name]
+            assert mask is not None and expected is not None and torch.equal(mask, expected), (step, name)
     assert (
         resumed_pruner.level == whole_pruner.level and resumed_pruner.last_update_step == whole_pruner.last_update_step
     )
@@ -183,6 +205,67 @@ def test_resume_is_exact(tmp_path, trainer_cls):
         assert torch.equal(whole_pruner.masks[a.name], resumed_pruner.masks[b.name]), a.name
     for (name, p), (_, q) in zip(whole.model.named_parameters(), resumed.model.named_parameters(), strict=True):
         assert torch.equal(p, q), name
+
+
+class _CountSteps(TrainerCallback):
+    def __init__(self) -> None:
+        self.steps = 0
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.steps += 1
+
+
+@pytest.mark.parametrize(
+    "changed, match",
+    [
+        ({"targets": [r"intermediate\.dense"]}, r"targets=None but this run uses targets=\['intermediate"),
+        ({"ignore": [r"attention"]}, r"ignore=None but this run uses ignore=\['attention'\]"),
+        ({"pattern": "2:4"}, r"pattern='2:8' but this run uses pattern='2:4'"),
+    ],
+    ids=["targets", "ignore", "pattern"],
+)
+def test_resume_with_other_layers_or_pattern_is_refused_before_training(tmp_path, changed, match):
+    """A resumed run whose SparsityConfig prunes other layers (or to another pattern) than the checkpoint's masks
+    were saved for stops at resume, before any step, naming the fields, rather than failing in save_model."""
+    saved = dict(pattern="2:8", schedule="oneshot", start=0)
+    args = _args(tmp_path, max_steps=4, save_strategy="steps", save_steps=2)
+    first = SparseTrainer(
+        model=_model(),
+        args=args,
+        train_dataset=ToyClassification(),
+        sparsity_config=SparsityConfig(**saved),
+        callbacks=[StopAt(2)],
+    )
+    first.train()
+    counter = _CountSteps()
+    resumed = SparseTrainer(
+        model=_model(),
+        args=args,
+        train_dataset=ToyClassification(),
+        sparsity_config=SparsityConfig(**{**saved, **changed}),
+        callbacks=[counter],
+    )
+    with pytest.raises(ValueError, match=match) as error:
+        resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
+    assert "Resume with the SparsityConfig the checkpoint was trained with" in str(error.value)
+    assert counter.steps == 0
+
+
+def test_resume_with_masks_for_layers_this_model_lacks_is_refused():
+    from hf_sparse import Pruner
+
+    config = SparsityConfig(pattern="2:4", schedule="oneshot", start=0)
+    two_blocks = Pruner(_model(), config)
+    two_blocks.bind(1)
+    two_blocks.update(0)
+    one_block_config = tiny_config("bert")
+    one_block_config.num_hidden_layers = 1
+    one_block = Pruner(AutoModelForSequenceClassification.from_config(one_block_config), config)
+    one_block.bind(1)
+    with pytest.raises(
+        ValueError, match=r"masks for 6 layer\(s\) this run does not prune \(bert\.encoder\.layer\.1\."
+    ):
+        one_block.load_state_dict(*two_blocks.state_dict())
 
 
 def test_plain_trainer_callback_logs_and_saves_state(tmp_path):
