@@ -23,6 +23,14 @@ __all__ = ["SparseTrainer"]
 logger = logging.getLogger(__name__)
 
 
+def _warn_teacher_at_step_0() -> None:
+    warnings.warn(
+        "hf_sparse: self-distillation teacher taken at step 0, before any fine-tuning; give the run a dense phase "
+        "(SparsityConfig.start > 0) so the teacher has learnt the task",
+        stacklevel=3,
+    )
+
+
 class _DenseTeacherSnapshot(TrainerCallback):
     """Self-distillation: at the step where pruning begins (before the sparsity callback prunes), a frozen copy of
     the model as it is then (the end of the dense phase) becomes the trainer's teacher."""
@@ -30,21 +38,33 @@ class _DenseTeacherSnapshot(TrainerCallback):
     def __init__(self, trainer: SparseTrainer) -> None:
         self.trainer = trainer
         self.warned = False
+        self.taken_at_start = False
+
+    def _take(self, model, step: int) -> None:
+        teacher = copy.deepcopy(unwrap_model(model))
+        self.trainer.teacher_model = teacher.eval().requires_grad_(False)
+        logger.info("hf_sparse: step %d: dense model copied as the self-distillation teacher", step)
+
+    def on_init_end(self, args, state, control, model=None, **kwargs):
+        """Masks final from the start are made inside ``Trainer.__init__`` (the compact switch): copy the model
+        before the sparsity callback, which runs after this one, prunes it."""
+        cfg = self.trainer.sparsity_callback.config
+        if model is not None and not cfg.dynamic and cfg.start == 0 and (cfg.schedule == "oneshot" or cfg.end == 0):
+            self._take(model, 0)
+            self.taken_at_start = True
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if self.taken_at_start and state.global_step == 0:
+            _warn_teacher_at_step_0()
 
     def on_step_begin(self, args, state, control, model=None, **kwargs):
         trainer, pruner = self.trainer, self.trainer.pruner
         if trainer.teacher_model is not None or pruner is None or pruner.plan is None or model is None:
             return
         if pruner.level is None and pruner.plan.level(state.global_step) is not None:
-            teacher = copy.deepcopy(unwrap_model(model))
-            trainer.teacher_model = teacher.eval().requires_grad_(False)
-            logger.info("hf_sparse: step %d: dense model copied as the self-distillation teacher", state.global_step)
+            self._take(model, state.global_step)
             if state.global_step == 0:
-                warnings.warn(
-                    "hf_sparse: self-distillation teacher taken at step 0, before any fine-tuning; give the run a "
-                    "dense phase (SparsityConfig.start > 0) so the teacher has learnt the task",
-                    stacklevel=2,
-                )
+                _warn_teacher_at_step_0()
         elif pruner.level is not None and not self.warned:
             self.warned = True
             warnings.warn(
