@@ -109,12 +109,12 @@ def test_50_steps_track_masked_dense(pattern, extra, backend, monkeypatch):
     assert abs(dense[-10:].mean() - kern[-10:].mean()) < 0.03 * dense[-10:].mean()
 
 
-def test_sparse_trainer_engages_kernel_path(tmp_path):
+def test_sparse_trainer_makes_layers_compact_on_cuda(tmp_path):
     seen = []
 
     class Probe(TrainerCallback):
         def on_step_end(self, args, state, control, model=None, **kwargs):
-            seen.append(len(kernel_path_layers(model)))
+            seen.append(sum(isinstance(m, SparseLinear) for m in model.modules()))
 
     args = TrainingArguments(
         output_dir=str(tmp_path),
@@ -135,10 +135,11 @@ def test_sparse_trainer_engages_kernel_path(tmp_path):
         sparsity_config=SparsityConfig(pattern="64:2:8", schedule="oneshot", start=0.5, end=0.5),
     )
     trainer.train()
-    assert seen[0] == 0 and seen[-1] == 12, seen  # dense until the masks are final at step 3, kernels after
-    assert kernel_path_layers(trainer.model) == []
+    assert seen[0] == 0 and seen[-1] == 12, seen  # dense until the masks are final at step 3, compact after
     for layer in trainer.pruner.layers:
-        assert (layer.weight[~trainer.pruner.masks[layer.name]] == 0).all()
+        assert layer.compact and layer.module._kernel is not None  # trained on its own kernel state
+        assert torch.equal(layer.module.mask(), trainer.pruner.masks[layer.name])
+        assert torch.isfinite(layer.module.weight).all()
 
 
 @pytest.mark.parametrize("pattern", ["64:2:8", "2:4"])
@@ -154,7 +155,8 @@ def test_loaded_checkpoint_runs_inference_on_the_kernels(tmp_path, pattern):
     with torch.no_grad():
         auto_logits = loaded(input_ids=ids).logits.float()
         for m in sparse_layers:  # every call shape on the sparse kernel
-            m._kernel.plans = {key: ("sparse",) + plan[1:] for key, plan in m._kernel.plans.items()}
+            sparse = "sparse24" if m._kernel.packed24 is not None else "sparse"  # V:2:M: on its 2:4 view
+            m._kernel.plans = {key: (sparse,) + plan[1:] for key, plan in m._kernel.plans.items()}
         kernel_logits = loaded(input_ids=ids).logits.float()
     assert all(m._kernel is not None and m._kernel.packed_t is None for m in sparse_layers)
     ref = model.cuda().eval()(input_ids=ids).logits.detach().float()
