@@ -130,6 +130,17 @@ class SparsityCallback(TrainerCallback):
             self._restore()
         return True
 
+    def check_checkpoint(self, checkpoint_dir: str | os.PathLike) -> None:
+        """Before a resume loads weights: refuse a checkpoint whose pruner state was saved with another ``pattern``,
+        ``targets`` or ``ignore`` (its compact layers would not fit this model's), naming the fields."""
+        path = os.path.join(checkpoint_dir, PRUNER_STATE_NAME)
+        if self.pruner is None or not os.path.isfile(path):
+            return
+        from safetensors import safe_open
+
+        with safe_open(path, framework="pt") as fh:
+            self.pruner.check_saved_config(fh.metadata() or {})
+
     def _restore(self) -> None:
         assert self.pruner is not None and self._pending_state is not None
         from safetensors import safe_open

@@ -577,8 +577,9 @@ class Pruner:
         }
         return tensors, meta
 
-    def load_state_dict(self, tensors: dict[str, Tensor], meta: dict[str, str]) -> None:
-        """Restore masks (checked against each layer's shape) and schedule position, then re-apply the masks."""
+    def check_saved_config(self, meta: dict[str, str]) -> None:
+        """Refuse a saved pruner state (its metadata ``meta``) whose ``pattern``, ``targets`` or ``ignore`` differ
+        from this run's: its masks and compact layers would not fit (checked again before a resume loads weights)."""
         saved = json.loads(meta.get("config", "{}"))
         current = json.loads(self.config.to_json_string())
         changed = [key for key in _RESUME_FIELDS if saved.get(key) != current[key]]
@@ -590,6 +591,10 @@ class Pruner:
                 "and how, so the saved masks do not fit this run. Resume with the SparsityConfig the checkpoint "
                 "was trained with, or start a new run from the checkpoint's weights without resuming"
             )
+
+    def load_state_dict(self, tensors: dict[str, Tensor], meta: dict[str, str]) -> None:
+        """Restore masks (checked against each layer's shape) and schedule position, then re-apply the masks."""
+        self.check_saved_config(meta)
         saved_layers = {key.removeprefix("mask.") for key in tensors if key.startswith("mask.")}
         foreign = sorted(saved_layers - {layer.name for layer in self.layers})
         if foreign:

@@ -186,6 +186,8 @@ class SparseTrainer(Trainer):
         super().log(logs, *args, **kwargs)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        if self.sparsity_callback is not None:
+            self.sparsity_callback.check_checkpoint(resume_from_checkpoint)
         super()._load_from_checkpoint(resume_from_checkpoint, model=model)
         if self.sparsity_callback is not None and not self.sparsity_callback.load_state(resume_from_checkpoint):
             logger.warning("hf_sparse: %s has no pruner state", resume_from_checkpoint)
