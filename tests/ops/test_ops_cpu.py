@@ -57,6 +57,15 @@ def test_opcheck_all_ops():
     torch.library.opcheck(_pack_op, (w, mask, 64, 8, torch.bfloat16, True))
 
 
+def test_dispatch_is_a_stateless_harness():
+    """Compact layers keep their own plans: the dispatcher holds no module-level caches or measured choices."""
+    from hf_sparse.ops import dispatch
+
+    assert dispatch.__all__ == ["can_measure", "fastest"]
+    state = [n for n, v in vars(dispatch).items() if isinstance(v, (dict, list, set)) and not n.startswith("__")]
+    assert state == [], state
+
+
 def test_import_touches_no_cuda():
     code = (
         "import torch, hf_sparse.ops, hf_sparse.nn\n"
