@@ -8,14 +8,14 @@ Times are medians of ``triton.testing.do_bench`` (CUDA events) on fresh random b
 ``baseline time / our time`` (> 1 means we are faster). Each SpMM result is also checked against the dense
 product before it is reported. *ours* is the ``mma.sp`` kernel; *wgmma* the sparse-``wgmma`` kernel of the pattern
 (``spmm_sm90.cu`` for 2:4, ``spmm_vnm_sm90.cu`` for V:2:M; sm_90a builds only, ``n/a`` elsewhere) with its ratio to
-dense and to ``mma.sp`` (*xMma*); the dispatcher column uses the default (``auto``) kernel choice.
+dense and to ``mma.sp`` (*xMma*).
 
 cuSPARSELt (2:4; a V:2:M weight keeps <= 2 of every 4 columns, so it runs as 2:4 too): *cslt* = eager
 ``torch._cslt_sparse_mm``, default algorithm; *csltT* = the same with the algorithm of ``_cslt_sparse_mm_search``
 (both rebuild descriptors and plan per call); *csltC* = the cached-plan path (``hf_sparse.ops.cslt``: one
 ``cusparseLtMatmul`` per call, algorithm searched once), with ``cC*D`` = dense / csltC and ``cC*O`` = our best kernel
 (wgmma where available, else mma.sp) / csltC. *v24* (V:2:M only): our 2:4 SpMM on the weight packed as 2:4 (the
-dispatcher's ``sparse24`` candidate), ``v24*D`` = dense / v24.
+forward a compact V:2:M layer can measure as ``sparse24``), ``v24*D`` = dense / v24.
 
 ``--shapes`` limits the run to some (in x out) shapes; ``--sm90-configs`` adds, for 2:4 rows, the 2:4 wgmma kernel
 forced to each listed tile configuration (``HF_SPARSE_SM90_CONFIG``, e.g. the old default next to the new one), each
@@ -25,7 +25,7 @@ SDDMM (``--sddmm-only``, or the *sddmm* columns of the main table: the default k
 gradient ``dy.t() @ x`` (cuBLAS, bf16 out); *sdMma* = the ``mma.sync`` SDDMM (``csrc/sddmm.cu``), *sdWg* = the dense
 ``wgmma`` SDDMM (``csrc/sddmm_sm90.cu``, sm_90a only), both fp32 values at the kept slots, each checked against
 the fp32 product first; *xDW* = dWgemm / that kernel; *scat* = ``scatter_dense`` of the values into the dense bf16
-gradient (what ``dispatch.weight_grad`` adds on top), timed separately.
+gradient, timed separately.
 """
 # ruff: noqa: B023  (every benchmarked lambda is called at once, inside its own loop iteration)
 
@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from hf_sparse.masks import nm_mask, vnm_mask
-from hf_sparse.ops import dispatch, pack, repack, sddmm, spmm
+from hf_sparse.ops import pack, sddmm, spmm
 
 # (in, out); 1024 -> 1024: BERT-large's Q, K, V and attention-output projections
 SHAPES = [(768, 3072), (3072, 768), (1024, 1024), (1024, 4096), (4096, 1024), (4096, 11008), (11008, 4096)]
@@ -154,49 +154,6 @@ def view24_time(wm: torch.Tensor, mask: torch.Tensor, x: torch.Tensor, ref: torc
     return bench(lambda: spmm(x, view))
 
 
-def train_section(tokens: int, shapes: list[tuple[int, int]]) -> None:
-    """One layer's training step (fwd + bwd, and the per-step refresh = bf16 cast + values repack, as the kernel path
-    does it) through sparse_linear with the dispatcher and the step's bf16 copy (weight_lp), against dense F.linear
-    under bf16 autocast (whose time includes its own weight cast); the master weight is fp32 in both."""
-    from hf_sparse.nn.sparse_matmul import sparse_linear
-
-    print(f"# layer fwd+bwd(+cast+repack), {tokens} tokens, fp32 master, bf16 compute; ratio = dense / sparse path")
-    print(f"{'in->out':>12} {'pattern':>8} {'dense':>7} {'sparse':>7} {'+pack':>7} {'ratio':>6} {'ratio+pack':>10}")
-    for k, r in shapes:
-        x = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        g = torch.randn(tokens, r, device="cuda", dtype=torch.bfloat16)
-        w = torch.nn.Parameter(torch.randn(r, k, device="cuda"))
-
-        def dense_step():
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                y = F.linear(x, w)
-            y.backward(g)
-
-        t_dense = bench(dense_step)
-        for pat in ("2:4", "64:2:8", "64:2:16", "64:2:32"):
-            v, m = parse(pat)
-            mask = nm_mask(w.detach().abs(), 2, 4) if m == 4 else vnm_mask(w.detach().abs(), v, 2, m)
-            with torch.no_grad():
-                w.mul_(mask)
-            lp = w.detach().bfloat16()
-            p = pack(lp, mask, v, m, torch.bfloat16)
-
-            def sparse_step():
-                sparse_linear(x, w, p, weight_lp=lp).backward(g)
-
-            def refresh():  # what the kernel path does once per optimizer step: the cast, then the values repack
-                repack(w.detach().to(torch.bfloat16), p, all_valid=True)
-
-            sparse_step()  # lets the dispatcher measure once
-            t_sparse = bench(sparse_step)
-            t_pack = bench(refresh)
-            print(
-                f"{f'{k}->{r}':>12} {pat:>8} {t_dense:7.4f} {t_sparse:7.4f} {t_pack:7.4f} "
-                f"{t_dense / t_sparse:6.2f} {t_dense / (t_sparse + t_pack):10.2f}",
-                flush=True,
-            )
-
-
 @contextlib.contextmanager
 def sddmm_kernel_env(kernel: str):
     """Force one SDDMM kernel (``HF_SPARSE_SDDMM_KERNEL``) inside the block, restoring the previous setting after."""
@@ -277,7 +234,6 @@ def main() -> int:
     ap.add_argument("--csv", default=None)
     ap.add_argument("--no-sddmm", action="store_true")
     ap.add_argument("--sddmm-only", action="store_true", help="only the SDDMM table (dense dW GEMM vs both kernels)")
-    ap.add_argument("--no-train", action="store_true", help="skip the fwd+bwd (+pack) layer timing")
     ap.add_argument(
         "--shapes",
         type=parse_shape,
@@ -313,7 +269,6 @@ def main() -> int:
         f"{'xDense':>6} {'xCslt':>6} {'xCsltT':>6} | {'wgmma':>7} {'xDense':>6} {'xMma':>5} {'xCsltT':>6} | "
         f"{'csltC':>7} {'cC*D':>5} {'cC*O':>5} | {'v24':>7} {'v24*D':>5} | "
         f"{'dWgemm':>7} {'sddmm':>7} {'xDW':>5} | {'pack':>6} {'%gemm':>5}"
-        f" | {'repack':>6} {'%gemm':>5} {'rp_lp':>6} {'%gemm':>5} {'cast':>6} | {'xAuto':>5} choice"
     )
     print(hdr)
     for tokens in args.tokens:
@@ -339,23 +294,13 @@ def main() -> int:
                         err_wg = checked_error(spmm(x, p), ref, f"wgmma {pat} {k}->{r} tokens={tokens}")
                         t_wg = bench(lambda: spmm(x, p))
                 # a V:2:M weight is also 2:4 (<= 2 kept of every 4 columns): cuSPARSELt and our 2:4 kernel run it as
-                # such (the dispatcher's "cslt" and "sparse24" candidates)
+                # such
                 t_c0, t_c1 = cslt_times(wm.bfloat16(), x)
                 t_cc = cslt_cached_time(wm.bfloat16(), x, ref)
                 t_v24 = view24_time(wm, mask, x, ref) if m > 4 else float("nan")
                 t_best = t_wg if t_wg == t_wg else t_ours  # wgmma where it ran, else mma.sp
                 t_sd = float("nan") if args.no_sddmm else bench(lambda: sddmm(dy, x, p))
                 t_pack = bench(lambda: pack(wm, mask, v, m, torch.bfloat16, validate=False))
-                all_valid = bool(p.valid.all())
-                t_repack = bench(lambda: repack(wm, p, all_valid=all_valid))  # per-step repack, fp32 master
-                wm_lp = wm.bfloat16()
-                t_repack_lp = bench(lambda: repack(wm_lp, p, all_valid=all_valid))  # from the step's bf16 cast
-                t_cast = bench(lambda: wm.to(torch.bfloat16))
-                dispatch.linear_forward(x, wm, p, None)  # measures once and caches the choice
-                t_auto = bench(lambda: dispatch.linear_forward(x, wm, p, None))
-                choice = dispatch.choices().get(
-                    ("fwd", dispatch._bucket(tokens), r, k, p.v, m, p.dtype, x.device.index)
-                )
                 t_cfg = sm90_config_times(args.sm90_configs, x, p, ref) if has_wgmma and m == 4 else {}
                 row = dict(
                     tokens=tokens,
@@ -384,14 +329,7 @@ def main() -> int:
                     x_dw=t_dw / t_sd,
                     pack=t_pack,
                     pack_pct=100 * t_pack / t_dense,
-                    repack=t_repack,
-                    repack_pct=100 * t_repack / t_dense,
-                    repack_bf16=t_repack_lp,
-                    repack_bf16_pct=100 * t_repack_lp / t_dense,
-                    cast=t_cast,
                     err=err,
-                    auto=t_auto,
-                    auto_choice=choice,
                     **{f"sm90_cfg{c}": t for c, t in t_cfg.items()},
                 )
                 rows_out.append(row)
@@ -401,10 +339,7 @@ def main() -> int:
                     f"{row['wgmma_x_dense']:6.2f} {row['wgmma_x_mma_sp']:5.2f} {row['wgmma_x_cslt_tuned']:6.2f} | {t_cc:7.4f} "
                     f"{row['cslt_cached_x_dense']:5.2f} {row['cslt_cached_x_ours']:5.2f} | {t_v24:7.4f} "
                     f"{row['ours_2to4_view_x_dense']:5.2f} | {t_dw:7.4f} "
-                    f"{t_sd:7.4f} {row['x_dw']:5.2f} | {t_pack:6.4f} {row['pack_pct']:5.1f} | "
-                    f"{t_repack:6.4f} {row['repack_pct']:5.1f} {t_repack_lp:6.4f} {row['repack_bf16_pct']:5.1f} "
-                    f"{t_cast:6.4f} | "
-                    f"{t_dense / t_auto:5.2f} {choice}",
+                    f"{t_sd:7.4f} {row['x_dw']:5.2f} | {t_pack:6.4f} {row['pack_pct']:5.1f}",
                     flush=True,
                 )
                 if t_cfg:
@@ -413,8 +348,6 @@ def main() -> int:
                         + " | ".join(f"{c}: {t:.4f} {t_dense / t:.2f} {t_cc / t:.2f}" for c, t in t_cfg.items()),
                         flush=True,
                     )
-    if not args.no_train:
-        train_section(args.tokens[0], args.shapes)
     if args.csv:
         with open(args.csv, "w", newline="") as f:
             wr = csv.DictWriter(f, fieldnames=list(rows_out[0]))

@@ -221,89 +221,6 @@ std::vector<at::Tensor> pack(const at::Tensor& weight, const at::Tensor& mask, i
   return {values, meta, columns, valid, error};
 }
 
-// Checks one repack's inputs, allocates its output values and fills its kernel arguments.
-at::Tensor values_args(const char* op, const at::Tensor& weight, const at::Tensor& meta, const at::Tensor& columns,
-                       const c10::optional<at::Tensor>& valid, int64_t rows, int64_t k, int64_t m, bool out_bf16,
-                       hf_sparse::PackValuesArgs& a) {
-  const auto wd = weight.scalar_type();
-  TORCH_CHECK(wd == at::kFloat || wd == at::kBFloat16 || wd == at::kHalf, "hf_sparse.", op,
-              ": weight must be float32, bfloat16 or float16, got ", wd);
-  TORCH_CHECK(weight.is_cuda() && weight.dim() == 2, "hf_sparse.", op, ": weight must be a 2-D CUDA tensor");
-  TORCH_CHECK(weight.size(0) == rows && weight.size(1) == k, "hf_sparse.", op, ": weight has shape ", weight.sizes(),
-              ", the packed weight is ", rows, "x", k);
-  check_tensor(meta, op, "packed.meta", at::kInt, 3);
-  check_tensor(columns, op, "packed.columns", at::kByte, 3);
-  check_group_size(op, m);
-  const int64_t steps = (k / m + 7) / 8, rp = (rows + 63) / 64 * 64;
-  TORCH_CHECK(k % m == 0 && meta.size(0) == rp / 16 && meta.size(1) == steps && meta.size(2) == 16 &&
-                  columns.size(0) == rp / 64 && columns.size(1) == steps * 8,
-              "hf_sparse.", op, ": packed tensors do not match a ", rows, "x", k, " weight with m=", m,
-              "; build them with hf_sparse.ops.pack");
-  TORCH_CHECK(meta.device() == weight.device() && columns.device() == weight.device(), "hf_sparse.", op,
-              ": weight and packed tensors must be on one device");
-  if (valid.has_value()) {
-    check_tensor(*valid, op, "packed.valid", at::kBool, 2);
-    TORCH_CHECK(valid->size(0) == rows && valid->size(1) == 2 * (k / m), "hf_sparse.", op, ": packed.valid has ",
-                "shape ", valid->sizes(), ", expected (", rows, ", ", 2 * (k / m), ")");
-  }
-  auto values = at::empty({rp / 16, steps, 32, 8}, weight.options().dtype(out_bf16 ? at::kBFloat16 : at::kHalf));
-  a.weight = weight.data_ptr();
-  a.weight_dtype = wd == at::kFloat ? 0 : (wd == at::kBFloat16 ? 1 : 2);
-  a.stride_row = weight.stride(0);
-  a.stride_col = weight.stride(1);
-  a.meta = reinterpret_cast<const uint32_t*>(meta.data_ptr<int>());
-  a.columns = columns.data_ptr<uint8_t>();
-  a.valid = valid.has_value() ? valid->data_ptr<bool>() : nullptr;
-  a.values = values.data_ptr();
-  a.rows = (int)rows;
-  a.rows_padded = (int)rp;
-  a.k = (int)k;
-  a.m = (int)m;
-  a.steps = (int)steps;
-  a.out_bf16 = out_bf16;
-  return values;
-}
-
-at::Tensor pack_values(const at::Tensor& weight, const at::Tensor& meta, const at::Tensor& columns,
-                       const c10::optional<at::Tensor>& valid, int64_t rows, int64_t k, int64_t m, bool out_bf16) {
-  c10::cuda::CUDAGuard guard(weight.device());
-  hf_sparse::PackValuesArgs a;
-  auto values = values_args("pack_values", weight, meta, columns, valid, rows, k, m, out_bf16, a);
-  check_cuda(hf_sparse::pack_values(a, c10::cuda::getCurrentCUDAStream().stream()), "pack_values");
-  return values;
-}
-
-// pack_values for many weights on one device: one launch per (weight dtype, up to kMaxPackValuesBatch weights).
-std::vector<at::Tensor> pack_values_batch(const std::vector<at::Tensor>& weights, const std::vector<at::Tensor>& metas,
-                                          const std::vector<at::Tensor>& columns,
-                                          const std::vector<c10::optional<at::Tensor>>& valids,
-                                          const std::vector<int64_t>& rows, const std::vector<int64_t>& ks,
-                                          const std::vector<int64_t>& ms, bool out_bf16) {
-  const char* op = "pack_values_batch";
-  const size_t n = weights.size();
-  TORCH_CHECK(metas.size() == n && columns.size() == n && valids.size() == n && rows.size() == n && ks.size() == n &&
-                  ms.size() == n,
-              "hf_sparse.", op, ": every argument list must have one entry per weight (", n, ")");
-  std::vector<at::Tensor> out(n);
-  if (n == 0) return out;
-  const auto device = weights[0].device();
-  c10::cuda::CUDAGuard guard(device);
-  std::vector<hf_sparse::PackValuesArgs> args(n);
-  for (size_t i = 0; i < n; ++i) {
-    TORCH_CHECK(weights[i].device() == device, "hf_sparse.", op, ": weight ", i, " is on ", weights[i].device(),
-                ", the first on ", device);
-    out[i] = values_args(op, weights[i], metas[i], columns[i], valids[i], rows[i], ks[i], ms[i], out_bf16, args[i]);
-  }
-  const auto stream = c10::cuda::getCurrentCUDAStream().stream();
-  for (int dtype = 0; dtype < 3; ++dtype) {
-    std::vector<hf_sparse::PackValuesArgs> group;
-    for (const auto& a : args)
-      if (a.weight_dtype == dtype) group.push_back(a);
-    check_cuda(hf_sparse::pack_values_batch(group.data(), (int)group.size(), stream), op);
-  }
-  return out;
-}
-
 // Zero, in place, every entry of tensors[i] where masks[i] is false: one launch per element size and per
 // kMaxMaskTensors tensors. Every tensor: CUDA, contiguous, fp32 / bf16 / fp16, on the device of the first; every mask:
 // bool, contiguous, same number of elements and device as its tensor.
@@ -539,8 +456,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("sddmm", &sddmm, "dW at kept positions, fp32, logical order (R, 2G)");
   mod.def("sddmm_wgmma", &sddmm_wgmma, "as sddmm, with dense wgmma over the condensed columns (sm_90a)");
   mod.def("pack", &pack, "dense masked weight + mask -> packed (values, meta, columns, valid, error flag)");
-  mod.def("pack_values", &pack_values, "new packed values from a masked weight (any strides), mask layout reused");
-  mod.def("pack_values_batch", &pack_values_batch, "pack_values for many weights, in one launch per weight dtype");
   mod.def("nm_mask", &nm_mask, "N:M mask of an fp32 score (hf_sparse.masks.nm_mask's rule)");
   mod.def("vnm_mask", &vnm_mask, "V:N:M mask of an fp32 score (hf_sparse.masks.vnm_mask's rule)");
   mod.def("transposable_2to4_mask", &transposable_2to4_mask,

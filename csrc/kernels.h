@@ -58,31 +58,6 @@ struct PackArgs {
 };
 cudaError_t pack(const PackArgs& args, cudaStream_t stream);
 
-struct PackValuesArgs {
-  const void* weight;     // (rows, k) masked master, fp32 / bf16 / fp16, element (r, c) at r*stride_row + c*stride_col
-  int weight_dtype;       // 0 fp32, 1 bf16, 2 fp16
-  long stride_row, stride_col;
-  const uint32_t* meta;   // (rows_padded/16, steps, 16) from pack()
-  const uint8_t* columns; // (rows_padded/64, steps*8, 4) from pack()
-  const bool* valid;      // (rows, 2 * groups) from pack(), or nullptr when every slot is kept
-  void* values;           // out: (rows_padded/16, steps, 32, 8) compute dtype
-  int rows, rows_padded, k, m, steps;
-  bool out_bf16;
-};
-cudaError_t pack_values(const PackValuesArgs& args, cudaStream_t stream);
-
-// pack_values over `count` weights of one weight dtype and one output dtype, in as few launches as the batch size and
-// the 4 KB kernel-parameter budget allow (kMaxPackValuesBatch weights per launch).
-constexpr int kMaxPackValuesBatch = 40;
-struct PackValuesBatch {
-  PackValuesArgs args[kMaxPackValuesBatch];
-  int first_block[kMaxPackValuesBatch];  // increasing, first_block[0] == 0
-  unsigned char vec[kMaxPackValuesBatch];  // vector width of each entry's loads: 4, 8 or 0 (scalar)
-  int count, blocks;
-};
-static_assert(sizeof(PackValuesBatch) <= 4096, "kernel parameters are limited to 4 KB");
-cudaError_t pack_values_batch(const PackValuesArgs* args, int count, cudaStream_t stream);
-
 // apply_masks (csrc/mask.cu): data[t][i] = 0 (all bits) where mask[t][i] == 0, for up to kMaxMaskTensors contiguous
 // tensors of one element size (2 or 4 bytes) in one launch. Block b masks chunk (b - first_block[t]) of tensor t,
 // apply_masks_chunk() elements per chunk; first_block is increasing, first_block[0] == 0, blocks = the total.

@@ -1,19 +1,11 @@
-// Pack a dense masked master weight (fp32/bf16/fp16) + bool mask into the kernels' V:2:M layout, fused with the
-// cast to the compute dtype. Runs after every optimizer step, so both passes read the mask and weight with
-// coalesced accesses and write the packed tensors once:
+// Pack a dense weight (fp32/bf16/fp16) + bool mask into the kernels' V:2:M layout, fused with the cast to the
+// compute dtype. Both passes read the mask and weight with coalesced accesses and write the packed tensors once:
 //   1. (M > 4) block_columns: one thread per (row, group) ORs its row's column bits into its V-row block's word(s)
 //      (scratch zeroed by the binding).
 //   2. pack: one warp per (16-row m-tile, k-step): lane = (row, half of the 8 groups), so the warp reads 16 rows x
 //      8M contiguous mask bytes and writes exactly one 512-byte fragment block, one 64-byte metadata block.
 // A block's 4 columns are its first 4 used columns padded with the first unused ones (the set bits of one mask,
 // so they come out sorted); a row's 2 positions likewise. A mask that breaks V:2:M raises a device flag.
-//
-// pack_values: the per-step repack once the mask is fixed. The metadata and block columns already say where every
-// kept value sits, so only the values are rebuilt: one thread per 4-byte value pair (of 4 k-steps), threads ordered
-// like the output (512-byte coalesced stores), reading the two weights it needs (any strides, so W^T of a
-// transposable layer is read in place) and nothing else: no mask, no second pass. pack_values_batch runs the repacks
-// of many weights in one launch per 40 (the kernel path repacks every layer after an optimizer step: a few launches
-// instead of one or two per layer, each costing host time on the issuing thread).
 #include "common.cuh"
 #include "kernels.h"
 
@@ -220,181 +212,6 @@ cudaError_t dispatch_out(const PackArgs& a, cudaStream_t stream) {
   return a.out_bf16 ? dispatch_m<W, __nv_bfloat16>(a, stream) : dispatch_m<W, __half>(a, stream);
 }
 
-
-// One thread per (row, group) value pair of kValuesSteps consecutive k-steps; a block covers one 16-row m-tile and
-// kValuesSteps fragment blocks of 128 words each (every store instruction writes 512 contiguous bytes). All loads are
-// issued before the stores, so each thread keeps 2 * kValuesSteps independent reads in flight.
-constexpr int kValuesSteps = 4;
-
-// Element j of a group of M values of type W held as raw 32-bit words (unrolled select: no local-memory indexing).
-template <typename W, int M> struct GroupWords { static constexpr int N = (M * (int)sizeof(W) + 3) / 4; };
-
-template <typename W, int M>
-__device__ __forceinline__ float pick_any(const uint32_t (&words)[GroupWords<W, M>::N], int j) {
-  float out = 0.f;
-#pragma unroll
-  for (int e = 0; e < M; ++e) {
-    if (e == j) {
-      if (sizeof(W) == 4) {
-        out = __uint_as_float(words[e]);
-      } else {
-        const unsigned short h = (unsigned short)(words[e / 2] >> (16 * (e & 1)));
-        if constexpr (std::is_same<W, __nv_bfloat16>::value) out = __bfloat162float(__ushort_as_bfloat16(h));
-        else out = __half2float(__ushort_as_half(h));
-      }
-    }
-  }
-  return out;
-}
-
-// VEC = M (4 or 8) when rows are contiguous and 16-byte aligned: each thread loads its whole group with vector loads
-// (8-32 bytes; the 32-byte sector is fetched anyway) and picks its two values in registers, instead of two scalar
-// loads that each touch a sector for 2-4 useful bytes. VEC = 0: scalar loads, any strides.
-// One 128-thread block of the repack: block `block` of `a` (blocks_of(a) in all).
-template <typename W, typename T, int VEC>
-__device__ __forceinline__ void pack_values_block(const PackValuesArgs& a, unsigned block) {
-  const int w = threadIdx.x;  // word within a fragment block: (g8, t, c, rh)
-  const int rh = w & 1, c = (w >> 1) & 1, t = (w >> 2) & 3, g8 = w >> 4;
-  const int chunks = (a.steps + kValuesSteps - 1) / kValuesSteps;
-  const int mt = (int)(block / chunks), s0 = (int)(block % chunks) * kValuesSteps;
-  const int row = mt * 16 + rh * 8 + g8;
-  const int groups = a.k / a.m, groups_padded = a.steps * 8;
-  const W* base = static_cast<const W*>(a.weight) + (size_t)row * a.stride_row;
-  const uint16_t* meta16 = reinterpret_cast<const uint16_t*>(a.meta);
-  float v0[kValuesSteps], v1[kValuesSteps];
-#pragma unroll
-  for (int i = 0; i < kValuesSteps; ++i) {
-    const int s = s0 + i, grp = s * 8 + c * 4 + t;
-    v0[i] = 0.f;
-    v1[i] = 0.f;
-    if (s < a.steps && row < a.rows && grp < groups) {
-      const uint16_t half = meta16[((((size_t)mt * a.steps + s) * 8 + g8) * 2 + c) * 2 + rh];
-      const uint32_t nib = (half >> (4 * t)) & 0xFu;
-      const uint32_t cols =
-          *reinterpret_cast<const uint32_t*>(a.columns + ((size_t)(row >> 6) * groups_padded + grp) * 4);
-      const long col0 = (long)grp * a.m;
-      const long c0 = col0 + ((cols >> (8 * (nib & 3u))) & 0xFFu), c1 = col0 + ((cols >> (8 * (nib >> 2))) & 0xFFu);
-      const bool keep0 = a.valid == nullptr || a.valid[(size_t)row * (2 * groups) + 2 * grp];
-      const bool keep1 = a.valid == nullptr || a.valid[(size_t)row * (2 * groups) + 2 * grp + 1];
-      if constexpr (VEC > 0) {
-        constexpr int N = GroupWords<W, VEC>::N;
-        uint32_t words[N];
-        const W* g = base + col0;
-        if constexpr (N == 2) {
-          const uint2 q = *reinterpret_cast<const uint2*>(g);
-          words[0] = q.x;
-          words[1] = q.y;
-        } else {
-#pragma unroll
-          for (int h = 0; h < N / 4; ++h) {
-            const uint4 q = reinterpret_cast<const uint4*>(g)[h];
-            words[4 * h] = q.x;
-            words[4 * h + 1] = q.y;
-            words[4 * h + 2] = q.z;
-            words[4 * h + 3] = q.w;
-          }
-        }
-        if (keep0) v0[i] = pick_any<W, VEC>(words, (int)(c0 - col0));
-        if (keep1) v1[i] = pick_any<W, VEC>(words, (int)(c1 - col0));
-      } else {
-        if (keep0) v0[i] = load_f<W>(base + c0 * a.stride_col);
-        if (keep1) v1[i] = load_f<W>(base + c1 * a.stride_col);
-      }
-    }
-  }
-  uint32_t* out = reinterpret_cast<uint32_t*>(a.values);
-#pragma unroll
-  for (int i = 0; i < kValuesSteps; ++i) {
-    const int s = s0 + i;
-    if (s < a.steps)  // -0.0 + 0.0 = +0.0: a slot is never -0.0
-      out[((size_t)mt * a.steps + s) * 128 + w] = MmaType<T>::pack(MmaType<T>::from_float(__fadd_rn(v0[i], 0.0f)),
-                                                                    MmaType<T>::from_float(__fadd_rn(v1[i], 0.0f)));
-  }
-}
-
-template <typename W, typename T, int VEC>
-__global__ void __launch_bounds__(128) pack_values_kernel(PackValuesArgs a) {
-  pack_values_block<W, T, VEC>(a, blockIdx.x);
-}
-
-long blocks_of(const PackValuesArgs& a) {
-  return (long)(a.rows_padded / 16) * ((a.steps + kValuesSteps - 1) / kValuesSteps);
-}
-
-// The vector width the repack of `a` can load its groups with (4 or 8 = M), or 0 for scalar loads.
-template <typename W>
-int vec_of(const PackValuesArgs& a) {
-  const size_t group_bytes = (size_t)a.m * sizeof(W);
-  const bool vec = a.stride_col == 1 && (a.m == 4 || a.m == 8) && reinterpret_cast<uintptr_t>(a.weight) % 16 == 0 &&
-                   ((size_t)a.stride_row * sizeof(W)) % std::min<size_t>(group_bytes, 16) == 0;
-  return vec ? a.m : 0;
-}
-
-// Many repacks in one launch (up to kMaxPackValuesBatch weights of one dtype): block b runs block (b - first_block[e]) of entry e, the last
-// entry with first_block[e] <= b. Each block takes its entry's vector width (uniform within the block).
-template <typename W, typename T>
-__global__ void __launch_bounds__(128) pack_values_batch_kernel(PackValuesBatch batch) {
-  int lo = 0, hi = batch.count - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) / 2;
-    if (batch.first_block[mid] <= (int)blockIdx.x) lo = mid;
-    else hi = mid - 1;
-  }
-  const PackValuesArgs& a = batch.args[lo];
-  const unsigned block = blockIdx.x - (unsigned)batch.first_block[lo];
-  switch (batch.vec[lo]) {
-    case 4: pack_values_block<W, T, 4>(a, block); break;
-    case 8: pack_values_block<W, T, 8>(a, block); break;
-    default: pack_values_block<W, T, 0>(a, block); break;
-  }
-}
-
-template <typename W, typename T>
-cudaError_t launch_values(const PackValuesArgs& a, cudaStream_t stream) {
-  const long blocks = blocks_of(a);
-  switch (vec_of<W>(a)) {
-    case 4: pack_values_kernel<W, T, 4><<<(unsigned)blocks, 128, 0, stream>>>(a); break;
-    case 8: pack_values_kernel<W, T, 8><<<(unsigned)blocks, 128, 0, stream>>>(a); break;
-    default: pack_values_kernel<W, T, 0><<<(unsigned)blocks, 128, 0, stream>>>(a); break;
-  }
-  return cudaGetLastError();
-}
-
-template <typename W>
-cudaError_t values_out(const PackValuesArgs& a, cudaStream_t stream) {
-  return a.out_bf16 ? launch_values<W, __nv_bfloat16>(a, stream) : launch_values<W, __half>(a, stream);
-}
-
-template <typename W, typename T>
-cudaError_t launch_batch(const PackValuesArgs* args, int count, cudaStream_t stream) {
-  PackValuesBatch batch{};
-  auto flush = [&]() -> cudaError_t {
-    if (batch.count == 0) return cudaSuccess;
-    pack_values_batch_kernel<W, T><<<(unsigned)batch.blocks, 128, 0, stream>>>(batch);
-    batch = PackValuesBatch{};
-    return cudaGetLastError();
-  };
-  for (int i = 0; i < count; ++i) {
-    const long blocks = blocks_of(args[i]);
-    if (blocks == 0) continue;
-    if (blocks >= (1L << 30)) return cudaErrorInvalidValue;
-    if (batch.count == kMaxPackValuesBatch || (long)batch.blocks + blocks >= (1L << 30)) {
-      const cudaError_t err = flush();
-      if (err != cudaSuccess) return err;
-    }
-    batch.args[batch.count] = args[i];
-    batch.first_block[batch.count] = batch.blocks;
-    batch.vec[batch.count] = (unsigned char)vec_of<W>(args[i]);
-    batch.blocks += (int)blocks;
-    ++batch.count;
-  }
-  return flush();
-}
-
-template <typename W>
-cudaError_t batch_out(const PackValuesArgs* args, int count, bool out_bf16, cudaStream_t stream) {
-  return out_bf16 ? launch_batch<W, __nv_bfloat16>(args, count, stream) : launch_batch<W, __half>(args, count, stream);
-}
 }  // namespace
 
 cudaError_t pack(const PackArgs& a, cudaStream_t stream) {
@@ -403,28 +220,6 @@ cudaError_t pack(const PackArgs& a, cudaStream_t stream) {
     case 0: return dispatch_out<float>(a, stream);
     case 1: return dispatch_out<__nv_bfloat16>(a, stream);
     case 2: return dispatch_out<__half>(a, stream);
-    default: return cudaErrorInvalidValue;
-  }
-}
-
-cudaError_t pack_values(const PackValuesArgs& a, cudaStream_t stream) {
-  if (a.rows_padded == 0 || a.steps == 0) return cudaSuccess;
-  switch (a.weight_dtype) {
-    case 0: return values_out<float>(a, stream);
-    case 1: return values_out<__nv_bfloat16>(a, stream);
-    case 2: return values_out<__half>(a, stream);
-    default: return cudaErrorInvalidValue;
-  }
-}
-
-cudaError_t pack_values_batch(const PackValuesArgs* args, int count, cudaStream_t stream) {
-  if (count == 0) return cudaSuccess;
-  for (int i = 1; i < count; ++i)
-    if (args[i].weight_dtype != args[0].weight_dtype || args[i].out_bf16 != args[0].out_bf16) return cudaErrorInvalidValue;
-  switch (args[0].weight_dtype) {
-    case 0: return batch_out<float>(args, count, args[0].out_bf16, stream);
-    case 1: return batch_out<__nv_bfloat16>(args, count, args[0].out_bf16, stream);
-    case 2: return batch_out<__half>(args, count, args[0].out_bf16, stream);
     default: return cudaErrorInvalidValue;
   }
 }

@@ -3,7 +3,7 @@
 Every function takes an *importance* tensor (larger means keep; see :mod:`hf_sparse.scoring`) shaped like the
 logical weight ``(out_features, in_features)`` and returns a ``bool`` mask of the same shape. Ties are broken
 towards the lower index (stable sorts, first-maximum ``argmax``), so CPU and CUDA give the same mask. On CUDA, once
-this process has loaded the kernel extension (the kernel path does), N:M, V:N:M and transposable 2:4 masks of
+this process has loaded the kernel extension (SparsityCallback does on CUDA), N:M, V:N:M and transposable 2:4 masks of
 fp32/bf16/fp16 scores come from dedicated kernels (``csrc/mask_select.cu``) that apply the same rules, tie-breaking
 included; the torch forms sort every group or loop over chunks of a float64 matmul, many launches per layer.
 Applying a mask writes ``+0.0`` at pruned positions (:func:`apply_mask`), never the ``-0.0`` that ``w * mask``
@@ -222,7 +222,7 @@ def apply_mask(weight: Tensor, mask: Tensor) -> Tensor:
 def apply_masks(pairs: Iterable[tuple[Tensor, Tensor]]) -> None:
     """:func:`apply_mask` over many ``(tensor, mask)`` pairs.
 
-    On CUDA, once this process has loaded the kernel extension (the kernel path does), contiguous fp32 / bf16 / fp16
+    On CUDA, once this process has loaded the kernel extension (SparsityCallback does), contiguous fp32 / bf16 / fp16
     tensors go to one fused kernel launch (``csrc/mask.cu``): torch's ``where`` takes its non-vectorised path here
     and costs one launch per tensor (on an H200: ~1.5 ms of kernel time per pass over BERT-large's 302M weights and
     10-15 us of host time per tensor, ``benchmarks/bench_apply_mask.py``). Everything else (CPU, views such as
@@ -240,8 +240,8 @@ def apply_masks(pairs: Iterable[tuple[Tensor, Tensor]]) -> None:
             torch.where(m, t, _zero(t.dtype, t.device), out=t)
     if fused_t:
         ext.apply_masks_(fused_t, fused_m)
-        # the kernel wrote through raw pointers: tell autograd, and every cache keyed on the version counter (the
-        # kernel path's shadows of the master), that these tensors changed in place
+        # the kernel wrote through raw pointers: tell autograd, and every cache keyed on the version counter, that
+        # these tensors changed in place
         torch.autograd.graph.increment_version(fused_t)
 
 

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from hf_sparse.masks import compute_mask
 from hf_sparse.nn import SparseLinear
+from hf_sparse.nn.compact import kernel_pattern
 from hf_sparse.ops import pack, spmm_reference
 from hf_sparse.ops._layout import dense_from_packed, values_to_kernel
 from hf_sparse.patterns import parse_pattern
@@ -232,3 +233,19 @@ def test_index_is_kept_only_for_plans_that_read_it():
     assert not k.uses_index()  # inference plans ignore the gradient parts
     k.plans[(64, True)] = ("sparse", "dense", "gemm")
     assert k.uses_index()
+
+
+@pytest.mark.parametrize(
+    ("spec", "expected"),
+    [
+        ("2:4", (64, 4)),
+        ("64:2:8", (64, 8)),
+        ("128:2:32", (128, 32)),
+        ("2:8", None),
+        ("32:2:8", None),
+        ("64:3:8", None),
+        ("unstructured:0.5", None),
+    ],
+)
+def test_kernel_pattern(spec, expected):
+    assert kernel_pattern(parse_pattern(spec)) == expected

@@ -114,3 +114,12 @@ def test_unquoted_yaml_pattern_says_to_quote_it(value, text):
         SparsityConfig(pattern=value)
     message = str(info.value)
     assert f"SparsityConfig.pattern={value}" in message and "quote" in message and text in message
+
+
+def test_kernels_field_validates_and_round_trips():
+    assert SparsityConfig().kernels == "auto"
+    assert SparsityConfig(kernels="never").kernels == "never"
+    with pytest.raises(ValueError, match="kernels='sometimes'.*'auto' or 'never'"):
+        SparsityConfig(kernels="sometimes")
+    cfg = SparsityConfig(pattern="64:2:8", kernels="never")
+    assert SparsityConfig.from_dict(cfg.to_dict()) == cfg

@@ -454,7 +454,6 @@ def _fsdp_scenario(rank: int, out: Path) -> None:
         torch.save({"final": full, "masks": callback.pruner.masks}, out / "fsdp_state.pt")
     seen["gpt2"] = _gpt2_conv1d_check()
     seen["broadcast"] = _broadcast_check(rank)
-    seen["kernel_path"] = _kernel_path_fsdp_check(rank)
     (out / f"fsdp_record_rank{rank}.json").write_text(json.dumps(seen))
 
 
@@ -509,50 +508,6 @@ def _broadcast_check(rank: int) -> dict:
     pruner.bind(1)
     pruner.update(0)
     return {"digest": _digest(pruner), "own_equal": all(torch.equal(pruner.masks[n], m) for n, m in own.items())}
-
-
-def _kernel_path_fsdp_check(rank: int) -> dict:
-    """The kernel path (ops' reference implementations, ``allow_cpu``) on a ``fully_shard``-ed model, bf16 autocast:
-    after two optimizer steps the kernel forward gives the dense masked forward of the current weights (FSDP2
-    all-gathers into the same storage with the same version counter, so a cache keyed on it would stay stale)."""
-    from hf_sparse.nn.kernel_path import disable_kernel_path, enable_kernel_path, kernel_path_layers
-
-    model = _model()
-    callback = SparsityCallback(SparsityConfig(pattern=PATTERN, schedule="oneshot", start=0))
-    args = TrainingArguments(output_dir="unused", report_to=[], use_cpu=True)
-    state, control = TrainerState(max_steps=3), TrainerControl()
-    callback.setup(model, 3)
-    _fully_shard_bert(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-2)
-    callback.on_train_begin(args, state, control, model=model)
-    seen = {"grads_zero": [], "losses": []}
-    for step in range(3):
-        state.global_step = step
-        callback.on_step_begin(args, state, control)
-        if step == 0:
-            seen["switched"] = len(enable_kernel_path(model, callback.pruner, allow_cpu=True))
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = model(**_batch(step, rank, WORLD)).loss
-        loss.backward()
-        pruner = callback.pruner
-        seen["grads_zero"].append(
-            all(_pruned_zero(la.module.weight.grad, pruner.masks[la.name], la.transposed) for la in pruner.layers)
-        )
-        optimizer.step()
-        callback.on_optimizer_step(args, state, control, optimizer=optimizer)  # as Trainer calls it
-        optimizer.zero_grad()
-        seen["losses"].append(loss.item())
-    seen["layers"] = len(kernel_path_layers(model))
-    seen["all_sharded"] = all(la.module.__dict__["_hf_sparse_kernel"].sharded for la in callback.pruner.layers)
-    ids = _batch(0, 0, 1)["input_ids"]
-    model.eval()
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-        kernel = model(input_ids=ids).logits.float()
-        disable_kernel_path(model)
-        dense = model(input_ids=ids).logits.float()
-    seen["max_diff"] = float((kernel - dense).abs().max())
-    seen["scale"] = float(dense.abs().max())
-    return seen
 
 
 @pytest.fixture(scope="module")
@@ -613,17 +568,6 @@ def test_masks_are_rank_zeros_even_when_weights_differ(fsdp_run):
     checks = [_read_json(out / f"fsdp_record_rank{r}.json")["broadcast"] for r in range(WORLD)]
     assert checks[0]["digest"] == checks[1]["digest"]
     assert checks[0]["own_equal"] and not checks[1]["own_equal"]  # rank 1 took rank 0's masks, not its own
-
-
-def test_fsdp2_kernel_path_follows_the_sharded_master(fsdp_run):
-    out, _, _, _ = fsdp_run
-    for rank in range(WORLD):
-        check = _read_json(out / f"fsdp_record_rank{rank}.json")["kernel_path"]
-        assert check["switched"] == check["layers"] == 12, rank  # 6 linear layers x 2 BERT blocks
-        assert check["all_sharded"], rank  # so each forward rebuilds from the all-gathered weight
-        assert all(check["grads_zero"]) and all(torch.isfinite(torch.tensor(check["losses"]))), rank
-        # bf16 rounding only (the dense forward casts the same master); a stale pack is off by the updates
-        assert check["max_diff"] < 2e-2 * max(1.0, check["scale"]), (rank, check["max_diff"], check["scale"])
 
 
 # ----------------------------------------------------------------------- GPUs (NCCL): what the CPU cannot run
@@ -706,82 +650,3 @@ def test_sparse_trainer_on_two_gpus(tmp_path, monkeypatch, mode):
         torch.testing.assert_close(state["resumed"][key], state["final"][key], rtol=1e-5, atol=1e-6, msg=key)
     assert not (tmp_path / "saved_rank1").exists()
     _assert_same_checkpoint_format(tmp_path / "saved_rank0", tmp_path / "saved_single", rtol=1e-4, atol=1e-5)
-
-
-class _KernelProbe(TrainerCallback):
-    """Per optimizer step: how many layers are on the kernel path and how many of them hold a built pack (the
-    sparse kernels really ran: ``HF_SPARSE_BACKEND=sparse`` skips the dispatcher's dense choice)."""
-
-    def __init__(self) -> None:
-        self.on_path: list[int] = []
-        self.packed: list[int] = []
-
-    def on_step_end(self, args, state, control, model=None, **kwargs):
-        from hf_sparse.modeling import unwrap_model
-
-        states = [
-            m.__dict__["_hf_sparse_kernel"] for m in unwrap_model(model).modules() if "_hf_sparse_kernel" in m.__dict__
-        ]
-        self.on_path.append(len(states))
-        self.packed.append(sum(s.packed is not None and s.lp is not None for s in states))
-
-
-def _gpu_kernel_worker(rank: int, port: int, out: str, mode: str) -> None:
-    """bf16 autocast with masks final from step 2 (of 6): the kernel path runs steps 2 to 5 under the wrapper."""
-    from hf_sparse.trainer import _KernelPathSwitch
-
-    _setup_rank(rank, port)
-    os.environ["HF_SPARSE_BACKEND"] = "sparse"
-    torch.cuda.set_device(rank)
-    out = Path(out)
-    config = SparsityConfig(pattern=PATTERN, schedule="cubic", start=0, end=2, update_every=1)
-    kernel_probe = _KernelProbe()
-    probe = _Probe()
-    trainer = SparseTrainer(
-        model=_model(),
-        args=_trainer_args(out / "run", PER_DEVICE, bf16=True, **_gpu_trainer_kwargs(mode)),
-        train_dataset=ToyClassification(),
-        sparsity_config=config,
-        callbacks=[probe, kernel_probe],
-    )
-    probe.pruner = trainer.pruner
-    trainer.train()
-    switch = next(cb for cb in trainer.callback_handler.callbacks if isinstance(cb, _KernelPathSwitch))
-    trainer.save_model(str(out / f"saved_rank{rank}"))  # FSDP2: every rank joins the gather; rank 0 writes
-    record = {
-        "switched": switch.layers,
-        "on_path": kernel_probe.on_path,
-        "packed": kernel_probe.packed,
-        "grads_zero": probe.grads_zero,
-        "weights_zero": probe.weights_zero,
-        "digests": probe.digests,
-        "sharded": trainer.pruner.is_sharded,
-        "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
-    }
-    (out / f"record_rank{rank}.json").write_text(json.dumps(record))
-
-
-@pytest.mark.gpu
-@two_gpus
-@pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
-def test_kernel_path_under_both_wrappers_on_two_gpus(tmp_path, mode):
-    _spawn(_gpu_kernel_worker, tmp_path, mode, timeout=300.0)
-    records = [_read_json(tmp_path / f"record_rank{r}.json") for r in range(WORLD)]
-    for rank, record in enumerate(records):
-        assert record["sharded"] == (mode == "fsdp2"), rank
-        assert len(record["switched"]) == 12, (rank, record["switched"])  # 6 linear layers x 2 BERT blocks
-        assert record["on_path"] == [0, 0, 12, 12, 12, 12], (rank, record["on_path"])
-        assert record["packed"][2:] == [12] * 4, (rank, record["packed"])
-        assert len(record["grads_zero"]) == STEPS and all(record["grads_zero"]) and all(record["weights_zero"]), rank
-        losses = torch.tensor(record["losses"])
-        assert len(losses) == STEPS // 2 and bool(torch.isfinite(losses).all()), (rank, record["losses"])
-        assert record["digests"][2] is not None and len(set(record["digests"][2:])) == 1, rank  # final from step 2
-    assert records[0]["digests"] == records[1]["digests"]
-    assert not (tmp_path / "saved_rank1").exists()
-    loaded = AutoModelForSequenceClassification.from_pretrained(tmp_path / "saved_rank0")
-    loaded.eval()
-    with torch.no_grad():
-        logits = loaded(input_ids=_batch(0, 0, 1)["input_ids"]).logits
-    assert logits.shape == (WORLD * PER_DEVICE, 3) and bool(torch.isfinite(logits).all())
-    with safe_open(tmp_path / "saved_rank0" / "model.safetensors", "pt") as fh:
-        assert fh.get_tensor("bert.encoder.layer.0.intermediate.dense.weight").numel() == 128 * 64 // 4

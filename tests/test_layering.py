@@ -162,7 +162,7 @@ def test_no_import_cycles():
 
 def test_the_checker_sees_function_level_and_relative_imports(tmp_path):
     """The test can fail: a lazy upward import inside a function is found."""
-    source = "def f():\n    from .nn.kernel_path import needs_grad_mask\n"
+    source = "def f():\n    from .nn.compact import kernel_pattern\n"
     path = PACKAGE / "pruner.py"
     tree = ast.parse(source)
     found = {
@@ -170,5 +170,5 @@ def test_the_checker_sees_function_level_and_relative_imports(tmp_path):
         for n in _walk(tree)
         if isinstance(n, ast.ImportFrom) and n.level == 1
     }
-    assert found == {"hf_sparse.nn.kernel_path"}
-    assert layer_of("hf_sparse.nn.kernel_path") > layer_of(module_name(path))
+    assert found == {"hf_sparse.nn.compact"}
+    assert layer_of("hf_sparse.nn.compact") > layer_of(module_name(path))

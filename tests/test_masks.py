@@ -116,6 +116,15 @@ def test_apply_masks_matches_apply_mask_per_pair():
     assert not torch.signbit(stored[0].T[~masks[0]]).any()
 
 
+def test_fused_masking_bumps_the_version_counter():
+    from hf_sparse.masks import apply_masks
+
+    w, mask = torch.randn(8, 8), torch.rand(8, 8) > 0.5
+    version = w._version
+    apply_masks([(w, mask)])
+    assert w._version > version
+
+
 def _cuda_extension_or_skip():
     from hf_sparse.ops._build import KernelUnavailableError, load_extension
 

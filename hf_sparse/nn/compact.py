@@ -61,20 +61,39 @@ from torch import Tensor
 
 from ..formats.bitpack import unpack_bits
 from ..ops import dispatch
-from ..ops._layout import PackedWeight, logical_from_dense, packed_from_logical, values_to_kernel
+from ..ops._layout import (
+    VALID_M,
+    VALID_V,
+    PackedWeight,
+    logical_from_dense,
+    packed_from_logical,
+    values_to_kernel,
+)
 from ..ops.sddmm import sddmm_function
 from ..ops.spmm import activate, kernel_activation, spmm_function
-from ..patterns import NM
+from ..patterns import NM, VNM, Pattern
 from .optimizer_steps import optimizer_steps, watch_optimizer_steps
 
 if TYPE_CHECKING:
     from .sparse_linear import SparseLinear
 
-__all__ = ["DEFAULT_PLAN", "CompactKernel"]
+__all__ = ["DEFAULT_PLAN", "CompactKernel", "kernel_pattern"]
 
 # (forward, input gradient, weight gradient) where nothing was measured; the input gradient runs "sparse" where the
 # layer has a transposed pack
 DEFAULT_PLAN = ("sparse", "dense", "gemm")
+
+
+def kernel_pattern(pattern: Pattern) -> tuple[int, int] | None:
+    """``(v, m)`` of the kernel layout that runs ``pattern`` (2:4 -> ``(64, 4)``), or None if no kernel does."""
+    if isinstance(pattern, NM) and (pattern.n, pattern.m) == (2, 4):
+        return 64, 4
+    if isinstance(pattern, VNM) and pattern.n == 2 and pattern.m in VALID_M:
+        if pattern.m == 4:
+            return 64, 4
+        if pattern.v in VALID_V:
+            return pattern.v, pattern.m
+    return None
 
 
 def _pieces(rows: int, groups: int) -> list[tuple[tuple, int, int, tuple, int, int, tuple]]:

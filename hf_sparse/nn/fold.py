@@ -6,8 +6,8 @@ saves on that layer. :func:`fold_activations` sets ``dense.activation = "gelu"``
 puts an ``nn.Identity`` in place of the activation module, which the layer keeps (outside its registered children)
 so that :func:`unfold_activation` can put it back (``hf_sparse.to_dense`` does). The result is the same function:
 the dense path of ``SparseLinear`` runs ``F.gelu(F.linear(...))``, the ops GELU after the product, and the fused
-kernel the same exact (erf) GELU in fp32 before rounding to bf16/fp16. The dispatcher still measures the fused
-kernel against dense cuBLAS + GELU and keeps the faster.
+kernel the same exact (erf) GELU in fp32 before rounding to bf16/fp16. The layer's measured plan still times the
+fused kernel against dense cuBLAS + GELU and keeps the faster.
 
 Only modules whose class is one of :data:`FOLDABLE` and whose ``forward`` is that of ``BertIntermediate``
 (``dense``, then ``intermediate_act_fn``) are folded, and only an exact ``GELUActivation``: a tanh-approximate or

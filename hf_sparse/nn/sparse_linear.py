@@ -32,8 +32,7 @@ from torch import Tensor, nn
 from ..formats.compressed import compress, compressed_shapes, decompress, kept_index, mask_from_compressed, validate
 from ..ops.spmm import activate
 from ..patterns import Pattern, Unstructured, parse_pattern
-from .compact import CompactKernel
-from .kernel_path import kernel_pattern
+from .compact import CompactKernel, kernel_pattern
 
 __all__ = ["SparseLinear"]
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from ._build import KernelUnavailableError
 from ._layout import PackedWeight, dense_from_packed, kept_columns
-from .pack import pack, pack_from_logical, repack, repack_many
+from .pack import pack, pack_from_logical
 from .sddmm import scatter_dense, sddmm, sddmm_reference
 from .spmm import spmm, spmm_reference
 
@@ -19,8 +19,6 @@ __all__ = [
     "kept_columns",
     "pack",
     "pack_from_logical",
-    "repack",
-    "repack_many",
     "scatter_dense",
     "sddmm",
     "sddmm_reference",

@@ -16,7 +16,7 @@ Environment:
                               ``nvidia-cusparselt-cu1x`` pip package torch depends on, then ``CUDA_HOME``.
 
 The cuSPARSELt path (``csrc/cusparselt.cpp``) is a second, separate extension: where cuSPARSELt is missing only
-that path is unavailable (the dispatcher then falls back to torch's eager ``torch._cslt_sparse_mm``).
+that path is unavailable.
 """
 
 from __future__ import annotations

@@ -17,8 +17,10 @@ Nothing here runs at import; :func:`available` builds the extension on first use
 nvcc or a GPU is missing.
 
 Status (H200, cuSPARSELt 0.8, 2026-11-22): bf16 measured and checked (``benchmarks/RESULTS.md``); fp16 crashed the
-process at its first cached matmul in every GPU run, so :data:`CACHED_DTYPES` is bf16 only and the dispatcher sends
-fp16 to torch's eager op.
+process at its first cached matmul in every GPU run, so :data:`CACHED_DTYPES` is bf16 only.
+
+No hf_sparse layer runs it: compact layers choose between our kernels and dense cuBLAS. It is the cached
+cuSPARSELt baseline of ``benchmarks/bench_kernels.py``.
 """
 
 from __future__ import annotations
@@ -77,7 +79,7 @@ def _check_weight(weight: Tensor, op: str) -> None:
     if weight.dtype not in CACHED_DTYPES:
         raise ValueError(
             f"hf_sparse.cslt.{op}: the cached cuSPARSELt path runs bfloat16 only, got {weight.dtype} (float16 crashed "
-            "in cuSPARSELt on an H200; use torch._cslt_sparse_mm, as the dispatcher does)"
+            "in cuSPARSELt on an H200; use torch._cslt_sparse_mm)"
         )
     if not _aligned(weight):
         raise ValueError(f"hf_sparse.cslt.{op}: weight must be contiguous and 16-byte aligned (pass w.contiguous())")

@@ -26,7 +26,6 @@ __all__ = [
     "fuses_activation",
     "kernel_activation",
     "spmm",
-    "spmm_2d",
     "spmm_function",
     "spmm_kernel",
     "spmm_reference",
@@ -126,27 +125,6 @@ def _run_kernel(
     code, after = (0, None) if activation is None else kernel_activation(activation, m, x.device)
     y = spmm_function(m, x.device)(x, values, meta, columns, bias, rows, cols, m, code)
     return y if after is None else activate(y, after)
-
-
-def spmm_2d(x2: Tensor, packed: PackedWeight, bias: Tensor | None = None, activation: str | None = None) -> Tensor:
-    """:func:`spmm` for a caller that already holds a 2-D ``x2`` and ``bias`` in the packed dtype (the dispatcher's
-    every call): straight to the kernel when it can take ``x2`` as it is, else :func:`spmm` (which also explains a
-    wrong dtype or shape in Python: an error raised inside the extension is harder to read, and on some machines
-    fatal)."""
-    if (
-        x2.is_cuda
-        and x2.dtype == packed.dtype
-        and (bias is None or bias.dtype == x2.dtype)
-        and x2.dim() == 2
-        and x2.shape[1] == packed.cols
-        and x2.is_contiguous()
-        and _kernel_ok(x2, packed.cols)
-        and not torch.compiler.is_compiling()
-    ):
-        return _run_kernel(
-            x2, packed.values, packed.meta, packed.columns, bias, packed.rows, packed.cols, packed.m, activation
-        )
-    return spmm(x2, packed, bias, activation)
 
 
 @torch.library.custom_op("hf_sparse::spmm", mutates_args=())

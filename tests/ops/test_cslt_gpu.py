@@ -11,9 +11,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hf_sparse.masks import transposable_2to4_mask
-from hf_sparse.ops import pack, repack
-
 from ._helpers import assert_linear_matches, poison_allocator, random_masked, rel_err
 
 pytestmark = [
@@ -164,139 +161,17 @@ def test_objects_are_freed():
     assert torch.cuda.memory_allocated() == base
 
 
-def test_dispatch_cslt_caches_per_mask_and_recompresses_after_repack():
-    from hf_sparse.ops import dispatch
-
-    w, mask = random_masked(256, 512, 64, 4, device="cuda", seed=15)
-    p = pack(w, mask, 64, 4, torch.bfloat16)
-    bias = torch.nn.Parameter(torch.randn(256, device="cuda"))  # fp32 master bias: cast to a stable buffer
-    x = torch.randn(128, 512, device="cuda").bfloat16()
-    y = dispatch._cslt_linear(x, w, p, bias)
-    assert_linear_matches(y, x, w.bfloat16(), bias.bfloat16())
-    st = dispatch._cslt_cached.get(p.meta)
-    assert st is not None and st.obj.plan_inits() == 1
-    dispatch._cslt_linear(x, w, p, bias)
-    assert st.obj.plan_inits() == 1, "same call made a new plan (bias cast to a new address?)"
-    # optimizer step: new master values (same mask), bias updated in place, then the per-step repack
-    with torch.no_grad():
-        w.mul_(torch.rand_like(w) + 0.5)
-        bias.add_(1.0)
-    p2 = repack(w, p)
-    y2 = dispatch._cslt_linear(x, w, p2, bias)
-    assert_linear_matches(y2, x, w.bfloat16(), bias.detach().bfloat16())
-    assert dispatch._cslt_cached.get(p2.meta) is st and st.obj.compressions() == 2
-    assert st.obj.plan_inits() == 1
-
-
-@pytest.mark.parametrize("m", [4, 8])  # a V:2:M weight is also 2:4: cuSPARSELt is a candidate for it too
-def test_dispatch_measures_cached_cslt_and_result_is_right(m, monkeypatch):
-    from hf_sparse.ops import dispatch
-
-    monkeypatch.setenv("HF_SPARSE_BACKEND", "auto")
-    dispatch.clear_cache()
-    w, mask = random_masked(1024, 1024, 64, m, device="cuda", seed=16 if m == 4 else 21)
-    p = pack(w, mask, 64, m, torch.bfloat16)
-    x = torch.randn(4096, 1024, device="cuda").bfloat16()
-    y = dispatch.linear_forward(x, w, p, None)
-    assert dispatch._cslt_cached.get(p.meta) is not None, "the cslt candidate was not measured"
-    allowed = ("sparse", "dense", "cslt") + (("sparse24",) if m > 4 else ())
-    assert dispatch.choice("fwd", 4096, p, x.device) in allowed
-    assert_linear_matches(y, x, w, None)
-    # tokens not a multiple of 8 in the same bucket: never cuSPARSELt, still right
-    x2 = torch.randn(4095, 1024, device="cuda").bfloat16()
-    assert_linear_matches(dispatch.linear_forward(x2, w, p, None), x2, w, None)
-    dispatch.clear_cache()
-
-
-def _first_training_call(dtype: torch.dtype, seed: int):
-    """A fresh 1024x1024 2:4 layer whose weight trains, called once (the dispatcher measures that call, as kind
-    "fwd_train"): (weight, master Parameter, packed, x, y)."""
-    from hf_sparse.nn.sparse_matmul import sparse_linear
-    from hf_sparse.ops import dispatch
-
-    w, mask = random_masked(1024, 1024, 64, 4, device="cuda", seed=seed)
-    master = torch.nn.Parameter(w.clone())
-    p = pack(w, mask, 64, 4, dtype)
-    x = torch.randn(4096, 1024, device="cuda").to(dtype)
-    y = sparse_linear(x, master, p, None, None, master.detach().to(dtype))
-    assert dispatch.choice("fwd_train", 4096, p, x.device) is not None
-    return w, master, p, x, y
-
-
-def test_training_calls_are_measured_apart_with_the_recompression_priced_in(monkeypatch):
-    """A weight that trains is recompressed every step: its calls get their own choice ("fwd_train"), and each timed
-    cuSPARSELt call during that measurement includes a recompression (the training step measured 12.7 ms/step of
-    compression at BERT-large before this was priced in)."""
-    from hf_sparse.nn.sparse_matmul import sparse_linear
-    from hf_sparse.ops import dispatch
-
-    monkeypatch.setenv("HF_SPARSE_BACKEND", "auto")
-    dispatch.clear_cache()
-    w, master, p, x, y = _first_training_call(torch.bfloat16, seed=19)
-    assert dispatch.choice("fwd", 4096, p, x.device) is None
-    st = dispatch._cslt_cached.get(p.meta)
-    assert st is not None and st.obj.compressions() >= 6  # first compress + one per timed call (warm-up + 7 rounds)
-    assert_linear_matches(y, x, w.bfloat16(), None)
-    with torch.no_grad():
-        sparse_linear(x, master, p, None, None, master.detach().bfloat16())
-    assert dispatch.choice("fwd", 4096, p, x.device) is not None
-
-
-def test_training_calls_on_torch_eager_cslt_are_priced_with_recompression(monkeypatch):
-    """fp16 runs on torch's eager cuSPARSELt op: its training measurement must include the recompression too."""
-    from hf_sparse.ops import dispatch
-
-    compressions = []
-    real = torch._cslt_compress
-
-    def counting(w):
-        compressions.append(1)
-        return real(w)
-
-    monkeypatch.setattr(torch, "_cslt_compress", counting)
-    monkeypatch.setenv("HF_SPARSE_BACKEND", "auto")
-    dispatch.clear_cache()
-    w, _, p, x, y = _first_training_call(torch.float16, seed=20)
-    assert len(compressions) >= 6  # one per timed call (warm-up + 7 rounds)
-    assert_linear_matches(y, x, w.half(), None)
-
-
-def test_transposed_weight_for_the_input_gradient():
-    from hf_sparse.ops import dispatch
-
-    gen = torch.Generator(device="cpu").manual_seed(17)
-    w = torch.randn(256, 512, generator=gen).cuda()
-    mask = transposable_2to4_mask(w.abs())
-    w = torch.where(mask, w, 0.0)
-    pt = pack(w.t().contiguous(), mask.t().contiguous(), 64, 4, torch.bfloat16)
-    dy = torch.randn(64, 256, device="cuda").bfloat16()
-    dx = dispatch._cslt_linear(dy, w.bfloat16().t(), pt, None)  # dY W, from the compressed W^T
-    assert_linear_matches(dx, dy, w.bfloat16().t().contiguous(), None)
-
-
-def test_dispatch_fp16_keeps_torch_eager_cslt():
-    # fp16 stays on torch's eager op in the dispatcher (the cached path refuses it)
-    from hf_sparse.ops import dispatch
-
-    w, mask = random_masked(128, 256, 64, 4, device="cuda", seed=18)
-    p = pack(w, mask, 64, 4, torch.float16)
-    x = torch.randn(64, 256, device="cuda").half()
-    assert_linear_matches(dispatch._cslt_linear(x, w, p, None), x, w.half(), None)
-    assert dispatch._cslt_cached.get(p.meta) is None
-
-
 @pytest.mark.parametrize(("v", "m"), [(64, 8), (128, 16), (64, 32)])
 @pytest.mark.parametrize("tokens", [8, 8184])
 def test_vnm_weight_runs_on_cusparselt_as_2to4(v, m, tokens):
-    """A V:2:M weight keeps <= 2 of every 4 columns of a row: cuSPARSELt runs it as 2:4 (the dispatcher's candidate
-    for V:2:M layers), through the cached plan, and gets the right product."""
-    from hf_sparse.ops import dispatch
+    """A V:2:M weight keeps <= 2 of every 4 columns of a row: cuSPARSELt runs it as 2:4, through the cached plan,
+    and gets the right product."""
+    from hf_sparse.ops import cslt
 
-    w, mask = random_masked(256, 32 * m, v, m, device="cuda", seed=m)
-    p = pack(w, mask, v, m, torch.bfloat16)
+    w, _ = random_masked(256, 32 * m, v, m, device="cuda", seed=m)
+    wq = w.bfloat16().contiguous()
     bias = torch.randn(256, device="cuda").bfloat16()
     x = torch.randn(tokens, 32 * m, device="cuda").bfloat16()
+    cw = cslt.compress(wq)
     poison_allocator()
-    assert_linear_matches(dispatch._cslt_linear(x, w, p, bias), x, w.bfloat16(), bias)
-    assert dispatch._cslt_cached.get(p.meta) is not None
-    dispatch.clear_cache()
+    assert_linear_matches(cw.matmul(x, bias), x, wq, bias)

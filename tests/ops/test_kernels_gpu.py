@@ -6,7 +6,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hf_sparse.nn.sparse_matmul import sparse_linear
 from hf_sparse.ops import dense_from_packed, pack, scatter_dense, sddmm, spmm
 from hf_sparse.ops._layout import logical_from_dense, packed_from_logical
 
@@ -310,42 +309,6 @@ def test_sddmm_zero_tokens_and_auto_choice(monkeypatch):
     poison_allocator()
     out = sddmm(torch.empty(0, 128, device="cuda").bfloat16(), torch.empty(0, 256, device="cuda").bfloat16(), p)
     assert out.shape == (128, 64) and torch.count_nonzero(out) == 0
-
-
-@pytest.mark.parametrize("backend", ["sparse", "dense", "auto"])
-@pytest.mark.parametrize(("v", "m"), [(64, 8), (64, 4)])
-def test_sparse_linear_training_step_matches_masked_dense(backend, v, m, monkeypatch):
-    monkeypatch.setenv("HF_SPARSE_BACKEND", backend)
-    w, mask = random_masked(256, 512, v, m, device="cuda", seed=5)
-    weight = torch.nn.Parameter(w.clone())
-    bias = torch.nn.Parameter(torch.randn(256, device="cuda"))
-    p = pack(weight.detach(), mask, v, m, torch.bfloat16)
-    x = torch.randn(4, 64, 512, device="cuda", requires_grad=True)
-    y = sparse_linear(x, weight, p, bias)
-    g = torch.randn_like(y)
-    (y.float() * g.float()).sum().backward()
-    w2 = torch.nn.Parameter(w.clone())
-    b2 = torch.nn.Parameter(bias.detach().clone())
-    x2 = x.detach().clone().requires_grad_(True)
-    with torch.autocast("cuda", dtype=torch.bfloat16):
-        y2 = F.linear(x2, w2, b2)
-    (y2.float() * g.float()).sum().backward()
-    assert rel_err(y, y2) < 2e-2
-    assert rel_err(x.grad, x2.grad) < 2e-2
-    assert rel_err(weight.grad, w2.grad * mask) < 2e-2
-    assert torch.count_nonzero(weight.grad[~mask]) == 0
-    assert rel_err(bias.grad, b2.grad) < 2e-2
-
-
-def test_cusparselt_path_matches_reference():
-    from hf_sparse.ops import dispatch
-
-    w, mask, p = _pack_cuda(256, 512, 64, 4, torch.bfloat16, seed=8)
-    x = torch.randn(128, 512, device="cuda").bfloat16()
-    b = torch.randn(256, device="cuda").bfloat16()
-    y = dispatch._cslt_linear(x, w, p, b)
-    ref = F.linear(x.double(), w.bfloat16().double(), b.double())
-    assert rel_err(y, ref) <= 2 * rel_err(F.linear(x, w.bfloat16(), b), ref) + 1e-6
 
 
 def test_dense_from_packed_on_gpu_matches_master():
