@@ -472,3 +472,27 @@ def test_spmm_gelu_on_kernels_without_the_fusion(v, m, kernel, monkeypatch):
     _assert_gelu_linear_matches(spmm(x, p, b, activation="gelu"), x, w, b)
     with pytest.raises(ValueError, match="activation"):
         spmm(x, p, b, activation="relu")
+
+
+@pytest.mark.parametrize("bad", ["cpu input", "wrong dtype", "wrong shape"])
+def test_a_bad_argument_to_the_binding_raises_runtime_error(bad):
+    """A ``TORCH_CHECK`` failing inside the extension reaches Python as a ``RuntimeError`` naming the op, and the
+    process goes on (the binding is called directly, with none of the Python checks in front of it)."""
+    from hf_sparse.ops._build import load_extension
+
+    ext = load_extension()
+    w, mask = random_masked(128, 256, 64, 4, seed=11)
+    p = pack(w.cuda().bfloat16(), mask.cuda(), 64, 4)
+    x = torch.randn(32, 256, device="cuda", dtype=torch.bfloat16)
+    if bad == "cpu input":
+        x = x.cpu()
+    elif bad == "wrong dtype":
+        x = x.float()
+    else:
+        x = x[:, :128].contiguous()
+    with pytest.raises(RuntimeError, match=r"hf_sparse\.spmm"):
+        ext.spmm(x, p.values, p.meta, p.columns, None, 128, 256, 4, 0)
+    y = ext.spmm(
+        torch.randn(32, 256, device="cuda", dtype=torch.bfloat16), p.values, p.meta, p.columns, None, 128, 256, 4, 0
+    )
+    assert torch.isfinite(y).all()  # the extension still works after the error
