@@ -4,14 +4,14 @@ Event by event:
 
 * ``on_init_end`` (inside ``Trainer.__init__``, before the optimizer and any wrapper exist): find the targeted
   layers (a bad config fails here), let ``load_state_dict`` read checkpoints written before or after the compact
-  switch (:func:`hf_sparse.compact.install_load_hook`), and, when the masks are final from the start (a one-shot
+  switch (:func:`hf_sparse.compaction.install_load_hook`), and, when the masks are final from the start (a one-shot
   schedule at step 0), prune and make the layers compact now, so the optimizer, DDP and FSDP2 only ever see the
   kept values.
 * ``on_train_begin``: bind the schedule to ``state.max_steps``, follow the Parameters a wrapper may have replaced
   (FSDP2), give activation-aware scores their calibration batches (see :func:`calibration_loader`) and, when
   resuming, restore the masks saved with the checkpoint (see :meth:`SparsityCallback.load_state`).
 * ``on_step_begin``: update the masks if this optimizer step is an update step of the schedule; once they are
-  final, make the layers compact and move their optimizer state (:func:`hf_sparse.compact.make_compact`), unless
+  final, make the layers compact and move their optimizer state (:func:`hf_sparse.compaction.make_compact`), unless
   a DDP/FSDP wrapper holds the Parameters: then the run stays on the masked dense path and says why once.
 * during backward: each targeted weight's gradient is masked as it is accumulated (a hook installed by the
   pruner), so clipping and the optimizer see zeros at pruned positions.
@@ -38,7 +38,7 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from .calibration import CalibrationSource
-from .compact import install_load_hook, make_compact, why_not_compact_now
+from .compaction import install_load_hook, make_compact, why_not_compact_now
 from .config import SparsityConfig
 from .distributed import full_tensor
 from .modeling import unwrap_model
@@ -153,7 +153,7 @@ class SparsityCallback(TrainerCallback):
 
     # ------------------------------------------------------------------ compact layers
     def _make_compact(self, model, optimizer, step: int) -> None:
-        """Make the pruned layers compact if the masks are final, or log once why not (see :mod:`hf_sparse.compact`)."""
+        """Make the pruned layers compact if the masks are final, or log once why not (see :mod:`hf_sparse.compaction`)."""
         pruner = self.pruner
         if not self.config.compact or not pruner.masks_final or not pruner.dense_layers or self._compact_refused:
             return

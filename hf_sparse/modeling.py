@@ -56,7 +56,7 @@ class TargetLayer:
     dense module stores ``(in, out)`` (GPT-2 ``Conv1D``).
 
     ``compact`` is set once the layer has been replaced by a compact module whose ``weight`` holds only the kept
-    values, in the order of the mask's ``True`` entries (see :mod:`hf_sparse.compact`); ``module`` is then that
+    values, in the order of the mask's ``True`` entries (see :mod:`hf_sparse.compaction`); ``module`` is then that
     module, and :attr:`weight` is no longer a dense view.
     """
 

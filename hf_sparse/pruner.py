@@ -170,7 +170,7 @@ class Pruner:
     @property
     def masks_final(self) -> bool:
         """True when the masks are at the final pattern and will never change again: from then on a layer can be
-        made compact (:mod:`hf_sparse.compact`). Never true in dynamic mode, where masks move until the run ends or
+        made compact (:mod:`hf_sparse.compaction`). Never true in dynamic mode, where masks move until the run ends or
         the dense phase drops them."""
         return self.is_final and not self.config.dynamic
 
@@ -615,7 +615,7 @@ class Pruner:
         self.level = literal_eval(meta["level"])
         self.last_update_step = literal_eval(meta["last_update_step"])
         self.flip_rate = literal_eval(meta["flip_rate"])
-        #: the layers that were compact when the state was saved (read by hf_sparse.compact on resume)
+        #: the layers that were compact when the state was saved (read by hf_sparse.compaction on resume)
         self.saved_compact = set(json.loads(meta.get("compact", "[]")))
         self.scorer.reset()  # gradient statistics are not checkpointed (see ObsScore)
         if self.config.dynamic:

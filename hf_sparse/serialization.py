@@ -1,7 +1,7 @@
 """Saving pruned models in the compressed format (``format_version`` 1, ``docs/format.md``).
 
 A pruned layer is written the same whichever form it has in training: a dense masked layer is compressed here, a
-compact one (:mod:`hf_sparse.compact`) already holds the on-disk tensors and is written as it is, so both give the
+compact one (:mod:`hf_sparse.compaction`) already holds the on-disk tensors and is written as it is, so both give the
 same bytes. The quantizer that writes the state dict and ``quantization_config`` is looked up through the
 Transformers registry (``quant_method: "hf_sparse"``): this module does not import :mod:`hf_sparse.integrations`.
 """

@@ -88,7 +88,7 @@ class SparseTrainer(Trainer):
     * restores the pruner state from the checkpoint it resumes from, and from the best checkpoint with
       ``load_best_model_at_end``.
 
-    The callback makes the pruned layers compact once their masks are final (:mod:`hf_sparse.compact`;
+    The callback makes the pruned layers compact once their masks are final (:mod:`hf_sparse.compaction`;
     ``SparsityConfig(compact=False)`` turns this off).
 
     ``sparsity_config=None`` trains like ``Trainer`` (useful to fine-tune a model loaded from an hf_sparse

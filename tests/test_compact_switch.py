@@ -14,7 +14,7 @@ from helpers import StopAt, prune_now, trainer_args
 from transformers import AutoModelForSequenceClassification, Trainer, TrainerCallback
 
 from hf_sparse import SparseLinear, SparseTrainer, SparsityCallback, SparsityConfig, save_pretrained
-from hf_sparse.compact import make_compact
+from hf_sparse.compaction import make_compact
 
 GRADUAL = dict(pattern="2:4", schedule="linear", start=0, end=6, update_every=3)  # levels 3:4 at 0, 2:4 at 6
 ONESHOT = dict(pattern="64:2:8", schedule="oneshot", start=0)

@@ -13,7 +13,7 @@ from transformers import AutoModelForSequenceClassification, BertConfig, Trainer
 
 import hf_sparse
 from hf_sparse import SparseTrainer, SparsityConfig
-from hf_sparse.compact import make_compact
+from hf_sparse.compaction import make_compact
 from hf_sparse.nn import SparseLinear
 
 pytestmark = [

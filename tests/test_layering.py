@@ -47,7 +47,7 @@ LAYERS: list[tuple[str, ...]] = [
     (
         "hf_sparse.callback",
         "hf_sparse.trainer",
-        "hf_sparse.compact",
+        "hf_sparse.compaction",
         "hf_sparse.serialization",
         "hf_sparse.distillation",
         "hf_sparse.hub",
