@@ -498,7 +498,7 @@ except RuntimeError as err:
 
 @pytest.mark.xfail(
     reason="issue 17: on the GPU machine a failing TORCH_CHECK in the extension has killed the process instead of "
-    "raising (seen again 2026-11-25); this test turns green when errors reach Python",
+    "raising; this test turns green when errors reach Python",
     strict=False,
 )
 @pytest.mark.parametrize("bad", ["cpu input", "wrong dtype", "wrong shape"])
