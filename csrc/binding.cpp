@@ -325,6 +325,58 @@ at::Tensor transposable_2to4_mask(const at::Tensor& score, const at::Tensor& pat
 
 
 // ---------------------------------------------------------------------------------------------------------------
+// Pack refresh (csrc/refresh.cu; the table is written by hf_sparse.nn.compact, which owns the tensors it points to).
+
+int32_t refresh_dtype(at::ScalarType t, const char* op, const char* name) {
+  switch (t) {
+    case at::kFloat: return hf_sparse::kRefreshF32;
+    case at::kBFloat16: return hf_sparse::kRefreshBF16;
+    case at::kHalf: return hf_sparse::kRefreshF16;
+    default: TORCH_CHECK(false, "hf_sparse.", op, ": ", name, " must be float32, bfloat16 or float16, got ", t);
+  }
+  return 0;
+}
+
+// Runs the `table` (int64, (count, 11), on the device of the tensors it points to: one RefreshEntry per row) in
+// one launch; `blocks`: the sum of refresh_block_count(numel) over the entries.
+void refresh_packs(const at::Tensor& table, int64_t blocks) {
+  const char* op = "refresh_packs";
+  TORCH_CHECK(table.is_cuda() && table.scalar_type() == at::kLong && table.dim() == 2 && table.size(1) == 11 &&
+                  table.is_contiguous(),
+              "hf_sparse.", op, ": table must be a contiguous (count, 11) int64 CUDA tensor, got ", table.sizes());
+  TORCH_CHECK(table.size(0) < (1LL << 31), "hf_sparse.", op, ": too many entries");
+  c10::cuda::CUDAGuard guard(table.device());
+  check_cuda(hf_sparse::refresh_packs(reinterpret_cast<const hf_sparse::RefreshEntry*>(table.data_ptr()),
+                                      (int)table.size(0), blocks, c10::cuda::getCurrentCUDAStream().stream()),
+             op);
+}
+
+int64_t refresh_block_count(int64_t numel) { return hf_sparse::refresh_blocks(numel); }
+
+// out[j] = src.flatten()[index[j]] in `dtype` (one pass: the gather and the cast), shaped like `index`.
+at::Tensor gather_cast(const at::Tensor& src, const at::Tensor& index, at::ScalarType dtype) {
+  const char* op = "gather_cast";
+  TORCH_CHECK(src.is_cuda() && src.is_contiguous(), "hf_sparse.", op, ": src must be a contiguous CUDA tensor");
+  TORCH_CHECK(index.is_cuda() && index.device() == src.device() && index.is_contiguous() &&
+                  (index.scalar_type() == at::kInt || index.scalar_type() == at::kLong),
+              "hf_sparse.", op, ": index must be a contiguous int32/int64 tensor on ", src.device());
+  hf_sparse::RefreshEntry e{};
+  e.src_dtype = refresh_dtype(src.scalar_type(), op, "src");
+  e.dst_dtype = refresh_dtype(dtype, op, "dtype");
+  c10::cuda::CUDAGuard guard(src.device());
+  auto out = at::empty(index.sizes(), src.options().dtype(dtype));
+  e.src = src.data_ptr();
+  e.dst = out.data_ptr();
+  e.index = index.data_ptr();
+  e.index_is_64 = index.scalar_type() == at::kLong;
+  e.numel = index.numel();
+  e.src_numel = src.numel();
+  e.kind = hf_sparse::kRefreshGather;
+  check_cuda(hf_sparse::refresh_one(e, c10::cuda::getCurrentCUDAStream().stream()), op);
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
 // A compact layer's training call (hf_sparse.nn.compact): y = x W^T + b with W given by its kept values, as one C++
 // autograd node, so that neither the forward nor the backward runs Python. ``plan`` bits: 1 forward by SpMM (else
 // cuBLAS on a transient dense weight), 2 input gradient by SpMM on the transposed 2:4 pack (else dense), 4 weight
@@ -414,7 +466,7 @@ struct CompactLinearFn : public torch::autograd::Function<CompactLinearFn> {
     if (ctx->needs_input_grad(1)) {
       dw = (plan & 4) ? sddmm_impl("compact_linear(weight gradient)", kernels & 4, dy2, x2, data["meta_g"].toTensor(),
                                    data["columns_g"].toTensor(), rows, cols, m_g)
-                      : at::mm(dy2.t(), x2).view({-1}).index_select(0, index).view(weight.sizes());
+                      : gather_cast(at::mm(dy2.t(), x2), index, weight.scalar_type()).view(weight.sizes());
       dw = dw.to(weight.scalar_type());
     }
     const auto& bias_dtype = data["bias_dtype"];
@@ -462,5 +514,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
           "exact transposable 2:4 mask of an fp32 score, first best of the given 90 patterns");
   mod.def("compact_linear", &compact_linear,
           "a compact layer's training call: y = x W^T + b from the kept values, with C++ autograd (hf_sparse.nn.compact)");
+  mod.def("refresh_packs", &refresh_packs, "rewrite many packs from their layers' values in one launch (a table)");
+  mod.def("refresh_block_count", &refresh_block_count, "blocks refresh_packs runs for an entry of numel elements");
+  mod.def("gather_cast", &gather_cast, "out[j] = src.flatten()[index[j]] in dtype, in one pass");
   mod.def("apply_masks_", &apply_masks_, "zero, in place, the entries of each tensor where its bool mask is false");
 }

@@ -83,4 +83,25 @@ cudaError_t vnm_mask(const float* score, double* sums, uint32_t* bits, bool* out
 cudaError_t transposable_2to4_mask(const float* score, const uint16_t* patterns, bool* out, int rows, int cols,
                                    cudaStream_t stream);
 
+// Pack refresh (csrc/refresh.cu). One entry writes `numel` destination elements, converting from src_dtype to
+// dst_dtype (kRefreshF32 / BF16 / F16): kRefreshPack: dst is a fragment-ordered pack (rows_padded/16, steps, 32, 8)
+// of the (rows, 2 * groups) row-major values src (zero in the layout's padding); kRefreshGather: dst[j] =
+// src[index[j]], zero where index[j] is outside [0, src_numel) (int32 index, int64 where index_is_64); kRefreshCopy:
+// dst[j] = src[j]. The layout is fixed (88 bytes, eleven 8-byte words) because hf_sparse.nn.compact writes the table
+// as an int64 tensor: refresh_packs takes `count` entries in device memory, first_block increasing from 0 by
+// refresh_blocks(numel) per entry, `blocks` the total.
+enum : int32_t { kRefreshPack = 0, kRefreshGather = 1, kRefreshCopy = 2 };
+enum : int32_t { kRefreshF32 = 0, kRefreshBF16 = 1, kRefreshF16 = 2 };
+struct RefreshEntry {
+  const void* src;
+  void* dst;
+  const void* index;
+  int64_t numel, src_numel, rows, groups, steps, first_block;
+  int32_t kind, src_dtype, dst_dtype, index_is_64;
+};
+static_assert(sizeof(RefreshEntry) == 88, "RefreshEntry is read from an int64 table of 11 words");
+int64_t refresh_blocks(int64_t numel);
+cudaError_t refresh_packs(const RefreshEntry* table, int count, int64_t blocks, cudaStream_t stream);
+cudaError_t refresh_one(const RefreshEntry& entry, cudaStream_t stream);
+
 }  // namespace hf_sparse

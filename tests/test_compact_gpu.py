@@ -162,3 +162,70 @@ def test_inference_in_bf16_holds_no_dense_copy(spec, transposable):
     assert own + state <= 2 * values + 0.2 * dense
     if spec == "64:2:8":
         assert own + state < dense
+
+
+# odd shapes: rows % 16 == 8 and groups % 8 != 0 reach the pack's padding
+REFRESH_LAYERS = [("2:4", True, 40, 72), ("2:4", False, 192, 320), ("64:2:8", False, 128, 200), ("2:4", True, 64, 96)]
+
+
+def test_one_launch_refreshes_every_stale_layer_like_the_torch_ops():
+    """``refresh_stale`` writes every stale layer's packs (own, transposed, 2:4 view, bias cast) in one launch of the
+    extension: the same bytes as the torch ops of ``run_refresh_entries``, the layout's padding included (the packs
+    are poisoned with NaN first), and layers whose values did not change are not touched."""
+    from hf_sparse.nn.compact import refresh_stale
+    from hf_sparse.nn.refresh import run_refresh_entries
+
+    layers = []
+    for i, (spec, transposable, rows, cols) in enumerate(REFRESH_LAYERS):
+        layer, _ = _pair(spec, transposable, rows, cols, seed=10 + i)
+        k = layer.kernel_state(torch.bfloat16)
+        if k.refresher is None:
+            pytest.skip("the loaded extension has no refresh_packs")
+        k._ensure_transposed(layer)  # as on the first call that trains: the transposed pack where transposable
+        if spec == "64:2:8":
+            k._ensure_view24(layer)
+        layers.append((layer, k))
+    k_untouched = layers[-1][1]
+    for layer, _ in layers[:-1]:
+        with torch.no_grad():
+            layer.weight.copy_(torch.randn_like(layer.weight))
+            layer.bias.copy_(torch.randn_like(layer.bias))
+    expected = []
+    for layer, k in layers[:-1]:
+        entries = k.refresh_entries(layer)
+        assert {e.kind for e in entries} >= {0, 2}
+        copies = [e._replace(dst=torch.empty_like(e.dst)) for e in entries]
+        for e in copies:
+            e.dst.fill_(float("nan"))
+            if e.kind == 0:  # torch's _fill leaves the padding alone: start it at zero like a fresh pack
+                e.dst.zero_()
+        run_refresh_entries(copies)
+        expected.append((entries, copies))
+        for e in entries:
+            e.dst.fill_(float("nan"))
+    before = [t.clone() for t in (k_untouched.buf, k_untouched.packed_t.values)]
+    refresh_stale(torch.device("cuda", torch.cuda.current_device()))
+    for entries, copies in expected:
+        for e, c in zip(entries, copies, strict=True):
+            assert torch.equal(e.dst, c.dst), e.kind
+    assert torch.equal(k_untouched.buf, before[0]) and torch.equal(k_untouched.packed_t.values, before[1])
+    for layer, _ in layers:  # and the refreshed packs compute the new layer
+        x = torch.randn(24, layer.in_features, device="cuda")
+        ref = torch.nn.functional.linear(x, layer.dense_weight().detach(), layer.bias.detach())
+        with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+            _close(layer(x), ref)
+
+
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gather_cast_is_index_select_then_to(index_dtype, dtype):
+    from hf_sparse.ops._build import load_extension
+
+    ext = load_extension()
+    src = torch.randn(333, 77, device="cuda", dtype=torch.bfloat16)
+    index = torch.randint(0, src.numel(), (1001,), device="cuda", dtype=index_dtype)
+    out = ext.gather_cast(src, index, dtype)
+    assert out.dtype == dtype and out.shape == index.shape
+    assert torch.equal(out, src.view(-1).index_select(0, index.long()).to(dtype))
+    index[::7] = src.numel()  # out of range reads zero
+    assert torch.equal(ext.gather_cast(src, index, dtype)[::7], torch.zeros(143, device="cuda", dtype=dtype))

@@ -37,7 +37,7 @@ def test_pack_is_the_kernel_layout_of_the_values(spec, rows, cols, dtype):
     k = layer.kernel_state(dtype)
     assert torch.equal(k.packed.values, values_to_kernel(layer.weight.detach(), dtype))
     assert torch.equal(dense_from_packed(k.packed, torch.float32), dense.to(dtype).float())
-    assert k.buf[-1] == 0 and layer.kernel_state(dtype) is k
+    assert k.buf.numel() == k.packed.values.numel() and layer.kernel_state(dtype) is k
     with torch.no_grad():  # new values: the next call refreshes the same pack in place
         layer.weight.mul_(-2.0)
     layer(torch.randn(2, cols))  # the CPU reference path does not refresh the kernel state
@@ -86,7 +86,8 @@ def test_view24_is_the_2to4_pack_of_the_vnm_weight(spec, rows, cols):
     k._ensure_view24(layer)
     expected = pack(dense, mask, 64, 4, torch.bfloat16)
     assert torch.equal(k.packed24.values, expected.values) and torch.equal(k.packed24.meta, expected.meta)
-    assert k.packed24.m == 4 and int(k.perm24.max()) == k.n  # padding slots read the zero after the pack
+    # positions in the values (flat); padding slots read position nnz, the zero after them in a gather source
+    assert k.packed24.m == 4 and int(k.perm24.max()) == layer.weight.numel()
     with torch.no_grad():
         layer.weight.add_(1.0)
     k.plans[(4, False)] = ("sparse24", "dense", "gemm")
@@ -100,8 +101,8 @@ def test_view24_is_the_2to4_pack_of_the_vnm_weight(spec, rows, cols):
 
 def test_inference_on_the_view_frees_the_vnm_values_and_the_permutation():
     """An inference plan on the 2:4 view keeps the view only (the layer's own pack values and ``perm24`` are freed,
-    the metadata stays for the SDDMM); a later change of the values is still picked up, through a transient
-    staging of the pack and a permutation made again from the positions."""
+    the metadata stays for the SDDMM); a later change of the values is still picked up, through a permutation
+    made again from the positions."""
     layer, dense, mask = _layer("64:2:8", 128, 200, seed=4)
     k = layer.kernel_state(torch.bfloat16)
     k._ensure_view24(layer)

@@ -7,12 +7,8 @@ through one :class:`CompactKernel`, built once from the layer's position buffers
 
 * ``packed``: the values in the kernels' fragment order (:mod:`hf_sparse.ops._layout`), with the metadata and block
   columns made once from the positions. The fragment order is a permutation of the dimensions of the zero-padded
-  logical values, so a refresh is one strided copy of ``weight`` into the pack, the cast to the compute dtype
-  included (up to six copies when R is not a multiple of 16 or G of 8). The pack lives in ``buf``, followed by one
-  zero (the source of the gathers below); its layout padding is zeroed once and never written. The metadata and
-  columns are kept for good (the SDDMM weight gradient reads them); the values only while a measured plan runs the
-  forward on them or the layer trains (then ``buf`` is the staging of the gathers, refreshed with the cast fused),
-  else they are freed and a refresh stages them in a transient buffer.
+  logical values (:mod:`.refresh` writes it). The pack's values live in ``buf``; the metadata and columns are kept
+  for good (the SDDMM weight gradient reads them), the values only while a measured plan runs the forward on them.
 * ``packed_t`` (2:4 layers whose transposed mask is 2:4 too: every 4 consecutive rows of a column keep at most 2, as
   in a transposable mask): ``W^T`` packed as 2:4, for the input gradient ``dX = dY W`` as an SpMM. Built on the
   first call that trains; dropped again if the measured plans never use it.
@@ -21,10 +17,10 @@ through one :class:`CompactKernel`, built once from the layer's position buffers
   zeros than 2:4 needs), which on the H200 beats the V:2:M kernels at M = 8 and 16. Built for the first
   measurement; dropped if no measured plan runs the forward on it.
 
-  Both 2:4 packs of the layer's values (``packed_t``, ``packed24``) are a fixed permutation of ``buf``: ``perm_t`` /
-  ``perm24`` (int32) give the ``buf`` position of each of their value slots, the zero after the pack for padding, so
-  a refresh is one ``index_select`` each (:func:`_pack24` builds the pack and its permutation from a matrix of
-  ``buf`` positions and its mask). The permutations are 4 bytes per slot (the 2:4 view of a 64:2:8 weight: 2 slots
+  Both 2:4 packs of the layer's values (``packed_t``, ``packed24``) are a fixed permutation of ``weight``:
+  ``perm_t`` / ``perm24`` (int32) give the position in ``weight`` (flat) of each of their value slots, and
+  ``weight.numel()`` at padding slots (a slot that reads zero), so a refresh is one gather each (:func:`_pack24`
+  builds the pack and its permutation from a matrix of positions and its mask). The permutations are 4 bytes per slot (the 2:4 view of a 64:2:8 weight: 2 slots
   per 4 columns, twice the bytes of the dense bf16 weight): kept while the layer trains; in inference ``perm24`` is
   dropped once the view is built and remade from the positions if the weight ever changes.
 
@@ -42,7 +38,10 @@ through one :class:`CompactKernel`, built once from the layer's position buffers
 
 The packs are refreshed on the first call after the weight changed: when its version counter, its address, the
 bias's version or the count of optimizer steps (:mod:`.optimizer_steps`: fused optimizers do not bump versions)
-differ from the last refresh. Under torch.compile the packs are computed inside the graph on every call instead (the
+differ from the last refresh. Where the extension runs, that first call refreshes every stale compact layer on the
+device in one launch (:func:`refresh_stale`; the entries of each layer come from
+:meth:`CompactKernel.refresh_entries`), so after an optimizer step the whole model costs the host one launch; elsewhere
+each layer runs the same entries with torch ops. Under torch.compile the packs are computed inside the graph on every call instead (the
 same copy and gathers: Inductor fuses them), with no Python state read but the plans and the permutations (a
 ``"sparse24"`` plan whose ``perm24`` was dropped runs ``"sparse"`` there).
 
@@ -53,6 +52,7 @@ lookups.
 
 from __future__ import annotations
 
+import weakref
 from typing import TYPE_CHECKING
 
 import torch
@@ -73,6 +73,17 @@ from ..ops.sddmm import sddmm_function
 from ..ops.spmm import activate, kernel_activation, spmm_function
 from ..patterns import NM, VNM, Pattern
 from .optimizer_steps import optimizer_steps, watch_optimizer_steps
+from .refresh import (
+    COPY,
+    GATHER,
+    PACK,
+    RefreshEntry,
+    _fill,
+    _pieces,
+    gather_source,
+    launch_refresh,
+    run_refresh_entries,
+)
 
 if TYPE_CHECKING:
     from .sparse_linear import SparseLinear
@@ -94,51 +105,6 @@ def kernel_pattern(pattern: Pattern) -> tuple[int, int] | None:
         if pattern.v in VALID_V:
             return pattern.v, pattern.m
     return None
-
-
-def _pieces(rows: int, groups: int) -> list[tuple[tuple, int, int, tuple, int, int, tuple]]:
-    """How the logical ``(rows, groups, 2)`` values map onto the pack seen as ``(mt, rh, g8, s, ch, t, 2)`` (row
-    ``16 mt + 8 rh + g8``, group ``8 s + 4 ch + t``): ``(pack index, r0, r1, row split, g0, g1, group split)`` per
-    block of rows and groups that is a strided slice of both; one block when ``rows % 16 == 0`` and ``groups % 8 ==
-    0``."""
-    row_parts = []
-    full = rows // 16
-    if full:
-        row_parts.append(((slice(0, full), slice(None)), 0, 16 * full, (full, 2, 8)))
-    if rows % 16:  # rows are a multiple of 8: the last 8 fill one half of a 16-row tile
-        row_parts.append(((slice(full, full + 1), slice(0, 1)), 16 * full, rows, (1, 1, 8)))
-    group_parts = []
-    steps = groups // 8
-    if steps:
-        group_parts.append(((slice(0, steps), slice(None), slice(None)), 0, 8 * steps, (steps, 2, 4)))
-    rest, g0 = groups % 8, 8 * steps
-    if rest >= 4:
-        group_parts.append(((slice(steps, steps + 1), slice(0, 1), slice(None)), g0, g0 + 4, (1, 1, 4)))
-        g0 += 4
-    if rest % 4:
-        ch = int(rest >= 4)
-        group_parts.append(
-            ((slice(steps, steps + 1), slice(ch, ch + 1), slice(0, rest % 4)), g0, groups, (1, 1, rest % 4))
-        )
-    pieces = []
-    for (mt, rh), r0, r1, rsplit in row_parts:
-        for (s, ch, t), a, b, gsplit in group_parts:
-            pieces.append(((mt, rh, slice(None), s, ch, t, slice(None)), r0, r1, rsplit, a, b, gsplit))
-    return pieces
-
-
-def _logical_view(values: Tensor) -> Tensor:
-    """The fragment-ordered pack ``(Rp/16, S, 32, 8)`` seen as ``(mt, rh, g8, s, ch, t, 2)`` (a view)."""
-    tiles, steps = values.shape[:2]
-    return values.view(tiles, steps, 8, 4, 2, 2, 2).permute(0, 5, 2, 1, 4, 3, 6)
-
-
-def _fill(values: Tensor, weight: Tensor, pieces: list, groups: int) -> None:
-    """Write ``weight`` (R, 2G) into the pack ``values``, cast to its dtype; the padding is left as it is."""
-    view = _logical_view(values)
-    w3 = weight.view(weight.shape[0], groups, 2)
-    for index, r0, r1, rsplit, g0, g1, gsplit in pieces:
-        view[index].copy_(w3[r0:r1, g0:g1].view(*rsplit, *gsplit, 2))
 
 
 def _positions(layer: SparseLinear) -> tuple[Tensor | None, Tensor]:
@@ -187,10 +153,13 @@ def _sddmm(dy2, x2, values, meta, columns, valid, rows, cols, v, m, fn) -> Tenso
     return torch.ops.hf_sparse.sddmm(dy2, x2, values, meta, columns, valid, rows, cols, v, m)
 
 
-def _weight_grad(choice, dy2, x2, weight, index, values, meta, columns, valid, rows, cols, v, m, fn) -> Tensor:
-    """The gradient of the kept values, in ``weight``'s order and dtype."""
+def _weight_grad(choice, dy2, x2, weight, index, values, meta, columns, valid, rows, cols, v, m, fn, gather) -> Tensor:
+    """The gradient of the kept values, in ``weight``'s order and dtype. ``gather``: the extension's
+    ``gather_cast`` (the GEMM's gather and cast in one pass), or None for torch ops."""
     if choice == "sddmm":
         g = _sddmm(dy2, x2, values, meta, columns, valid, rows, cols, v, m, fn)
+    elif gather is not None:
+        return gather(torch.mm(dy2.t(), x2), index, weight.dtype).view(weight.shape)
     else:
         g = torch.mm(dy2.t(), x2).view(-1).index_select(0, index).view(weight.shape)
     return g if g.dtype == weight.dtype else g.to(weight.dtype)
@@ -201,7 +170,7 @@ class _CompactLinearFn(torch.autograd.Function):
     gradient of ``weight`` is that of the kept values only. ``values .. valid``: the pack the forward runs on (the
     layer's own or its 2:4 view), ``*_t``: the transposed pack, ``*_g``: the layer's own pack (the SDDMM's
     positions) where the forward runs on the 2:4 view, else None (the forward's pack). ``spec``: (rows, cols, the forward pack's v and m, the layer's v and m, compute dtype, plan,
-    (forward spmm function, transposed spmm function, sddmm function), fused activation code, activation after the
+    (forward spmm function, transposed spmm function, sddmm function, gather_cast), fused activation code, activation after the
     kernel, activation), the functions None where the ops must be used."""
 
     @staticmethod
@@ -263,7 +232,9 @@ class _CompactLinearFn(torch.autograd.Function):
                 dx = dx.to(ctx.x_dtype)
             dx = dx.view(ctx.x_shape)
         if ctx.needs_input_grad[1]:
-            dw = _weight_grad(plan[2], dy2, x2, weight, index, values, meta, columns, valid, rows, cols, v, m, fns[2])
+            dw = _weight_grad(
+                plan[2], dy2, x2, weight, index, values, meta, columns, valid, rows, cols, v, m, fns[2], fns[3]
+            )
         if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
             db = dy2.sum(0, dtype=torch.float32)
             if db.dtype != ctx.bias_dtype:
@@ -288,7 +259,8 @@ class CompactKernel:
         self.n, self.shape = base.values.numel(), base.values.shape
         valid = torch.ones((), dtype=torch.bool, device=device).expand(rows, 2 * self.groups)  # every slot is kept
         self.packed = base._replace(values=self._absent(), valid=valid)
-        self.buf: Tensor | None = None  # the pack's values, then a zero: see _ensure_pack
+        self.buf: Tensor | None = None  # the pack's values (flat); None while freed: see _ensure_pack
+        self.entries: tuple | None = None  # (storage key, the refresh's entries): see refresh_entries
         self.pieces = _pieces(rows, self.groups)
         self.transposable: bool | None = None  # decided on the first call that trains
         self.trained = False  # a call that trains has run: the gathers' staging and permutations are kept
@@ -305,8 +277,12 @@ class CompactKernel:
         self.fn24 = spmm_function(4, device) if cuda and m != 4 else None  # the 2:4 view's forward
         self.code, self.after = kernel_activation(self.activation, m, device) if cuda else (0, self.activation)
         self.code24, self.after24 = kernel_activation(self.activation, 4, device) if cuda else (0, self.activation)
-        # the extension's compact_linear (forward and backward in C++) where the kernels run: see _native_fn
-        self.native = _native_fn() if cuda else None
+        ext = _extension() if cuda else None
+        self.native = getattr(ext, "compact_linear", None)  # forward and backward in C++
+        self.refresher = ext if hasattr(ext, "refresh_packs") else None  # the batched refresh: see refresh_stale
+        self.gather_cast = getattr(ext, "gather_cast", None)  # the GEMM weight gradient's gather, cast included
+        self.layer = weakref.ref(layer)
+        _kernels.add(self)
         self._set_kernel_bits()
         watch_optimizer_steps()
         self._ensure_pack(layer)
@@ -319,69 +295,83 @@ class CompactKernel:
         return torch.zeros((), dtype=self.dtype, device=self.device).expand(self.shape)
 
     def _ensure_pack(self, layer: SparseLinear) -> None:
-        """Make ``buf`` (the pack's values, then a zero) from the current values if it was freed."""
+        """Make ``buf`` (the pack's values) from the current values if it was freed."""
         if self.buf is None:
-            self.buf = self._staged(layer.weight)
-            self.packed = self.packed._replace(values=self.buf[: self.n].view(self.shape))
-
-    def _staged(self, weight: Tensor) -> Tensor:
-        """A fresh ``buf``: zeros, then the values written into the pack."""
-        buf = torch.zeros(self.n + 1, dtype=self.dtype, device=weight.device)
-        _fill(buf[: self.n].view(self.shape), weight.detach(), self.pieces, self.groups)
-        return buf
+            self.buf = torch.zeros(self.n, dtype=self.dtype, device=self.device)
+            self.packed = self.packed._replace(values=self.buf.view(self.shape))
+            with torch.no_grad():
+                _fill(self.packed.values, layer.weight.detach(), self.pieces, self.groups)
+            self.entries = None
 
     def refresh(self, layer: SparseLinear) -> None:
-        """Rebuild the packs (and the bias cast) from the current values: a strided copy into ``buf`` (a transient
-        one where the values were freed), one gather per 2:4 pack, a copy for the bias."""
-        weight, bias = layer.weight, layer.bias
+        """Rebuild this layer's packs (and the bias cast) from its current values: with every other stale compact
+        layer on the device in one launch where the extension runs (:func:`refresh_stale`), else by
+        :meth:`refresh_one`."""
+        if self.refresher is not None:
+            refresh_stale(self.device)
+        if self.stamp != _stamp(layer.weight, layer.bias):
+            self.refresh_one(layer)
+
+    def refresh_one(self, layer: SparseLinear) -> None:
+        """:meth:`refresh` of this layer alone, by torch ops (the reference of :meth:`refresh_entries`)."""
         with torch.no_grad():
-            if self.buf is not None:
-                _fill(self.packed.values, weight.detach(), self.pieces, self.groups)
-                src = self.buf
-            elif self.packed_t is not None or self.packed24 is not None:
-                src = self._staged(weight)
-            if self.packed_t is not None:
-                torch.index_select(src, 0, self.perm_t, out=self.packed_t.values.view(-1))
-            if self.packed24 is not None:
-                perm = self.perm24
-                if perm is None:  # dropped in inference: made again from the positions
-                    perm = self._view24(layer)[1]
-                    if not self.uses_index():
-                        layer._index = None
-                torch.index_select(src, 0, perm, out=self.packed24.values.view(-1))
-                if self.trained:
-                    self.perm24 = perm
-            if self.bias_lp is not None:
-                self.bias_lp.copy_(bias.detach())
-        self.stamp = _stamp(weight, bias)
+            if self.packed24 is not None and self.perm24 is None:  # dropped in inference: made again
+                self.perm24 = self._view24(layer)[1]
+                self.entries = None
+            run_refresh_entries(self.refresh_entries(layer))
+            if not self.trained and self.perm24 is not None and self.packed24 is not None:
+                self.perm24 = None
+                self.entries = None
+                if not self.uses_index():
+                    layer._index = None
+        self.stamp = _stamp(layer.weight, layer.bias)
+
+    def refresh_entries(self, layer: SparseLinear) -> tuple[RefreshEntry, ...] | None:
+        """The work of a refresh (cached until a pack or the weight's storage changes), or None where it cannot be
+        described as entries (the 2:4 view's permutation was dropped: :meth:`refresh_one` remakes it)."""
+        weight, bias = layer.weight, layer.bias
+        key = (weight.data_ptr(), None if bias is None else bias.data_ptr())
+        if self.entries is not None and self.entries[0] == key:
+            return self.entries[1]
+        if self.packed24 is not None and self.perm24 is None:
+            return None
+        w = weight.detach()
+        out = []
+        if self.buf is not None:
+            out.append(RefreshEntry(PACK, w, self.buf, None, self.rows, self.groups, self.shape[1]))
+        if self.packed_t is not None:
+            out.append(RefreshEntry(GATHER, w, self.packed_t.values, self.perm_t))
+        if self.packed24 is not None:
+            out.append(RefreshEntry(GATHER, w, self.packed24.values, self.perm24))
+        if self.bias_lp is not None:
+            out.append(RefreshEntry(COPY, bias.detach(), self.bias_lp))
+        entries = tuple(out)
+        self.entries = (key, entries, tuple(tuple(e.words(0)) for e in entries))
+        return entries
 
     def _functional_packs(self, weight: Tensor, bias: Tensor | None, plan: tuple) -> tuple:
         """``(values, values_t, values24, bias_c)`` made afresh from ``weight``, without touching the kernel state
         (the torch.compile path: Inductor fuses them into the graph); ``values24`` only for a ``"sparse24"`` plan."""
-        buf = torch.zeros(self.n + 1, dtype=self.dtype, device=weight.device)
-        values = buf[: self.n].view(self.shape)
+        values = torch.zeros(self.shape, dtype=self.dtype, device=weight.device)
         _fill(values, weight, self.pieces, self.groups)
         values_t = values24 = None
-        if self.perm_t is not None:
-            values_t = torch.index_select(buf, 0, self.perm_t).view(self.packed_t.values.shape)
-        if plan[0] == "sparse24":
-            values24 = torch.index_select(buf, 0, self.perm24).view(self.packed24.values.shape)
+        if self.perm_t is not None or plan[0] == "sparse24":
+            source = gather_source(weight, self.dtype)
+            if self.perm_t is not None:
+                values_t = torch.index_select(source, 0, self.perm_t).view(self.packed_t.values.shape)
+            if plan[0] == "sparse24":
+                values24 = torch.index_select(source, 0, self.perm24).view(self.packed24.values.shape)
         bias_c = bias if bias is None or bias.dtype == self.dtype else bias.to(self.dtype)
         return values, values_t, values24, bias_c
 
-    def _buf_positions(self, layer: SparseLinear) -> tuple[Tensor, Tensor]:
-        """``(where, mask)``, both ``(R, K)``: the ``buf`` position of every kept weight (the zero after the pack
-        elsewhere), and the mask."""
+    def _weight_positions(self, layer: SparseLinear) -> tuple[Tensor, Tensor]:
+        """``(where, mask)``, both ``(R, K)``: the position in ``weight`` (flat) of every kept weight (``nnz``,
+        the zero after the values in a gather source, elsewhere), and the mask."""
         rows, cols, dev = self.rows, self.cols, self.device
-        nnz = rows * 2 * self.groups
-        # the pack position of every kept value (values_to_kernel of 1..nnz; 0 there is padding)
-        order = values_to_kernel(torch.arange(1, nnz + 1, device=dev).view(rows, -1), torch.int64).view(-1)
-        at = torch.nonzero(order).squeeze(1)
-        pack_pos = torch.empty(nnz, dtype=torch.int64, device=dev)
-        pack_pos[order[at] - 1] = at
         flat = layer._kept().long()
-        where = torch.full((rows * cols,), self.n, dtype=torch.int64, device=dev)
-        where[flat] = pack_pos
+        nnz = flat.numel()
+        where = torch.full((rows * cols,), nnz, dtype=torch.int64, device=dev)
+        where[flat] = torch.arange(nnz, device=dev)
         mask = torch.zeros(rows * cols, dtype=torch.bool, device=dev)
         mask[flat] = True
         return where.view(rows, cols), mask.view(rows, cols)
@@ -396,11 +386,11 @@ class CompactKernel:
         if self.m != 4:
             return
         with torch.no_grad():
-            where, mask = self._buf_positions(layer)
+            where, mask = self._weight_positions(layer)
             mask_t = mask.t()
             if not bool((mask_t.reshape(self.cols, self.rows // 4, 4).sum(-1) <= 2).all()):
                 return
-            self.packed_t, self.perm_t = _pack24(where.t(), mask_t, self.n, self.dtype)
+            self.packed_t, self.perm_t = _pack24(where.t(), mask_t, layer.weight.numel(), self.dtype)
             self._gather(layer, self.packed_t, self.perm_t)
         if self.fns[0] is not None:
             self.fns = (self.fns[0], spmm_function(4, self.device), self.fns[2])
@@ -410,8 +400,8 @@ class CompactKernel:
     def _view24(self, layer: SparseLinear) -> tuple[PackedWeight, Tensor]:
         """The 2:4 view's pack (values zero) and ``perm24``, from the positions."""
         with torch.no_grad():
-            where, mask = self._buf_positions(layer)
-            return _pack24(where, mask, self.n, self.dtype)
+            where, mask = self._weight_positions(layer)
+            return _pack24(where, mask, layer.weight.numel(), self.dtype)
 
     def _ensure_view24(self, layer: SparseLinear) -> None:
         """Build the 2:4 view (a V:2:M layer's ``"sparse24"`` candidate) if it is not there."""
@@ -422,12 +412,13 @@ class CompactKernel:
     def _gather(self, layer: SparseLinear, packed: PackedWeight, perm: Tensor) -> None:
         """Write the current values into the 2:4 pack ``packed`` through ``perm``."""
         with torch.no_grad():
-            src = self.buf if self.buf is not None else self._staged(layer.weight)
-            torch.index_select(src, 0, perm, out=packed.values.view(-1))
+            torch.index_select(gather_source(layer.weight, self.dtype), 0, perm, out=packed.values.view(-1))
+        self.entries = None
 
     def drop_transposed(self) -> None:
         """Free ``packed_t`` and ``perm_t`` (no measured plan runs the input gradient on them)."""
         self.packed_t = self.perm_t = None
+        self.entries = None
 
     def _drop_unused(self, layer: SparseLinear, trains: bool) -> None:
         """After a measurement (of a call that ``trains`` or not): free what no measured plan reads (see the module
@@ -439,10 +430,10 @@ class CompactKernel:
             self.perm24 = None
         if trains and self.packed_t is not None and all(p[1] != "sparse" for k, p in self.plans.items() if k[1]):
             self.drop_transposed()
-        staging = self.trained and (self.packed_t is not None or self.packed24 is not None)
-        if "sparse" not in forwards and not staging:
+        if "sparse" not in forwards:
             self.buf = None
             self.packed = self.packed._replace(values=self._absent())
+        self.entries = None
         if not self.uses_index():
             layer._index = None  # built for the measurement or the permutations only
 
@@ -508,8 +499,9 @@ class CompactKernel:
 
             def grad(choice):
                 return lambda: _weight_grad(
-                    choice, dy2, x2, weight, index, p.values, p.meta, p.columns, p.valid, rows, cols, v, m, fns[2]
-                )
+                    choice, dy2, x2, weight, index, p.values, p.meta, p.columns, p.valid, rows, cols, v, m, fns[2],
+                    self.gather_cast,
+                )  # fmt: skip
 
             weight_grad = dispatch.fastest({"gemm": grad("gemm"), "sddmm": grad("sddmm")})
         return forward, input_grad, weight_grad
@@ -596,7 +588,8 @@ class CompactKernel:
                 _PLAN_BITS[plan],
                 self.kernel_bits24 if plan[0] == "sparse24" else self.kernel_bits,
             )
-        spec = (rows, cols, fwd[4], fwd[5], self.v, self.m, dtype, plan, (fwd[6], *fns[1:]), *fwd[7:], self.activation)
+        fns = (fwd[6], *fns[1:], self.gather_cast if fns[0] is not None else None)
+        spec = (rows, cols, fwd[4], fwd[5], self.v, self.m, dtype, plan, fns, *fwd[7:], self.activation)
         return _CompactLinearFn.apply(
             x,
             weight,
@@ -629,12 +622,44 @@ def _kernel_bits(fns: tuple) -> int:
     return (names[0] == "spmm_wgmma") | (names[1] == "spmm_wgmma") << 1 | (names[2] == "sddmm_wgmma") << 2
 
 
-def _native_fn():
-    """The extension's ``compact_linear`` (a C++ autograd node: no Python in the forward or the backward), or None
-    where the loaded extension has none."""
-    from ..ops._build import load_extension
+def _extension():
+    """The loaded extension, or None where it cannot load."""
+    from ..ops._build import KernelUnavailableError, load_extension
 
-    return getattr(load_extension(), "compact_linear", None)
+    try:
+        return load_extension()
+    except KernelUnavailableError:
+        return None
+
+
+_kernels: weakref.WeakSet[CompactKernel] = weakref.WeakSet()  # every live kernel: what refresh_stale looks through
+
+
+def refresh_stale(device: torch.device) -> None:
+    """Refresh the packs of every compact layer on ``device`` whose values changed since its last refresh, in one
+    launch of the extension (:func:`hf_sparse.nn.refresh.launch_refresh`); the first layer to run after an
+    optimizer step calls it, so one launch per step serves the whole model."""
+    groups, stale, ext = [], [], None
+    for k in list(_kernels):
+        layer = k.layer()
+        if k.device != device or k.refresher is None or layer is None or layer._kernel is not k:
+            continue
+        stamp = _stamp(layer.weight, layer.bias)
+        if stamp == k.stamp:
+            continue
+        entries = k.refresh_entries(layer)
+        if entries is None:  # a permutation to make again first
+            k.refresh_one(layer)
+            continue
+        if entries:
+            groups.append((k.entries[2], entries))
+        stale.append((k, stamp))
+        ext = k.refresher
+    if groups:
+        with torch.no_grad():
+            launch_refresh(ext, groups, device)
+    for k, stamp in stale:
+        k.stamp = stamp
 
 
 def _stamp(weight: Tensor, bias: Tensor | None) -> tuple:

@@ -54,6 +54,7 @@ SOURCES = (
     "sddmm_sm90.cu",
     "pack.cu",
     "mask.cu",
+    "refresh.cu",
     "mask_select.cu",
 )
 CSLT_EXTENSION_NAME = "hf_sparse_cslt"
