@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from hf_sparse.masks import compute_mask
 from hf_sparse.nn import SparseLinear
-from hf_sparse.nn.compact import kernel_pattern
+from hf_sparse.nn.compact import compact_linear, kernel_pattern
 from hf_sparse.ops import pack, spmm_reference
 from hf_sparse.ops._layout import dense_from_packed, values_to_kernel
 from hf_sparse.patterns import parse_pattern
@@ -198,33 +198,57 @@ def test_kernel_state_is_not_in_the_state_dict_and_dropped_by_to():
 
 
 def test_compiles_without_graph_breaks():
-    """The reference path (CPU) and the kernel path's autograd function (on the ops' CPU references)."""
+    """The reference path (CPU), and the kernel path as torch.compile traces it (``compact_linear``: one opaque op
+    per layer, run here on the ops' CPU references): no graph break, and the compiled forward and backward
+    (AOTAutograd, so the op's registered backward runs) equal the eager kernel path's."""
     layer, _, _ = _layer("2:4", 64, 128, transposable=True)
     x = torch.randn(8, 128)
     torch._dynamo.reset()
     explained = torch._dynamo.explain(layer)(x)
     assert explained.graph_break_count == 0, explained.break_reasons
     k = layer.kernel_state(torch.bfloat16)
-    k(layer, x.bfloat16().requires_grad_())  # eager first call: transposed pack and plan exist
+    xb = x.bfloat16().requires_grad_()
+    y_eager = k(layer, xb)  # eager first call: transposed pack and plan exist
+    y_eager.float().square().sum().backward()
+    expected = (xb.grad.clone(), layer.weight.grad.clone(), layer.bias.grad.clone())
+    layer.zero_grad()
+    xb.grad = None
+
+    def call(t):
+        return compact_linear(layer, t, torch.bfloat16)
+
     torch._dynamo.reset()
-    explained = torch._dynamo.explain(lambda t: k(layer, t))(x.bfloat16().requires_grad_())
+    explained = torch._dynamo.explain(call)(xb)
     assert explained.graph_break_count == 0, explained.break_reasons
+    torch._dynamo.reset()
+    y = torch.compile(call, backend="aot_eager", fullgraph=True)(xb)
+    y.float().square().sum().backward()
+    assert torch.equal(y, y_eager)
+    for got, want in zip((xb.grad, layer.weight.grad, layer.bias.grad), expected, strict=True):
+        torch.testing.assert_close(got, want)
 
 
 def test_compiles_on_the_view_without_graph_breaks():
-    """A V:2:M layer whose plan runs the forward on its 2:4 view, traced: the view is gathered inside the graph."""
+    """A V:2:M layer whose plan runs the forward on its 2:4 view, traced and run compiled."""
     layer, dense, _ = _layer("64:2:8", 128, 64)
     k = layer.kernel_state(torch.bfloat16)
     k._ensure_transposed(layer)
     k._ensure_view24(layer)
     k.plans[(8, True)] = ("sparse24", "dense", "sddmm")
     x = torch.randn(8, 64).bfloat16().requires_grad_()
+
+    def call(t):
+        return compact_linear(layer, t, torch.bfloat16)
+
     torch._dynamo.reset()
-    explained = torch._dynamo.explain(lambda t: k(layer, t))(x)
+    explained = torch._dynamo.explain(call)(x)
     assert explained.graph_break_count == 0, explained.break_reasons
-    y = torch.compile(lambda t: k(layer, t), backend="eager")(x)
+    torch._dynamo.reset()
+    y = torch.compile(call, backend="aot_eager", fullgraph=True)(x)
     ref = F.linear(x.detach().float(), dense.bfloat16().float(), layer.bias.detach().bfloat16().float())
     assert float((y.detach().float() - ref).abs().max()) <= 2e-2 * float(ref.abs().max())
+    y.float().sum().backward()
+    assert x.grad is not None and layer.weight.grad.shape == layer.weight.shape
 
 
 def test_index_is_kept_only_for_plans_that_read_it():

@@ -166,80 +166,22 @@ def _weight_grad(choice, dy2, x2, weight, index, values, meta, columns, valid, r
 
 
 class _CompactLinearFn(torch.autograd.Function):
-    """``y = act(x W^T + b)`` with ``W`` given by its kept values ``weight`` and the packs made from them; the
-    gradient of ``weight`` is that of the kept values only. ``values .. valid``: the pack the forward runs on (the
-    layer's own or its 2:4 view), ``*_t``: the transposed pack, ``*_g``: the layer's own pack (the SDDMM's
-    positions) where the forward runs on the 2:4 view, else None (the forward's pack). ``spec``: (rows, cols, the forward pack's v and m, the layer's v and m, compute dtype, plan,
-    (forward spmm function, transposed spmm function, sddmm function, gather_cast), fused activation code, activation after the
-    kernel, activation), the functions None where the ops must be used."""
+    """``y = x2 W^T + b`` (``x2``: the 2-D input in the compute dtype) by ``kernel``'s Python compute
+    (:meth:`CompactKernel.forward_compute`, :meth:`CompactKernel.backward_compute`) for ``plan``: eager training where
+    the extension has no ``compact_linear`` node (CPU tests, the ops' references). The gradient of ``weight`` is that
+    of the kept values only."""
 
     @staticmethod
-    def forward(
-        ctx,
-        x,
-        weight,
-        bias,
-        bias_c,
-        values,
-        meta,
-        columns,
-        valid,
-        values_t,
-        meta_t,
-        columns_t,
-        valid_t,
-        values_g,
-        meta_g,
-        columns_g,
-        valid_g,
-        index,
-        spec,
-    ):
-        rows, cols, v, m, _, _, dtype, plan, fns, code, after, activation = spec
-        x2 = x.reshape(-1, cols)
-        if x2.dtype != dtype:
-            x2 = x2.to(dtype)
-        if plan[0] == "dense":
-            y = F.linear(x2, _dense(weight, index, rows, cols, dtype), bias_c)
-            if activation is not None:
-                y = activate(y, activation)
-        else:
-            y = _spmm(x2, values, meta, columns, valid, bias_c, rows, cols, v, m, fns[0], code, after, activation)
-        own = (values, meta, columns, valid) if meta_g is None else (values_g, meta_g, columns_g, valid_g)
-        ctx.save_for_backward(x2, weight, index, values_t, meta_t, columns_t, valid_t, *own)
-        ctx.spec = spec
-        ctx.x_shape = x.shape
-        ctx.x_dtype = x.dtype
-        ctx.bias_dtype = None if bias is None else bias.dtype
-        return y.view(*x.shape[:-1], rows)
+    def forward(ctx, x2, weight, bias, kernel, layer, plan):
+        ctx.save_for_backward(x2)
+        ctx.kernel, ctx.layer, ctx.plan = kernel, layer, plan
+        return kernel.forward_compute(layer, x2, plan, fuse=False)
 
     @staticmethod
-    def backward(ctx, dy):
-        x2, weight, index, values_t, meta_t, columns_t, valid_t, values, meta, columns, valid = ctx.saved_tensors
-        rows, cols, _, _, v, m, dtype, plan, fns, _, _, _ = ctx.spec
-        dy2 = dy.reshape(-1, rows)
-        if dy2.dtype != dtype:
-            dy2 = dy2.to(dtype)
-        if not dy2.is_contiguous():
-            dy2 = dy2.contiguous()
-        dx = dw = db = None
-        if ctx.needs_input_grad[0]:
-            if plan[1] == "sparse":
-                dx = _spmm(dy2, values_t, meta_t, columns_t, valid_t, None, cols, rows, 64, 4, fns[1], 0, None, None)
-            else:
-                dx = torch.mm(dy2, _dense(weight, index, rows, cols, dtype))
-            if dx.dtype != ctx.x_dtype:
-                dx = dx.to(ctx.x_dtype)
-            dx = dx.view(ctx.x_shape)
-        if ctx.needs_input_grad[1]:
-            dw = _weight_grad(
-                plan[2], dy2, x2, weight, index, values, meta, columns, valid, rows, cols, v, m, fns[2], fns[3]
-            )
-        if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
-            db = dy2.sum(0, dtype=torch.float32)
-            if db.dtype != ctx.bias_dtype:
-                db = db.to(ctx.bias_dtype)
-        return (dx, dw, db) + (None,) * 15
+    def backward(ctx, dy2):
+        (x2,) = ctx.saved_tensors
+        dx, dw, db = ctx.kernel.backward_compute(ctx.layer, dy2, x2, ctx.plan, *ctx.needs_input_grad[:3])
+        return dx, dw, db, None, None, None
 
 
 class CompactKernel:
@@ -349,21 +291,6 @@ class CompactKernel:
         self.entries = (key, entries, tuple(tuple(e.words(0)) for e in entries))
         return entries
 
-    def _functional_packs(self, weight: Tensor, bias: Tensor | None, plan: tuple) -> tuple:
-        """``(values, values_t, values24, bias_c)`` made afresh from ``weight``, without touching the kernel state
-        (the torch.compile path: Inductor fuses them into the graph); ``values24`` only for a ``"sparse24"`` plan."""
-        values = torch.zeros(self.shape, dtype=self.dtype, device=weight.device)
-        _fill(values, weight, self.pieces, self.groups)
-        values_t = values24 = None
-        if self.perm_t is not None or plan[0] == "sparse24":
-            source = gather_source(weight, self.dtype)
-            if self.perm_t is not None:
-                values_t = torch.index_select(source, 0, self.perm_t).view(self.packed_t.values.shape)
-            if plan[0] == "sparse24":
-                values24 = torch.index_select(source, 0, self.perm24).view(self.packed24.values.shape)
-        bias_c = bias if bias is None or bias.dtype == self.dtype else bias.to(self.dtype)
-        return values, values_t, values24, bias_c
-
     def _weight_positions(self, layer: SparseLinear) -> tuple[Tensor, Tensor]:
         """``(where, mask)``, both ``(R, K)``: the position in ``weight`` (flat) of every kept weight (``nnz``,
         the zero after the values in a gather source, elsewhere), and the mask."""
@@ -441,7 +368,7 @@ class CompactKernel:
     def _default(self) -> tuple[str, str, str]:
         return (DEFAULT_PLAN[0], "sparse" if self.packed_t is not None else "dense", DEFAULT_PLAN[2])
 
-    def plan(self, layer: SparseLinear, key: tuple[int, bool], x2: Tensor, bias_c: Tensor | None) -> tuple:
+    def plan(self, layer: SparseLinear, key: tuple[int, bool], x2: Tensor) -> tuple:
         """The plan for ``key`` ((token bucket, trains)): measured once on ``x2`` (in the compute dtype) where a
         measurement can run, else :data:`DEFAULT_PLAN` (stored, except while torch.compile traces)."""
         plan = self.plans.get(key)
@@ -456,55 +383,82 @@ class CompactKernel:
         self._ensure_pack(layer)
         if self.m != 4:
             self._ensure_view24(layer)
-        plan = self.plans[key] = self._measure(layer, key[1], x2, bias_c)
+        plan = self.plans[key] = self._measure(layer, key[1], x2)
         self._drop_unused(layer, key[1])
         return plan
 
-    def _measure(self, layer: SparseLinear, trains: bool, x2: Tensor, bias_c: Tensor | None) -> tuple[str, str, str]:
-        rows, cols, v, m, dtype = self.rows, self.cols, self.v, self.m, self.dtype
-        p, q, fns, weight = self.packed, self.packed24, self.fns, layer.weight.detach()
-        index = layer._kept()
-        act = self.activation
+    def _measure(self, layer: SparseLinear, trains: bool, x2: Tensor) -> tuple[str, str, str]:
+        fuse = not trains  # in training the activation runs after the layer (see __call__)
 
-        def sparse():
-            return _spmm(
-                x2, p.values, p.meta, p.columns, p.valid, bias_c, rows, cols, v, m, fns[0], self.code, self.after, act
+        def forward(choice):
+            return lambda: self.forward_compute(layer, x2, (choice,), fuse)
+
+        def backward(input_grad, weight_grad):
+            return lambda: self.backward_compute(
+                layer, dy2, x2, (None, input_grad, weight_grad), input_grad is not None, weight_grad is not None, False
             )
 
-        def sparse24():
-            return _spmm(
-                x2, q.values, q.meta, q.columns, q.valid, bias_c, rows, cols, 64, 4, self.fn24, self.code24,
-                self.after24, act,
-            )  # fmt: skip
-
-        def dense():
-            y = F.linear(x2, _dense(weight, index, rows, cols, dtype), bias_c)
-            return y if act is None else activate(y, act)
-
-        forwards = {"sparse": sparse, "dense": dense}
-        if q is not None:
-            forwards["sparse24"] = sparse24
+        forwards = {"sparse": forward("sparse"), "dense": forward("dense")}
+        if self.packed24 is not None:
+            forwards["sparse24"] = forward("sparse24")
         with torch.no_grad():
-            forward = dispatch.fastest(forwards, host_too=not trains)
+            choice = dispatch.fastest(forwards, host_too=not trains)
             if not trains:
-                return forward, "dense", DEFAULT_PLAN[2]
-            dy2 = torch.randn(x2.shape[0], rows, dtype=dtype, device=x2.device)
-            inputs = {"dense": lambda: torch.mm(dy2, _dense(weight, index, rows, cols, dtype))}
-            t = self.packed_t
-            if t is not None:
-                inputs["sparse"] = lambda: _spmm(
-                    dy2, t.values, t.meta, t.columns, t.valid, None, cols, rows, 64, 4, fns[1], 0, None, None
-                )
+                return choice, "dense", DEFAULT_PLAN[2]
+            dy2 = torch.randn(x2.shape[0], self.rows, dtype=self.dtype, device=x2.device)
+            inputs = {"dense": backward("dense", None)}
+            if self.packed_t is not None:
+                inputs["sparse"] = backward("sparse", None)
             input_grad = dispatch.fastest(inputs) if len(inputs) > 1 else "dense"
+            weight_grad = dispatch.fastest({"gemm": backward(None, "gemm"), "sddmm": backward(None, "sddmm")})
+        return choice, input_grad, weight_grad
 
-            def grad(choice):
-                return lambda: _weight_grad(
-                    choice, dy2, x2, weight, index, p.values, p.meta, p.columns, p.valid, rows, cols, v, m, fns[2],
-                    self.gather_cast,
-                )  # fmt: skip
+    # ------------------------------------------------------------------ compute
+    def forward_compute(self, layer: SparseLinear, x2: Tensor, plan: tuple, fuse: bool) -> Tensor:
+        """``x2 W^T + b`` by ``plan[0]`` (``x2``: 2-D, in the compute dtype), with the layer's activation where
+        ``fuse`` (inference; in training it runs after the layer, differentiated by autograd). No autograd."""
+        rows, cols, dtype = self.rows, self.cols, self.dtype
+        bias_c = self.bias_lp if self.bias_lp is not None else layer.bias
+        act = self.activation if fuse else None
+        if plan[0] == "dense":
+            y = F.linear(x2, _dense(layer.weight.detach(), layer._kept(), rows, cols, dtype), bias_c)
+            return y if act is None else activate(y, act)
+        if plan[0] == "sparse24":  # the 2:4 view
+            q, fn, code, after, v, m = self.packed24, self.fn24, self.code24, self.after24, 64, 4
+        else:
+            q, fn, code, after, v, m = self.packed, self.fns[0], self.code, self.after, self.v, self.m
+        if not fuse:
+            code, after = 0, None
+        return _spmm(x2, q.values, q.meta, q.columns, q.valid, bias_c, rows, cols, v, m, fn, code, after, act)
 
-            weight_grad = dispatch.fastest({"gemm": grad("gemm"), "sddmm": grad("sddmm")})
-        return forward, input_grad, weight_grad
+    def backward_compute(
+        self, layer: SparseLinear, dy2: Tensor, x2: Tensor, plan: tuple, need_dx: bool, need_dw: bool, need_db: bool
+    ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+        """``(dx2, dweight, dbias)`` of ``x2 W^T + b`` for the output gradient ``dy2`` (2-D), by ``plan[1]`` and
+        ``plan[2]``; ``dx2`` in the compute dtype, ``dweight`` the gradient of the kept values in ``weight``'s order
+        and dtype. No autograd."""
+        rows, cols, dtype = self.rows, self.cols, self.dtype
+        dy2 = dy2.to(dtype).contiguous()
+        weight = layer.weight.detach()
+        dx = dw = db = None
+        if need_dx:
+            t = self.packed_t
+            if plan[1] == "sparse" and t is not None:
+                dx = _spmm(
+                    dy2, t.values, t.meta, t.columns, t.valid, None, cols, rows, 64, 4, self.fns[1], 0, None, None
+                )
+            else:
+                dx = torch.mm(dy2, _dense(weight, layer._kept(), rows, cols, dtype))
+        if need_dw:
+            p = self.packed
+            index = layer._kept() if plan[2] == "gemm" else None
+            dw = _weight_grad(
+                plan[2], dy2, x2, weight, index, p.values, p.meta, p.columns, p.valid, rows, cols, self.v, self.m,
+                self.fns[2], self.gather_cast,
+            )  # fmt: skip
+        if need_db:
+            db = dy2.sum(0, dtype=torch.float32).to(layer.bias.dtype)
+        return dx, dw, db
 
     def uses_index(self) -> bool:
         """Whether a measured plan reads the kept index (a dense forward or input gradient, the GEMM weight
@@ -520,90 +474,62 @@ class CompactKernel:
         self.kernel_bits24 = _kernel_bits((self.fn24, *self.fns[1:]))
 
     # ------------------------------------------------------------------ the forward
+    def prepare(self, layer: SparseLinear, x: Tensor, trains: bool) -> tuple[str, str, str]:
+        """Bring the packs up to date with the values and return the plan for ``x`` (measured on the first call of
+        its token bucket)."""
+        if trains and not self.trained:
+            self._ensure_transposed(layer)
+        if _stamp(layer.weight, layer.bias) != self.stamp:
+            self.refresh(layer)
+        key = (1 << max(0, x.numel() // self.cols - 1).bit_length(), trains)
+        plan = self.plans.get(key)
+        if plan is None:
+            x2 = x.reshape(-1, self.cols)
+            plan = self.plan(layer, key, x2 if x2.dtype == self.dtype else x2.to(self.dtype))
+        return plan
+
     def __call__(self, layer: SparseLinear, x: Tensor) -> Tensor:
+        """The layer's eager forward (see the module docstring; under torch.compile :func:`compact_linear` runs)."""
         weight, bias = layer.weight, layer.bias
         trains = torch.is_grad_enabled() and (
             weight.requires_grad or x.requires_grad or (bias is not None and bias.requires_grad)
         )
-        if trains and not self.trained:
-            self._ensure_transposed(layer)
-        dtype, rows, cols = self.dtype, self.rows, self.cols
-        tokens = x.numel() // cols
-        key = (1 << max(0, tokens - 1).bit_length(), trains)
-        if torch.compiler.is_compiling():  # the ops, and packs made inside the graph
-            plan = self.plans.get(key) or self._default()
-            if plan[0] == "sparse24" and self.perm24 is None:
-                plan = ("sparse", *plan[1:])
-            fns, fn24 = (None, None, None), None
-            values, values_t, values24, bias_c = self._functional_packs(weight, bias, plan)
-        else:
-            if _stamp(weight, bias) != self.stamp:
-                self.refresh(layer)
-            bias_c = self.bias_lp if self.bias_lp is not None else bias
-            plan = self.plans.get(key)
-            if plan is None:
-                x2 = x.reshape(-1, cols)
-                plan = self.plan(layer, key, x2 if x2.dtype == dtype else x2.to(dtype), bias_c)
-            fns, fn24 = self.fns, self.fn24
-            values = self.packed.values
-            values_t = None if self.packed_t is None else self.packed_t.values
-            values24 = None if self.packed24 is None else self.packed24.values
-        p, t = self.packed, self.packed_t
-        if plan[0] == "sparse24":  # the forward on the 2:4 view
-            q = self.packed24
-            fwd = (values24, q.meta, q.columns, q.valid, 64, 4, fn24, self.code24, self.after24)
-        else:
-            fwd = (values, p.meta, p.columns, p.valid, self.v, self.m, fns[0], self.code, self.after)
-        index = layer._kept() if plan[0] == "dense" or (trains and (plan[1] == "dense" or plan[2] == "gemm")) else None
-        if not trains:  # inference, evaluation: no autograd function
+        plan = self.prepare(layer, x, trains)
+        rows, cols = self.rows, self.cols
+        if not trains:  # inference, evaluation: no autograd, the activation fused where the kernel has it
             x2 = x.reshape(-1, cols)
-            if x2.dtype != dtype:
-                x2 = x2.to(dtype)
-            if plan[0] == "dense":
-                y = F.linear(x2, _dense(weight, index, rows, cols, dtype), bias_c)
-                if self.activation is not None:
-                    y = activate(y, self.activation)
-            else:
-                y = _spmm(x2, *fwd[:4], bias_c, rows, cols, *fwd[4:], self.activation)
+            y = self.forward_compute(layer, x2 if x2.dtype == self.dtype else x2.to(self.dtype), plan, fuse=True)
             return y.view(*x.shape[:-1], rows)
-        if self.native is not None and self.activation is None:  # eager CUDA training: one C++ autograd node
-            return self.native(
+        if self.native is not None:  # eager CUDA training: one C++ autograd node
+            p, t = self.packed, self.packed_t
+            q = self.packed24 if plan[0] == "sparse24" else p
+            dense = plan[0] == "dense" or plan[1] == "dense" or plan[2] == "gemm"
+            y = self.native(
                 x,
                 weight,
                 bias,
-                bias_c,
-                fwd[0],
-                fwd[1],
-                fwd[2],
-                values_t,
+                self.bias_lp if self.bias_lp is not None else bias,
+                q.values,
+                q.meta,
+                q.columns,
+                None if t is None else t.values,
                 None if t is None else t.meta,
                 None if t is None else t.columns,
                 p.meta,
                 p.columns,
-                index,
+                layer._kept() if dense else None,
                 rows,
                 cols,
-                fwd[5],
+                4 if plan[0] == "sparse24" else self.m,
                 self.m,
                 _PLAN_BITS[plan],
                 self.kernel_bits24 if plan[0] == "sparse24" else self.kernel_bits,
             )
-        fns = (fwd[6], *fns[1:], self.gather_cast if fns[0] is not None else None)
-        spec = (rows, cols, fwd[4], fwd[5], self.v, self.m, dtype, plan, fns, *fwd[7:], self.activation)
-        return _CompactLinearFn.apply(
-            x,
-            weight,
-            bias,
-            bias_c,
-            *fwd[:4],
-            values_t,
-            None if t is None else t.meta,
-            None if t is None else t.columns,
-            None if t is None else t.valid,
-            *((values, p.meta, p.columns, p.valid) if plan[0] == "sparse24" else (None,) * 4),
-            index,
-            spec,
-        )
+        else:
+            x2 = x.reshape(-1, cols)
+            x2 = x2 if x2.dtype == self.dtype else x2.to(self.dtype)
+            y = _CompactLinearFn.apply(x2, weight, bias, self, layer, plan).view(*x.shape[:-1], rows)
+        return y if self.activation is None else activate(y, self.activation)
 
 
 #: a plan (forward, input gradient, weight gradient) as the ``plan`` bits of the extension's ``compact_linear``
@@ -665,3 +591,93 @@ def refresh_stale(device: torch.device) -> None:
 def _stamp(weight: Tensor, bias: Tensor | None) -> tuple:
     """What the packs were made from: the weight's version and address, the bias's version, the optimizer steps."""
     return (weight._version, weight.data_ptr(), None if bias is None else bias._version, optimizer_steps())
+
+
+# ---------------------------------------------------------------------------------------------------------- compile
+# Under torch.compile a compact layer is one opaque op (with its backward another) whose implementation is the eager
+# compute above: the refresh, the plan and the kernels run when the graph runs, exactly as in eager mode, and the
+# graph around the layer (casts, activations, the rest of the model) is Inductor's. The op finds its layer by the
+# id the layer got at construction (``SparseLinear._compact_id``).
+
+_compact_layers: weakref.WeakValueDictionary[int, SparseLinear] = weakref.WeakValueDictionary()
+
+
+def register_compact_layer(layer: SparseLinear) -> int:
+    """Give ``layer`` the id the compile ops find it by."""
+    layer_id = id(layer)
+    _compact_layers[layer_id] = layer
+    return layer_id
+
+
+def _layer_of(layer_id: int) -> SparseLinear:
+    layer = _compact_layers.get(layer_id)
+    if layer is None:
+        raise RuntimeError(
+            f"hf_sparse: compact layer {layer_id} of a compiled graph no longer exists; compile the model again"
+        )
+    return layer
+
+
+@torch.library.custom_op("hf_sparse::compact_linear", mutates_args=())
+def _compact_linear_op(x2: Tensor, weight: Tensor, bias: Tensor | None, layer_id: int, trains: bool) -> Tensor:
+    layer = _layer_of(layer_id)
+    kernel = layer.kernel_state(x2.dtype)
+    plan = kernel.prepare(layer, x2, trains)
+    return kernel.forward_compute(layer, x2, plan, fuse=not trains)
+
+
+@_compact_linear_op.register_fake
+def _(x2, weight, bias, layer_id, trains):
+    return x2.new_empty(x2.shape[0], weight.shape[0])
+
+
+@torch.library.custom_op("hf_sparse::compact_linear_backward", mutates_args=())
+def _compact_linear_backward_op(
+    dy2: Tensor, x2: Tensor, weight: Tensor, bias: Tensor | None, layer_id: int, need_dx: bool, need_dw: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    layer = _layer_of(layer_id)
+    kernel = layer.kernel_state(x2.dtype)
+    key = (1 << max(0, x2.shape[0] - 1).bit_length(), True)
+    plan = kernel.plans.get(key) or kernel._default()
+    dx, dw, db = kernel.backward_compute(layer, dy2, x2, plan, need_dx, need_dw, bias is not None)
+    empty = x2.new_empty(0)
+    return (empty if dx is None else dx, weight.new_empty(0) if dw is None else dw, empty if db is None else db)
+
+
+@_compact_linear_backward_op.register_fake
+def _(dy2, x2, weight, bias, layer_id, need_dx, need_dw):
+    dx = x2.new_empty(x2.shape) if need_dx else x2.new_empty(0)
+    dw = weight.new_empty(weight.shape) if need_dw else weight.new_empty(0)
+    return dx, dw, x2.new_empty(0) if bias is None else bias.new_empty(bias.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    x2, weight, bias, layer_id, _ = inputs
+    ctx.save_for_backward(x2, weight, bias)
+    ctx.layer_id = layer_id
+
+
+def _backward(ctx, dy2):
+    x2, weight, bias = ctx.saved_tensors
+    need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
+    dx, dw, db = torch.ops.hf_sparse.compact_linear_backward(dy2, x2, weight, bias, ctx.layer_id, need_dx, need_dw)
+    return dx if need_dx else None, dw if need_dw else None, db if need_db else None, None, None
+
+
+_compact_linear_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def compact_linear(layer: SparseLinear, x: Tensor, dtype: torch.dtype) -> Tensor:
+    """The layer's forward as torch.compile traces it: the cast to the compute ``dtype`` and the activation (in
+    training) in the graph, the layer itself one ``hf_sparse::compact_linear`` op."""
+    bias = layer.bias
+    trains = torch.is_grad_enabled() and (
+        layer.weight.requires_grad or x.requires_grad or (bias is not None and bias.requires_grad)
+    )
+    x2 = x.reshape(-1, layer.in_features)
+    if x2.dtype != dtype:
+        x2 = x2.to(dtype)
+    y = torch.ops.hf_sparse.compact_linear(x2, layer.weight, bias, layer._compact_id, trains)
+    if trains and layer.activation is not None:
+        y = activate(y, layer.activation)
+    return y.view(*x.shape[:-1], layer.out_features)

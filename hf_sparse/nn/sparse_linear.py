@@ -32,7 +32,7 @@ from torch import Tensor, nn
 from ..formats.compressed import compress, compressed_shapes, decompress, kept_index, mask_from_compressed, validate
 from ..ops.spmm import activate
 from ..patterns import Pattern, Unstructured, parse_pattern
-from .compact import CompactKernel, kernel_pattern
+from .compact import CompactKernel, compact_linear, kernel_pattern, register_compact_layer
 
 __all__ = ["SparseLinear"]
 
@@ -81,6 +81,7 @@ class SparseLinear(nn.Module):
         # an activation applied to the output, folded in from the parent module at load (hf_sparse.nn.fold): the
         # 2:4 kernel applies it in its epilogue instead of a separate pass over the output
         self.activation: str | None = None
+        self._compact_id = register_compact_layer(self)  # what a compiled graph finds the layer by
 
     @classmethod
     def from_dense(
@@ -228,6 +229,8 @@ class SparseLinear(nn.Module):
         if dtype is None:
             y = F.linear(x, self._reference_weight(), self.bias)
             return y if self.activation is None else activate(y, self.activation)
+        if torch.compiler.is_compiling():
+            return compact_linear(self, x, dtype)
         return self.kernel_state(dtype)(self, x)
 
     def extra_repr(self) -> str:
