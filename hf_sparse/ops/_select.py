@@ -22,8 +22,8 @@ __all__ = [
     "SPMM_WGMMA_M",
     "choose_kernel",
     "device_kernel",
-    "forced_kernel",
     "force_kernel",
+    "forced_kernel",
     "kernel_function",
     "wgmma_available",
 ]
