@@ -61,6 +61,7 @@ SOURCES = (
 HEADERS = (
     "common.cuh",
     "kernels.h",
+    "lab.h",
     "sm90_common.cuh",
     "tensor_map.h",
     "tile_config.h",
@@ -163,8 +164,18 @@ def loaded_extension() -> ModuleType | None:
 _build_failures: dict[str, KernelUnavailableError] = {}  # extension name -> why compiling it failed in this process
 
 
+def _stale(library: Path, src: Path) -> bool:
+    """Whether the cached ``library`` is missing or older than a source or header: the next load compiles."""
+    if not library.is_file():
+        return True
+    built = library.stat().st_mtime
+    return any((src / name).stat().st_mtime > built for name in (*SOURCES, *HEADERS))
+
+
+@functools.cache
 def lab_build() -> bool:
-    """Whether the extension is built as the lab build (``HF_SPARSE_BUILD_LAB=1``); read when building only."""
+    """Whether this process builds (and loads) the lab extension: ``HF_SPARSE_BUILD_LAB=1``, read once per process,
+    by the first build or by a lab tool asking."""
     value = os.environ.get("HF_SPARSE_BUILD_LAB", "0")
     if value not in ("0", "1", ""):
         raise KernelUnavailableError(f"hf_sparse: HF_SPARSE_BUILD_LAB={value!r}; use 1 (the lab build) or 0 / unset")
@@ -200,7 +211,7 @@ def load_extension() -> ModuleType:
     if name in _build_failures:
         raise _build_failures[name]
     cache = Path(build_dir or cpp_extension._get_build_directory(name, verbose=False))
-    compiles = not (cache / f"{name}.so").is_file()
+    compiles = _stale(cache / f"{name}.so", src)
     if compiles:
         print(
             f"hf_sparse: compiling the CUDA kernels{' (lab build)' if lab else ''} into {cache} (first use only, "
