@@ -26,7 +26,9 @@ def test_automatic_choice(op, wgmma_ok, expected):
     assert [choose_kernel(op, m, wgmma_ok, "auto") for m in M_VALUES] == expected
 
 
-@pytest.mark.parametrize(("op", "kernel"), [("spmm", "mma_sp"), ("spmm", "wgmma"), ("sddmm", "mma"), ("sddmm", "wgmma")])
+@pytest.mark.parametrize(
+    ("op", "kernel"), [("spmm", "mma_sp"), ("spmm", "wgmma"), ("sddmm", "mma"), ("sddmm", "wgmma")]
+)
 def test_forced_choice_wins_everywhere(op, kernel):
     # forced, the kernel runs whatever the group size and whether wgmma can run (the binding refuses it there)
     assert {choose_kernel(op, m, ok, kernel) for m in M_VALUES for ok in (True, False)} == {kernel}
