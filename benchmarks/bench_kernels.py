@@ -114,7 +114,7 @@ def cslt_times(w_sparse: torch.Tensor, x: torch.Tensor) -> tuple[float, float]:
 
 
 def cslt_cached_time(w_sparse: torch.Tensor, x: torch.Tensor, ref: torch.Tensor) -> float:
-    """The cached-plan cuSPARSELt path (``hf_sparse.ops.cslt``) in ms, checked against ``ref``; nan if unavailable."""
+    """The cached-plan cuSPARSELt path (``lab.cslt``, lab build only) in ms, checked against ``ref``; nan if unavailable."""
     from lab import cslt
 
     if not cslt.available():

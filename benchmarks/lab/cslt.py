@@ -181,7 +181,7 @@ def _check_weight(weight: Tensor, op: str) -> None:
 
 
 class CachedWeight:
-    """A compressed 2:4 weight with its cuSPARSELt plans (``csrc/cusparselt.cpp``), arguments checked here first.
+    """A compressed 2:4 weight with its cuSPARSELt plans (``benchmarks/lab/cusparselt.cpp``), arguments checked here first.
 
     ``matmul(x, bias=None, search=True)``: ``x @ W^T (+ bias)`` as one ``cusparseLtMatmul`` once the plan for this
     token count exists (``search``: let cuSPARSELt pick the algorithm for a new token bucket; never while a CUDA

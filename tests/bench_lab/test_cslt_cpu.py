@@ -9,11 +9,11 @@ import sys
 
 import pytest
 import torch
+from lab import cslt
+from lab.cslt import find_cusparselt, load_cslt_extension
 
 from hf_sparse.ops import _build
 from hf_sparse.ops._build import KernelUnavailableError
-from lab import cslt
-from lab.cslt import find_cusparselt, load_cslt_extension
 
 from .conftest import BENCHMARKS
 
