@@ -12,14 +12,15 @@ dense and to ``mma.sp`` (*xMma*).
 
 cuSPARSELt (2:4; a V:2:M weight keeps <= 2 of every 4 columns, so it runs as 2:4 too): *cslt* = eager
 ``torch._cslt_sparse_mm``, default algorithm; *csltT* = the same with the algorithm of ``_cslt_sparse_mm_search``
-(both rebuild descriptors and plan per call); *csltC* = the cached-plan path (``hf_sparse.ops.cslt``: one
-``cusparseLtMatmul`` per call, algorithm searched once), with ``cC*D`` = dense / csltC and ``cC*O`` = our best kernel
+(both rebuild descriptors and plan per call); *csltC* = the cached-plan path (``lab.cslt``: one
+``cusparseLtMatmul`` per call, algorithm searched once; lab build only, ``HF_SPARSE_BUILD_LAB=1``, else nan), with ``cC*D`` = dense / csltC and ``cC*O`` = our best kernel
 (wgmma where available, else mma.sp) / csltC. *v24* (V:2:M only): our 2:4 SpMM on the weight packed as 2:4 (the
 forward a compact V:2:M layer can measure as ``sparse24``), ``v24*D`` = dense / v24.
 
-``--shapes`` limits the run to some (in x out) shapes; ``--sm90-configs`` adds, for 2:4 rows, the 2:4 wgmma kernel
-forced to each listed tile configuration (``HF_SPARSE_SM90_CONFIG``, e.g. the old default next to the new one), each
-checked against the dense product, printed as one extra line per row.
+``--shapes`` limits the run to some (in x out) shapes; ``--sm90-configs`` (lab build only: ``HF_SPARSE_BUILD_LAB=1``)
+adds, for 2:4 rows, the 2:4 wgmma kernel forced to each listed tile configuration (``lab.tuning``'s ``sm90_config``),
+each checked against the dense product, printed as one extra line per row. Kernels are forced with
+``hf_sparse.ops.force_kernel``.
 
 SDDMM (``--sddmm-only``, or the *sddmm* columns of the main table: the default kernel): *dWgemm* = the dense weight
 gradient ``dy.t() @ x`` (cuBLAS, bf16 out); *sdMma* = the ``mma.sync`` SDDMM (``csrc/sddmm.cu``), *sdWg* = the dense
@@ -32,17 +33,16 @@ gradient, timed separately.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import csv
 import datetime
-import os
 import sys
 
 import torch
 import torch.nn.functional as F
+from lab.tuning import require_lab_build, tuning
 
 from hf_sparse.masks import nm_mask, vnm_mask
-from hf_sparse.ops import pack, sddmm, spmm
+from hf_sparse.ops import force_kernel, pack, sddmm, spmm
 
 # (in, out); 1024 -> 1024: BERT-large's Q, K, V and attention-output projections
 SHAPES = [(768, 3072), (3072, 768), (1024, 1024), (1024, 4096), (4096, 1024), (4096, 11008), (11008, 4096)]
@@ -63,25 +63,6 @@ def parse_shape(s: str) -> tuple[int, int]:
     if k <= 0 or r <= 0:
         raise argparse.ArgumentTypeError(f"shape {s!r}: both sizes must be positive")
     return k, r
-
-
-@contextlib.contextmanager
-def env_var(name: str, value: str):
-    """Set one environment variable inside the block, restoring the previous setting after."""
-    old = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = old
-
-
-def spmm_kernel_env(kernel: str):
-    """Force one SpMM kernel (``HF_SPARSE_SPMM_KERNEL``) inside the block, restoring the previous setting after."""
-    return env_var("HF_SPARSE_SPMM_KERNEL", kernel)
 
 
 def wgmma_available() -> bool:
@@ -109,7 +90,7 @@ def sm90_config_times(configs: list[int], x: torch.Tensor, p, ref: torch.Tensor)
     """The 2:4 wgmma kernel at each tile configuration in ``configs`` (ms), each checked against ``ref`` first."""
     out = {}
     for cfg in configs:
-        with spmm_kernel_env("wgmma"), env_var("HF_SPARSE_SM90_CONFIG", str(cfg)):
+        with force_kernel(spmm="wgmma"), tuning(sm90_config=cfg):
             checked_error(spmm(x, p), ref, f"wgmma config {cfg}")
             out[cfg] = bench(lambda: spmm(x, p))
     return out
@@ -133,11 +114,11 @@ def cslt_times(w_sparse: torch.Tensor, x: torch.Tensor) -> tuple[float, float]:
 
 
 def cslt_cached_time(w_sparse: torch.Tensor, x: torch.Tensor, ref: torch.Tensor) -> float:
-    """The cached-plan cuSPARSELt path (``hf_sparse.ops.cslt``) in ms, checked against ``ref``; nan if unavailable."""
-    from hf_sparse.ops import cslt
+    """The cached-plan cuSPARSELt path (``lab.cslt``, lab build only) in ms, checked against ``ref``; nan if unavailable."""
+    from lab import cslt
 
     if not cslt.available():
-        print("  cached cuSPARSELt path unavailable (see the log of hf_sparse.ops.cslt)", file=sys.stderr)
+        print("  cached cuSPARSELt path unavailable (lab build only: HF_SPARSE_BUILD_LAB=1)", file=sys.stderr)
         return float("nan")
     cw = cslt.compress(w_sparse.contiguous())
     checked_error(cw.matmul(x), ref, "cached cuSPARSELt")  # the first call makes the plan and searches the algorithm
@@ -152,20 +133,6 @@ def view24_time(wm: torch.Tensor, mask: torch.Tensor, x: torch.Tensor, ref: torc
     view = pack(wm, mask, 64, 4, torch.bfloat16, validate=False)
     checked_error(spmm(x, view), ref, "2:4 view")
     return bench(lambda: spmm(x, view))
-
-
-@contextlib.contextmanager
-def sddmm_kernel_env(kernel: str):
-    """Force one SDDMM kernel (``HF_SPARSE_SDDMM_KERNEL``) inside the block, restoring the previous setting after."""
-    old = os.environ.get("HF_SPARSE_SDDMM_KERNEL")
-    os.environ["HF_SPARSE_SDDMM_KERNEL"] = kernel
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop("HF_SPARSE_SDDMM_KERNEL", None)
-        else:
-            os.environ["HF_SPARSE_SDDMM_KERNEL"] = old
 
 
 def sddmm_section(tokens_list: list[int], patterns: list[str], shapes: list[tuple[int, int]]) -> list[dict]:
@@ -197,7 +164,7 @@ def sddmm_section(tokens_list: list[int], patterns: list[str], shapes: list[tupl
                     if kern == "wgmma" and not has_wgmma:
                         times[kern], errs[kern] = float("nan"), float("nan")
                         continue
-                    with sddmm_kernel_env(kern):
+                    with force_kernel(sddmm=kern):
                         errs[kern] = checked_error(sddmm(dy, x, p), ref, f"sddmm {kern} {pat} {k}->{r}", tol=1e-2)
                         times[kern] = bench(lambda: sddmm(dy, x, p))
                 vals = sddmm(dy, x, p)
@@ -246,9 +213,11 @@ def main() -> int:
         type=int,
         nargs="+",
         default=[],
-        help="also time the 2:4 wgmma kernel at these HF_SPARSE_SM90_CONFIG tile configurations (2:4 rows only)",
+        help="also time the 2:4 wgmma kernel at these tile configurations (2:4 rows only; lab build)",
     )
     args = ap.parse_args()
+    if args.sm90_configs:
+        require_lab_build("--sm90-configs")
     dev = torch.cuda.get_device_name()
     print(
         f"# {dev}, torch {torch.__version__}, {datetime.date.today()}, bf16; times in ms (median); ratio = base/ours"
@@ -285,12 +254,12 @@ def main() -> int:
                 wm = torch.where(mask, w, 0.0)
                 p = pack(wm, mask, v, m, torch.bfloat16)
                 ref = F.linear(x.float(), wm.bfloat16().float())
-                with spmm_kernel_env("mma_sp"):
+                with force_kernel(spmm="mma_sp"):
                     err = checked_error(spmm(x, p), ref, f"{pat} {k}->{r} tokens={tokens}")
                     t_ours = bench(lambda: spmm(x, p))
                 t_wg, err_wg = float("nan"), float("nan")
                 if has_wgmma:
-                    with spmm_kernel_env("wgmma"):
+                    with force_kernel(spmm="wgmma"):
                         err_wg = checked_error(spmm(x, p), ref, f"wgmma {pat} {k}->{r} tokens={tokens}")
                         t_wg = bench(lambda: spmm(x, p))
                 # a V:2:M weight is also 2:4 (<= 2 kept of every 4 columns): cuSPARSELt and our 2:4 kernel run it as

@@ -4,9 +4,10 @@
 
 For each pattern and shape: relative error of each kernel and of torch's own bf16 product against an fp64 reference
 (poisoned output allocator, random data), then median times (``triton.testing.do_bench``), the ratio to dense and
-(wgmma) to mma.sp. For 2:4 also every tile configuration of the 2:4 wgmma kernel (``HF_SPARSE_SM90_CONFIG``), for
-V:2:M every pipeline of the V:2:M wgmma kernel (``HF_SPARSE_VNM_PIPE``) and, at M = 8, both token tiles
-(``HF_SPARSE_VNM_TILE``). Meant as the first thing a device run does: it fails fast (exit 1) if a kernel is wrong,
+(wgmma) to mma.sp. In the lab build (``HF_SPARSE_BUILD_LAB=1``) also, for 2:4, every tile configuration of the 2:4
+wgmma kernel (``lab.tuning``'s ``sm90_config``), for V:2:M every pipeline of the V:2:M wgmma kernel (``vnm_pipe``)
+and, at M = 8, both token tiles (``vnm_tile``); the product build checks the kernels as the product runs them
+(``--no-configs`` implied). Meant as the first thing a device run does: it fails fast (exit 1) if a kernel is wrong,
 before any long benchmark.
 """
 # ruff: noqa: B023  (every benchmarked lambda is called at once, inside its own loop iteration)
@@ -14,14 +15,15 @@ before any long benchmark.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 import torch
 import torch.nn.functional as F
+from lab.tuning import SM90_CONFIGS, tuning
 
 from hf_sparse.masks import nm_mask, vnm_mask
-from hf_sparse.ops import pack, spmm
+from hf_sparse.ops import force_kernel, pack, spmm
+from hf_sparse.ops._build import lab_build
 from hf_sparse.ops._select import wgmma_available
 
 SHAPES = [
@@ -37,9 +39,6 @@ SHAPES = [
 ]
 
 
-N_SM90_CONFIGS = 28  # HF_SPARSE_SM90_CONFIG 0..27 (csrc/spmm_sm90.cu, launch_large)
-
-
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b).norm() / b.norm())
 
@@ -51,8 +50,9 @@ def main() -> int:
     ap.add_argument("--patterns", nargs="+", default=["2:4"])
     ap.add_argument("--no-configs", action="store_true", help="skip the per-tile-configuration timings")
     args = ap.parse_args()
+    configs = not args.no_configs and lab_build()
     kernels = ["mma_sp"] + (["wgmma"] if wgmma_available(torch.device("cuda")) else [])
-    print(f"# {torch.cuda.get_device_name()}, kernels: {kernels}")
+    print(f"# {torch.cuda.get_device_name()}, kernels: {kernels}, lab configurations: {configs}")
     bad = 0
     for pat, (tokens, k, r) in ((pat, shape) for pat in args.patterns for shape in SHAPES):
         parts = [int(s) for s in pat.split(":")]
@@ -79,40 +79,33 @@ def main() -> int:
         line = f"{pat:>7} {tokens:>5} {k:>5}->{r:<5} torch_err {torch_err:.2e} dense {t_dense:.4f} ms"
         times = {}
         for kern in kernels:
-            os.environ["HF_SPARSE_SPMM_KERNEL"] = kern
-            err, ok, t = check_and_time()
+            with force_kernel(spmm=kern):
+                err, ok, t = check_and_time()
             times[kern] = t
             bad += not ok
             line += f" | {kern} err {err:.2e}{'' if ok else ' WRONG'} {t:.4f} ms x{t_dense / t:.2f}"
         if "wgmma" in times:
             line += f" | wgmma x mma_sp {times['mma_sp'] / times['wgmma']:.2f}"
         print(line, flush=True)
-        if "wgmma" in kernels and m >= 8 and not args.no_configs:  # V:2:M pipelines and token tiles
-            os.environ["HF_SPARSE_SPMM_KERNEL"] = "wgmma"
+        if "wgmma" in kernels and m >= 8 and configs:  # V:2:M pipelines and token tiles
             line = "      wgmma pipe/tile:"
-            for pipe in ("1", "0", "2"):
+            for pipe in (1, 0, 2):
                 for tile in (128, 64) if m == 8 and tokens > 64 else (64,):
-                    os.environ["HF_SPARSE_VNM_PIPE"] = pipe
-                    os.environ["HF_SPARSE_VNM_TILE"] = str(tile)
-                    _, ok, t = check_and_time()
+                    with force_kernel(spmm="wgmma"), tuning(vnm_pipe=pipe, vnm_tile=tile):
+                        _, ok, t = check_and_time()
                     bad += not ok
-                    name = {"1": "staged", "0": "regs", "2": "regs+pf"}[pipe]
+                    name = {1: "staged", 0: "regs", 2: "regs+pf"}[pipe]
                     line += f" | {name}/{tile}: {t:.4f} ms x{t_dense / t:.2f}"
                     line += "" if ok else " WRONG"
-            os.environ.pop("HF_SPARSE_VNM_PIPE")
-            os.environ.pop("HF_SPARSE_VNM_TILE")
             print(line, flush=True)
-        if "wgmma" in kernels and m == 4 and not args.no_configs:  # HF_SPARSE_SM90_CONFIG; 6-27 (TMA) also run small
-            os.environ["HF_SPARSE_SPMM_KERNEL"] = "wgmma"
+        if "wgmma" in kernels and m == 4 and configs:  # every configuration; 6 and up (TMA) also run small
             line = "      wgmma configs:"
-            for cfg in range(N_SM90_CONFIGS) if tokens > 128 else range(6, N_SM90_CONFIGS):
-                os.environ["HF_SPARSE_SM90_CONFIG"] = str(cfg)
-                _, ok, t = check_and_time()
+            for cfg in SM90_CONFIGS if tokens > 128 else SM90_CONFIGS[6:]:
+                with force_kernel(spmm="wgmma"), tuning(sm90_config=cfg):
+                    _, ok, t = check_and_time()
                 bad += not ok
                 line += f" | {cfg}: {t:.4f} ms x{t_dense / t:.2f}{'' if ok else ' WRONG'}"
-            os.environ.pop("HF_SPARSE_SM90_CONFIG")
             print(line, flush=True)
-    os.environ.pop("HF_SPARSE_SPMM_KERNEL", None)
     return 1 if bad else 0
 
 

@@ -3,7 +3,8 @@
     ncu --clock-control none -k regex:spmm_sm90 --launch-skip 3 --launch-count 1 \
         python benchmarks/profile_spmm.py --k 1024 --r 4096 --tokens 8192 --mode wgmma --config 4
 
-``--mode dense`` runs ``F.linear`` on the masked bf16 weight (cuBLAS) instead. The inputs are random (never zeros);
+``--config`` (lab build only: ``HF_SPARSE_BUILD_LAB=1``) forces a tile configuration of the 2:4 wgmma kernel
+(``lab.tuning``'s ``sm90_config``). ``--mode dense`` runs ``F.linear`` on the masked bf16 weight (cuBLAS) instead. The inputs are random (never zeros);
 the first call is checked against fp64 so a profile is never taken of a wrong kernel. Used by
 ``benchmarks/profile_spmm.sh``, which runs ncu over the configurations and shapes of interest.
 """
@@ -11,14 +12,15 @@ the first call is checked against fp64 so a profile is never taken of a wrong ke
 from __future__ import annotations
 
 import argparse
-import os
+import contextlib
 import sys
 
 import torch
 import torch.nn.functional as F
+from lab.tuning import require_lab_build, tuning
 
 from hf_sparse.masks import nm_mask
-from hf_sparse.ops import pack, spmm
+from hf_sparse.ops import force_kernel, pack, spmm
 
 
 def main() -> int:
@@ -27,12 +29,19 @@ def main() -> int:
     ap.add_argument("--r", type=int, required=True, help="out_features")
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--mode", choices=["wgmma", "dense"], default="wgmma")
-    ap.add_argument("--config", type=int, default=None, help="HF_SPARSE_SM90_CONFIG (default: the kernel's own)")
+    ap.add_argument("--config", type=int, default=None, help="tile configuration (lab build; default: the product's)")
     ap.add_argument("--calls", type=int, default=4)
     args = ap.parse_args()
     if args.config is not None:
-        os.environ["HF_SPARSE_SM90_CONFIG"] = str(args.config)
-    os.environ["HF_SPARSE_SPMM_KERNEL"] = "wgmma"
+        require_lab_build("--config")
+    with (
+        force_kernel(spmm="wgmma"),
+        tuning(sm90_config=args.config) if args.config is not None else contextlib.nullcontext(),
+    ):
+        return run(args)
+
+
+def run(args: argparse.Namespace) -> int:
     torch.manual_seed(0)
     w = torch.randn(args.r, args.k, device="cuda")
     mask = nm_mask(w.abs(), 2, 4)

@@ -2,7 +2,9 @@
 # ncu profiles of the 2:4 sparse-wgmma SpMM and dense cuBLAS at two shapes (8192 tokens), text reports into $1.
 #   [NODENSE=1] bash benchmarks/profile_spmm.sh OUTDIR [CONFIG ...]   (default configs: 4 10; NODENSE: no cuBLAS)
 # One launch each (the 4th call: the first three warm up), clocks as the GPU runs them (--clock-control none).
+# The configurations are the lab build's (csrc/lab.h): the script builds and runs the lab extension.
 set -u
+export HF_SPARSE_BUILD_LAB=1
 out=${1:?outdir}; shift
 configs=${*:-4 10}
 NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)

@@ -7,8 +7,31 @@
 #include <vector>
 
 #include "kernels.h"
+#if defined(HF_SPARSE_LAB)
+#include <string>
+
+#include "lab.h"
+#endif
 
 namespace {
+
+#if defined(HF_SPARSE_LAB)
+// The lab build's tuning knobs (csrc/lab.h), by name: sets one, returns its previous value.
+int64_t lab_set(const std::string& name, int64_t value) {
+  auto& t = hf_sparse::lab::tuning();
+  std::atomic<int>* knob = name == "sm90_config"         ? &t.sm90_config
+                           : name == "vnm_pipe"          ? &t.vnm_pipe
+                           : name == "vnm_tile"          ? &t.vnm_tile
+                           : name == "sddmm_gather_regs" ? &t.sddmm_gather_regs
+                                                         : nullptr;
+  TORCH_CHECK(knob != nullptr, "hf_sparse.lab_set: no knob ", name,
+              "; use sm90_config, vnm_pipe, vnm_tile or sddmm_gather_regs");
+  TORCH_CHECK(name != "sm90_config" || (value >= -1 && value < hf_sparse::lab::kSm90Configs),
+              "hf_sparse.lab_set: sm90_config=", value, " is not -1 (the product's choice) or 0..",
+              hf_sparse::lab::kSm90Configs - 1);
+  return knob->exchange((int)value);
+}
+#endif
 
 void check_cuda(cudaError_t err, const char* op) {
   TORCH_CHECK(err == cudaSuccess, "hf_sparse.", op, ": CUDA error: ", cudaGetErrorString(err));
@@ -67,7 +90,8 @@ at::Tensor spmm_impl(const char* op, bool wgmma, const at::Tensor& x, const at::
   if (wgmma) {
     TORCH_CHECK(hf_sparse::spmm_sm90_available(), "hf_sparse.", op,
                 ": the sparse-wgmma kernel needs a cc 9.0 GPU and an extension built with sm_90a "
-                "(HF_SPARSE_CUDA_ARCH_LIST containing 9.0); set HF_SPARSE_SPMM_KERNEL=auto or mma_sp");
+                "(HF_SPARSE_CUDA_ARCH_LIST containing 9.0); use hf_sparse.ops.force_kernel(spmm=\"auto\") or "
+                "\"mma_sp\"");
   }
   if (bias.has_value()) {
     check_tensor(*bias, op, "bias", dtype, 1);
@@ -140,7 +164,8 @@ at::Tensor sddmm_impl(const char* op, bool wgmma, const at::Tensor& dy, const at
   if (wgmma) {
     TORCH_CHECK(hf_sparse::spmm_sm90_available(), "hf_sparse.", op,
                 ": the wgmma kernel needs a cc 9.0 GPU and an extension built with sm_90a "
-                "(HF_SPARSE_CUDA_ARCH_LIST containing 9.0); set HF_SPARSE_SDDMM_KERNEL=auto or mma");
+                "(HF_SPARSE_CUDA_ARCH_LIST containing 9.0); use hf_sparse.ops.force_kernel(sddmm=\"auto\") or "
+                "\"mma\"");
   }
   c10::cuda::CUDAGuard guard(x.device());
   // the wgmma kernel writes every slot (or zeroes the output itself); the mma.sync kernel accumulates atomically
@@ -501,6 +526,9 @@ at::Tensor compact_linear(const at::Tensor& x, const at::Tensor& weight, const c
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.doc() = "hf_sparse CUDA kernels (SpMM, SDDMM, pack) for V:2:M sparse weights";
+#if defined(HF_SPARSE_LAB)
+  mod.def("lab_set", &lab_set, "lab build: set a tuning knob of csrc/lab.h by name, return its previous value");
+#endif
   mod.def("spmm", &spmm, "Y = X W^T (+bias), W packed V:2:M");
   mod.def("spmm_wgmma", &spmm_wgmma, "as spmm, with sparse wgmma (sm_90a; 2:4 and V:2:M)");
   mod.def("spmm_wgmma_available", &spmm_wgmma_available,

@@ -18,7 +18,7 @@
 //    - M = 8 (default, "staged"): thread 0 of the gatherers issues each stage's TMA boxes, dY and the dense X tile
 //      (2 boxes of 256 columns x BK = 16 tokens, no swizzle), S - 2 stages ahead; every gatherer thread reads one
 //      group's 16-byte chunk per token from shared memory and picks its slab's 4 columns with 2 byte permutes per
-//      output word. HF_SPARSE_SDDMM_GATHER=regs (tuning only): the chunks from global memory into two register sets
+//      output word. The lab build (gather_regs): the chunks from global memory into two register sets
 //      (the first version, 1.3-1.4x slower: the proxy fence also waits for the next stage's loads).
 //    - M >= 16: the 4 kept 16-bit elements per slab from global memory, 8 (group, token) items in flight per thread.
 //    Its thread 0 issues the dY boxes of M >= 16 (expect-tx on "full") and of M = 4 (with X) as well.
@@ -34,13 +34,14 @@
 // spmm_sm90_available() (cc 9.0 and an sm_90a build).
 
 #include <algorithm>
-#include <cstdlib>
-#include <cstring>
 
 #include "common.cuh"
 #include "kernels.h"
 #include "tensor_map.h"
 #include "tile_config.h"
+#if defined(HF_SPARSE_LAB)
+#include "lab.h"
+#endif
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #include "sm90_common.cuh"
 #include "tma_sm90.cuh"
@@ -205,7 +206,7 @@ sddmm_sm90_kernel(const __grid_constant__ CUtensorMap dy_map, const __grid_const
         if (gt == 0 && kt + S - 2 < n_kt) issue(kt + S - 2);
       }
     } else if constexpr (M == 8) {
-      // HF_SPARSE_SDDMM_GATHER=regs (tuning only): X from global memory into two register sets, the loads of stage
+      // The lab build (gather_regs): X from global memory into two register sets, the loads of stage
       // kt + 1 issued before stage kt is selected and stored. Measured 2.19 ms at 4096->11008, 64:2:8 (1.6 us per
       // stage): the fence.proxy.async that publishes each stage's stores waits for the next stage's loads too.
       auto load = [&](int kt, uint4 (&v)[Cfg::ITEMS]) {
@@ -408,18 +409,25 @@ cudaError_t launch(const SddmmArgs& a, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-// HF_SPARSE_SDDMM_GATHER (tuning runs only): how M = 8 fills its B tiles: "staged" (default: dense X by TMA, permuted
-// from shared memory) or "regs" (X from global memory into registers, as the first version).
+// How M = 8 fills its B tiles: dense X by TMA, permuted from shared memory; the lab build (HF_SPARSE_LAB) can load X
+// from global memory into registers instead (lab::tuning().sddmm_gather_regs).
 bool gather_regs() {
-  const char* env = std::getenv("HF_SPARSE_SDDMM_GATHER");
-  return env != nullptr && std::strcmp(env, "regs") == 0;
+#if defined(HF_SPARSE_LAB)
+  return lab::tuning().sddmm_gather_regs.load(std::memory_order_relaxed) != 0;
+#else
+  return false;
+#endif
 }
 
 template <typename T>
 cudaError_t dispatch_m(const SddmmArgs& a, cudaStream_t stream) {
   switch (a.m) {
     case 4: return launch<T, 4, true>(a, stream);
+#if defined(HF_SPARSE_LAB)
     case 8: return gather_regs() ? launch<T, 8, false>(a, stream) : launch<T, 8, true>(a, stream);
+#else
+    case 8: return launch<T, 8, true>(a, stream);
+#endif
     case 16: return launch<T, 16, true>(a, stream);
     case 32: return launch<T, 32, true>(a, stream);
     case 64: return launch<T, 64, true>(a, stream);

@@ -14,24 +14,21 @@
 //  * B = X tile (BN tokens x 64 k) in shared memory, K-major as X is stored, 128-byte swizzle (16-byte chunk c of
 //    token row r at chunk c ^ (r & 7)), copied by cp.async with zero-fill past K and past the last token;
 //    a descriptor per k-step of 32 (start address + 64 bytes for the second).
-// Pipeline (default large-token tile, config 4: 128 rows x 256 tokens, 6 stages): each stage holds one B tile
-// (64 k = 2 k-steps); all 256 threads copy, both consumer warpgroups compute (rows 0-63 and 64-127 of the CTA) on
-// the shared B tile. Each iteration waits for its stage, issues its wgmmas, fetches the A fragments and metadata of
-// the k-tile two ahead from global memory into one of three rotating register sets, starts the copy of the stage
-// STAGES-1 ahead (into the slot the previous iteration's wgmmas read), and waits for its own wgmmas. Other configs
-// (HF_SPARSE_SM90_CONFIG, tuning only) stage A and metadata through shared memory too, use 256 x 128 tiles, or
-// keep one k-tile of wgmmas in flight; on the H200 config 4 was 0-7% faster than those (benchmarks/RESULTS.md).
-// Configs 6-12 (warp-specialized, see spmm_sm90_tma_kernel): a producer warp streams the X tiles with TMA into an
-// mbarrier-guarded ring and the two consumer warpgroups never meet at a CTA-wide barrier in the main loop; 10/11
-// add a grouped CTA order (W stays in L2 across a wave), 8/9 share X across a 2-CTA cluster (multicast: slower).
-// Configs 13-18 (spmm_sm90_tma_a_kernel): the producer streams the A fragments and metadata by TMA too, full tiles
-// take a check-free epilogue, 15-18 are persistent (one CTA per SM walking the output tiles), 17/18 keep the two
-// consumer warpgroups two k-tiles apart, 19 = 15 with 128-token tiles. Configs 20-27: the same kernel with a staged
-// epilogue (store_tile_staged: stmatrix into a token-major shared buffer, TMA stores that overlap the next tile's main
-// loop), 27 with 192-token tiles. Default (sm90_config): config 20, or 27 / 23 (192- / 128-token tiles) where
-// 256-token tiles would leave most SMs idle in the last round. Configs 28-31 run 20 / 27 / 23 in 2-CTA clusters that
-// multicast X (31: clusters without the sharing, diagnostic), 32 / 33 are 20 / 27 with trimmed launch edges; none of
-// them measured faster than the default where it matters (benchmarks/RESULTS.md, "Short-K").
+// Kernels and configurations (numbered as in csrc/README.md; the product build compiles those marked *):
+//  * spmm_sm90_kernel (configs 0-5, and the small-token tiles*: 128 rows x 64 or 128 tokens, 4 stages, at <= 128
+//    tokens): all 256 threads copy X (and in some configs A and metadata) with cp.async into a ring of shared-memory
+//    stages, both consumer warpgroups compute (rows 0-63 and 64-127) on the shared B tile. Config 4*: 128 x 256, 6
+//    stages, A fragments and metadata from global memory straight into registers two k-tiles ahead (the fallback of
+//    the TMA configurations where a tensor map cannot be made).
+//  * spmm_sm90_tma_kernel (configs 6-12, lab build only): a producer warp streams the X tiles with TMA into a
+//    full/empty-mbarrier ring; A from global memory as in config 4.
+//  * spmm_sm90_tma_a_kernel (configs 13-35; 15*, 19*, 20*, 23*, 27*): the producer streams the A fragments and
+//    metadata by TMA too, into the same ring stage as X; persistent CTAs (one per SM walking the output tiles); full
+//    tiles take a check-free epilogue. 20* / 23* / 27* (128 x 256 / 128 / 192 tiles) add a staged epilogue
+//    (stmatrix into a token-major shared buffer, TMA stores of Y overlapping the next tile's main loop); 15* / 19*
+//    (256 / 128 tokens) take direct stores, where Y has no tensor map (rows % 8 != 0): 15 for 20, 19 for 23 and 27.
+// Above 128 tokens the product runs 20, 27 or 23 (sm90_large_config in tile_config.h). The lab build (HF_SPARSE_LAB)
+// adds every other configuration, run by number (launch_lab); what each measured is in benchmarks/RESULTS.md.
 // Epilogue of configs 0-19: accumulators (row r, token n) are written straight to Y[n, r] (+ bias), as spmm.cu does.
 //
 // Only the sm_90a pass compiles the body (__CUDA_ARCH_FEAT_SM90_ALL); other device passes get a trap so a wrong
@@ -39,11 +36,14 @@
 // set by hf_sparse/ops/_build.py).
 #include <algorithm>
 #include <atomic>
-#include <cstdlib>
 
 #include "common.cuh"
 #include "kernels.h"
 #include "tensor_map.h"
+#include "tile_config.h"
+#if defined(HF_SPARSE_LAB)
+#include "lab.h"
+#endif
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #include "sm90_common.cuh"
 #include "tma_sm90.cuh"
@@ -1004,37 +1004,28 @@ cudaError_t launch_sm90_tma_a(const SpmmArgs& a, cudaStream_t stream) {
   }
 }
 
-// Large-token configurations; HF_SPARSE_SM90_CONFIG (tuning runs only) picks one. Default (benchmarks/RESULTS.md,
-// "Profile of the 2:4 sparse-wgmma SpMM, then A by TMA, ..."): config 15 (persistent, 128 x 256 tiles),
-// the fastest in the H200 check at 1024->4096, 4096->11008 and 11008->4096 (before: config 10 for packed weights
-// >= 24 MB, config 4 below); config 19 (128 x 128 tiles) where 256-token tiles would leave most SMs idle in the last
-// round and 128-token tiles would not (3072->768 at 8192 tokens: 192 tiles on 132 SMs fill 73% of two rounds, 384
-// fill 97% of three; 4096 -> 1024 at 512 tokens: 64 tiles, 128 of them).
-// Since 2026-11-22 (benchmarks/RESULTS.md, "Staged epilogue"): the staged epilogue, config 20 instead of 15
-// (1.07-1.75x faster at the six bench shapes that take it, 8192 tokens); where 256-token tiles fill the SMs badly,
-// config 27 (192-token tiles, 12% fewer L2 bytes per MAC than 128) when they fill about as well as 128-token ones
-// (3072->768 at 8192 tokens: 258 tiles = 98% of two rounds; 1.21x faster than 19, 1.14x than 23), else config 23
-// (128-token tiles) instead of 19. Where Y cannot be stored by TMA (rows % 8 != 0) they fall back to 15 and 19.
-// 2026-11-22 ("Short-K" section of benchmarks/RESULTS.md, runs T2-T3): the cluster configs 28 / 31 (X multicast,
-// 256 rows per cluster) were 0.92-1.00x of 20 at K <= 1024 and within the run-to-run spread of it at 4096 <-> 11008,
-// 29 0.93x of 27 at 3072->768, 32-35 (trimmed edges, rotating staging) level with or behind 20 / 27: defaults stay.
-constexpr int kDefaultConfig = 20, kDefaultSmallGridConfig = 23, kDefaultMidGridConfig = 27;
-constexpr int kMaxConfig = 35;  // HF_SPARSE_SM90_CONFIG 0..kMaxConfig
-int sm90_config(const SpmmArgs& a) {
-  static const int sms = sm_count();
-  const long long row_blocks = (a.rows_padded + 127) / 128;
-  auto fill = [&](int bn) {  // share of the SM slots of all rounds that hold a tile
-    const long long tiles = row_blocks * ((a.n_tokens + bn - 1) / bn), rounds = (tiles + sms - 1) / sms;
-    return (double)tiles / (double)(rounds * sms);
-  };
-  const double fill256 = fill(256), fill192 = fill(192), fill128 = fill(128);
-  if (fill256 >= 0.85 || std::max(fill192, fill128) <= fill256 + 0.1) return kDefaultConfig;
-  return fill192 + 0.02 >= fill128 ? kDefaultMidGridConfig : kDefaultSmallGridConfig;
-}
-
+// The product's large-token configurations (sm90_large_config in tile_config.h picks one of them; the measurements
+// behind the choice are in benchmarks/RESULTS.md, "Staged epilogue" and "Short-K"). Their fallbacks: config 4 where
+// a tensor map of X or the weight cannot be made, 15 / 19 where Y's cannot (see launch_sm90_tma_a).
 template <typename T>
 cudaError_t launch_large(const SpmmArgs& a, cudaStream_t stream, int cfg) {
   switch (cfg) {
+    case kSm90Config192: return launch_sm90_tma_a<T, 192, 5, 1, 1, 0, 96, 2>(a, stream);  // 27
+    case kSm90Config128: return launch_sm90_tma_a<T, 128, 7, 1, 1, 0, 64, 2>(a, stream);  // 23
+    default: return launch_sm90_tma_a<T, 256, 4, 1, 1, 0, 64, 2>(a, stream);              // 20
+  }
+}
+
+#if defined(HF_SPARSE_LAB)
+// Lab build: every configuration, by number (lab::tuning().sm90_config; benchmarks/lab/tuning.py). 0-5 stage X (and
+// A) with cp.async from all threads; 6-12 a TMA producer warp for X (8/9 2-CTA clusters multicasting X, 10/11 a grouped
+// CTA order, 12 clusters without sharing, diagnostic); 13-19 A and metadata by TMA too (15-18 persistent, 17/18 the
+// two consumer warpgroups two k-tiles apart, 19 128-token tiles); 20-27 a staged epilogue; 28-31 2-CTA clusters
+// multicasting X (31 without the sharing); 32/33 trimmed launch edges; 34/35 staging buffers rotating across tiles.
+template <typename T>
+cudaError_t launch_lab(const SpmmArgs& a, cudaStream_t stream, int cfg) {
+  switch (cfg) {
+    case 0: return launch_sm90<T, Sm90Cfg<256, 1, 4, 0>>(a, stream);
     case 1: return launch_sm90<T, Sm90Cfg<128, 2, 4, 0>>(a, stream);
     case 2: return launch_sm90<T, Sm90Cfg<128, 2, 6, 1>>(a, stream);
     case 3: return launch_sm90<T, Sm90Cfg<256, 1, 5, 1>>(a, stream);
@@ -1045,7 +1036,7 @@ cudaError_t launch_large(const SpmmArgs& a, cudaStream_t stream, int cfg) {
     case 9: return launch_sm90_tma<T, 256, 6, 0, 2>(a, stream);
     case 10: return launch_sm90_tma<T, 256, 6, 1, 1, 8>(a, stream);
     case 11: return launch_sm90_tma<T, 256, 6, 1, 1, 4>(a, stream);
-    case 12: return launch_sm90_tma<T, 256, 6, 1, 2, 1, false>(a, stream);  // diagnostic: 8 without the sharing
+    case 12: return launch_sm90_tma<T, 256, 6, 1, 2, 1, false>(a, stream);
     case 13: return launch_sm90_tma_a<T, 256, 5, 1, 0>(a, stream);
     case 14: return launch_sm90_tma_a<T, 256, 5, 8, 0>(a, stream);
     case 15: return launch_sm90_tma_a<T, 256, 5, 1, 1>(a, stream);
@@ -1054,43 +1045,39 @@ cudaError_t launch_large(const SpmmArgs& a, cudaStream_t stream, int cfg) {
     case 18: return launch_sm90_tma_a<T, 256, 5, 8, 1, 2>(a, stream);
     case 19: return launch_sm90_tma_a<T, 128, 8, 1, 1>(a, stream);
     // Staged epilogue (store_tile_staged): <BN, STAGES, GROUP, PERSIST, SKEW, EPI_N tokens per chunk, EPI_BUFS>
-    case 20: return launch_sm90_tma_a<T, 256, 4, 1, 1, 0, 64, 2>(a, stream);   // 15 with 4 stages + 32 KB staging
-    case 21: return launch_sm90_tma_a<T, 256, 3, 1, 1, 0, 128, 2>(a, stream);  // 3 stages + the whole tile (64 KB)
-    case 22: return launch_sm90_tma_a<T, 256, 5, 1, 1, 0, 32, 2>(a, stream);   // 5 stages + 16 KB
-    case 23: return launch_sm90_tma_a<T, 128, 7, 1, 1, 0, 64, 2>(a, stream);   // 19 with 7 stages + the whole tile
-    case 24: return launch_sm90_tma_a<T, 256, 4, 1, 1, 2, 64, 2>(a, stream);   // 20 with the warpgroup skew of 17
-    case 25: return launch_sm90_tma_a<T, 256, 4, 1, 1, 0, 64, 2, true>(a, stream);  // 20, Y stores L2 evict-first
-    case 26: return launch_sm90_tma_a<T, 256, 5, 1, 1, 2, 32, 2>(a, stream);   // 22 with the warpgroup skew
-    case 27: return launch_sm90_tma_a<T, 192, 5, 1, 1, 0, 96, 2>(a, stream);   // 192-token tiles, the whole tile
-    // 2-CTA clusters, X multicast (each CTA loads half of the token tile for both): 20, 27 and 23 over 256 rows
+    case 20: return launch_sm90_tma_a<T, 256, 4, 1, 1, 0, 64, 2>(a, stream);
+    case 21: return launch_sm90_tma_a<T, 256, 3, 1, 1, 0, 128, 2>(a, stream);
+    case 22: return launch_sm90_tma_a<T, 256, 5, 1, 1, 0, 32, 2>(a, stream);
+    case 23: return launch_sm90_tma_a<T, 128, 7, 1, 1, 0, 64, 2>(a, stream);
+    case 24: return launch_sm90_tma_a<T, 256, 4, 1, 1, 2, 64, 2>(a, stream);
+    case 25: return launch_sm90_tma_a<T, 256, 4, 1, 1, 0, 64, 2, true>(a, stream);  // Y stores L2 evict-first
+    case 26: return launch_sm90_tma_a<T, 256, 5, 1, 1, 2, 32, 2>(a, stream);
+    case 27: return launch_sm90_tma_a<T, 192, 5, 1, 1, 0, 96, 2>(a, stream);
     case 28: return launch_sm90_tma_a<T, 256, 4, 1, 1, 0, 64, 2, false, 2>(a, stream);
     case 29: return launch_sm90_tma_a<T, 192, 5, 1, 1, 0, 96, 2, false, 2>(a, stream);
     case 30: return launch_sm90_tma_a<T, 128, 7, 1, 1, 0, 64, 2, false, 2>(a, stream);
-    case 31: return launch_sm90_tma_a<T, 256, 4, 1, 1, 0, 64, 2, false, 2, false>(a, stream);  // 28, X not shared
-    // 20 / 27 with the trimmed launch edges (TRIM: maps prefetched first, exit after the last store's reads)
+    case 31: return launch_sm90_tma_a<T, 256, 4, 1, 1, 0, 64, 2, false, 2, false>(a, stream);
     case 32: return launch_sm90_tma_a<T, 256, 4, 1, 1, 0, 64, 2, false, 1, true, true>(a, stream);
     case 33: return launch_sm90_tma_a<T, 192, 5, 1, 1, 0, 96, 2, false, 1, true, true>(a, stream);
-    // 20 with more staging, rotating across tiles (RUNBUF): 3 x 64-token buffers per warpgroup (48 KB in all, 3/4 of
-    // a tile), or 7 x 32 tokens (56 KB, 7/8): a tile's epilogue waits for at most one chunk's store to be read
     case 34: return launch_sm90_tma_a<T, 256, 4, 1, 1, 0, 64, 3, false, 1, true, false, true>(a, stream);
     case 35: return launch_sm90_tma_a<T, 256, 4, 1, 1, 0, 32, 7, false, 1, true, false, true>(a, stream);
-    case 0: return launch_sm90<T, Sm90Cfg<256, 1, 4, 0>>(a, stream);
-    default: return launch_sm90<T, Sm90Cfg<256, 1, 6, 0, 1>>(a, stream);  // 4, and any other value
+    default: return launch_sm90<T, Sm90Cfg<256, 1, 6, 0, 1>>(a, stream);  // 4
   }
 }
+#endif
 
 template <typename T>
 cudaError_t dispatch_bn(const SpmmArgs& a, cudaStream_t stream) {
-  const char* env = std::getenv("HF_SPARSE_SM90_CONFIG");  // read once per call, so a tuning run can switch it
-  const int cfg = env ? std::atoi(env) : sm90_config(a);
-  // The TMA configurations handle any token count (the tensor map zero-fills missing tokens); selected explicitly
-  // they run at every size, so tests and tuning runs reach their tails. Configs 0-5 are large-token tiles only.
-  const bool tma_everywhere = env != nullptr && cfg >= 6 && cfg <= kMaxConfig;
-  if (!tma_everywhere) {
-    if (a.n_tokens <= 64) return launch_sm90<T, Sm90Cfg<64, 1, 4, 0>>(a, stream);
-    if (a.n_tokens <= 128) return launch_sm90<T, Sm90Cfg<128, 1, 4, 0>>(a, stream);
-  }
-  return launch_large<T>(a, stream, cfg);
+#if defined(HF_SPARSE_LAB)
+  // A configuration set in the lab runs at every token count where it can (the TMA ones, 6 and up: the tensor map
+  // zero-fills missing tokens), so tests reach their tails; 0-5 are large-token tiles only.
+  const int forced = lab::tuning().sm90_config.load(std::memory_order_relaxed);
+  if (forced >= 6 || (forced >= 0 && a.n_tokens > 128)) return launch_lab<T>(a, stream, forced);
+#endif
+  if (a.n_tokens <= 64) return launch_sm90<T, Sm90Cfg<64, 1, 4, 0>>(a, stream);
+  if (a.n_tokens <= 128) return launch_sm90<T, Sm90Cfg<128, 1, 4, 0>>(a, stream);
+  static const int sms = sm_count();
+  return launch_large<T>(a, stream, sm90_large_config(a.rows_padded, a.n_tokens, sms));
 }
 
 }  // namespace

@@ -35,10 +35,12 @@
 //
 // Only the sm_90a pass compiles the body; other device passes get a trap and the host launches it only where
 // spmm_sm90_available() (cc 9.0 and an sm_90a build).
-#include <cstdlib>
 
 #include "common.cuh"
 #include "kernels.h"
+#if defined(HF_SPARSE_LAB)
+#include "lab.h"
+#endif
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #include "sm90_common.cuh"
 #include "wgmma_sp.cuh"
@@ -157,7 +159,7 @@ spmm_vnm_sm90_kernel(const T* __restrict__ x, const uint4* __restrict__ values, 
     }
   };
   // Select the 4 kept halves of each group and store them into buffer `buf`'s B tiles (both slabs).
-  // PF (HF_SPARSE_VNM_PIPE=2, tuning only): prefetch into L1 the lines the loads of the next step will read (X of
+  // PF (lab build, vnm_pipe = 2): prefetch into L1 the lines the loads of the next step will read (X of
   // k-tile kt+3, A and metadata of kt+2, column offsets), so that the loads the fence waits for hit L1 instead of L2.
   // Measured 1.05-1.15x slower than without at 8192 tokens (the prefetch instructions cost more than they hide).
   auto prefetch_l1 = [&](const void* ptr) { asm volatile("prefetch.global.L1 [%0];\n" ::"l"(ptr)); };
@@ -267,7 +269,7 @@ spmm_vnm_sm90_kernel(const T* __restrict__ x, const uint4* __restrict__ values, 
 #endif
 }
 
-// Staged pipeline (HF_SPARSE_VNM_PIPE=1, tuning only): every global read goes through cp.async into a ring of S
+// Staged pipeline (lab build, vnm_pipe = 1): every global read goes through cp.async into a ring of S
 // shared-memory stages (the X words / chunks each thread will select, in per-thread slots, plus the A fragments and
 // metadata of the k-tile), and the column offsets of both slabs are copied into shared memory once.
 // Why it was tried: if the fence.proxy.async of every k-tile (MEMBAR.ALL.CTA + FENCE.VIEW.ASYNC in SASS) waits for
@@ -500,34 +502,28 @@ cudaError_t launch_vnm(const SpmmArgs& a, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-// Tokens per CTA: 128 for M = 8 above 64 tokens (HF_SPARSE_VNM_TILE=64 forces 64, tuning only), 64 otherwise (the
-// word gather holds 4x the registers per token). Pipeline (HF_SPARSE_VNM_PIPE, tuning only): 0 registers (default),
-// 1 staged (where the column offsets of the CTA's two slabs fit its 16 KB, i.e. K / M <= 2048; registers otherwise),
-// 2 registers + L1 prefetch. On the H200 (benchmarks/RESULTS.md, "V:2:M sparse wgmma") 1 was 1.13-1.8x and 2 was
-// 1.05-1.15x slower than 0 at 8192 tokens.
-enum class VnmPipe { kRegs = 0, kStaged = 1, kRegsPrefetch = 2 };
-inline VnmPipe vnm_pipe(const SpmmArgs& a) {
-  const char* env = std::getenv("HF_SPARSE_VNM_PIPE");
-  const int want = env == nullptr ? 0 : std::atoi(env);
-  const bool fits = 2 * 8 * a.steps * 4 <= (16 << 10);
-  if (want == 1) return fits ? VnmPipe::kStaged : VnmPipe::kRegs;
-  return want == 2 ? VnmPipe::kRegsPrefetch : VnmPipe::kRegs;
-}
-
+// Tokens per CTA: 128 for M = 8 above 64 tokens, 64 otherwise (the word gather holds 4x the registers per token).
+// Pipeline: X into registers one k-tile ahead. The lab build (HF_SPARSE_LAB) adds, by lab::tuning(), 64-token tiles
+// at M = 8 above 64 tokens (vnm_tile = 64) and two pipelines (vnm_pipe): 1 staged (where the column offsets of the
+// CTA's two slabs fit its 16 KB, i.e. K / M <= 2048; registers otherwise), 2 registers + L1 prefetch; what they
+// measured is in benchmarks/RESULTS.md ("V:2:M sparse wgmma").
 template <typename T, int M, int BN, int S>
 cudaError_t launch_pipe(const SpmmArgs& a, cudaStream_t stream) {
-  switch (vnm_pipe(a)) {
-    case VnmPipe::kStaged: return launch_vnm_staged<T, M, BN, S>(a, stream);
-    case VnmPipe::kRegsPrefetch: return launch_vnm<T, M, BN, true>(a, stream);
-    default: return launch_vnm<T, M, BN, false>(a, stream);
-  }
+#if defined(HF_SPARSE_LAB)
+  const int pipe = lab::tuning().vnm_pipe.load(std::memory_order_relaxed);
+  if (pipe == 1 && 2 * 8 * a.steps * 4 <= (16 << 10)) return launch_vnm_staged<T, M, BN, S>(a, stream);
+  if (pipe == 2) return launch_vnm<T, M, BN, true>(a, stream);
+#endif
+  return launch_vnm<T, M, BN, false>(a, stream);
 }
 
 template <typename T, int M>
 cudaError_t dispatch_tile(const SpmmArgs& a, cudaStream_t stream) {
   if constexpr (M == 8) {
-    const char* env = std::getenv("HF_SPARSE_VNM_TILE");
-    const bool small = a.n_tokens <= 64 || (env != nullptr && std::atoi(env) == 64);
+    bool small = a.n_tokens <= 64;
+#if defined(HF_SPARSE_LAB)
+    small = small || lab::tuning().vnm_tile.load(std::memory_order_relaxed) == 64;
+#endif
     if (!small) return launch_pipe<T, M, 128, 3>(a, stream);
     return launch_pipe<T, M, 64, 3>(a, stream);
   }

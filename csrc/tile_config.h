@@ -10,9 +10,13 @@ namespace hf_sparse {
 template <int M> struct SpmmTile;
 // A stage also holds the CTA's A fragments (8 KB), metadata (1 KB) and offsets: 3 stages keep every config
 // under 99 KB. MIN_BLOCKS = 2 where the accumulators are small enough for two CTAs per SM.
-// HF_SPARSE_SPMM_VARIANT (build flag, for tuning runs only) selects alternative shapes.
+// Lab build only (HF_SPARSE_BUILD_LAB=1): -DHF_SPARSE_SPMM_VARIANT=1 / 2 in HF_SPARSE_NVCC_FLAGS selects alternative
+// shapes (benchmarks/bench_spmm_variants.py).
 #ifndef HF_SPARSE_SPMM_VARIANT
 #define HF_SPARSE_SPMM_VARIANT 0
+#endif
+#if HF_SPARSE_SPMM_VARIANT != 0 && !defined(HF_SPARSE_LAB)
+#error "HF_SPARSE_SPMM_VARIANT is a lab build flag: set HF_SPARSE_BUILD_LAB=1 too"
 #endif
 #if HF_SPARSE_SPMM_VARIANT == 1  // 4 warps, 128 rows, two CTAs per SM
 template <> struct SpmmTile<4>   { static constexpr int BN = 128, WR = 2, WN = 2, STAGES = 4, MIN_BLOCKS = 2; };
@@ -56,5 +60,24 @@ struct SddmmSm90Tile {
   static constexpr int BK = 32, GROUPS = 64, STAGES = 5, STAGES_DIRECT = 8;
   static constexpr int BK_STAGED = 16, STAGES_STAGED = 6;
 };
+
+// The 2:4 sparse-wgmma SpMM (spmm_sm90.cu) above 128 tokens: its tile configuration (numbered as in the lab build,
+// csrc/README.md), chosen by how well the last round of tiles fills the SMs. 128 weight rows per tile; tokens per tile:
+// 256 (config 20) where that fills >= 85% of the SM slots of all rounds, or where neither 192 (config 27) nor 128
+// (config 23) fills more than 10 points better; else 192 when it fills about as well as 128 (192 moves 12% fewer L2
+// bytes per MAC), else 128. E.g. 3072 -> 768 at 8192 tokens on 132 SMs: 256 fills 73%, 192 98%, 128 97%: 27.
+// Measured on the H200 in benchmarks/RESULTS.md ("Staged epilogue", "Short-K"). Pure: host-only, testable alone.
+constexpr int kSm90Config256 = 20, kSm90Config192 = 27, kSm90Config128 = 23;
+inline double sm90_fill(long long row_blocks, long long n_tokens, int bn, int sms) {
+  const long long tiles = row_blocks * ((n_tokens + bn - 1) / bn), rounds = (tiles + sms - 1) / sms;
+  return (double)tiles / (double)(rounds * sms);  // share of the SM slots of all rounds that hold a tile
+}
+inline int sm90_large_config(long long rows_padded, long long n_tokens, int sms) {
+  const long long row_blocks = (rows_padded + 127) / 128;
+  const double f256 = sm90_fill(row_blocks, n_tokens, 256, sms), f192 = sm90_fill(row_blocks, n_tokens, 192, sms),
+               f128 = sm90_fill(row_blocks, n_tokens, 128, sms);
+  if (f256 >= 0.85 || (f192 > f128 ? f192 : f128) <= f256 + 0.1) return kSm90Config256;
+  return f192 + 0.02 >= f128 ? kSm90Config192 : kSm90Config128;
+}
 
 }  // namespace hf_sparse

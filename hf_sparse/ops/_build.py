@@ -1,22 +1,23 @@
 """Build-on-first-use of the CUDA extension (``csrc/``), cached by ``torch.utils.cpp_extension``.
 
 Nothing here runs at import time: :func:`load_extension` is called by an op the first time it needs the GPU.
-Without a CUDA device or ``nvcc`` it raises :class:`KernelUnavailableError`, which says what to do.
+Without a CUDA device or ``nvcc`` it raises :class:`KernelUnavailableError`, which says what to do. The sources come
+from the installed package (``hf_sparse/csrc``, what a wheel ships) or else from the source checkout (``csrc/``).
 
-Environment:
+The build holds what the product runs: the SpMM kernels and tile configurations the kernel choice can reach, the
+SDDMM, pack and mask kernels, the compact layer's C++ autograd node. Read when the extension is built (first use in a
+process, or ``python -m hf_sparse.ops.build``), never per call:
+
 ``HF_SPARSE_CUDA_ARCH_LIST``  semicolon/space separated compute capabilities (``"8.0;8.6;9.0"``); default: the
                               current GPU's. ``9.0`` builds ``sm_90a`` machine code, which also enables the
-                              sparse-``wgmma`` SpMM (``csrc/spmm_sm90.cu``) on cc 9.0 GPUs.
+                              ``wgmma`` kernels (``csrc/*_sm90.cu``) on cc 9.0 GPUs.
 ``HF_SPARSE_BUILD_DIR``       where the build is cached (default: torch's extension cache).
 ``HF_SPARSE_BUILD_VERBOSE``   ``1`` prints the compiler commands.
-``HF_SPARSE_NVCC_FLAGS``      extra nvcc flags (tuning runs, e.g. ``-DHF_SPARSE_SPMM_VARIANT=1``); the extension
-                              name gets a hash of them so differently built copies never share a cache entry.
-``HF_SPARSE_CUSPARSELT_DIR``  a cuSPARSELt installation (``include/cusparseLt.h`` and ``lib/libcusparseLt.so*``) for
-                              the cached cuSPARSELt path (:func:`load_cslt_extension`); default: the
-                              ``nvidia-cusparselt-cu1x`` pip package torch depends on, then ``CUDA_HOME``.
-
-The cuSPARSELt path (``csrc/cusparselt.cpp``) is a second, separate extension: where cuSPARSELt is missing only
-that path is unavailable.
+``HF_SPARSE_NVCC_FLAGS``      extra nvcc flags; the extension name gets a hash of them so differently built copies
+                              never share a cache entry.
+``HF_SPARSE_BUILD_LAB``       ``1`` builds the lab extension instead (``-DHF_SPARSE_LAB``, its own cache entry): every
+                              tile configuration and pipeline of the sm_90a kernels, switched at run time by the
+                              benchmarks' ``lab.tuning`` (``benchmarks/lab/``). No hf_sparse code path needs it.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ import hashlib
 import logging
 import os
 import shutil
+import sys
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -36,9 +39,8 @@ from ..masks import use_extension
 __all__ = [
     "KernelUnavailableError",
     "arch_flags",
+    "build_flags",
     "csrc_dir",
-    "find_cusparselt",
-    "load_cslt_extension",
     "load_extension",
 ]
 
@@ -57,23 +59,40 @@ SOURCES = (
     "refresh.cu",
     "mask_select.cu",
 )
-CSLT_EXTENSION_NAME = "hf_sparse_cslt"
-CSLT_SOURCES = ("cusparselt.cpp",)
+HEADERS = (
+    "common.cuh",
+    "kernels.h",
+    "lab.h",
+    "sm90_common.cuh",
+    "tensor_map.h",
+    "tile_config.h",
+    "tma_sm90.cuh",
+    "wgmma_dense.cuh",
+    "wgmma_sp.cuh",
+)
 
 
 class KernelUnavailableError(RuntimeError):
     """The CUDA kernels cannot be used here (no GPU, no nvcc, or the build failed)."""
 
 
-def csrc_dir() -> Path:
-    """The folder holding the CUDA sources: ``<repo>/csrc`` (source checkout) or ``hf_sparse/csrc`` (wheel)."""
+def csrc_candidates() -> tuple[Path, Path]:
+    """Where the CUDA sources may be, in the order they are looked for: the installed package's ``hf_sparse/csrc``
+    (a wheel, ``pip install .``), then the source checkout's ``csrc/`` (an editable install, ``PYTHONPATH``)."""
     here = Path(__file__).resolve().parent
-    for cand in (here.parent.parent / "csrc", here.parent / "csrc"):
-        if (cand / "spmm.cu").is_file():
+    return here.parent / "csrc", here.parent.parent / "csrc"
+
+
+def csrc_dir() -> Path:
+    """The first of :func:`csrc_candidates` that holds every source and header the extension is built from."""
+    needed = (*SOURCES, *HEADERS)
+    for cand in csrc_candidates():
+        if all((cand / name).is_file() for name in needed):
             return cand
+    tried = ", ".join(str(c) for c in csrc_candidates())
     raise KernelUnavailableError(
-        "hf_sparse: the CUDA sources (csrc/spmm.cu) are not installed; install hf_sparse from a source checkout "
-        "or use the dense path"
+        f"hf_sparse: the CUDA sources ({', '.join(needed)}) were not found in {tried}; reinstall hf_sparse (its "
+        "wheel ships them as hf_sparse/csrc) or install it from a source checkout, or use the dense path"
     )
 
 
@@ -146,28 +165,69 @@ def loaded_extension() -> ModuleType | None:
 _build_failures: dict[str, KernelUnavailableError] = {}  # extension name -> why compiling it failed in this process
 
 
+def _stale(library: Path, src: Path) -> bool:
+    """Whether the cached ``library`` is missing or older than a source or header: the next load compiles."""
+    if not library.is_file():
+        return True
+    built = library.stat().st_mtime
+    return any((src / name).stat().st_mtime > built for name in (*SOURCES, *HEADERS))
+
+
+@functools.cache
+def lab_build() -> bool:
+    """Whether this process builds (and loads) the lab extension: ``HF_SPARSE_BUILD_LAB=1``, read once per process,
+    by the first build or by a lab tool asking."""
+    value = os.environ.get("HF_SPARSE_BUILD_LAB", "0")
+    if value not in ("0", "1", ""):
+        raise KernelUnavailableError(f"hf_sparse: HF_SPARSE_BUILD_LAB={value!r}; use 1 (the lab build) or 0 / unset")
+    return value == "1"
+
+
+def build_flags(archs: list[str] | None = None, lab: bool = False, extra: tuple[str, ...] = ()) -> list[str]:
+    """The nvcc flags of the extension: the product's, plus ``-DHF_SPARSE_LAB`` for the lab build and ``extra``."""
+    return ["-O3", "-std=c++17", "-lineinfo", *arch_flags(archs), *(["-DHF_SPARSE_LAB"] if lab else []), *extra]
+
+
+def _extension_name(lab: bool, extra: tuple[str, ...]) -> str:
+    """The cache entry of a build: the lab build and extra flags each get their own."""
+    name = EXTENSION_NAME + ("_lab" if lab else "")
+    return name + ("_" + hashlib.sha1(" ".join(extra).encode()).hexdigest()[:8] if extra else "")
+
+
 @functools.cache
 def load_extension() -> ModuleType:
     """Compile (first call only; cached on disk) and import the extension. Raises KernelUnavailableError.
 
-    A compile that failed is not retried in the same process (``SparseTrainer`` asks at train start and again when
-    it switches layers to the kernels): it would fail the same way, after the same minutes."""
+    A compile says so on stderr when it starts (it takes about a minute) and when it ends. A compile that failed is
+    not retried in the same process (``SparseTrainer`` asks at train start and again when it switches layers to the
+    kernels): it would fail the same way, after the same time."""
     _check_toolchain()
     from torch.utils import cpp_extension
 
     src = csrc_dir()
     build_dir = _build_dir()
-    extra = os.environ.get("HF_SPARSE_NVCC_FLAGS", "").split()
-    flags = ["-O3", "-std=c++17", "-lineinfo", *arch_flags(), *extra]
-    name = EXTENSION_NAME + ("_" + hashlib.sha1(" ".join(extra).encode()).hexdigest()[:8] if extra else "")
+    lab = lab_build()
+    extra = tuple(os.environ.get("HF_SPARSE_NVCC_FLAGS", "").split())
+    name = _extension_name(lab, extra)
     if name in _build_failures:
         raise _build_failures[name]
+    cache = Path(build_dir or cpp_extension._get_build_directory(name, verbose=False))
+    compiles = _stale(cache / f"{name}.so", src)
+    if compiles:
+        print(
+            f"hf_sparse: compiling the CUDA kernels{' (lab build)' if lab else ''} into {cache} (first use only, "
+            "about a minute; `python -m hf_sparse.ops.build` does it ahead of time)...",
+            file=sys.stderr,
+            flush=True,
+        )
+    start = time.perf_counter()
     try:
         extension = cpp_extension.load(
             name=name,
             sources=[str(src / s) for s in SOURCES],
-            extra_cflags=["-O3"],  # no -std: torch picks its headers' own (C++17 in torch 2.11, C++20 in 2.13)
-            extra_cuda_cflags=flags,
+            # no -std: torch picks its headers' own (C++17 in torch 2.11, C++20 in 2.13)
+            extra_cflags=["-O3", *(["-DHF_SPARSE_LAB"] if lab else [])],
+            extra_cuda_cflags=build_flags(lab=lab, extra=extra),
             extra_include_paths=[str(src)],
             build_directory=build_dir,
             verbose=os.environ.get("HF_SPARSE_BUILD_VERBOSE") == "1",
@@ -178,77 +238,7 @@ def load_extension() -> ModuleType:
             "commands, check that nvcc matches torch.version.cuda, or use the dense path"
         )
         raise err from exc
+    if compiles:
+        print(f"hf_sparse: CUDA kernels built in {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
     use_extension(extension)  # the mask selection and fused masking of hf_sparse.masks run on it from now on
     return extension
-
-
-def _cusparselt_prefixes() -> list[Path]:
-    """Folders that may hold ``include/cusparseLt.h`` and ``lib/libcusparseLt.so*``, best first."""
-    env = os.environ.get("HF_SPARSE_CUSPARSELT_DIR")
-    if env:
-        return [Path(env)]
-    prefixes: list[Path] = []
-    try:  # the pip wheels torch depends on: nvidia/cusparselt (cu12) or nvidia/cu13 (cu13)
-        import nvidia  # type: ignore[import-not-found]
-
-        for root in map(Path, getattr(nvidia, "__path__", [])):
-            prefixes += sorted(p.parent.parent for p in root.glob("*/include/cusparseLt.h"))
-    except ImportError:
-        pass
-    from torch.utils import cpp_extension
-
-    if cpp_extension.CUDA_HOME:
-        prefixes.append(Path(cpp_extension.CUDA_HOME))
-    prefixes.append(Path("/usr"))
-    return prefixes
-
-
-def find_cusparselt() -> tuple[Path, Path] | None:
-    """``(include dir, library file)`` of a cuSPARSELt installation with both header and library, or None."""
-    for prefix in _cusparselt_prefixes():
-        headers = [prefix / "include" / "cusparseLt.h", prefix / "include" / "x86_64-linux-gnu" / "cusparseLt.h"]
-        header = next((h for h in headers if h.is_file()), None)
-        if header is None:
-            continue
-        for libdir in ("lib", "lib64", "lib/x86_64-linux-gnu"):
-            libs = sorted((prefix / libdir).glob("libcusparseLt.so*"))
-            if libs:
-                return header.parent, libs[0]
-    return None
-
-
-@functools.cache
-def load_cslt_extension() -> ModuleType:
-    """Compile (first call only; cached) and import the cached-plan cuSPARSELt path. Raises KernelUnavailableError.
-
-    Linked against the same ``libcusparseLt.so.0`` torch loads (same soname, so one copy in the process).
-    """
-    _check_toolchain()
-    found = find_cusparselt()
-    if found is None:
-        raise KernelUnavailableError(
-            "hf_sparse: cuSPARSELt (cusparseLt.h and libcusparseLt.so) was not found, so the cached cuSPARSELt path "
-            "is unavailable; `pip install nvidia-cusparselt-cu12` (CUDA 12) or `nvidia-cusparselt-cu13` (CUDA 13), "
-            "or set HF_SPARSE_CUSPARSELT_DIR to a folder with include/ and lib/"
-        )
-    include, lib = found
-    from torch.utils import cpp_extension
-
-    tag = hashlib.sha1(f"{include}|{lib}|{(include / 'cusparseLt.h').stat().st_size}".encode()).hexdigest()[:8]
-    try:
-        return cpp_extension.load(
-            name=f"{CSLT_EXTENSION_NAME}_{tag}",
-            sources=[str(csrc_dir() / s) for s in CSLT_SOURCES],
-            extra_cflags=["-O3"],  # no -std: torch picks its headers' own (C++17 in torch 2.11, C++20 in 2.13)
-            extra_include_paths=[str(include)],
-            extra_ldflags=[f"-L{lib.parent}", f"-l:{lib.name}", f"-Wl,-rpath,{lib.parent}"],
-            with_cuda=True,
-            build_directory=_build_dir(),
-            verbose=os.environ.get("HF_SPARSE_BUILD_VERBOSE") == "1",
-        )
-    except Exception as exc:
-        raise KernelUnavailableError(
-            f"hf_sparse: building the cuSPARSELt path against {include} / {lib} failed ({exc}); set "
-            "HF_SPARSE_BUILD_VERBOSE=1 to see the compiler commands, or HF_SPARSE_CUSPARSELT_DIR to another "
-            "cuSPARSELt installation"
-        ) from exc

@@ -1,9 +1,8 @@
 """Ahead-of-time build of the CUDA kernels: ``python -m hf_sparse.ops.build``.
 
 Compiles ``csrc/`` for ``HF_SPARSE_CUDA_ARCH_LIST`` (default: this GPU) into the extension cache (or
-``HF_SPARSE_BUILD_DIR``), so the first training step does not pay for nvcc. Also builds the cached-plan
-cuSPARSELt path (``csrc/cusparselt.cpp``) where cuSPARSELt is installed; without it only that path is missing
-(reported, exit status still 0).
+``HF_SPARSE_BUILD_DIR``), so the first training step does not pay for nvcc. With ``HF_SPARSE_BUILD_LAB=1`` it builds
+the lab extension of the benchmarks instead (:mod:`hf_sparse.ops._build`).
 """
 
 from __future__ import annotations
@@ -13,7 +12,7 @@ import time
 
 
 def main() -> int:
-    from ._build import KernelUnavailableError, load_cslt_extension, load_extension
+    from ._build import KernelUnavailableError, load_extension
 
     start = time.perf_counter()
     try:
@@ -21,13 +20,6 @@ def main() -> int:
     except KernelUnavailableError as exc:
         print(exc, file=sys.stderr)
         return 1
-    print(f"hf_sparse: built {ext.__file__} in {time.perf_counter() - start:.1f} s")
-    start = time.perf_counter()
-    try:
-        ext = load_cslt_extension()
-    except KernelUnavailableError as exc:
-        print(f"hf_sparse: cached cuSPARSELt path not built: {exc}", file=sys.stderr)
-        return 0
     print(f"hf_sparse: built {ext.__file__} in {time.perf_counter() - start:.1f} s")
     return 0
 

@@ -4,9 +4,10 @@ Returns fp32 values in logical order ``(R, 2G)`` (slot ``2g + j`` of row ``r`` i
 ``g``); :func:`scatter_dense` turns them into a dense (R, K) gradient for the master weight, zero elsewhere.
 
 CUDA: the ``mma.sync`` kernel (``csrc/sddmm.cu``, sm_80+), or on a cc 9.0 GPU with an sm_90a build the dense-``wgmma``
-kernel over each slab's condensed columns (``csrc/sddmm_sm90.cu``). ``HF_SPARSE_SDDMM_KERNEL`` = ``auto`` (default:
-``wgmma`` where it can run and was measured faster, see :data:`AUTO_WGMMA_M`) | ``mma`` | ``wgmma`` (an error where
-it cannot run) picks the kernel, for tests and benchmarks.
+kernel over each slab's condensed columns (``csrc/sddmm_sm90.cu``). Which one runs:
+:func:`hf_sparse.ops._select.choose_kernel` (wgmma where it can run, at the group sizes of :data:`AUTO_WGMMA_M`);
+:func:`hf_sparse.ops.force_kernel` forces either. A compact layer measures it against a dense GEMM then a gather for
+its weight gradient (:mod:`hf_sparse.nn.compact`).
 """
 
 from __future__ import annotations
@@ -15,16 +16,12 @@ import torch
 from torch import Tensor
 
 from ._layout import PackedWeight, kept_columns
-from ._select import kernel_choice, kernel_function
+from ._select import SDDMM_WGMMA_M, device_kernel, kernel_function
 
 __all__ = ["AUTO_WGMMA_M", "scatter_dense", "sddmm", "sddmm_function", "sddmm_kernel", "sddmm_reference"]
 
-# Group sizes M for which ``auto`` picks the wgmma kernel where it can run: those where it was measured faster than
-# the mma.sync kernel on the H200 at 8192 tokens at the shapes of benchmarks/bench_kernels.py (benchmarks/RESULTS.md,
-# "SDDMM with dense wgmma"): 3.8-5.2x at M = 4, 1.7-2.2x at M = 8, 1.5-1.9x at 16, 0.98-1.6x at 32 (parity at
-# 768->3072 and 1024->4096). M = 64 and 128 were not timed (tested only): mma.sync.
-AUTO_WGMMA_M = frozenset({4, 8, 16, 32})
-_SELECT = ("HF_SPARSE_SDDMM_KERNEL", "mma", AUTO_WGMMA_M)  # env var, its non-wgmma kernel, auto's wgmma M
+#: group sizes M at which the wgmma kernel runs where it can (measured faster than mma.sync: see _select)
+AUTO_WGMMA_M = SDDMM_WGMMA_M
 
 
 def sddmm_reference(dy: Tensor, x: Tensor, p: PackedWeight) -> Tensor:
@@ -34,19 +31,17 @@ def sddmm_reference(dy: Tensor, x: Tensor, p: PackedWeight) -> Tensor:
 
 
 def sddmm_kernel(m: int, device: torch.device | None = None) -> str:
-    """The CUDA kernel a pattern with group size ``m`` runs on, on ``device``: ``"wgmma"`` or ``"mma"``.
-
-    Reads ``HF_SPARSE_SDDMM_KERNEL`` (``auto``/``mma``/``wgmma``) on every call, so tests and benchmarks can switch it;
-    in ``auto`` mode builds the extension (first call) to ask whether the sm_90a kernels are in it.
-    """
-    return kernel_choice(*_SELECT, m, device)
+    """The CUDA kernel a pattern with group size ``m`` runs on, on ``device``: ``"wgmma"`` or ``"mma"`` (what
+    :func:`hf_sparse.ops.force_kernel` forces now, else the automatic choice; that one builds the extension on first
+    call to ask whether the sm_90a kernels are in it)."""
+    return device_kernel("sddmm", m, device)
 
 
 def sddmm_function(m: int, device: torch.device):
     """The extension function :func:`sddmm_kernel` picks for group size ``m`` on ``device``, called as
     ``fn(dy2, x2, meta, columns, rows, cols, m)`` with ``dy2`` / ``x2`` 2-D, contiguous, 16-byte aligned, one dtype
     (bf16/fp16), ``rows % 8 == cols % 8 == 0``; returns the fp32 ``(R, 2G)`` values."""
-    return kernel_function(*_SELECT, m, device, ("sddmm_wgmma", "sddmm"))
+    return kernel_function("sddmm", m, device)
 
 
 @torch.library.custom_op("hf_sparse::sddmm", mutates_args=())

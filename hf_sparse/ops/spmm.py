@@ -2,9 +2,9 @@
 
 CUDA: the ``mma.sp`` kernel (``csrc/spmm.cu``), or on a cc 9.0 GPU with an sm_90a build a sparse-``wgmma`` kernel
 with the same packed layout: ``csrc/spmm_sm90.cu`` for plain 2:4, ``csrc/spmm_vnm_sm90.cu`` for V:2:M with M >= 8
-(it gathers the kept columns of X into shared memory). ``HF_SPARSE_SPMM_KERNEL`` = ``auto`` (default: wgmma where it
-can run and was measured faster, see :data:`AUTO_WGMMA_M`) | ``mma_sp`` | ``wgmma`` (an error where it cannot run)
-picks the kernel, for tests and benchmarks.
+(it gathers the kept columns of X into shared memory). Which one runs: :func:`hf_sparse.ops._select.choose_kernel`
+(wgmma where it can run, at the group sizes of :data:`AUTO_WGMMA_M`); :func:`hf_sparse.ops.force_kernel` forces
+either.
 CPU (and CUDA shapes the kernels cannot take, e.g. ``K % 8 != 0``): the reference, which decompresses W and
 multiplies in fp32.
 """
@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from ._layout import PackedWeight, dense_from_packed
-from ._select import kernel_choice, kernel_function
+from ._select import SPMM_WGMMA_M, device_kernel, kernel_function
 
 __all__ = [
     "ACTIVATIONS",
@@ -82,31 +82,23 @@ def _kernel_ok(x: Tensor, cols: int) -> bool:
     return cols % 8 == 0 and x.data_ptr() % 16 == 0
 
 
-# Group sizes M for which ``auto`` picks the sparse-wgmma kernel where it can run: those where it was measured faster
-# than mma.sp on the H200 at 8192 tokens at every shape of benchmarks/bench_kernels.py (benchmarks/RESULTS.md, "V:2:M
-# sparse wgmma": 1.14-1.46x at M = 8). M = 16 and 32 stay on mma.sp (the wgmma kernel is 0.64-0.81x of it there);
-# M = 64 and 128 were not measured.
-AUTO_WGMMA_M = frozenset({4, 8})
-
-
-_SELECT = ("HF_SPARSE_SPMM_KERNEL", "mma_sp", AUTO_WGMMA_M)  # env var, its non-wgmma kernel, auto's wgmma M
+#: group sizes M at which the sparse-wgmma kernel runs where it can (measured faster than mma.sp: see _select)
+AUTO_WGMMA_M = SPMM_WGMMA_M
 
 
 def spmm_kernel(m: int, device: torch.device | None = None) -> str:
-    """The CUDA kernel a pattern with group size ``m`` runs on, on ``device``: ``"wgmma"`` or ``"mma_sp"``.
-
-    Reads ``HF_SPARSE_SPMM_KERNEL`` (``auto``/``mma_sp``/``wgmma``) on every call, so tests and benchmarks can switch
-    it; in ``auto`` mode builds the extension (first call) to ask whether the sm_90a kernel is in it.
-    """
-    return kernel_choice(*_SELECT, m, device)
+    """The CUDA kernel a pattern with group size ``m`` runs on, on ``device``: ``"wgmma"`` or ``"mma_sp"`` (what
+    :func:`hf_sparse.ops.force_kernel` forces now, else the automatic choice; that one builds the extension on first
+    call to ask whether the sm_90a kernel is in it)."""
+    return device_kernel("spmm", m, device)
 
 
 def spmm_function(m: int, device: torch.device):
-    """The extension function :func:`spmm_kernel` picks for group size ``m`` on ``device`` (the current
-    ``HF_SPARSE_SPMM_KERNEL``), called as ``fn(x2, values, meta, columns, bias, rows, cols, m)`` with ``x2`` 2-D,
-    contiguous, 16-byte aligned, ``cols % 8 == 0`` and everything in one dtype (the binding checks the rest), and a
-    last argument ``act``: 0, or an :data:`ACTIVATIONS` code where :func:`fuses_activation` says the kernel has it."""
-    return kernel_function(*_SELECT, m, device, ("spmm_wgmma", "spmm"))
+    """The extension function :func:`spmm_kernel` picks for group size ``m`` on ``device``, called as
+    ``fn(x2, values, meta, columns, bias, rows, cols, m, act)`` with ``x2`` 2-D, contiguous, 16-byte aligned,
+    ``cols % 8 == 0`` and everything in one dtype (the binding checks the rest); ``act``: 0, or an
+    :data:`ACTIVATIONS` code where :func:`fuses_activation` says the kernel has it."""
+    return kernel_function("spmm", m, device)
 
 
 def _run_kernel(

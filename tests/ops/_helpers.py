@@ -3,6 +3,12 @@ kernels."""
 
 from __future__ import annotations
 
+import contextlib
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -41,3 +47,23 @@ def assert_linear_matches(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: 
     assert not bool(torch.isnan(y).any()), "unwritten or NaN output"
     ref = F.linear(x.double(), wq.double(), None if b is None else b.double())
     assert rel_err(y, ref) <= 2 * rel_err(F.linear(x, wq, b), ref) + 1e-6
+
+
+@contextlib.contextmanager
+def lab_knobs(**knobs: int) -> Iterator[None]:
+    """Set the lab build's tuning knobs (``benchmarks/lab/tuning.py``) inside the block; skips the test unless this
+    process builds the lab extension (``HF_SPARSE_BUILD_LAB=1``). With no knobs, the product's choices run (no skip)."""
+    if not knobs:
+        yield
+        return
+    from hf_sparse.ops._build import lab_build
+
+    if not lab_build():
+        pytest.skip("a lab tuning knob: needs the lab build (HF_SPARSE_BUILD_LAB=1)")
+    benchmarks = str(Path(__file__).resolve().parents[2] / "benchmarks")
+    if benchmarks not in sys.path:
+        sys.path.insert(0, benchmarks)
+    from lab.tuning import tuning
+
+    with tuning(**knobs):
+        yield

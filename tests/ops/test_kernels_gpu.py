@@ -6,10 +6,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hf_sparse.ops import dense_from_packed, pack, scatter_dense, sddmm, spmm
+from hf_sparse.ops import dense_from_packed, force_kernel, pack, scatter_dense, sddmm, spmm
 from hf_sparse.ops._layout import logical_from_dense, packed_from_logical
 
-from ._helpers import PATTERNS, assert_linear_matches, poison_allocator, random_masked, rel_err
+from ._helpers import PATTERNS, assert_linear_matches, lab_knobs, poison_allocator, random_masked, rel_err
 
 pytestmark = [
     pytest.mark.gpu,
@@ -28,12 +28,12 @@ def _wgmma_runs_here() -> bool:
 
 
 @pytest.fixture(params=SPMM_KERNELS)
-def spmm_kernel_env(request, monkeypatch):
-    """Run the test once per SpMM kernel (``HF_SPARSE_SPMM_KERNEL``); ``wgmma`` only where it can run (sm_90a)."""
+def spmm_kernel_env(request):
+    """Run the test once per SpMM kernel (``force_kernel(spmm=...)``); ``wgmma`` only where it can run (sm_90a)."""
     if request.param == "wgmma" and not _wgmma_runs_here():
         pytest.skip("sparse wgmma needs a cc 9.0 GPU and an sm_90a build")
-    monkeypatch.setenv("HF_SPARSE_SPMM_KERNEL", request.param)
-    return request.param
+    with force_kernel(spmm=request.param):
+        yield request.param
 
 
 def _pack_cuda(rows, cols, v, m, dtype, seed):
@@ -110,10 +110,9 @@ def test_spmm_2to4_ragged_k_and_token_tiles(dtype, bias, tokens, rows, cols, spm
     _assert_spmm_matches_reference(x, w, p, b)
 
 
-def test_spmm_auto_picks_wgmma_on_sm90a(monkeypatch):
+def test_spmm_auto_picks_wgmma_on_sm90a():
     from hf_sparse.ops.spmm import AUTO_WGMMA_M, spmm_kernel
 
-    monkeypatch.setenv("HF_SPARSE_SPMM_KERNEL", "auto")
     device = torch.device("cuda")
     for m in (4, 8, 16, 32, 64, 128):
         assert spmm_kernel(m, device) == ("wgmma" if _wgmma_runs_here() and m in AUTO_WGMMA_M else "mma_sp")
@@ -128,36 +127,33 @@ def test_spmm_auto_picks_wgmma_on_sm90a(monkeypatch):
     # last k-tile has one k-step and 15 padded groups). Tokens straddle the V:2:M kernel's token tiles (64 / 128).
     [(1, 25), (7, 17), (65, 25), (257, 17), (8191, 25)],
 )
-@pytest.mark.parametrize("pipe", ["0", "1", "2"])
-def test_spmm_vnm_ragged_k_and_token_tiles(v, m, dtype, bias, tokens, groups, pipe, spmm_kernel_env, monkeypatch):
-    # pipe (HF_SPARSE_VNM_PIPE): the V:2:M wgmma kernel's register (default), staged (cp.async ring), register + L1
-    # prefetch pipelines
-    if spmm_kernel_env == "mma_sp" and pipe != "0":
+@pytest.mark.parametrize("pipe", [0, 1, 2])
+def test_spmm_vnm_ragged_k_and_token_tiles(v, m, dtype, bias, tokens, groups, pipe, spmm_kernel_env):
+    # pipe: the V:2:M wgmma kernel's register pipeline (0, the product's), and the lab build's staged (cp.async ring)
+    # and register + L1 prefetch pipelines
+    if spmm_kernel_env == "mma_sp" and pipe != 0:
         pytest.skip("the pipeline only selects between wgmma kernels")
-    monkeypatch.setenv("HF_SPARSE_VNM_PIPE", pipe)
     rows = 3 * v  # V = 64: 192 rows, the last 128-row block has one idle slab; V = 128: two blocks of one V-block
     cols = groups * m
     w, mask, p = _pack_cuda(rows, cols, v, m, dtype, seed=tokens + groups + m)
     x = torch.randn(tokens, cols, device="cuda").to(dtype)
     b = torch.randn(rows, device="cuda").to(dtype) if bias else None
-    _assert_spmm_matches_reference(x, w, p, b)
+    with lab_knobs(**({"vnm_pipe": pipe} if pipe else {})):
+        _assert_spmm_matches_reference(x, w, p, b)
 
 
 @pytest.mark.parametrize(("m", "groups"), [(8, 2056), (16, 2100)])
-@pytest.mark.parametrize("pipe", ["1", None])
-def test_spmm_vnm_long_k_falls_back_to_register_pipeline(m, groups, pipe, monkeypatch):
+@pytest.mark.parametrize("pipe", [1, 0])
+def test_spmm_vnm_long_k_falls_back_to_register_pipeline(m, groups, pipe):
     # More than 2048 padded groups: the column offsets of a CTA's two slabs do not fit the staged pipeline's 16 KB, so
-    # asking for it (pipe 1) runs the register pipeline, as the default does; both must agree with the reference.
+    # asking for it (lab build, pipe 1) runs the register pipeline, as the product does; both must agree with the
+    # reference.
     if not _wgmma_runs_here():
         pytest.skip("sparse wgmma needs a cc 9.0 GPU and an sm_90a build")
-    monkeypatch.setenv("HF_SPARSE_SPMM_KERNEL", "wgmma")
-    if pipe is None:
-        monkeypatch.delenv("HF_SPARSE_VNM_PIPE", raising=False)
-    else:
-        monkeypatch.setenv("HF_SPARSE_VNM_PIPE", pipe)
     w, mask, p = _pack_cuda(192, groups * m, 64, m, torch.bfloat16, seed=groups)
     x = torch.randn(65, groups * m, device="cuda").bfloat16()
-    _assert_spmm_matches_reference(x, w, p, torch.randn(192, device="cuda").bfloat16())
+    with force_kernel(spmm="wgmma"), lab_knobs(**({"vnm_pipe": pipe} if pipe else {})):
+        _assert_spmm_matches_reference(x, w, p, torch.randn(192, device="cuda").bfloat16())
 
 
 def _mask_with_distinct_slab_columns(rows: int, cols: int, v: int, m: int, seed: int) -> torch.Tensor:
@@ -182,14 +178,17 @@ def _mask_with_distinct_slab_columns(rows: int, cols: int, v: int, m: int, seed:
 
 
 @pytest.mark.parametrize(("v", "m"), [(64, 8), (128, 8), (64, 16), (64, 32), (64, 128)])
-@pytest.mark.parametrize("pipe", ["1", "0", "2"])
-def test_spmm_vnm_gather_uses_each_slabs_columns(v, m, pipe, monkeypatch):
+@pytest.mark.parametrize("pipe", [1, 0, 2])
+def test_spmm_vnm_gather_uses_each_slabs_columns(v, m, pipe):
     # A gather that reused one slab's column offsets for the other slab of a CTA, or mixed up groups / offsets, gives
     # a wrong product here: every consecutive pair of 64-row slabs (V = 64) keeps different columns in every group.
     if not _wgmma_runs_here():
         pytest.skip("sparse wgmma needs a cc 9.0 GPU and an sm_90a build")
-    monkeypatch.setenv("HF_SPARSE_SPMM_KERNEL", "wgmma")
-    monkeypatch.setenv("HF_SPARSE_VNM_PIPE", pipe)
+    with force_kernel(spmm="wgmma"), lab_knobs(**({"vnm_pipe": pipe} if pipe else {})):
+        _check_gather_uses_each_slabs_columns(v, m)
+
+
+def _check_gather_uses_each_slabs_columns(v, m):
     rows, cols = 256, 24 * m
     mask = _mask_with_distinct_slab_columns(rows, cols, v, m, seed=m + v).cuda()
     w = torch.randn(rows, cols, device="cuda") * mask
@@ -204,19 +203,20 @@ def test_spmm_vnm_gather_uses_each_slabs_columns(v, m, pipe, monkeypatch):
 
 
 @pytest.fixture(params=["mma", "wgmma"])
-def sddmm_kernel_env(request, monkeypatch):
-    """Run the test once per SDDMM kernel (``HF_SPARSE_SDDMM_KERNEL``); ``wgmma`` only where it can run (sm_90a)."""
+def sddmm_kernel_env(request):
+    """Run the test once per SDDMM kernel (``force_kernel(sddmm=...)``); ``wgmma`` only where it can run (sm_90a)."""
     if request.param == "wgmma" and not _wgmma_runs_here():
         pytest.skip("the wgmma SDDMM needs a cc 9.0 GPU and an sm_90a build")
-    monkeypatch.setenv("HF_SPARSE_SDDMM_KERNEL", request.param)
-    return request.param
+    with force_kernel(sddmm=request.param):
+        yield request.param
 
 
-def _sddmm_gather(gather, kernel, m, monkeypatch):
-    """Set ``HF_SPARSE_SDDMM_GATHER`` (M = 8 on the wgmma kernel only: ``staged`` / ``regs``); skip other pairings."""
+def _sddmm_gather(gather, kernel, m):
+    """The lab knobs for ``gather`` (``staged``: the product's; ``regs``: the lab build's register gather, M = 8 on the
+    wgmma kernel only, other pairings skipped)."""
     if gather == "regs" and (kernel != "wgmma" or m != 8):
-        pytest.skip("HF_SPARSE_SDDMM_GATHER only changes the wgmma kernel at M = 8")
-    monkeypatch.setenv("HF_SPARSE_SDDMM_GATHER", gather)
+        pytest.skip("the register gather only changes the wgmma kernel at M = 8")
+    return lab_knobs(**({"sddmm_gather_regs": 1} if gather == "regs" else {}))
 
 
 def _assert_sddmm_matches_reference(dy, x, mask, p):
@@ -239,41 +239,43 @@ def _assert_sddmm_matches_reference(dy, x, mask, p):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("tokens", "rows", "cols"), [(1, 128, 256), (7, 192, 512), (8191, 256, 1024)])
 @pytest.mark.parametrize("gather", ["staged", "regs"])
-def test_sddmm_kernel(v, m, dtype, tokens, rows, cols, gather, sddmm_kernel_env, monkeypatch):
+def test_sddmm_kernel(v, m, dtype, tokens, rows, cols, gather, sddmm_kernel_env):
     if rows % v and m != 4:
         pytest.skip("rows not a multiple of v")
-    _sddmm_gather(gather, sddmm_kernel_env, m, monkeypatch)
     w, mask, p = _pack_cuda(rows, cols, v, m, dtype, seed=tokens + 1)
     x = torch.randn(tokens, cols, device="cuda").to(dtype)
     dy = torch.randn(tokens, rows, device="cuda").to(dtype)
-    _assert_sddmm_matches_reference(dy, x, mask, p)
+    with _sddmm_gather(gather, sddmm_kernel_env, m):
+        _assert_sddmm_matches_reference(dy, x, mask, p)
 
 
 @pytest.mark.parametrize(("v", "m"), [(64, 4), (64, 8), (128, 8), (64, 16), (64, 32), (128, 64), (64, 128)])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("tokens", "rows", "groups"), [(33, 320, 136), (1000, 2048, 520), (4100, 192, 72)])
 @pytest.mark.parametrize("gather", ["staged", "regs"])
-def test_sddmm_ragged_group_tiles_and_token_splits(
-    v, m, dtype, tokens, rows, groups, gather, sddmm_kernel_env, monkeypatch
-):
+def test_sddmm_ragged_group_tiles_and_token_splits(v, m, dtype, tokens, rows, groups, gather, sddmm_kernel_env):
     # Several 64-group tiles with a partial last one, an odd slab count (a CTA with one real slab), ragged token
     # stages; (2048, 520 groups) fills the GPU without a token split (plain stores), the others split the tokens
     # over CTAs (atomics into a zeroed output).
     if rows % v and m != 4:
         pytest.skip("rows not a multiple of v")
-    _sddmm_gather(gather, sddmm_kernel_env, m, monkeypatch)
     w, mask, p = _pack_cuda(rows, groups * m, v, m, dtype, seed=tokens + m)
     x = torch.randn(tokens, groups * m, device="cuda").to(dtype)
     dy = torch.randn(tokens, rows, device="cuda").to(dtype)
-    _assert_sddmm_matches_reference(dy, x, mask, p)
+    with _sddmm_gather(gather, sddmm_kernel_env, m):
+        _assert_sddmm_matches_reference(dy, x, mask, p)
 
 
 @pytest.mark.parametrize(("v", "m"), [(64, 8), (128, 8), (64, 16), (64, 32), (64, 128)])
 @pytest.mark.parametrize("gather", ["staged", "regs"])
-def test_sddmm_gather_uses_each_slabs_columns(v, m, gather, sddmm_kernel_env, monkeypatch):
+def test_sddmm_gather_uses_each_slabs_columns(v, m, gather, sddmm_kernel_env):
     # Consecutive 64-row slabs (one CTA) keep different columns in every group where V = 64: a gather that reused one
     # slab's offsets for the other, or mixed up groups, gives a wrong gradient here.
-    _sddmm_gather(gather, sddmm_kernel_env, m, monkeypatch)
+    with _sddmm_gather(gather, sddmm_kernel_env, m):
+        _check_sddmm_gather_uses_each_slabs_columns(v, m)
+
+
+def _check_sddmm_gather_uses_each_slabs_columns(v, m):
     rows, cols = 256, 72 * m
     mask = _mask_with_distinct_slab_columns(rows, cols, v, m, seed=3 * m + v).cuda()
     w = torch.randn(rows, cols, device="cuda") * mask
@@ -297,17 +299,16 @@ def test_sddmm_gather_uses_each_slabs_columns(v, m, gather, sddmm_kernel_env, mo
     assert torch.equal(got, torch.where(mask, ref, 0.0))
 
 
-def test_sddmm_zero_tokens_and_auto_choice(monkeypatch):
+def test_sddmm_zero_tokens_and_auto_choice():
     if not _wgmma_runs_here():
         pytest.skip("the wgmma SDDMM needs a cc 9.0 GPU and an sm_90a build")
     from hf_sparse.ops.sddmm import AUTO_WGMMA_M, sddmm_kernel
 
-    monkeypatch.setenv("HF_SPARSE_SDDMM_KERNEL", "auto")
     assert sddmm_kernel(8) == ("wgmma" if 8 in AUTO_WGMMA_M else "mma")
-    monkeypatch.setenv("HF_SPARSE_SDDMM_KERNEL", "wgmma")
     _, _, p = _pack_cuda(128, 256, 64, 8, torch.bfloat16, seed=5)
     poison_allocator()
-    out = sddmm(torch.empty(0, 128, device="cuda").bfloat16(), torch.empty(0, 256, device="cuda").bfloat16(), p)
+    with force_kernel(sddmm="wgmma"):
+        out = sddmm(torch.empty(0, 128, device="cuda").bfloat16(), torch.empty(0, 256, device="cuda").bfloat16(), p)
     assert out.shape == (128, 64) and torch.count_nonzero(out) == 0
 
 
@@ -316,24 +317,24 @@ def test_dense_from_packed_on_gpu_matches_master():
     assert torch.equal(dense_from_packed(p, torch.float32), w.bfloat16().float())
 
 
-def _check_wgmma_config(config, dtype, bias, tokens, rows, cols, seed, monkeypatch):
-    """2:4 on the sparse-wgmma kernel forced to tile configuration ``config`` against the reference."""
+def _check_wgmma_config(config, dtype, bias, tokens, rows, cols, seed):
+    """2:4 on the sparse-wgmma kernel forced to tile configuration ``config`` (the lab build's numbering) against the
+    reference."""
     if not _wgmma_runs_here():
         pytest.skip("sparse wgmma needs a cc 9.0 GPU and an sm_90a build")
-    monkeypatch.setenv("HF_SPARSE_SPMM_KERNEL", "wgmma")
-    monkeypatch.setenv("HF_SPARSE_SM90_CONFIG", str(config))
     w, mask, p = _pack_cuda(rows, cols, 64, 4, dtype, seed=seed)
     x = torch.randn(tokens, cols, device="cuda").to(dtype)
     b = torch.randn(rows, device="cuda").to(dtype) if bias else None
-    _assert_spmm_matches_reference(x, w, p, b)
+    with force_kernel(spmm="wgmma"), lab_knobs(sm90_config=config):
+        _assert_spmm_matches_reference(x, w, p, b)
 
 
 @pytest.mark.parametrize("config", list(range(36)))
 @pytest.mark.parametrize(("tokens", "rows", "cols"), [(300, 448, 136), (8191, 192, 1000)])
-def test_spmm_wgmma_tile_configs(config, tokens, rows, cols, monkeypatch):
-    # Every large-token tile configuration of the sm_90a kernel (HF_SPARSE_SM90_CONFIG): 448 rows leave some m64
+def test_spmm_wgmma_tile_configs(config, tokens, rows, cols):
+    # Every large-token tile configuration of the sm_90a kernel (lab build): 448 rows leave some m64
     # tiles of the 256-row configurations idle, and 136 / 1000 columns end in a partial k-tile.
-    _check_wgmma_config(config, torch.bfloat16, True, tokens, rows, cols, config + tokens, monkeypatch)
+    _check_wgmma_config(config, torch.bfloat16, True, tokens, rows, cols, config + tokens)
 
 
 @pytest.mark.parametrize("config", list(range(6, 36)))
@@ -347,7 +348,7 @@ def test_spmm_wgmma_tile_configs(config, tokens, rows, cols, monkeypatch):
     # 2600 tokens = 11 token tiles: the grouped orders (8 / 4 tiles per group) end in a partial group.
     [(1, 64, 40), (7, 192, 96), (65, 320, 8), (200, 128, 1000), (257, 448, 264), (2600, 320, 72), (8191, 192, 136)],
 )
-def test_spmm_wgmma_tma_configs(config, dtype, bias, tokens, rows, cols, monkeypatch):
+def test_spmm_wgmma_tma_configs(config, dtype, bias, tokens, rows, cols):
     # Configs 6-9: warp-specialized TMA producer + mbarrier ring (csrc/spmm_sm90.cu), one vs zero k-tiles in flight,
     # without (6, 7) and with (8, 9) a 2-CTA cluster multicasting X; 10, 11: 6 with grouped CTA order (8, 4 token tiles);
     # 12: 6 launched in 2-CTA clusters with the cluster barriers but no sharing (diagnostic); 13-16: A fragments and
@@ -359,7 +360,7 @@ def test_spmm_wgmma_tma_configs(config, dtype, bias, tokens, rows, cols, monkeyp
     # exit after the last TMA store's reads: the poisoned outputs check that every write still lands), 34 / 35: 20 with
     # 3 x 64- / 7 x 32-token staging buffers that rotate across tiles (tiles of several per CTA below and in the
     # many-tiles and staged-epilogue tests; 448 / 320 rows: a warpgroup idle in some tiles and not in others).
-    _check_wgmma_config(config, dtype, bias, tokens, rows, cols, config + tokens + cols, monkeypatch)
+    _check_wgmma_config(config, dtype, bias, tokens, rows, cols, config + tokens + cols)
 
 
 @pytest.mark.parametrize("config", list(range(13, 36)))
@@ -374,8 +375,8 @@ def test_spmm_wgmma_tma_configs(config, dtype, bias, tokens, rows, cols, monkeyp
     # no 32-bit row-pair stores) send every tile of that case to the general epilogue.
     [(8191, 1088, 200), (3000, 4160, 264), (2048, 1031, 136)],
 )
-def test_spmm_wgmma_tma_a_configs_many_tiles(config, dtype, bias, tokens, rows, cols, monkeypatch):
-    _check_wgmma_config(config, dtype, bias, tokens, rows, cols, config + rows + cols, monkeypatch)
+def test_spmm_wgmma_tma_a_configs_many_tiles(config, dtype, bias, tokens, rows, cols):
+    _check_wgmma_config(config, dtype, bias, tokens, rows, cols, config + rows + cols)
 
 
 STAGED_EPILOGUE_CONFIGS = [20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35]
@@ -404,28 +405,29 @@ STAGED_EPILOGUE_CONFIGS = [20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 3
         (700, 1031, 136),
     ],
 )
-def test_spmm_wgmma_staged_epilogue_configs(config, dtype, bias, tokens, rows, cols, monkeypatch):
-    _check_wgmma_config(config, dtype, bias, tokens, rows, cols, 7 * config + tokens + rows, monkeypatch)
+def test_spmm_wgmma_staged_epilogue_configs(config, dtype, bias, tokens, rows, cols):
+    _check_wgmma_config(config, dtype, bias, tokens, rows, cols, 7 * config + tokens + rows)
 
 
 @pytest.mark.parametrize(
-    ("tokens", "rows"), [(300, 4096), (4100, 4096), (8190, 4096), (4100, 4090), (300, 4090), (8190, 768), (8190, 762)]
+    ("tokens", "rows"),
+    [(300, 4096), (4100, 4096), (8190, 4096), (4100, 4090), (300, 4090), (8190, 4090), (8190, 768), (8190, 762)],
 )
-def test_spmm_wgmma_default_config_matches_reference(tokens, rows, monkeypatch):
-    # The default large-token tile without HF_SPARSE_SM90_CONFIG on a 4096 x 6144 weight (25 MB packed): 300 tokens
+def test_spmm_wgmma_default_config_matches_reference(tokens, rows):
+    # The product's large-token tile (sm90_large_config) on a 4096 x 6144 weight (25 MB packed): 300 tokens
     # = 64 256-token tiles, too few for the SMs, so config 23 (128-token tiles, 96 of them, a partial one); 4100 tokens
-    # = 544 tiles, config 20 (several per CTA, the last tile 4 tokens wide); 8190: 1024 tiles, config 20. 4090 rows
-    # (not a multiple of 8: no tensor map of Y) take the direct-store fallbacks of 20 / 23 (configs 15 / 19). 768 rows
+    # = 544 256-token tiles fill 82% of 5 rounds, 1056 128-token ones all of 8: config 23 (several per CTA, the last
+    # tile 4 tokens wide); 8190: 1024 tiles, config 20. 4090 rows (not a multiple of 8: no tensor map of Y) take the
+    # direct-store fallbacks of 20 / 23 (configs 15 / 19). 768 rows
     # at 8190 tokens: 192 256-token tiles fill 73% of the SMs' two rounds, 258 192-token tiles 98%: config 27 (762
     # rows: its fallback, config 19).
     if not _wgmma_runs_here():
         pytest.skip("sparse wgmma needs a cc 9.0 GPU and an sm_90a build")
-    monkeypatch.setenv("HF_SPARSE_SPMM_KERNEL", "wgmma")
-    monkeypatch.delenv("HF_SPARSE_SM90_CONFIG", raising=False)
     w, mask, p = _pack_cuda(rows, 6144, 64, 4, torch.bfloat16, seed=61 + rows)
     x = torch.randn(tokens, 6144, device="cuda").bfloat16()
     b = torch.randn(rows, device="cuda").bfloat16()
-    _assert_spmm_matches_reference(x, w, p, b)
+    with force_kernel(spmm="wgmma"):
+        _assert_spmm_matches_reference(x, w, p, b)
 
 
 def _assert_gelu_linear_matches(y, x, w, b):
@@ -443,35 +445,33 @@ def _assert_gelu_linear_matches(y, x, w, b):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize(("tokens", "rows", "cols"), [(1, 64, 40), (7, 192, 96), (300, 448, 136), (8191, 256, 1000)])
-def test_spmm_fused_gelu_matches_reference(config, dtype, bias, tokens, rows, cols, monkeypatch):
+def test_spmm_fused_gelu_matches_reference(config, dtype, bias, tokens, rows, cols):
     """The 2:4 sparse-wgmma kernel's epilogue GELU, in every epilogue (staged 20/23/27, full-tile 15/19, direct 13,
-    the TMA-B kernel 6, the register kernel 0 and the small-token tiles of the default choice)."""
+    the TMA-B kernel 6, the register kernel 0: forced in the lab build; and the product's choice, None)."""
     if not _wgmma_runs_here():
         pytest.skip("sparse wgmma needs a cc 9.0 GPU and an sm_90a build")
-    monkeypatch.setenv("HF_SPARSE_SPMM_KERNEL", "wgmma")
-    if config is not None:
-        monkeypatch.setenv("HF_SPARSE_SM90_CONFIG", str(config))
     w, mask, p = _pack_cuda(rows, cols, 64, 4, dtype, seed=tokens + rows)
     x = (2 * torch.randn(tokens, cols, device="cuda")).to(dtype)  # spread over GELU's curved part and both tails
     b = torch.randn(rows, device="cuda").to(dtype) if bias else None
     poison_allocator()
-    _assert_gelu_linear_matches(spmm(x, p, b, activation="gelu"), x, w, b)
+    with force_kernel(spmm="wgmma"), lab_knobs(**({} if config is None else {"sm90_config": config})):
+        _assert_gelu_linear_matches(spmm(x, p, b, activation="gelu"), x, w, b)
 
 
 @pytest.mark.parametrize(("v", "m"), [(64, 4), (64, 8), (128, 16)])
 @pytest.mark.parametrize("kernel", ["mma_sp", "wgmma"])
-def test_spmm_gelu_on_kernels_without_the_fusion(v, m, kernel, monkeypatch):
+def test_spmm_gelu_on_kernels_without_the_fusion(v, m, kernel):
     """mma.sp and the V:2:M kernel have no epilogue activation: spmm applies GELU after them, with the same result."""
     if kernel == "wgmma" and not _wgmma_runs_here():
         pytest.skip("sparse wgmma needs a cc 9.0 GPU and an sm_90a build")
-    monkeypatch.setenv("HF_SPARSE_SPMM_KERNEL", kernel)
     w, mask, p = _pack_cuda(256, 16 * m, v, m, torch.bfloat16, seed=m)
     x = torch.randn(3, 50, 16 * m, device="cuda").bfloat16()
     b = torch.randn(256, device="cuda").bfloat16()
     poison_allocator()
-    _assert_gelu_linear_matches(spmm(x, p, b, activation="gelu"), x, w, b)
-    with pytest.raises(ValueError, match="activation"):
-        spmm(x, p, b, activation="relu")
+    with force_kernel(spmm=kernel):
+        _assert_gelu_linear_matches(spmm(x, p, b, activation="gelu"), x, w, b)
+        with pytest.raises(ValueError, match="activation"):
+            spmm(x, p, b, activation="relu")
 
 
 _BAD_ARGUMENT = """

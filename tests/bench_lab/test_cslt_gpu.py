@@ -1,8 +1,8 @@
-"""GPU: the cached-plan cuSPARSELt path (csrc/cusparselt.cpp, hf_sparse.ops.cslt) against an fp64 reference.
+"""GPU: the lab's cached-plan cuSPARSELt path (benchmarks/lab/cusparselt.cpp, lab.cslt) against an fp64 reference.
 
 Fresh random 2:4 weights and inputs (never zeros), NaN-poisoned allocator before every call, error within 2x of
-PyTorch's own ``F.linear`` error in the same dtype. Skipped without a GPU or where the extension cannot be built
-(no cuSPARSELt).
+PyTorch's own ``F.linear`` error in the same dtype. Skipped without a GPU, outside the lab build
+(``HF_SPARSE_BUILD_LAB=1``) or where the extension cannot be built (no cuSPARSELt).
 """
 
 from __future__ import annotations
@@ -10,8 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-
-from ._helpers import assert_linear_matches, poison_allocator, random_masked, rel_err
+from ops._helpers import assert_linear_matches, poison_allocator, random_masked, rel_err
 
 pytestmark = [
     pytest.mark.gpu,
@@ -21,10 +20,10 @@ pytestmark = [
 
 @pytest.fixture(scope="module", autouse=True)
 def _needs_cslt():
-    from hf_sparse.ops import cslt
+    from lab import cslt
 
     if not cslt.available():
-        pytest.skip("the cached cuSPARSELt path cannot be built here (no cuSPARSELt header/library)")
+        pytest.skip("the cached cuSPARSELt path cannot be built here (not the lab build, or no cuSPARSELt)")
 
 
 def _weight(rows, cols, dtype, seed):
@@ -50,7 +49,7 @@ def test_cached_matmul_matches_reference(bias, tokens, rows, cols):
 
 
 def _check_cached_matmul(dtype, bias, tokens, rows, cols):
-    from hf_sparse.ops import cslt
+    from lab import cslt
 
     wq = _weight(rows, cols, dtype, seed=rows + cols)
     cw = cslt.compress(wq)
@@ -60,7 +59,7 @@ def _check_cached_matmul(dtype, bias, tokens, rows, cols):
 
 
 def test_plan_cache_hit_and_token_buckets():
-    from hf_sparse.ops import cslt
+    from lab import cslt
 
     wq = _weight(256, 512, torch.bfloat16, seed=1)
     cw = cslt.compress(wq)
@@ -88,7 +87,7 @@ def test_plan_cache_hit_and_token_buckets():
 
 
 def test_recompress_gives_new_result_and_keeps_plans():
-    from hf_sparse.ops import cslt
+    from lab import cslt
 
     w1 = _weight(128, 256, torch.bfloat16, seed=5)
     w2 = _weight(128, 256, torch.bfloat16, seed=6)  # another mask as well as other values
@@ -105,7 +104,7 @@ def test_recompress_gives_new_result_and_keeps_plans():
 
 
 def test_refuses_what_cusparselt_cannot_run():
-    from hf_sparse.ops import cslt
+    from lab import cslt
 
     # checked in Python before the extension is called (an error raised inside it crashed the process on the H200)
     cw = cslt.compress(_weight(64, 128, torch.bfloat16, seed=8))
@@ -130,7 +129,7 @@ def test_refuses_what_cusparselt_cannot_run():
 
 
 def test_cuda_graph_replays_the_cached_plan():
-    from hf_sparse.ops import cslt
+    from lab import cslt
 
     wq = _weight(256, 256, torch.bfloat16, seed=11)
     cw = cslt.compress(wq)
@@ -147,7 +146,7 @@ def test_cuda_graph_replays_the_cached_plan():
 
 
 def test_objects_are_freed():
-    from hf_sparse.ops import cslt
+    from lab import cslt
 
     wq = _weight(512, 512, torch.bfloat16, seed=13)
     x, _ = _inputs(64, 512, 512, torch.bfloat16, seed=14, bias=False)
@@ -166,7 +165,7 @@ def test_objects_are_freed():
 def test_vnm_weight_runs_on_cusparselt_as_2to4(v, m, tokens):
     """A V:2:M weight keeps <= 2 of every 4 columns of a row: cuSPARSELt runs it as 2:4, through the cached plan,
     and gets the right product."""
-    from hf_sparse.ops import cslt
+    from lab import cslt
 
     w, _ = random_masked(256, 32 * m, v, m, device="cuda", seed=m)
     wq = w.bfloat16().contiguous()

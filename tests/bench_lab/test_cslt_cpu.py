@@ -1,15 +1,21 @@
-"""CPU: the cuSPARSELt path's shape rules, how its installation is found, and that nothing is built at import."""
+"""CPU: the lab's cuSPARSELt path (lab.cslt): its shape rules, how its installation is found, that it is built in the
+lab build only, and that nothing is built at import."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
 import pytest
 import torch
+from lab import cslt
+from lab.cslt import find_cusparselt, load_cslt_extension
 
-from hf_sparse.ops import cslt
-from hf_sparse.ops._build import KernelUnavailableError, find_cusparselt, load_cslt_extension
+from hf_sparse.ops import _build
+from hf_sparse.ops._build import KernelUnavailableError
+
+from .conftest import BENCHMARKS
 
 
 @pytest.mark.parametrize(
@@ -53,19 +59,29 @@ def test_find_cusparselt_in_pip_layout(tmp_path, monkeypatch):
     assert find_cusparselt() == (pkg / "cu13" / "include", pkg / "cu13" / "lib" / "libcusparseLt.so.0")
 
 
+def test_outside_the_lab_build_cslt_is_unavailable_and_says_why(monkeypatch):
+    monkeypatch.setattr(_build, "lab_build", lambda: False)
+    monkeypatch.setattr(cslt, "lab_build", lambda: False)
+    with pytest.raises(KernelUnavailableError, match="HF_SPARSE_BUILD_LAB=1"):
+        load_cslt_extension.__wrapped__()
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU error")
-def test_without_gpu_cslt_is_unavailable_and_says_why():
+def test_without_gpu_cslt_is_unavailable_and_says_why(monkeypatch):
+    monkeypatch.setattr(cslt, "lab_build", lambda: True)
     with pytest.raises(KernelUnavailableError, match="CUDA GPU"):
         load_cslt_extension.__wrapped__()
-    assert cslt.available() is False
+    assert cslt.available.__wrapped__() is False
 
 
 def test_import_builds_nothing():
     code = (
-        "import torch, hf_sparse, hf_sparse.ops.dispatch, hf_sparse.ops.cslt\n"
+        "import torch, hf_sparse, hf_sparse.ops.dispatch, lab.cslt, lab.tuning\n"
         "assert not torch.cuda.is_initialized()\n"
+        "assert lab.cslt.load_cslt_extension.cache_info().currsize == 0\n"
+        "assert lab.cslt.available.cache_info().currsize == 0\n"
         "import hf_sparse.ops._build as b\n"
-        "assert b.load_cslt_extension.cache_info().currsize == 0\n"
-        "assert hf_sparse.ops.cslt.available.cache_info().currsize == 0\n"
+        "assert b.load_extension.cache_info().currsize == 0\n"
     )
-    subprocess.run([sys.executable, "-c", code], check=True)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([BENCHMARKS, os.environ.get("PYTHONPATH", "")]))
+    subprocess.run([sys.executable, "-c", code], check=True, env=env)

@@ -10,8 +10,8 @@
 // B = X as PyTorch hands it (N x K row-major, used with op = transpose), D = Y^T (R x N column-major, i.e. Y as
 // N x R row-major). The bias (R entries, the dtype of Y) is cuSPARSELt's per-row-of-D bias.
 //
-// Built as its own extension (hf_sparse/ops/_build.py: load_cslt_extension) only where cusparseLt.h is found,
-// so the main kernels never depend on cuSPARSELt.
+// Built as its own extension (benchmarks/lab/cslt.py: load_cslt_extension), in the lab build only and only where
+// cusparseLt.h is found, so the kernels of the product never depend on cuSPARSELt.
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cusparseLt.h>

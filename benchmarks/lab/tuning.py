@@ -1,0 +1,49 @@
+"""The lab build's tuning knobs (``csrc/lab.h``), set from Python: :func:`tuning` forces them inside a block.
+
+Knobs: ``sm90_config`` (the 2:4 sparse-wgmma SpMM's tile configuration, 0-35 as numbered in ``csrc/README.md``; -1
+the product's choice), ``vnm_pipe`` (the V:2:M wgmma SpMM's pipeline: 0 registers, 1 staged, 2 registers + L1
+prefetch), ``vnm_tile`` (64: 64-token tiles at M = 8; 0 the product's), ``sddmm_gather_regs`` (1: the wgmma SDDMM at
+M = 8 loads X into registers; 0 the product's). They exist only in the lab build: run with ``HF_SPARSE_BUILD_LAB=1``
+set before the extension is first built in the process (it is read at build time only).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+from hf_sparse.ops._build import KernelUnavailableError, lab_build, load_extension
+
+__all__ = ["KNOBS", "require_lab_build", "tuning"]
+
+KNOBS = ("sm90_config", "vnm_pipe", "vnm_tile", "sddmm_gather_regs")
+SM90_CONFIGS = range(36)  # the tile configurations of the lab build (csrc/lab.h kSm90Configs)
+
+
+def require_lab_build(what: str) -> None:
+    """Raise SystemExit saying how to run ``what`` unless this process builds the lab extension."""
+    if not lab_build():
+        raise SystemExit(f"{what} needs the lab build: run it with HF_SPARSE_BUILD_LAB=1")
+
+
+@contextlib.contextmanager
+def tuning(**knobs: int) -> Iterator[None]:
+    """Set lab knobs (names of :data:`KNOBS`) inside the block and restore them after; the extension must be the lab
+    build (``HF_SPARSE_BUILD_LAB=1``)."""
+    unknown = set(knobs) - set(KNOBS)
+    if unknown:
+        raise ValueError(f"hf_sparse lab: unknown knobs {sorted(unknown)}; use {KNOBS}")
+    ext = load_extension()
+    if not hasattr(ext, "lab_set"):
+        raise KernelUnavailableError(
+            "hf_sparse lab: the loaded extension is the product build, which has no tuning knobs; set "
+            "HF_SPARSE_BUILD_LAB=1 before the first kernel call of the process"
+        )
+    before = {}
+    try:
+        for name, value in knobs.items():
+            before[name] = ext.lab_set(name, int(value))
+        yield
+    finally:
+        for name, value in before.items():
+            ext.lab_set(name, value)

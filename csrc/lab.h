@@ -1,0 +1,37 @@
+// The lab build's tuning knobs (HF_SPARSE_LAB, i.e. HF_SPARSE_BUILD_LAB=1 at build time): alternatives to the
+// product's tile and pipeline choices, for benchmarks only. Set from Python through the lab build's `lab_set` binding
+// (benchmarks/lab/tuning.py), read by the launchers; the product build has neither the knobs nor the alternatives.
+#pragma once
+
+#if !defined(HF_SPARSE_LAB)
+#error "csrc/lab.h belongs to the lab build only (HF_SPARSE_BUILD_LAB=1)"
+#endif
+
+#include <atomic>
+
+namespace hf_sparse {
+namespace lab {
+
+struct Tuning {
+  // spmm_sm90.cu: the tile configuration of the 2:4 wgmma kernel, 0 .. kSm90Configs - 1 (every token count for the
+  // TMA ones, 6 and up; 0-5 above 128 tokens); -1: the product's choice (sm90_large_config in tile_config.h).
+  std::atomic<int> sm90_config{-1};
+  // spmm_vnm_sm90.cu: 0 X into registers one k-tile ahead (the product's), 1 a cp.async ring of shared-memory stages
+  // (where K / M <= 2048, else 0), 2 = 0 with L1 prefetches of the next k-tile.
+  std::atomic<int> vnm_pipe{0};
+  // spmm_vnm_sm90.cu: 64 forces 64-token tiles at M = 8; 0: the product's (128 above 64 tokens).
+  std::atomic<int> vnm_tile{0};
+  // sddmm_sm90.cu at M = 8: 0 X staged densely by TMA and gathered from shared memory (the product's), 1 X from global
+  // memory into registers.
+  std::atomic<int> sddmm_gather_regs{0};
+};
+
+inline Tuning& tuning() {
+  static Tuning t;
+  return t;
+}
+
+constexpr int kSm90Configs = 36;
+
+}  // namespace lab
+}  // namespace hf_sparse
