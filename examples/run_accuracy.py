@@ -315,7 +315,7 @@ class Scheduler:
                     log.close()
                     self._finished(run, code, started, result)
         finally:
-            for run, proc, _, log in active.values():  # interrupted: stop what this driver started
+            for _, proc, _, log in active.values():  # interrupted: stop what this driver started
                 proc.terminate()
                 proc.wait()
                 log.close()
@@ -502,7 +502,9 @@ def render_markdown(tables: dict[str, dict[str, dict[str, Any]]]) -> str:
         seeds = sorted({s for entry in table.values() for s in entry["seeds"]})
         mark = " — **untouched validation** (no recipe or setting was chosen on it)" if spec.untouched else ""
         parts.append(f"#### {spec.title}{mark}\n")
-        parts.append(f"Seeds {', '.join(map(str, seeds))}; mean ± sample standard deviation over the seeds of each row.\n")
+        parts.append(
+            f"Seeds {', '.join(map(str, seeds))}; mean ± sample standard deviation over the seeds of each row.\n"
+        )
         titles = [title for _, title in spec.metrics]
         head = ["row", "recipe", "pattern", "budget", *(f"{t} | vs dense" for t in titles), "seeds", "wall s"]
         parts.append("| " + " | ".join(head) + " |")
@@ -571,7 +573,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--run_args", default="", help="extra flags for every run (e.g. '--max_train_samples 64')")
     p.add_argument("--sparse_run_args", default="", help="extra flags for the sparse runs only")
     p.add_argument("--archive", help="keep a .tar.gz of the results here, rewritten after every run")
-    p.add_argument("--resume_from", help="an earlier call's --archive: its runs go into OUTPUT_DIR first")
+    p.add_argument(
+        "--resume_from", help="an earlier call's --archive: its runs go into OUTPUT_DIR first (missing: none yet)"
+    )
     p.add_argument("--keep_models", action="store_true", help="keep each run's saved model (default: deleted)")
     p.add_argument("--report_only", action="store_true", help="print the tables of the finished runs, run nothing")
     p.add_argument("--dry_run", action="store_true", help="print the runs that would start, run nothing")
@@ -606,9 +610,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     output_dir = Path(args.output_dir)
     if args.resume_from:
-        if not Path(args.resume_from).is_file():
-            raise SystemExit(f"--resume_from {args.resume_from}: no such file (an earlier call's --archive)")
-        extract_archive(Path(args.resume_from), output_dir)
+        if Path(args.resume_from).is_file():
+            extract_archive(Path(args.resume_from), output_dir)
+        else:  # the first call of a sweep
+            print(f"--resume_from {args.resume_from}: no such file, so no earlier results (first call?)", flush=True)
     if args.report_only:
         print(report(output_dir))
         return 0
@@ -651,8 +656,10 @@ def main(argv: list[str] | None = None) -> int:
     text = report(output_dir)
     if archive is not None:
         write_archive(output_dir, archive)
-    print(f"\n{len(result['done'])} runs finished, {len(result['failed'])} failed, {len(result['held'])} not started "
-          f"(deadline), in {time.monotonic() - start:.0f} s\n")
+    print(
+        f"\n{len(result['done'])} runs finished, {len(result['failed'])} failed, {len(result['held'])} not started "
+        f"(deadline), in {time.monotonic() - start:.0f} s\n"
+    )
     for run in result["failed"]:
         print(f"FAILED: {run.task} {run.row} seed {run.seed} ({run.dir / 'run.log'})")
     for run in result["held"]:

@@ -18,7 +18,15 @@ from run_accuracy import Run, Scheduler, aggregate, collect, render_markdown, se
 
 
 def _rec(task, row, seed, metrics, epochs=5.0, steps=575, wall=60.0):
-    return {"task": task, "row": row, "seed": seed, "metrics": metrics, "epochs": epochs, "steps": steps, "wall_s": wall}
+    return {
+        "task": task,
+        "row": row,
+        "seed": seed,
+        "metrics": metrics,
+        "epochs": epochs,
+        "steps": steps,
+        "wall_s": wall,
+    }
 
 
 RECORDS = [
@@ -127,21 +135,22 @@ def test_scheduler_skips_finished_runs_and_bounds_parallelism(tmp_path):
     old.dir.mkdir()
     (old.dir / "eval_results.json").write_text("{}")
     finished = []
-    result = Scheduler(1, on_finish=lambda run, code: finished.append((run.dir.name, code))).run(
-        [*runs, failing, old]
-    )
+    result = Scheduler(1, on_finish=lambda run, code: finished.append((run.dir.name, code))).run([*runs, failing, old])
     assert [r.dir.name for r in result["done"]] == ["r0", "r1", "r2"]
     assert [r.dir.name for r in result["failed"]] == ["bad"] and result["held"] == []
     assert sorted(finished) == [("bad", 3), ("r0", 0), ("r1", 0), ("r2", 0)]
     spans = sorted((t[0], t[2]) for t in (json.loads((r.dir / "t").read_text()) for r in runs))
-    assert all(end <= next_start for (_, end), (next_start, _) in zip(spans, spans[1:]))  # one at a time
+    # one at a time: every run ends before the next one starts
+    assert all(end <= next_start for (_, end), (next_start, _) in zip(spans, spans[1:], strict=False))
     info = json.loads((runs[0].dir / "run_info.json").read_text())
     assert info["returncode"] == 0 and info["wall_s"] >= 0.3
     assert (runs[0].dir / "run.log").is_file()
 
 
 def test_scheduler_deadline_and_finish_by_hold_runs(tmp_path):
-    runs = [_tiny_run(tmp_path, f"r{i}", "time.sleep(0.5); (d / 'eval_results.json').write_text('{}')") for i in range(3)]
+    runs = [
+        _tiny_run(tmp_path, f"r{i}", "time.sleep(0.5); (d / 'eval_results.json').write_text('{}')") for i in range(3)
+    ]
     result = Scheduler(1, deadline_s=0.2).run(runs)
     assert [r.dir.name for r in result["done"]] == ["r0"]  # launched at once; the others came after the deadline
     assert [r.dir.name for r in result["held"]] == ["r1", "r2"]
