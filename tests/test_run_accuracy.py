@@ -1,4 +1,4 @@
-"""``examples/run_accuracy.py``: the table arithmetic on hand-written results, the run plan, and the scheduler on tiny
+"""``examples/run_accuracy.py`` and ``examples/accuracy_sweep.py``: the table arithmetic on hand-written results, the run plan, and the scheduler on tiny
 commands (no training here: the end-to-end check of every row is the CPU smoke command in examples/README.md)."""
 
 from __future__ import annotations
@@ -13,8 +13,10 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "examples"))
 
+import accuracy_sweep  # noqa: E402
 import run_accuracy  # noqa: E402
-from run_accuracy import Run, Scheduler, aggregate, collect, render_markdown, select_rows  # noqa: E402
+from accuracy_sweep import aggregate, collect, render_markdown, select_rows  # noqa: E402
+from run_accuracy import Run, Scheduler  # noqa: E402
 
 
 def _rec(task, row, seed, metrics, epochs=5.0, steps=575, wall=60.0):
@@ -83,13 +85,13 @@ def test_collect_reads_run_folders(tmp_path):
 
 
 def test_select_rows():
-    assert select_rows(["*/2:4"]) == [f"{r}/2:4" for r in run_accuracy.RECIPES]
+    assert select_rows(["*/2:4"]) == [f"{r}/2:4" for r in accuracy_sweep.RECIPES]
     assert select_rows(["prune_then_recover/64:2:*", "dense"]) == [
         "dense",
         "prune_then_recover/64:2:8",
         "prune_then_recover/64:2:16",
     ]
-    assert len(run_accuracy.DEFAULT_ROWS) == 16
+    assert len(accuracy_sweep.DEFAULT_ROWS) == 16
     with pytest.raises(SystemExit, match="names no row"):
         select_rows(["magnitude/2:4"])
 
