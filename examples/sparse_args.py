@@ -57,6 +57,8 @@ FLAG_TO_CONFIG = {
     "sparsity_dense_finetune_start": "dense_finetune_start",
     "sparsity_calibration_batches": "calibration_batches",
     "sparsity_sparsegpt_damp": "sparsegpt_damp",
+    "sparsity_kernels": "kernels",
+    "sparsity_compact": "compact",
 }
 #: recipe ``distillation:`` key -> DistillationArguments field
 RECIPE_DISTILLATION = {"self_distill": "self_distill", "alpha": "distill_alpha", "temperature": "distill_temperature"}
@@ -132,6 +134,24 @@ class SparsityArguments:
     )
     sparsity_sparsegpt_damp: float | None = field(
         default=None, metadata={"help": "sparsegpt: dampening relative to the mean diagonal of each layer's X^T X."}
+    )
+    sparsity_kernels: str | None = field(
+        default=None,
+        metadata={
+            "help": "'auto': on CUDA, load (build on first use) the CUDA kernels at train start; 'never': do not. "
+            "Compact 2:4 / V:2:M layers run on the kernels whatever this says: add --sparsity_compact false to "
+            "train without the extension.",
+            "choices": ["auto", "never"],
+        },
+    )
+    sparsity_compact: bool | None = field(
+        default=None,
+        metadata={
+            "help": "Turn pruned layers compact once their masks are final (default true); false keeps them dense "
+            "and masked for the whole run.",
+            "nargs": "?",
+            "const": True,
+        },
     )
     recipe: str | None = field(
         default=None,
