@@ -18,9 +18,12 @@ Event by event:
 * ``on_pre_optimizer_step``: hand the step's full gradient to gradient-based scores (OBS) in the steps before a
   mask update, and add the masked decay in dynamic mode.
 * ``on_optimizer_step``: re-apply the masks, so pruned weights stay exactly ``+0.0`` under momentum and decay.
+* ``on_step_begin`` / ``on_step_end`` once layers are compact (on CUDA, ``SparsityConfig.compact_fallback``): time a
+  few real training steps on the compact layers and a few on the masked dense ones, keep the faster and log one line
+  saying so (:mod:`hf_sparse.compact_fallback`).
 * ``on_log``: add overall sparsity, target and flip rate to the logs (per-layer sparsity after each mask update).
-* ``on_save``: write the pruner state (bit-packed masks, level, schedule position, which layers are compact) into
-  the checkpoint folder.
+* ``on_save``: write the pruner state (bit-packed masks, level, schedule position, which layers are compact, where
+  the compact/dense comparison stands) into the checkpoint folder.
 
 ``SparsityConfig(compact=False)`` keeps the dense masked layers to the end.
 """
@@ -38,6 +41,7 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from .calibration import CalibrationSource
+from .compact_fallback import CompactFallback
 from .compaction import install_load_hook, make_compact, why_not_compact_now
 from .config import SparsityConfig
 from .distributed import full_tensor
@@ -104,6 +108,7 @@ class SparsityCallback(TrainerCallback):
         self._log_per_layer = False
         self._compact_refused = False
         self._load_hook = None
+        self.fallback = CompactFallback(config.compact_fallback, config.compact_fallback_steps)
         #: set by SparseTrainer, which merges metrics in Trainer.log itself
         self.adds_metrics_to_logs = True
 
@@ -148,6 +153,9 @@ class SparsityCallback(TrainerCallback):
         with safe_open(self._pending_state, framework="pt") as fh:
             meta = fh.metadata() or {}
         self.pruner.load_state_dict(load_file(self._pending_state), meta)
+        if "compact_fallback" in meta:
+            device = self.pruner.layers[0].module.weight.device if self.pruner.layers else None
+            self.fallback.load_state_dict(json.loads(meta["compact_fallback"]), device)
         logger.info("hf_sparse: restored pruner state from %s", self._pending_state)
         self._pending_state = None
 
@@ -156,6 +164,8 @@ class SparsityCallback(TrainerCallback):
         """Make the pruned layers compact if the masks are final, or log once why not (see :mod:`hf_sparse.compaction`)."""
         pruner = self.pruner
         if not self.config.compact or not pruner.masks_final or not pruner.dense_layers or self._compact_refused:
+            return
+        if self.fallback.holds_dense(step):  # the masked dense layers are being timed, or measured faster
             return
         why = why_not_compact_now(model, optimizer)
         if why is not None:
@@ -167,7 +177,13 @@ class SparsityCallback(TrainerCallback):
                 why,
             )
             return
-        make_compact(model, pruner, optimizer)
+        done = make_compact(model, pruner, optimizer)
+        if done:
+            logger.info(
+                "hf_sparse: %d layers are compact (%s), holding their kept values only",
+                len(done),
+                pruner.current_pattern(),
+            )
 
     # ------------------------------------------------------------------ events
     def on_init_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, model=None, **kwargs):
@@ -253,10 +269,22 @@ class SparsityCallback(TrainerCallback):
         pruner.apply()
 
     def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs):
-        if self.pruner is not None and self.pruner.update(state.global_step):
+        if self.pruner is None:
+            return
+        model = kwargs.get("model")
+        if self.pruner.update(state.global_step):
             self._log_per_layer = True
-            if kwargs.get("model") is not None:
-                self._make_compact(kwargs["model"], kwargs.get("optimizer"), state.global_step)
+            if model is not None:
+                self._make_compact(model, kwargs.get("optimizer"), state.global_step)
+        if model is not None and self.config.compact:
+            self.fallback.begin_step(state.global_step, state.max_steps, model, self.pruner, kwargs.get("optimizer"))
+
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs):
+        """Time compact against masked dense layers and keep the faster (:mod:`hf_sparse.compact_fallback`)."""
+        model = kwargs.get("model")
+        if self.pruner is not None and model is not None and self.config.compact:
+            pause = control.should_save or control.should_evaluate or control.should_training_stop
+            self.fallback.end_step(state.global_step, pause, model, self.pruner, kwargs.get("optimizer"))
 
     def on_pre_optimizer_step(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs):
         """The step's full gradient (accumulated, all-reduced under DDP, clipped): OBS statistics, masked decay."""
@@ -293,6 +321,7 @@ class SparsityCallback(TrainerCallback):
             logger.warning("hf_sparse: checkpoint folder %s not found; pruner state not saved", folder)
             return
         tensors, meta = self.pruner.state_dict()
+        meta["compact_fallback"] = json.dumps(self.fallback.state_dict())
         tmp = os.path.join(folder, PRUNER_STATE_NAME + ".tmp")
         save_file(tensors, tmp, metadata=meta)
         os.replace(tmp, os.path.join(folder, PRUNER_STATE_NAME))  # atomic: never a half-written state

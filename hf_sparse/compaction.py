@@ -15,6 +15,10 @@ update of an elementwise optimizer reads only its own entry), so the run continu
 under DDP or FSDP cannot change mid-run (the wrapper holds the Parameters):
 :func:`why_not_compact_now` says so and the run continues on the masked dense path.
 
+:func:`make_dense` is the exact inverse, for a run that measures the masked dense layers faster
+(:mod:`hf_sparse.compact_fallback`): each compact layer becomes its dense layer again and its optimizer state is
+scattered back to the dense positions, ``+0.0`` at pruned ones.
+
 Checkpoints: :func:`install_load_hook` lets ``model.load_state_dict`` (``Trainer`` resuming, or loading the best
 model) read a state dict whatever form each pruned layer has in it, by first turning the model's layer into that
 form.
@@ -23,6 +27,8 @@ form.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from functools import partial
 
 import torch
 from torch import Tensor, nn
@@ -33,7 +39,15 @@ from .modeling import unwrap_model
 from .nn.convert import compact_like, has_compressed_tensors, replace_submodule, to_compact, to_dense_module
 from .pruner import Pruner
 
-__all__ = ["install_load_hook", "make_compact", "make_dense", "move_optimizer_state", "why_not_compact_now"]
+__all__ = [
+    "gather_kept",
+    "install_load_hook",
+    "make_compact",
+    "make_dense",
+    "move_optimizer_state",
+    "scatter_kept",
+    "why_not_compact_now",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -43,15 +57,35 @@ def _torch_optimizer(optimizer) -> torch.optim.Optimizer:
     return getattr(optimizer, "optimizer", optimizer)
 
 
+def gather_kept(value: Tensor, kept_index: Tensor, transposed: bool = False) -> Tensor:
+    """The entries of a dense-weight-shaped tensor at ``kept_index`` (flat indices into the logical ``(out, in)``
+    weight), flat, in the index's order. ``transposed``: ``value`` is stored ``(in, out)`` (GPT-2 ``Conv1D``)."""
+    logical = value.T if transposed else value
+    return logical.reshape(-1)[kept_index.to(value.device)]
+
+
+def scatter_kept(values: Tensor, kept_index: Tensor, shape: tuple[int, int], transposed: bool = False) -> Tensor:
+    """The inverse of :func:`gather_kept`: a dense tensor of the stored ``shape`` holding ``values`` at
+    ``kept_index`` and ``+0.0`` everywhere else (contiguous, also when ``transposed``)."""
+    rows, cols = shape[::-1] if transposed else shape
+    flat = values.new_zeros(rows * cols).index_put_((kept_index.to(values.device),), values.reshape(-1))
+    logical = flat.view(rows, cols)
+    return logical.T.contiguous() if transposed else logical
+
+
+def _gather_state(value: Tensor, index: Tensor, shape: torch.Size, transposed: bool) -> Tensor:
+    return gather_kept(value, index, transposed).view(shape)
+
+
 @torch.no_grad()
 def move_optimizer_state(
-    optimizer, old: nn.Parameter, new: nn.Parameter, kept_index: Tensor | None, transposed: bool = False
+    optimizer, old: nn.Parameter, new: nn.Parameter, convert: Callable[[Tensor], Tensor] | None = None
 ) -> bool:
     """Put ``new`` in ``old``'s place in ``optimizer`` (its param group and its state).
 
-    ``kept_index``: flat indices into the logical ``(out, in)`` weight of ``new``'s elements, in their order; every state
-    tensor shaped like ``old`` is gathered there (``transposed``: ``old`` stores ``(in, out)``, GPT-2 ``Conv1D``).
-    ``None``: ``new`` has ``old``'s shape and takes its state as it is. Returns whether ``old`` was in ``optimizer``.
+    Every state tensor shaped like ``old`` goes through ``convert`` (``None``: ``new`` has ``old``'s shape and takes
+    its state as it is); scalar state such as ``step`` is carried as it is. Returns whether ``old`` was in
+    ``optimizer``.
     """
     opt = _torch_optimizer(optimizer)
     found = False
@@ -63,13 +97,12 @@ def move_optimizer_state(
                 found = True
     state = opt.state.pop(old, None)
     if state:
-        moved = {}
-        for key, value in state.items():
-            if kept_index is not None and isinstance(value, Tensor) and value.shape == old.shape:
-                logical = value.T if transposed else value
-                value = logical.reshape(-1)[kept_index.to(value.device)].reshape(new.shape)
-            moved[key] = value
-        opt.state[new] = moved
+        opt.state[new] = {
+            key: convert(value)
+            if convert is not None and isinstance(value, Tensor) and value.shape == old.shape
+            else value
+            for key, value in state.items()
+        }
     return found
 
 
@@ -101,27 +134,38 @@ def make_compact(model: nn.Module, pruner: Pruner, optimizer=None) -> list[str]:
         new = to_compact(old, mask, pattern)
         replace_submodule(root, layer.name, new)
         if optimizer is not None:
-            move_optimizer_state(optimizer, old.weight, new.weight, new.kept_index, layer.transposed)
-            if old.bias is not None and new.bias is not old.bias:
-                move_optimizer_state(optimizer, old.bias, new.bias, None)
+            gather = partial(_gather_state, index=new.kept_index, shape=new.weight.shape, transposed=layer.transposed)
+            move_optimizer_state(optimizer, old.weight, new.weight, gather)
         pruner.replace_module(layer.name, new, compact=True)
         done.append(layer.name)
-    if done:
-        logger.info("hf_sparse: %d layers are compact (%s), holding their kept values only", len(done), pattern)
     return done
 
 
-def make_dense(model: nn.Module, pruner: Pruner, names=None) -> list[str]:
-    """Replace compact layers of ``pruner`` (``names``, default all) by dense masked ones: to load a checkpoint
-    written before the switch into a model trained after it. Optimizer state is not moved."""
+def make_dense(model: nn.Module, pruner: Pruner, names=None, optimizer=None) -> list[str]:
+    """The inverse of :func:`make_compact`: replace compact layers of ``pruner`` (``names``, default all) by their
+    dense ``nn.Linear`` / ``Conv1D`` (the decompressed weight, the same bias Parameter), masked by the pruner again.
+
+    With ``optimizer``, each layer's state moves with it: every state tensor shaped like the kept values is
+    scattered back to the dense positions, ``+0.0`` at pruned ones (in the stored layout: transposed for
+    ``Conv1D``), which is the state the masked dense run holds there. Without it (loading a checkpoint written
+    before the switch, before the optimizer exists) no state moves. Returns the names of the layers replaced."""
     root = unwrap_model(model)
     done = []
     for layer in pruner.layers:
-        if layer.compact and (names is None or layer.name in names):
-            dense = to_dense_module(layer.module)
-            replace_submodule(root, layer.name, dense)
-            pruner.replace_module(layer.name, dense, compact=False)
-            done.append(layer.name)
+        if not layer.compact or (names is not None and layer.name not in names):
+            continue
+        old = layer.module
+        dense = to_dense_module(old)
+        if old.bias is not None:
+            dense.bias = old.bias  # one Parameter for the bias in both forms: its optimizer state stays
+        replace_submodule(root, layer.name, dense)
+        if optimizer is not None:
+            scatter = partial(
+                scatter_kept, kept_index=old.kept_index, shape=dense.weight.shape, transposed=layer.transposed
+            )
+            move_optimizer_state(optimizer, old.weight, dense.weight, scatter)
+        pruner.replace_module(layer.name, dense, compact=False)
+        done.append(layer.name)
     return done
 
 

@@ -134,6 +134,14 @@ class SparsityConfig:
             the model before each mask update. :func:`hf_sparse.oneshot` uses the batches it is given.
         sparsegpt_damp: ``score="sparsegpt"``: dampening relative to the mean diagonal of each layer's ``Xᵀ X``.
         sparsegpt_block_size: ``score="sparsegpt"``: columns per lazy-update block of the sweep.
+        kernels: ``"auto"`` loads the CUDA kernels at train start on a GPU; ``"never"`` does not.
+        compact: once the masks are final, the pruned layers turn compact (kept values only, see
+            :mod:`hf_sparse.compaction`); ``False`` keeps the dense masked layers to the end.
+        compact_fallback: whether the run times its compact layers against the masked dense ones and keeps the
+            faster (see :mod:`hf_sparse.compact_fallback`): ``"auto"`` on CUDA only (on the CPU the compact layers
+            run a reference path), ``"always"`` on any device, ``"never"`` keeps the compact layers unmeasured.
+            The timed steps are real training steps; under a DDP/FSDP wrapper no comparison runs.
+        compact_fallback_steps: optimizer steps timed on each path (after a few warm-up steps per path).
     """
 
     pattern: str = "2:4"
@@ -157,6 +165,8 @@ class SparsityConfig:
     sparsegpt_block_size: int = 128
     kernels: Literal["auto", "never"] = "auto"
     compact: bool = True
+    compact_fallback: Literal["auto", "always", "never"] = "auto"
+    compact_fallback_steps: int = 10
     hf_sparse_version: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
@@ -195,8 +205,19 @@ class SparsityConfig:
             raise ValueError(f"SparsityConfig.kernels={self.kernels!r}: allowed 'auto' or 'never'")
         if not isinstance(self.compact, bool):
             raise ValueError(f"SparsityConfig.compact={self.compact!r}: must be True or False")
+        self._check_compact_fallback()
         if not self.hf_sparse_version:
             self.hf_sparse_version = __version__
+
+    def _check_compact_fallback(self) -> None:
+        if self.compact_fallback not in ("auto", "always", "never"):
+            raise ValueError(
+                f"SparsityConfig.compact_fallback={self.compact_fallback!r}: allowed 'auto' (measure on CUDA), "
+                "'always' (on any device) or 'never'"
+            )
+        steps = self.compact_fallback_steps
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"SparsityConfig.compact_fallback_steps={steps!r}: must be an int >= 1")
 
     def _check_obs_and_dynamic(self, parsed: Pattern) -> None:
         for name in ("obs_num_grads", "obs_block_size"):

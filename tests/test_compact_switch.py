@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import struct
+import time
 
 import pytest
 import torch
@@ -47,9 +49,10 @@ def _run(
     callbacks=(),
     resume=None,
     evaluate=False,
+    fallback=None,
     **args,
 ):
-    config = SparsityConfig(**schedule, compact=compact)
+    config = SparsityConfig(**schedule, compact=compact, **(fallback or {}))
     settings = dict(max_steps=9, weight_decay=0.1, max_grad_norm=0.0, logging_steps=1, dataloader_drop_last=True)
     settings.update(args)
     common = dict(model=_model(family), args=trainer_args(tmp_path, **settings), train_dataset=ToyClassification())
@@ -86,12 +89,15 @@ def _assert_same_training(compact_trainer, dense_trainer):
     cp, dp = _pruner(compact_trainer), _pruner(dense_trainer)
     pruned = set()
     for a, b in zip(cp.layers, dp.layers, strict=True):
-        assert a.compact and not b.compact, a.name
+        assert not b.compact, a.name
         assert torch.equal(cp.masks[a.name], dp.masks[b.name]), a.name
-        values, index = a.module.weight.detach().reshape(-1), a.module.kept_index.long()
         dense = b.weight.detach().reshape(-1)
-        assert torch.equal(values, dense[index]), a.name  # the kept weights, bit for bit
-        assert int(torch.count_nonzero(dense)) <= values.numel()  # and nothing else survives in the dense run
+        if a.compact:
+            values, index = a.module.weight.detach().reshape(-1), a.module.kept_index.long()
+            assert torch.equal(values, dense[index]), a.name  # the kept weights, bit for bit
+            assert int(torch.count_nonzero(dense)) <= values.numel()  # and nothing else survives in the dense run
+        else:  # back on the masked dense path (the compact fallback)
+            assert torch.equal(a.weight.detach().reshape(-1), dense), a.name
         pruned.add(f"{a.name}.weight")
     rest = dict(dense_trainer.model.named_parameters())
     for name, p in compact_trainer.model.named_parameters():
@@ -116,6 +122,7 @@ def test_switch_at_final_update_continues_the_masked_run_exactly(tmp_path, famil
     compact = _run(tmp_path / "compact", compact=True, **kwargs)
     dense = _run(tmp_path / "dense", compact=False, **kwargs)
     assert compact.state.global_step == 9
+    assert all(layer.compact for layer in _pruner(compact).layers)
     _assert_same_training(compact, dense)
     # the optimizer carried the moved state: the compact Parameter has Adam moments / momentum of its own shape
     optimizer = getattr(compact.optimizer, "optimizer", compact.optimizer)
@@ -138,6 +145,7 @@ def test_oneshot_at_step_zero_is_compact_before_the_optimizer_exists(tmp_path):
     assert isinstance(trainer.model.bert.encoder.layer[0].output.dense, SparseLinear)
     compact = _run(tmp_path / "c", schedule=ONESHOT, max_steps=4)
     dense = _run(tmp_path / "d", schedule=ONESHOT, max_steps=4, compact=False)
+    assert all(layer.compact for layer in _pruner(compact).layers)
     _assert_same_training(compact, dense)
 
 
@@ -259,3 +267,96 @@ def test_load_best_model_from_before_the_switch(tmp_path):
     trainer.save_model(str(tmp_path / "out"))
     loaded = AutoModelForSequenceClassification.from_pretrained(tmp_path / "out")
     assert str(loaded.bert.encoder.layer[0].output.dense.pattern) == "3:4"
+
+
+# ---------------------------------------------------------------------- never slower: the compact fallback
+TIMED = dict(compact_fallback="always", compact_fallback_steps=2)  # warm-up 3 + 2 timed steps per path: 10 steps
+
+
+class _Forms(TrainerCallback):
+    """Records, per optimizer step, whether the pruned layers are compact; ``slow`` (a form, True = compact): sleeps
+    inside the timed steps (3-4 compact, 8-9 dense) taken in that form, a real slowdown the comparison measures,
+    larger than the noise of a loaded CPU, so its outcome is certain."""
+
+    def __init__(self, slow: bool | None = None, seconds: float = 2.0) -> None:
+        self.slow, self.seconds, self.forms = slow, seconds, []
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        compact = any(isinstance(module, SparseLinear) for module in model.modules())
+        self.forms.append(compact)
+        if compact == self.slow and state.global_step in (3, 4, 8, 9):
+            time.sleep(self.seconds)
+
+
+def _decisions(caplog) -> list[str]:
+    return [
+        r.getMessage() for r in caplog.records if r.name == "hf_sparse.compact_fallback" and "ms/step" in r.message
+    ]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "family, optim, plain, slow, choice",
+    [
+        ("bert", "adamw_torch", False, True, "dense"),
+        ("bert", "adamw_torch_fused", True, False, "compact"),
+        ("gpt2", "sgd", False, True, "dense"),  # Conv1D: state scattered back in the stored (in, out) layout
+    ],
+    ids=["bert-adamw-dense-wins", "bert-fused-adamw-Trainer-compact-wins", "gpt2-sgd-momentum-dense-wins"],
+)
+def test_fallback_times_both_paths_keeps_the_faster_and_trains_as_masked_dense(
+    tmp_path, caplog, family, optim, plain, slow, choice
+):
+    """Steps 0-4 compact (3 warm-up, 2 timed), 5-9 masked dense (the same), then the faster; every step trains as the
+    masked dense run does, bit for bit."""
+    extra = {"optim_args": "momentum=0.9"} if optim == "sgd" else {}
+    kwargs = dict(family=family, plain=plain, optim=optim, schedule=ONESHOT, max_steps=12, **extra)
+    forms = _Forms(slow=slow)
+    with caplog.at_level(logging.INFO, logger="hf_sparse"):
+        timed = _run(tmp_path / "timed", fallback=TIMED, callbacks=[forms], **kwargs)
+    assert forms.forms == [True] * 5 + [False] * 5 + [choice == "compact"] * 2
+    decisions = _decisions(caplog)
+    assert (
+        len(decisions) == 1 and f"with the {'masked dense' if choice == 'dense' else 'compact'} layers" in decisions[0]
+    )
+    fallback = next(c for c in timed.callback_handler.callbacks if isinstance(c, SparsityCallback)).fallback
+    assert fallback.choice == choice
+    assert fallback.timings["compact"].steps == fallback.timings["dense"].steps == 2
+    _assert_same_training(timed, _run(tmp_path / "dense", compact=False, **kwargs))
+    optimizer = getattr(timed.optimizer, "optimizer", timed.optimizer)
+    for layer in _pruner(timed).layers:  # the optimizer state follows the chosen form
+        nnz = int(_pruner(timed).masks[layer.name].sum())
+        moments = [v for v in optimizer.state[layer.module.weight].values() if v.dim() > 0]
+        assert moments and all(
+            v.numel() == (nnz if choice == "compact" else layer.module.weight.numel()) for v in moments
+        )
+        assert all(int(torch.count_nonzero(v)) <= nnz for v in moments)
+
+
+@pytest.mark.slow
+def test_resume_continues_the_fallback_exactly_without_measuring_again(tmp_path, caplog):
+    """Dense wins (compact steps slowed). Checkpoint 6 is inside the measurement (dense warm-up): the resumed run
+    times the rest and decides at the same step; checkpoint 12 is after the decision: the resumed run trains masked
+    dense at once and measures nothing."""
+    kwargs = dict(schedule=ONESHOT, fallback=TIMED, save_strategy="steps", save_steps=6, max_steps=14)
+    whole = _run(tmp_path / "whole", callbacks=[_Forms(slow=True)], **kwargs)
+    assert whole.sparsity_callback.fallback.choice == "dense"
+    for cut, forms_after in [(6, [False] * 8), (12, [False] * 2)]:
+        _run(tmp_path / f"cut{cut}", callbacks=[_Forms(slow=True), StopAt(cut)], **kwargs)
+        caplog.clear()
+        forms = _Forms(slow=True)
+        with caplog.at_level(logging.INFO, logger="hf_sparse"):
+            resumed = _run(
+                tmp_path / f"cut{cut}",
+                callbacks=[forms],
+                resume=str(tmp_path / f"cut{cut}" / f"checkpoint-{cut}"),
+                **kwargs,
+            )
+        assert forms.forms == forms_after, cut
+        assert len(_decisions(caplog)) == (1 if cut == 6 else 0), cut
+        assert resumed.sparsity_callback.fallback.choice == "dense"
+        assert resumed.state.global_step == 14 and whole.losses[-2:] == resumed.losses[-2:], cut
+        assert not any(layer.compact for layer in resumed.pruner.layers)
+        resumed_params = dict(resumed.model.named_parameters())
+        for name, p in whole.model.named_parameters():
+            assert torch.equal(p, resumed_params[name]), (cut, name)

@@ -13,8 +13,8 @@ Layers, bottom up (ARCHITECTURE.md, plus where each helper module sits and why):
 5. the format: ``formats``;
 6. ``ops``;
 7. modules: ``nn``;
-8. trainer integration: ``callback``, ``trainer``, ``compact`` (the switch), ``serialization`` (saving),
-   ``distillation``, ``hub``, ``metrics``;
+8. trainer integration: ``callback``, ``trainer``, ``compaction`` (the switch), ``compact_fallback`` (timing compact
+   against dense), ``serialization`` (saving), ``distillation``, ``hub``, ``metrics``;
 9. loading: ``integrations``; ``inspect`` reads checkpoints as the loader does;
 10. the entry points: ``cli``, ``demo`` and the package's ``__init__``.
 """
@@ -48,6 +48,7 @@ LAYERS: list[tuple[str, ...]] = [
         "hf_sparse.callback",
         "hf_sparse.trainer",
         "hf_sparse.compaction",
+        "hf_sparse.compact_fallback",
         "hf_sparse.serialization",
         "hf_sparse.distillation",
         "hf_sparse.hub",

@@ -241,24 +241,26 @@ class SparseLinear(nn.Module):
         )
 
     def to_dense_module(self) -> nn.Module:
-        """A plain ``nn.Linear`` (or GPT-2 ``Conv1D``) holding the decompressed weight."""
+        """A plain ``nn.Linear`` (or GPT-2 ``Conv1D``) holding the decompressed weight. Built on the meta device and
+        filled, so that no random initialisation draws from the global RNG (a training run's dropout masks stay the
+        same)."""
         with torch.no_grad():
             dense = decompress(self.compressed_tensors(), self.pattern, self.logical_shape)
         device, dtype = self.weight.device, self.weight.dtype
-        if self.dense_class == "Conv1D":
-            from transformers.pytorch_utils import Conv1D
+        with torch.device("meta"):
+            if self.dense_class == "Conv1D":
+                from transformers.pytorch_utils import Conv1D
 
-            module = Conv1D(self.out_features, self.in_features).to(device=device, dtype=dtype)
-            module.weight.data.copy_(dense.T)
-        else:
-            module = nn.Linear(
-                self.in_features, self.out_features, bias=self.bias is not None, device=device, dtype=dtype
-            )
-            module.weight.data.copy_(dense)
-        if self.bias is not None:
-            module.bias.data.copy_(self.bias.detach())
-        elif self.dense_class == "Conv1D":
-            module.bias.data.zero_()
+                module = Conv1D(self.out_features, self.in_features)
+            else:
+                module = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None)
+        module = module.to_empty(device=device).to(dtype)
+        with torch.no_grad():
+            module.weight.copy_(dense.T if self.dense_class == "Conv1D" else dense)
+            if self.bias is not None:
+                module.bias.copy_(self.bias.detach())
+            elif self.dense_class == "Conv1D":
+                module.bias.zero_()
         return module
 
 

@@ -1,0 +1,220 @@
+"""Never slower than dense: time the compact layers against the masked dense ones inside training, keep the faster.
+
+Once the pruned layers are compact (:mod:`hf_sparse.compaction`), :class:`CompactFallback` runs a fixed schedule of
+real training steps, counted from the first step with compact layers ``s``, ``W`` = :data:`WARMUP_STEPS` and ``T`` =
+``SparsityConfig.compact_fallback_steps``::
+
+    [s, s+W)            compact, warm-up (the compact layers measure their kernel plans in their first step)
+    [s+W, s+W+T)        compact, timed
+    [s+W+T, s+2W+T)     masked dense (compaction.make_dense, optimizer state scattered back), warm-up
+    [s+2W+T, s+2W+2T)   masked dense, timed
+    after step s+2W+2T-1: the faster path (choose_path); back to compact (compaction.make_compact) unless dense won
+
+Masked dense and compact training are the same computation (the switches move the optimizer state exactly), so
+every timed step trains as any other. A timed window is wall clock per optimizer step: the device is synchronized
+where a timed stretch begins and ends, not inside it; a checkpoint save or an evaluation ends a stretch (their time
+is not a training step's) and the next step begins the next one. The schedule is in step numbers and
+:meth:`CompactFallback.state_dict` goes into the checkpoint's pruner state, so a resumed run switches at the same
+steps, times the rest of a cut window (its first step after the resume untimed), and after the decision continues on
+the chosen path without measuring again.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from .compaction import make_compact, make_dense, why_not_compact_now
+from .pruner import Pruner
+
+__all__ = ["NOISE_MARGIN", "WARMUP_STEPS", "CompactFallback", "choose_path"]
+
+logger = logging.getLogger(__name__)
+
+#: Untimed steps after each switch: kernel plans are measured, allocator pools and ``torch.compile`` graphs built.
+WARMUP_STEPS = 3
+#: The masked dense layers win only if faster than the compact ones by more than this fraction of the compact time.
+NOISE_MARGIN = 0.03
+
+PathName = Literal["compact", "dense"]
+
+
+def choose_path(compact_ms: float | None, dense_ms: float | None, margin: float = NOISE_MARGIN) -> PathName:
+    """``"dense"`` when the masked dense step (``dense_ms``, ms per optimizer step) is faster than the compact one by
+    more than ``margin`` of the compact time, else ``"compact"``: within the noise, or when a path could not be
+    timed (``None``), the compact layers stay, since they hold less memory."""
+    for name, value in (("compact_ms", compact_ms), ("dense_ms", dense_ms)):
+        if value is not None and not (math.isfinite(value) and value >= 0):
+            raise ValueError(f"choose_path: {name}={value!r} must be a finite time >= 0 (ms per step) or None")
+    if not 0 <= margin < 1:
+        raise ValueError(f"choose_path: margin={margin!r} must be a fraction in [0, 1)")
+    if compact_ms is None or dense_ms is None:
+        return "compact"
+    return "dense" if dense_ms < compact_ms * (1 - margin) else "compact"
+
+
+class _Timing:
+    """Milliseconds and optimizer steps timed on one path, in closed stretches."""
+
+    def __init__(self, ms: float = 0.0, steps: int = 0) -> None:
+        self.ms, self.steps = ms, steps
+
+    @property
+    def ms_per_step(self) -> float | None:
+        return self.ms / self.steps if self.steps else None
+
+
+class CompactFallback:
+    """The comparison of one training run (see the module docstring); :class:`~hf_sparse.SparsityCallback` forwards
+    its step events here.
+
+    Args:
+        mode: ``SparsityConfig.compact_fallback``: ``"auto"`` (CUDA only), ``"always"`` or ``"never"``.
+        steps: optimizer steps timed per path.
+        warmup: untimed steps after each switch.
+    """
+
+    def __init__(self, mode: str = "auto", steps: int = 10, warmup: int = WARMUP_STEPS) -> None:
+        self.mode, self.steps, self.warmup = mode, steps, warmup
+        self.start: int | None = None  # first step with compact layers: the schedule counts from here
+        self.declined: str | None = None  # why no comparison runs in this run
+        self.choice: PathName | None = None
+        self.timings = {"compact": _Timing(), "dense": _Timing()}
+        self._open: tuple[PathName, float, int] | None = None  # (path, start time, steps so far) of a timed stretch
+        self._device: torch.device | None = None
+        self._skip_next = False  # the first step after a resume is a warm-up
+
+    # ------------------------------------------------------------------ schedule
+    def timed_steps(self, path: PathName) -> range:
+        """The optimizer steps timed on ``path`` (empty before the schedule starts)."""
+        if self.start is None:
+            return range(0)
+        first = self.start + self.warmup + (0 if path == "compact" else self.warmup + self.steps)
+        return range(first, first + self.steps)
+
+    def holds_dense(self, step: int) -> bool:
+        """Whether the pruned layers are meant to be dense at ``step``: during the dense half of the measurement,
+        and for good after the masked dense layers won."""
+        if self.choice is not None:
+            return self.choice == "dense"
+        dense = self.timed_steps("dense")
+        return self.start is not None and dense.start - self.warmup <= step < dense.stop
+
+    # ------------------------------------------------------------------ events
+    def begin_step(self, step: int, max_steps: int, model: nn.Module, pruner: Pruner, optimizer) -> None:
+        """At the start of optimizer step ``step``, after the compact switch: start the schedule at the first step
+        with compact layers, and begin a timed stretch on a timed step."""
+        if self.start is None and self.choice is None and self.declined is None:
+            self._plan(step, max_steps, model, pruner, optimizer)
+        path = self._timed_path(step)
+        if path is None or self._open is not None:
+            return
+        if self._skip_next:
+            self._skip_next = False
+            return
+        self._sync()
+        self._open = (path, time.perf_counter(), 0)
+
+    def end_step(self, done: int, pause: bool, model: nn.Module, pruner: Pruner, optimizer) -> None:
+        """After optimizer step ``done - 1`` (``done`` = ``state.global_step``). ``pause``: a save, an evaluation or
+        the end of training follows, which ends a timed stretch. Switches to dense after the compact window and
+        decides after the dense one."""
+        self._skip_next = False
+        step = done - 1
+        if self._open is not None:
+            path, began, count = self._open
+            self._open = (path, began, count + 1)
+            if pause or step == self.timed_steps(path)[-1]:
+                self._close()
+        if self.choice is not None or self.start is None:
+            return
+        if step == self.timed_steps("compact")[-1]:
+            make_dense(model, pruner, optimizer=optimizer)
+        elif step == self.timed_steps("dense")[-1]:
+            self._decide(model, pruner, optimizer)
+
+    # ------------------------------------------------------------------ internals
+    def _plan(self, step: int, max_steps: int, model: nn.Module, pruner: Pruner, optimizer) -> None:
+        if self.mode == "never":
+            self.declined = "SparsityConfig.compact_fallback='never'"
+            return
+        compact = next((layer for layer in pruner.layers if layer.compact), None)
+        if compact is None:
+            return  # the schedule starts at the first step with compact layers
+        self._device = compact.module.weight.device
+        if self.mode == "auto" and self._device.type != "cuda":
+            self.declined = "not on CUDA"  # the compact layers run their reference path: nothing worth timing
+            return
+        why = why_not_compact_now(model, optimizer)
+        needed = 2 * (self.warmup + self.steps)
+        if why is None and max_steps - step < needed:
+            why = f"{max_steps - step} optimizer steps are left and the comparison needs {needed}"
+        if why is not None:
+            self.declined = why
+            logger.info(
+                "hf_sparse: the compact layers are not timed against the masked dense ones (%s); they stay compact",
+                why,
+            )
+            return
+        self.start = step
+
+    def _timed_path(self, step: int) -> PathName | None:
+        if self.choice is not None:
+            return None
+        for path in ("compact", "dense"):
+            if step in self.timed_steps(path):
+                return path
+        return None
+
+    def _sync(self) -> None:
+        if self._device is not None and self._device.type == "cuda":
+            torch.cuda.synchronize(self._device)
+
+    def _close(self) -> None:
+        self._sync()
+        path, began, count = self._open
+        timing = self.timings[path]
+        timing.ms += (time.perf_counter() - began) * 1e3
+        timing.steps += count
+        self._open = None
+
+    def _decide(self, model: nn.Module, pruner: Pruner, optimizer) -> None:
+        compact, dense = self.timings["compact"], self.timings["dense"]
+        self.choice = choose_path(compact.ms_per_step, dense.ms_per_step)
+        if self.choice == "compact":
+            make_compact(model, pruner, optimizer)
+        logger.info(
+            "hf_sparse: compact layers %s ms/step, masked dense layers %s ms/step (%d and %d timed steps): %s",
+            _ms(compact.ms_per_step),
+            _ms(dense.ms_per_step),
+            compact.steps,
+            dense.steps,
+            "training goes on with the masked dense layers, which are faster"
+            if self.choice == "dense"
+            else "training goes on with the compact layers",
+        )
+
+    # ------------------------------------------------------------------ checkpoint
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-able state for the checkpoint (a stretch still open is not in it: its steps are timed again)."""
+        return {
+            "start": self.start,
+            "declined": self.declined,
+            "choice": self.choice,
+            "timings": {path: [t.ms, t.steps] for path, t in self.timings.items()},
+        }
+
+    def load_state_dict(self, state: dict[str, Any], device: torch.device | None = None) -> None:
+        """Continue the run of ``state`` (``device``: where the pruned layers are, to synchronize timed stretches)."""
+        self.start, self.declined, self.choice = state["start"], state["declined"], state["choice"]
+        self.timings = {path: _Timing(*state["timings"][path]) for path in ("compact", "dense")}
+        self._open, self._device, self._skip_next = None, device, True
+
+
+def _ms(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.2f}"

@@ -1,0 +1,148 @@
+"""Never slower than dense, the parts that need no Trainer: the decision from hand-written timings, the inverse switch
+(compact -> masked dense, optimizer state scattered back) and the fallback's config fields. The Trainer runs through
+the comparison are in ``tests/test_compact_switch.py``."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from conftest import random_ids, tiny_config
+from helpers import prune_now
+from transformers import AutoModelForSequenceClassification
+from transformers.pytorch_utils import Conv1D
+
+from hf_sparse import SparseLinear, SparsityConfig
+from hf_sparse.compact_fallback import CompactFallback, choose_path
+from hf_sparse.compaction import make_compact, make_dense
+
+
+@pytest.mark.parametrize(
+    "compact_ms, dense_ms, margin, expected",
+    [
+        (100.0, 80.0, 0.03, "dense"),  # dense 20 % faster
+        (100.0, 96.0, 0.03, "dense"),  # 4 % faster: beyond the 3 % margin
+        (100.0, 98.0, 0.03, "compact"),  # 2 % faster: noise, the compact layers (less memory) stay
+        (100.0, 100.0, 0.03, "compact"),
+        (80.0, 100.0, 0.03, "compact"),
+        (100.0, 99.5, 0.0, "dense"),  # no margin: strictly faster wins
+        (100.0, 80.0, 0.25, "compact"),
+        (None, 80.0, 0.03, "compact"),  # a path that could not be timed: keep compact
+        (100.0, None, 0.03, "compact"),
+    ],
+)
+def test_choose_path_keeps_the_faster_beyond_the_noise_margin(compact_ms, dense_ms, margin, expected):
+    assert choose_path(compact_ms, dense_ms, margin) == expected
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [((-1.0, 5.0), "compact_ms=-1.0"), ((5.0, math.nan), "dense_ms=nan"), ((5.0, math.inf), "dense_ms=inf")],
+)
+def test_choose_path_refuses_times_that_are_not_times(args, message):
+    with pytest.raises(ValueError, match=message):
+        choose_path(*args)
+    with pytest.raises(ValueError, match="margin=1.0"):
+        choose_path(5.0, 4.0, margin=1.0)
+
+
+def test_fallback_config_fields_validate_and_round_trip():
+    config = SparsityConfig(compact_fallback="always", compact_fallback_steps=3)
+    assert SparsityConfig.from_dict(config.to_dict()) == config
+    assert SparsityConfig().compact_fallback == "auto" and SparsityConfig().compact_fallback_steps == 10
+    with pytest.raises(ValueError, match=r"compact_fallback='sometimes': allowed 'auto'"):
+        SparsityConfig(compact_fallback="sometimes")
+    for steps in (0, True, 2.0):
+        with pytest.raises(ValueError, match=r"compact_fallback_steps=.*must be an int >= 1"):
+            SparsityConfig(compact_fallback_steps=steps)
+    with pytest.raises(ValueError, match="did you mean 'compact_fallback'"):
+        SparsityConfig.from_dict({"compact_fallbak": "never"})
+
+
+def _logical(module, tensor):
+    return tensor.T if isinstance(module, Conv1D) else tensor
+
+
+def _compact_step(family: str, optim):
+    """A tiny model pruned at 2:4, made compact, with one optimizer step taken on the compact layers."""
+    torch.manual_seed(0)
+    model = AutoModelForSequenceClassification.from_config(tiny_config(family))
+    pruner = prune_now(model, "2:4")
+    make_compact(model, pruner)
+    optimizer = optim(model.parameters())
+    model(input_ids=random_ids(), labels=torch.tensor([0, 1, 2])).loss.backward()
+    optimizer.step()
+    return model, pruner, optimizer
+
+
+OPTIMIZERS = {
+    "adamw": lambda p: torch.optim.AdamW(p, lr=1e-3, weight_decay=0.1),
+    "adamw-fused": lambda p: torch.optim.AdamW(p, lr=1e-3, weight_decay=0.1, fused=True),
+    "sgd-momentum": lambda p: torch.optim.SGD(p, lr=1e-2, momentum=0.9),
+}
+
+
+@pytest.mark.parametrize("family", ["bert", "gpt2"])
+@pytest.mark.parametrize("optim", list(OPTIMIZERS), ids=list(OPTIMIZERS))
+def test_make_dense_scatters_the_optimizer_state_back_and_make_compact_undoes_it(family, optim):
+    model, pruner, optimizer = _compact_step(family, OPTIMIZERS[optim])
+    before = {}
+    for layer in pruner.layers:
+        weight = layer.module.weight
+        before[layer.name] = (
+            weight,
+            weight.detach().clone(),
+            {k: v.clone() for k, v in optimizer.state[weight].items()},
+        )
+    assert make_dense(model, pruner, optimizer=optimizer) == [layer.name for layer in pruner.layers]
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    for layer in pruner.layers:
+        module, mask = layer.module, pruner.masks[layer.name]
+        old_weight, values, state = before[layer.name]
+        assert type(module) is (Conv1D if family == "gpt2" else torch.nn.Linear) and not layer.compact
+        assert model.get_submodule(layer.name) is module
+        assert any(p is module.weight for p in params) and not any(p is old_weight for p in params)
+        assert old_weight not in optimizer.state
+        dense = _logical(module, module.weight.detach())
+        assert torch.equal(dense[mask], values.reshape(-1)) and not dense[~mask].any()
+        moved = optimizer.state[module.weight]
+        assert moved.keys() == state.keys()
+        for key, value in moved.items():
+            if state[key].dim() == 0:  # Adam's step: carried as it is
+                assert torch.equal(value, state[key]), key
+                continue
+            assert value.shape == module.weight.shape and value.is_contiguous(), key  # dense numel
+            logical = _logical(module, value)
+            assert torch.equal(logical[mask], state[key].reshape(-1)), key  # kept positions: the compact state
+            assert torch.equal(logical[~mask], torch.zeros(int((~mask).sum()))), key  # pruned ones: zeros
+            assert not torch.signbit(logical[~mask]).any(), key  # +0.0
+    make_compact(model, pruner, optimizer)
+    for layer in pruner.layers:
+        weight = layer.module.weight
+        _, values, state = before[layer.name]
+        assert isinstance(layer.module, SparseLinear) and torch.equal(weight.detach(), values)
+        moved = optimizer.state[weight]
+        assert moved.keys() == state.keys()
+        for key, value in state.items():
+            assert torch.equal(moved[key], value) and moved[key].numel() == value.numel(), key  # kept values only
+
+
+def test_fallback_schedule_and_what_declines_it(caplog):
+    model = AutoModelForSequenceClassification.from_config(tiny_config("bert"))
+    pruner = prune_now(model, "2:4")
+    fallback = CompactFallback("always", steps=2, warmup=3)
+    fallback.begin_step(0, 100, model, pruner, optimizer=None)
+    assert fallback.start is None and fallback.declined is None  # dense layers: nothing to time yet
+    make_compact(model, pruner)
+    fallback.begin_step(5, 100, model, pruner, optimizer=None)
+    assert fallback.start == 5
+    assert list(fallback.timed_steps("compact")) == [8, 9] and list(fallback.timed_steps("dense")) == [13, 14]
+    assert [fallback.holds_dense(step) for step in range(4, 17)] == [False] * 6 + [True] * 5 + [False] * 2
+    auto = CompactFallback("auto", steps=2)
+    auto.begin_step(0, 100, model, pruner, optimizer=None)
+    assert auto.start is None and auto.declined == "not on CUDA"
+    short = CompactFallback("always", steps=2, warmup=3)
+    with caplog.at_level("INFO", logger="hf_sparse.compact_fallback"):
+        short.begin_step(0, 9, model, pruner, optimizer=None)
+    assert short.start is None and "9 optimizer steps are left and the comparison needs 10" in caplog.text
