@@ -3,7 +3,8 @@ a fresh process; then the saved checkpoint loaded with ``from_pretrained``: pref
 warm-up against the dense model with the same weights.
 
     python benchmarks/bench_trainer.py [--models bert-large llama] [--configs dense 2:4T 2:4 64:2:8]
-                                       [--compile eager compiled] [--steps 40] [--warmup 15] [--no-load]
+                                       [--compile eager compiled] [--steps 50] [--warmup 30] [--no-load]
+                                       [--compact-fallback auto|never]
 
 Models (built from their configs, no download):
 
@@ -12,9 +13,12 @@ Models (built from their configs, no download):
 
 Training: bf16 mixed precision (fp32 master weights), ``adamw_torch_fused``, SDPA attention, no logging, saving or
 evaluation during the run. Sparse configurations prune one-shot at step 0 (``schedule="oneshot"``); ``2:4T`` is
-transposable 2:4. ms/step is the wall clock from the end of step ``--warmup`` to the end of the last step (one
+transposable 2:4. ``SparseTrainer`` keeps its default ``compact_fallback="auto"`` (it times compact against masked
+dense layers over steps 0-25 and keeps the faster, on CUDA and without torch.compile), so the default window starts
+after that decision. ms/step is the wall clock from the end of step ``--warmup`` to the end of the last step (one
 ``cuda.synchronize`` at each end, none in between, so the host's time to issue the steps is included exactly as a
-user pays it), divided by the steps in between. Peak memory: ``torch.cuda.max_memory_allocated()`` over the run.
+user pays it), divided by the steps in between. Peak memory: ``torch.cuda.max_memory_allocated()`` over the run, and the steady
+peak: over the timed steps only.
 
 Loaded model (eager only, one fresh process each): the checkpoint ``SparseTrainer.save_model`` wrote, loaded with
 ``from_pretrained(dtype=torch.bfloat16)`` onto the GPU, against the same weights saved dense. Memory is
@@ -111,6 +115,8 @@ def train_worker(args) -> dict:
         def on_step_end(self, a, state, control, **kw):
             if state.global_step == warmup:
                 torch.cuda.synchronize()
+                self.peak_before = torch.cuda.max_memory_allocated()
+                torch.cuda.reset_peak_memory_stats()  # the steady peak: after the warm-up (and any fallback phase)
                 self.t0 = time.perf_counter()
             elif state.global_step == steps:
                 torch.cuda.synchronize()
@@ -141,7 +147,12 @@ def train_worker(args) -> dict:
     else:
         pattern = args.config.rstrip("T")
         cfg = hf_sparse.SparsityConfig(
-            pattern=pattern, schedule="oneshot", start=0, end=0, transposable=args.config.endswith("T")
+            pattern=pattern,
+            schedule="oneshot",
+            start=0,
+            end=0,
+            transposable=args.config.endswith("T"),
+            compact_fallback=args.compact_fallback,
         )
         trainer = hf_sparse.SparseTrainer(
             model=model, args=targs, train_dataset=data, callbacks=[clock], sparsity_config=cfg
@@ -155,7 +166,8 @@ def train_worker(args) -> dict:
         "mode": args.mode,
         "ms_per_step": ms,
         "tokens_per_s": shape["batch"] * shape["seq"] / ms * 1e3,
-        "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "peak_gib": max(clock.peak_before, torch.cuda.max_memory_allocated()) / 2**30,
+        "steady_peak_gib": torch.cuda.max_memory_allocated() / 2**30,
     }
     if args.save_dir:
         trainer.save_model(args.save_dir)
@@ -251,6 +263,7 @@ def driver(args) -> int:
                 )
                 argv = ["--worker", "train", "--model", model, "--config", config, "--mode", mode]
                 argv += ["--steps", str(args.steps), "--warmup", str(args.warmup), "--save-dir", save]
+                argv += ["--compact-fallback", args.compact_fallback]
                 res = run_worker(argv)
                 if res is not None:
                     train_rows.append(res)
@@ -270,8 +283,10 @@ def driver(args) -> int:
                 load_rows.append(loaded)
 
     print("## Training through Trainer.train()\n")
-    print("| model | mode | config | ms/step | tokens/s | vs dense | peak GiB | vs dense |")
-    print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: |")
+    print(
+        "| model | mode | config | ms/step | tokens/s | vs dense | peak GiB | vs dense | steady peak GiB | vs dense |"
+    )
+    print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in train_rows:
         dense = next(
             (d for d in train_rows if d["model"] == r["model"] and d["mode"] == r["mode"] and d["config"] == "dense"),
@@ -279,9 +294,10 @@ def driver(args) -> int:
         )
         speed = f"{dense['ms_per_step'] / r['ms_per_step']:.3f}x" if dense else "-"
         mem = f"{r['peak_gib'] / dense['peak_gib']:.3f}x" if dense else "-"
+        steady = f"{r['steady_peak_gib'] / dense['steady_peak_gib']:.3f}x" if dense else "-"
         print(
             f"| {r['model']} | {r['mode']} | {r['config']} | {r['ms_per_step']:.1f} | {r['tokens_per_s']:.0f} | "
-            f"{speed} | {r['peak_gib']:.2f} | {mem} |"
+            f"{speed} | {r['peak_gib']:.2f} | {mem} | {r['steady_peak_gib']:.2f} | {steady} |"
         )
     if load_rows:
         print("\n## Loaded with from_pretrained(dtype=bfloat16), eager prefill\n")
@@ -306,8 +322,9 @@ def main() -> int:
     ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     ap.add_argument("--configs", nargs="+", default=["dense", "2:4T", "2:4", "64:2:8"])
     ap.add_argument("--compile", nargs="+", default=["eager", "compiled"], choices=["eager", "compiled"])
-    ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--warmup", type=int, default=15)
+    ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--warmup", type=int, default=30, help="untimed steps (the compact fallback decides by step 26)")
+    ap.add_argument("--compact-fallback", default="auto", choices=["auto", "never"])
     ap.add_argument("--no-load", action="store_true", help="skip the from_pretrained section")
     # worker arguments (one configuration per process)
     ap.add_argument("--worker", choices=["train", "load"], help=argparse.SUPPRESS)

@@ -277,7 +277,9 @@ class SparsityCallback(TrainerCallback):
             if model is not None:
                 self._make_compact(model, kwargs.get("optimizer"), state.global_step)
         if model is not None and self.config.compact:
-            self.fallback.begin_step(state.global_step, state.max_steps, model, self.pruner, kwargs.get("optimizer"))
+            self.fallback.begin_step(
+                state.global_step, state.max_steps, model, self.pruner, kwargs.get("optimizer"), args.torch_compile
+            )
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs):
         """Time compact against masked dense layers and keep the faster (:mod:`hf_sparse.compact_fallback`)."""

@@ -10,6 +10,11 @@ real training steps, counted from the first step with compact layers ``s``, ``W`
     [s+2W+T, s+2W+2T)   masked dense, timed
     after step s+2W+2T-1: the faster path (choose_path); back to compact (compaction.make_compact) unless dense won
 
+The comparison is skipped (one log line says why) under DDP/FSDP2 wrappers, under torch.compile (a switch would
+recompile the model), and where the dense layers' state would not fit in the free device memory. Its dense phase
+holds that state for ``W + T`` steps, so a run's peak memory is the masked dense one's; the steps after the decision
+hold only what the chosen path needs.
+
 Masked dense and compact training are the same computation (the switches move the optimizer state exactly), so
 every timed step trains as any other. A timed window is wall clock per optimizer step: the device is synchronized
 where a timed stretch begins and ends, not inside it; a checkpoint save or an evaluation ends a stretch (their time
@@ -106,11 +111,14 @@ class CompactFallback:
         return self.start is not None and dense.start - self.warmup <= step < dense.stop
 
     # ------------------------------------------------------------------ events
-    def begin_step(self, step: int, max_steps: int, model: nn.Module, pruner: Pruner, optimizer) -> None:
+    def begin_step(
+        self, step: int, max_steps: int, model: nn.Module, pruner: Pruner, optimizer, compiled: bool = False
+    ) -> None:
         """At the start of optimizer step ``step``, after the compact switch: start the schedule at the first step
-        with compact layers, and begin a timed stretch on a timed step."""
+        with compact layers, and begin a timed stretch on a timed step. ``compiled``: the model runs under
+        torch.compile (``TrainingArguments.torch_compile``)."""
         if self.start is None and self.choice is None and self.declined is None:
-            self._plan(step, max_steps, model, pruner, optimizer)
+            self._plan(step, max_steps, model, pruner, optimizer, compiled)
         path = self._timed_path(step)
         if path is None or self._open is not None:
             return
@@ -139,7 +147,7 @@ class CompactFallback:
             self._decide(model, pruner, optimizer)
 
     # ------------------------------------------------------------------ internals
-    def _plan(self, step: int, max_steps: int, model: nn.Module, pruner: Pruner, optimizer) -> None:
+    def _plan(self, step: int, max_steps: int, model: nn.Module, pruner: Pruner, optimizer, compiled: bool) -> None:
         if self.mode == "never":
             self.declined = "SparsityConfig.compact_fallback='never'"
             return
@@ -151,6 +159,10 @@ class CompactFallback:
             self.declined = "not on CUDA"  # the compact layers run their reference path: nothing worth timing
             return
         why = why_not_compact_now(model, optimizer)
+        if why is None and compiled:
+            why = "torch_compile=True: each switch of the layers would recompile the model"
+        if why is None and self.mode == "auto":
+            why = _dense_state_does_not_fit(pruner, self._device)
         needed = 2 * (self.warmup + self.steps)
         if why is None and max_steps - step < needed:
             why = f"{max_steps - step} optimizer steps are left and the comparison needs {needed}"
@@ -214,6 +226,18 @@ class CompactFallback:
         self.start, self.declined, self.choice = state["start"], state["declined"], state["choice"]
         self.timings = {path: _Timing(*state["timings"][path]) for path in ("compact", "dense")}
         self._open, self._device, self._skip_next = None, device, True
+
+
+def _dense_state_does_not_fit(pruner: Pruner, device: torch.device) -> str | None:
+    """Why the masked dense phase should not run: the dense weights, gradients and Adam moments of the compact layers
+    (16 bytes per dense entry) would not fit in 80% of the free device memory. A run that chose sparse layers to fit
+    must not run out of memory while timing dense ones."""
+    layers = [layer for layer in pruner.layers if layer.compact]
+    need = sum(16 * layer.shape[0] * layer.shape[1] for layer in layers)
+    free = torch.cuda.mem_get_info(device)[0]
+    if need <= 0.8 * free:
+        return None
+    return f"the masked dense layers' state would need {need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB are free"
 
 
 def _ms(value: float | None) -> str:
