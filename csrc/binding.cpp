@@ -6,6 +6,7 @@
 
 #include <vector>
 
+#include "check.h"
 #include "kernels.h"
 #if defined(HF_SPARSE_LAB)
 #include <string>
@@ -24,9 +25,9 @@ int64_t lab_set(const std::string& name, int64_t value) {
                            : name == "vnm_tile"          ? &t.vnm_tile
                            : name == "sddmm_gather_regs" ? &t.sddmm_gather_regs
                                                          : nullptr;
-  TORCH_CHECK(knob != nullptr, "hf_sparse.lab_set: no knob ", name,
+  HF_CHECK(knob != nullptr, "hf_sparse.lab_set: no knob ", name,
               "; use sm90_config, vnm_pipe, vnm_tile or sddmm_gather_regs");
-  TORCH_CHECK(name != "sm90_config" || (value >= -1 && value < hf_sparse::lab::kSm90Configs),
+  HF_CHECK(name != "sm90_config" || (value >= -1 && value < hf_sparse::lab::kSm90Configs),
               "hf_sparse.lab_set: sm90_config=", value, " is not -1 (the product's choice) or 0..",
               hf_sparse::lab::kSm90Configs - 1);
   return knob->exchange((int)value);
@@ -34,19 +35,19 @@ int64_t lab_set(const std::string& name, int64_t value) {
 #endif
 
 void check_cuda(cudaError_t err, const char* op) {
-  TORCH_CHECK(err == cudaSuccess, "hf_sparse.", op, ": CUDA error: ", cudaGetErrorString(err));
+  HF_CHECK(err == cudaSuccess, "hf_sparse.", op, ": CUDA error: ", cudaGetErrorString(err));
 }
 
 void check_tensor(const at::Tensor& t, const char* op, const char* name, at::ScalarType dtype, int64_t dim) {
-  TORCH_CHECK(t.is_cuda(), "hf_sparse.", op, ": ", name, " must be a CUDA tensor, got device ", t.device());
-  TORCH_CHECK(t.scalar_type() == dtype, "hf_sparse.", op, ": ", name, " must be ", dtype, ", got ", t.scalar_type());
-  TORCH_CHECK(t.dim() == dim, "hf_sparse.", op, ": ", name, " must have ", dim, " dims, got ", t.dim());
-  TORCH_CHECK(t.is_contiguous(), "hf_sparse.", op, ": ", name, " must be contiguous");
+  HF_CHECK(t.is_cuda(), "hf_sparse.", op, ": ", name, " must be a CUDA tensor, got device ", t.device());
+  HF_CHECK(t.scalar_type() == dtype, "hf_sparse.", op, ": ", name, " must be ", dtype, ", got ", t.scalar_type());
+  HF_CHECK(t.dim() == dim, "hf_sparse.", op, ": ", name, " must have ", dim, " dims, got ", t.dim());
+  HF_CHECK(t.is_contiguous(), "hf_sparse.", op, ": ", name, " must be contiguous");
 }
 
 // m (the V:2:M group size) is one the kernels have a layout for.
 void check_group_size(const char* op, int64_t m) {
-  TORCH_CHECK(m == 4 || m == 8 || m == 16 || m == 32 || m == 64 || m == 128, "hf_sparse.", op, ": m=", m,
+  HF_CHECK(m == 4 || m == 8 || m == 16 || m == 32 || m == 64 || m == 128, "hf_sparse.", op, ": m=", m,
               " unsupported; use 4, 8, 16, 32, 64 or 128");
 }
 
@@ -56,46 +57,46 @@ void check_packed(const char* op, const at::Tensor& values, const at::Tensor& me
   check_tensor(meta, op, "packed.meta", at::kInt, 3);
   check_tensor(columns, op, "packed.columns", at::kByte, 3);
   check_group_size(op, m);
-  TORCH_CHECK(k % m == 0, "hf_sparse.", op, ": in_features=", k, " is not a multiple of m=", m);
+  HF_CHECK(k % m == 0, "hf_sparse.", op, ": in_features=", k, " is not a multiple of m=", m);
   const int64_t steps = (k / m + 7) / 8, rp = (rows + 63) / 64 * 64;
-  TORCH_CHECK(values.size(0) == rp / 16 && values.size(1) == steps && values.size(2) == 32 && values.size(3) == 8,
+  HF_CHECK(values.size(0) == rp / 16 && values.size(1) == steps && values.size(2) == 32 && values.size(3) == 8,
               "hf_sparse.", op, ": packed.values has shape ", values.sizes(), ", expected (", rp / 16, ", ", steps,
               ", 32, 8) for a ", rows, "x", k, " weight; rebuild it with hf_sparse.ops.pack");
-  TORCH_CHECK(meta.size(0) == rp / 16 && meta.size(1) == steps && meta.size(2) == 16, "hf_sparse.", op,
+  HF_CHECK(meta.size(0) == rp / 16 && meta.size(1) == steps && meta.size(2) == 16, "hf_sparse.", op,
               ": packed.meta has shape ", meta.sizes(), ", expected (", rp / 16, ", ", steps, ", 16)");
-  TORCH_CHECK(columns.size(0) == rp / 64 && columns.size(1) == steps * 8 && columns.size(2) == 4, "hf_sparse.", op,
+  HF_CHECK(columns.size(0) == rp / 64 && columns.size(1) == steps * 8 && columns.size(2) == 4, "hf_sparse.", op,
               ": packed.columns has shape ", columns.sizes(), ", expected (", rp / 64, ", ", steps * 8, ", 4)");
 }
 
 void check_activation(const char* op, const char* name, const at::Tensor& t, int64_t features, at::ScalarType dtype) {
   check_tensor(t, op, name, dtype, 2);
-  TORCH_CHECK(t.size(1) == features, "hf_sparse.", op, ": ", name, " has ", t.size(1), " features, expected ",
+  HF_CHECK(t.size(1) == features, "hf_sparse.", op, ": ", name, " has ", t.size(1), " features, expected ",
               features);
-  TORCH_CHECK(features % 8 == 0, "hf_sparse.", op, ": ", name, " feature size ", features,
+  HF_CHECK(features % 8 == 0, "hf_sparse.", op, ": ", name, " feature size ", features,
               " must be a multiple of 8 for the CUDA kernel (16-byte rows); pad the layer or use the dense path");
-  TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, "hf_sparse.", op, ": ", name,
+  HF_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, "hf_sparse.", op, ": ", name,
               " must be 16-byte aligned; pass a fresh contiguous tensor");
 }
 
 at::Tensor spmm_impl(const char* op, bool wgmma, const at::Tensor& x, const at::Tensor& values,
                      const at::Tensor& meta, const at::Tensor& columns, const c10::optional<at::Tensor>& bias,
                      int64_t rows, int64_t k, int64_t m, int64_t act) {
-  TORCH_CHECK(act == 0 || (act == 1 && wgmma && m == 4), "hf_sparse.", op,
+  HF_CHECK(act == 0 || (act == 1 && wgmma && m == 4), "hf_sparse.", op,
               ": a fused activation (act=", act, ") is only in the 2:4 sparse-wgmma kernel; apply it after the call");
   const auto dtype = x.scalar_type();
-  TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kHalf, "hf_sparse.", op,
+  HF_CHECK(dtype == at::kBFloat16 || dtype == at::kHalf, "hf_sparse.", op,
               ": x must be bfloat16 or float16, got ", dtype);
   check_activation(op, "x", x, k, dtype);
   check_packed(op, values, meta, columns, rows, k, m, dtype);
   if (wgmma) {
-    TORCH_CHECK(hf_sparse::spmm_sm90_available(), "hf_sparse.", op,
+    HF_CHECK(hf_sparse::spmm_sm90_available(), "hf_sparse.", op,
                 ": the sparse-wgmma kernel needs a cc 9.0 GPU and an extension built with sm_90a "
                 "(HF_SPARSE_CUDA_ARCH_LIST containing 9.0); use hf_sparse.ops.force_kernel(spmm=\"auto\") or "
                 "\"mma_sp\"");
   }
   if (bias.has_value()) {
     check_tensor(*bias, op, "bias", dtype, 1);
-    TORCH_CHECK(bias->size(0) == rows, "hf_sparse.spmm: bias has ", bias->size(0), " entries, expected ", rows);
+    HF_CHECK(bias->size(0) == rows, "hf_sparse.spmm: bias has ", bias->size(0), " entries, expected ", rows);
   }
   c10::cuda::CUDAGuard guard(x.device());
   auto y = at::empty({x.size(0), rows}, x.options());
@@ -149,20 +150,20 @@ bool spmm_wgmma_available() { return hf_sparse::spmm_sm90_available(); }
 at::Tensor sddmm_impl(const char* op, bool wgmma, const at::Tensor& dy, const at::Tensor& x, const at::Tensor& meta,
                       const at::Tensor& columns, int64_t rows, int64_t k, int64_t m) {
   const auto dtype = x.scalar_type();
-  TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kHalf, "hf_sparse.", op, ": x must be bfloat16 or float16, got ",
+  HF_CHECK(dtype == at::kBFloat16 || dtype == at::kHalf, "hf_sparse.", op, ": x must be bfloat16 or float16, got ",
               dtype);
   check_activation(op, "x", x, k, dtype);
   check_activation(op, "dy", dy, rows, dtype);
-  TORCH_CHECK(dy.size(0) == x.size(0), "hf_sparse.", op, ": dy has ", dy.size(0), " tokens but x has ", x.size(0));
+  HF_CHECK(dy.size(0) == x.size(0), "hf_sparse.", op, ": dy has ", dy.size(0), " tokens but x has ", x.size(0));
   check_tensor(meta, op, "packed.meta", at::kInt, 3);
   check_tensor(columns, op, "packed.columns", at::kByte, 3);
   check_group_size(op, m);
   const int64_t steps = (k / m + 7) / 8, rp = (rows + 63) / 64 * 64;
-  TORCH_CHECK(k % m == 0 && meta.size(0) == rp / 16 && meta.size(1) == steps && columns.size(0) == rp / 64 &&
+  HF_CHECK(k % m == 0 && meta.size(0) == rp / 16 && meta.size(1) == steps && columns.size(0) == rp / 64 &&
                   columns.size(1) == steps * 8,
               "hf_sparse.", op, ": packed tensors do not match a ", rows, "x", k, " weight with m=", m);
   if (wgmma) {
-    TORCH_CHECK(hf_sparse::spmm_sm90_available(), "hf_sparse.", op,
+    HF_CHECK(hf_sparse::spmm_sm90_available(), "hf_sparse.", op,
                 ": the wgmma kernel needs a cc 9.0 GPU and an extension built with sm_90a "
                 "(HF_SPARSE_CUDA_ARCH_LIST containing 9.0); use hf_sparse.ops.force_kernel(sddmm=\"auto\") or "
                 "\"mma\"");
@@ -204,16 +205,16 @@ std::vector<at::Tensor> pack(const at::Tensor& weight, const at::Tensor& mask, i
   const at::ScalarType out_dtype = out_bf16 ? at::kBFloat16 : at::kHalf;
   const char* op = "pack";
   const auto wd = weight.scalar_type();
-  TORCH_CHECK(wd == at::kFloat || wd == at::kBFloat16 || wd == at::kHalf,
+  HF_CHECK(wd == at::kFloat || wd == at::kBFloat16 || wd == at::kHalf,
               "hf_sparse.pack: weight must be float32, bfloat16 or float16, got ", wd);
   check_tensor(weight, op, "weight", wd, 2);
   check_tensor(mask, op, "mask", at::kBool, 2);
-  TORCH_CHECK(mask.sizes() == weight.sizes(), "hf_sparse.pack: mask shape ", mask.sizes(), " != weight shape ",
+  HF_CHECK(mask.sizes() == weight.sizes(), "hf_sparse.pack: mask shape ", mask.sizes(), " != weight shape ",
               weight.sizes());
   const int64_t rows = weight.size(0), k = weight.size(1);
   check_group_size(op, m);
-  TORCH_CHECK(k % m == 0, "hf_sparse.pack: in_features=", k, " is not a multiple of m=", m);
-  TORCH_CHECK(m == 4 || ((v == 64 || v == 128) && rows % v == 0), "hf_sparse.pack: v=", v,
+  HF_CHECK(k % m == 0, "hf_sparse.pack: in_features=", k, " is not a multiple of m=", m);
+  HF_CHECK(m == 4 || ((v == 64 || v == 128) && rows % v == 0), "hf_sparse.pack: v=", v,
               " must be 64 or 128 and divide out_features=", rows);
   c10::cuda::CUDAGuard guard(weight.device());
   const int64_t steps = (k / m + 7) / 8, rp = (rows + 63) / 64 * 64;
@@ -251,18 +252,18 @@ std::vector<at::Tensor> pack(const at::Tensor& weight, const at::Tensor& mask, i
 // bool, contiguous, same number of elements and device as its tensor.
 void apply_masks_(const std::vector<at::Tensor>& tensors, const std::vector<at::Tensor>& masks) {
   const char* op = "apply_masks_";
-  TORCH_CHECK(tensors.size() == masks.size(), "hf_sparse.", op, ": ", tensors.size(), " tensors but ", masks.size(),
+  HF_CHECK(tensors.size() == masks.size(), "hf_sparse.", op, ": ", tensors.size(), " tensors but ", masks.size(),
               " masks");
   if (tensors.empty()) return;
   const auto device = tensors[0].device();
   for (size_t i = 0; i < tensors.size(); ++i) {
     const auto& t = tensors[i];
     const auto& m = masks[i];
-    TORCH_CHECK(t.is_cuda() && t.device() == device && t.is_contiguous(), "hf_sparse.", op, ": tensor ", i,
+    HF_CHECK(t.is_cuda() && t.device() == device && t.is_contiguous(), "hf_sparse.", op, ": tensor ", i,
                 " must be a contiguous CUDA tensor on ", device);
-    TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf,
+    HF_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf,
                 "hf_sparse.", op, ": tensor ", i, " is ", t.scalar_type(), "; use float32, bfloat16 or float16");
-    TORCH_CHECK(m.scalar_type() == at::kBool && m.device() == device && m.is_contiguous() && m.numel() == t.numel(),
+    HF_CHECK(m.scalar_type() == at::kBool && m.device() == device && m.is_contiguous() && m.numel() == t.numel(),
                 "hf_sparse.", op, ": mask ", i, " must be a contiguous bool tensor of ", t.numel(),
                 " elements on ", device);
   }
@@ -279,7 +280,7 @@ void apply_masks_(const std::vector<at::Tensor>& tensors, const std::vector<at::
       const auto& t = tensors[i];
       if (t.element_size() != size || t.numel() == 0) continue;
       const int64_t blocks = (t.numel() + chunk - 1) / chunk;
-      TORCH_CHECK(blocks < (1 << 30), "hf_sparse.", op, ": tensor ", i, " is too large");
+      HF_CHECK(blocks < (1 << 30), "hf_sparse.", op, ": tensor ", i, " is too large");
       if (b.count == hf_sparse::kMaxMaskTensors || (int64_t)b.blocks + blocks >= (1 << 30)) flush();
       const auto data = reinterpret_cast<uintptr_t>(t.data_ptr());
       const auto mask = reinterpret_cast<uintptr_t>(masks[i].data_ptr());
@@ -297,14 +298,14 @@ void apply_masks_(const std::vector<at::Tensor>& tensors, const std::vector<at::
 }
 
 void check_score(const char* op, const at::Tensor& score) {
-  TORCH_CHECK(score.is_cuda() && score.scalar_type() == at::kFloat && score.dim() == 2 && score.is_contiguous(),
+  HF_CHECK(score.is_cuda() && score.scalar_type() == at::kFloat && score.dim() == 2 && score.is_contiguous(),
               "hf_sparse.", op, ": score must be a contiguous 2-D float32 CUDA tensor");
-  TORCH_CHECK(score.size(0) < (1LL << 31) && score.size(1) < (1LL << 31), "hf_sparse.", op, ": score is too large");
+  HF_CHECK(score.size(0) < (1LL << 31) && score.size(1) < (1LL << 31), "hf_sparse.", op, ": score is too large");
 }
 
 at::Tensor nm_mask(const at::Tensor& score, int64_t n, int64_t m) {
   check_score("nm_mask", score);
-  TORCH_CHECK(m > 0 && score.size(1) % m == 0, "hf_sparse.nm_mask: in_features=", score.size(1),
+  HF_CHECK(m > 0 && score.size(1) % m == 0, "hf_sparse.nm_mask: in_features=", score.size(1),
               " is not a multiple of m=", m);
   c10::cuda::CUDAGuard guard(score.device());
   auto out = at::empty(score.sizes(), score.options().dtype(at::kBool));
@@ -317,7 +318,7 @@ at::Tensor nm_mask(const at::Tensor& score, int64_t n, int64_t m) {
 at::Tensor vnm_mask(const at::Tensor& score, int64_t v, int64_t n, int64_t m, int64_t keep_cols) {
   check_score("vnm_mask", score);
   const int64_t rows = score.size(0), cols = score.size(1);
-  TORCH_CHECK(v > 0 && m > 0 && rows % v == 0 && cols % m == 0, "hf_sparse.vnm_mask: shape (", rows, ", ", cols,
+  HF_CHECK(v > 0 && m > 0 && rows % v == 0 && cols % m == 0, "hf_sparse.vnm_mask: shape (", rows, ", ", cols,
               ") needs rows % ", v, " == 0 and cols % ", m, " == 0");
   c10::cuda::CUDAGuard guard(score.device());
   auto out = at::empty(score.sizes(), score.options().dtype(at::kBool));
@@ -333,9 +334,9 @@ at::Tensor vnm_mask(const at::Tensor& score, int64_t v, int64_t n, int64_t m, in
 
 at::Tensor transposable_2to4_mask(const at::Tensor& score, const at::Tensor& patterns) {
   check_score("transposable_2to4_mask", score);
-  TORCH_CHECK(score.size(0) % 4 == 0 && score.size(1) % 4 == 0, "hf_sparse.transposable_2to4_mask: shape (",
+  HF_CHECK(score.size(0) % 4 == 0 && score.size(1) % 4 == 0, "hf_sparse.transposable_2to4_mask: shape (",
               score.size(0), ", ", score.size(1), ") needs both dimensions divisible by 4");
-  TORCH_CHECK(patterns.is_cuda() && patterns.device() == score.device() && patterns.scalar_type() == at::kShort &&
+  HF_CHECK(patterns.is_cuda() && patterns.device() == score.device() && patterns.scalar_type() == at::kShort &&
                   patterns.dim() == 1 && patterns.size(0) == 90 && patterns.is_contiguous(),
               "hf_sparse.transposable_2to4_mask: patterns must be 90 int16 bitmasks on the score's device");
   c10::cuda::CUDAGuard guard(score.device());
@@ -357,7 +358,7 @@ int32_t refresh_dtype(at::ScalarType t, const char* op, const char* name) {
     case at::kFloat: return hf_sparse::kRefreshF32;
     case at::kBFloat16: return hf_sparse::kRefreshBF16;
     case at::kHalf: return hf_sparse::kRefreshF16;
-    default: TORCH_CHECK(false, "hf_sparse.", op, ": ", name, " must be float32, bfloat16 or float16, got ", t);
+    default: HF_CHECK(false, "hf_sparse.", op, ": ", name, " must be float32, bfloat16 or float16, got ", t);
   }
   return 0;
 }
@@ -366,10 +367,10 @@ int32_t refresh_dtype(at::ScalarType t, const char* op, const char* name) {
 // one launch; `blocks`: the sum of refresh_block_count(numel) over the entries.
 void refresh_packs(const at::Tensor& table, int64_t blocks) {
   const char* op = "refresh_packs";
-  TORCH_CHECK(table.is_cuda() && table.scalar_type() == at::kLong && table.dim() == 2 && table.size(1) == 11 &&
+  HF_CHECK(table.is_cuda() && table.scalar_type() == at::kLong && table.dim() == 2 && table.size(1) == 11 &&
                   table.is_contiguous(),
               "hf_sparse.", op, ": table must be a contiguous (count, 11) int64 CUDA tensor, got ", table.sizes());
-  TORCH_CHECK(table.size(0) < (1LL << 31), "hf_sparse.", op, ": too many entries");
+  HF_CHECK(table.size(0) < (1LL << 31), "hf_sparse.", op, ": too many entries");
   c10::cuda::CUDAGuard guard(table.device());
   check_cuda(hf_sparse::refresh_packs(reinterpret_cast<const hf_sparse::RefreshEntry*>(table.data_ptr()),
                                       (int)table.size(0), blocks, c10::cuda::getCurrentCUDAStream().stream()),
@@ -381,8 +382,8 @@ int64_t refresh_block_count(int64_t numel) { return hf_sparse::refresh_blocks(nu
 // out[j] = src.flatten()[index[j]] in `dtype` (one pass: the gather and the cast), shaped like `index`.
 at::Tensor gather_cast(const at::Tensor& src, const at::Tensor& index, at::ScalarType dtype) {
   const char* op = "gather_cast";
-  TORCH_CHECK(src.is_cuda() && src.is_contiguous(), "hf_sparse.", op, ": src must be a contiguous CUDA tensor");
-  TORCH_CHECK(index.is_cuda() && index.device() == src.device() && index.is_contiguous() &&
+  HF_CHECK(src.is_cuda() && src.is_contiguous(), "hf_sparse.", op, ": src must be a contiguous CUDA tensor");
+  HF_CHECK(index.is_cuda() && index.device() == src.device() && index.is_contiguous() &&
                   (index.scalar_type() == at::kInt || index.scalar_type() == at::kLong),
               "hf_sparse.", op, ": index must be a contiguous int32/int64 tensor on ", src.device());
   hf_sparse::RefreshEntry e{};
@@ -421,13 +422,60 @@ at::Tensor aligned_2d(const at::Tensor& t, int64_t features, at::ScalarType dtyp
 
 at::Tensor dense_from_kept(const at::Tensor& weight, const at::Tensor& index, int64_t rows, int64_t cols,
                            at::ScalarType dtype) {
-  TORCH_CHECK(index.defined(), "hf_sparse.compact_linear: a dense choice needs the kept index");
+  HF_CHECK(index.defined(), "hf_sparse.compact_linear: a dense choice needs the kept index");
   auto dense = at::zeros({rows * cols}, weight.options().dtype(dtype));
   return dense.index_put_({index.to(at::kLong)}, weight.reshape({-1}).to(dtype)).view({rows, cols});
 }
 
 c10::optional<at::Tensor> optional_of(const at::Tensor& t) {
   return t.defined() ? c10::optional<at::Tensor>(t) : c10::nullopt;
+}
+
+// The forward of a compact layer on its 2-D input in the compute dtype (no autograd): SpMM where plan & 1, else
+// cuBLAS on a transient dense weight.
+at::Tensor compact_forward(const at::Tensor& x2, const at::Tensor& weight, const c10::optional<at::Tensor>& bias_c,
+                           const at::Tensor& values, const at::Tensor& meta, const at::Tensor& columns,
+                           const c10::optional<at::Tensor>& index, int64_t rows, int64_t cols, int64_t m,
+                           int64_t plan, int64_t kernels) {
+  HF_CHECK((plan & 1) || index.has_value(), "hf_sparse.compact_forward: a dense forward needs the kept index");
+  const auto xa = aligned_2d(x2, cols, x2.scalar_type());
+  if (plan & 1) return spmm_impl("compact_linear", kernels & 1, xa, values, meta, columns, bias_c, rows, cols, m, 0);
+  return at::linear(xa, dense_from_kept(weight, *index, rows, cols, xa.scalar_type()), bias_c);
+}
+
+// The gradients of a compact layer (no autograd) for the output gradient dy2 (2-D, the compute dtype): dx2 (the
+// compute dtype) where need_dx, by SpMM on the transposed pack where plan & 2, else dense; the gradient of the kept
+// values in weight's dtype where need_dw, by SDDMM on the layer's own positions where plan & 4, else a GEMM and one
+// gather; the bias gradient in bias_dtype where need_db. Tensors not asked for are undefined.
+std::vector<at::Tensor> compact_backward(const at::Tensor& dy, const at::Tensor& x2, const at::Tensor& weight,
+                                         const c10::optional<at::Tensor>& index,
+                                         const c10::optional<at::Tensor>& values_t,
+                                         const c10::optional<at::Tensor>& meta_t,
+                                         const c10::optional<at::Tensor>& columns_t, const at::Tensor& meta_g,
+                                         const at::Tensor& columns_g, int64_t rows, int64_t cols, int64_t m_g,
+                                         int64_t plan, int64_t kernels, bool need_dx, bool need_dw, bool need_db,
+                                         at::ScalarType bias_dtype) {
+  HF_CHECK(!(need_dx && (plan & 2)) || (values_t.has_value() && meta_t.has_value() && columns_t.has_value()),
+           "hf_sparse.compact_backward: a sparse input gradient needs the transposed pack");
+  HF_CHECK(!((need_dx && !(plan & 2)) || (need_dw && !(plan & 4))) || index.has_value(),
+           "hf_sparse.compact_backward: a dense input gradient or a GEMM weight gradient needs the kept index");
+  const auto dtype = x2.scalar_type();
+  const auto dy2 = aligned_2d(dy, rows, dtype);
+  const auto xa = aligned_2d(x2, cols, dtype);
+  at::Tensor dx, dw, db;
+  if (need_dx) {
+    dx = (plan & 2) ? spmm_impl("compact_linear(input gradient)", kernels & 2, dy2, *values_t, *meta_t, *columns_t,
+                                c10::nullopt, cols, rows, 4, 0)
+                    : at::mm(dy2, dense_from_kept(weight, *index, rows, cols, dtype));
+  }
+  if (need_dw) {
+    dw = (plan & 4) ? sddmm_impl("compact_linear(weight gradient)", kernels & 4, dy2, xa, meta_g, columns_g, rows,
+                                 cols, m_g)
+                    : gather_cast(at::mm(dy2.t(), xa), *index, weight.scalar_type()).view(weight.sizes());
+    dw = dw.to(weight.scalar_type());
+  }
+  if (need_db) db = dy2.sum(0, false, at::kFloat).to(bias_dtype);
+  return {dx, dw, db};
 }
 
 struct CompactLinearFn : public torch::autograd::Function<CompactLinearFn> {
@@ -445,13 +493,10 @@ struct CompactLinearFn : public torch::autograd::Function<CompactLinearFn> {
     const auto dtype = values->scalar_type();
     auto x2 = aligned_2d(x, cols, dtype);
     const at::Tensor none;
-    const at::Tensor& kept = index.has_value() ? *index : none;
-    at::Tensor y = (plan & 1) ? spmm_impl("compact_linear", kernels & 1, x2, *values, *meta, *columns, bias_c, rows,
-                                          cols, m, 0)
-                              : at::linear(x2, dense_from_kept(weight, kept, rows, cols, dtype), bias_c);
+    at::Tensor y = compact_forward(x2, weight, bias_c, *values, *meta, *columns, index, rows, cols, m, plan, kernels);
     ctx->save_for_backward({x2, weight});
     auto& data = ctx->saved_data;
-    data["index"] = kept;
+    data["index"] = index.value_or(none);
     data["values_t"] = values_t.value_or(none);
     data["meta_t"] = meta_t.value_or(none);
     data["columns_t"] = columns_t.value_or(none);
@@ -473,35 +518,20 @@ struct CompactLinearFn : public torch::autograd::Function<CompactLinearFn> {
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
     const auto saved = ctx->get_saved_variables();
-    const auto &x2 = saved[0], &weight = saved[1];
     auto& data = ctx->saved_data;
-    const at::Tensor index = data["index"].toTensor();
-    const int64_t rows = data["rows"].toInt(), cols = data["cols"].toInt();
-    const int64_t m_g = data["m_g"].toInt(), plan = data["plan"].toInt(), kernels = data["kernels"].toInt();
-    const auto dtype = x2.scalar_type();
-    auto dy2 = aligned_2d(grads[0], rows, dtype);
-    at::Tensor dx, dw, db;
-    if (ctx->needs_input_grad(0)) {
-      dx = (plan & 2) ? spmm_impl("compact_linear(input gradient)", kernels & 2, dy2, data["values_t"].toTensor(),
-                                  data["meta_t"].toTensor(), data["columns_t"].toTensor(), c10::nullopt, cols, rows,
-                                  4, 0)
-                      : at::mm(dy2, dense_from_kept(weight, index, rows, cols, dtype));
-      dx = dx.to(data["x_dtype"].toScalarType()).view(data["x_sizes"].toIntVector());
-    }
-    if (ctx->needs_input_grad(1)) {
-      dw = (plan & 4) ? sddmm_impl("compact_linear(weight gradient)", kernels & 4, dy2, x2, data["meta_g"].toTensor(),
-                                   data["columns_g"].toTensor(), rows, cols, m_g)
-                      : gather_cast(at::mm(dy2.t(), x2), index, weight.scalar_type()).view(weight.sizes());
-      dw = dw.to(weight.scalar_type());
-    }
     const auto& bias_dtype = data["bias_dtype"];
-    if (!bias_dtype.isNone() && ctx->needs_input_grad(2)) {
-      db = dy2.sum(0, false, at::kFloat).to(bias_dtype.toScalarType());
-    }
+    const bool need_db = !bias_dtype.isNone() && ctx->needs_input_grad(2);
+    auto g = compact_backward(grads[0], saved[0], saved[1], optional_of(data["index"].toTensor()),
+                              optional_of(data["values_t"].toTensor()), optional_of(data["meta_t"].toTensor()),
+                              optional_of(data["columns_t"].toTensor()), data["meta_g"].toTensor(),
+                              data["columns_g"].toTensor(), data["rows"].toInt(), data["cols"].toInt(),
+                              data["m_g"].toInt(), data["plan"].toInt(), data["kernels"].toInt(),
+                              ctx->needs_input_grad(0), ctx->needs_input_grad(1), need_db,
+                              need_db ? bias_dtype.toScalarType() : at::kFloat);
     torch::autograd::variable_list out(20);  // one per argument of forward
-    out[0] = dx;
-    out[1] = dw;
-    out[2] = db;
+    if (g[0].defined()) out[0] = g[0].to(data["x_dtype"].toScalarType()).view(data["x_sizes"].toIntVector());
+    out[1] = g[1];
+    out[2] = g[2];
     return out;
   }
 };
@@ -513,9 +543,9 @@ at::Tensor compact_linear(const at::Tensor& x, const at::Tensor& weight, const c
                           const at::Tensor& meta_g, const at::Tensor& columns_g,
                           const c10::optional<at::Tensor>& index, int64_t rows, int64_t cols, int64_t m, int64_t m_g,
                           int64_t plan, int64_t kernels) {
-  TORCH_CHECK(!(plan & 2) || (values_t.has_value() && meta_t.has_value() && columns_t.has_value()),
+  HF_CHECK(!(plan & 2) || (values_t.has_value() && meta_t.has_value() && columns_t.has_value()),
               "hf_sparse.compact_linear: a sparse input gradient needs the transposed pack");
-  TORCH_CHECK((plan & 7) == 7 || index.has_value(),
+  HF_CHECK((plan & 7) == 7 || index.has_value(),
               "hf_sparse.compact_linear: a dense forward, input gradient or GEMM weight gradient needs the kept index");
   const at::Tensor b = bias.has_value() ? *bias : at::empty({0}, x.options());
   return CompactLinearFn::apply(x, weight, b, bias.has_value(), bias_c, values, meta, columns, values_t, meta_t,
@@ -540,6 +570,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("vnm_mask", &vnm_mask, "V:N:M mask of an fp32 score (hf_sparse.masks.vnm_mask's rule)");
   mod.def("transposable_2to4_mask", &transposable_2to4_mask,
           "exact transposable 2:4 mask of an fp32 score, first best of the given 90 patterns");
+  mod.def("compact_forward", &compact_forward, "a compact layer's forward on its 2-D input, no autograd");
+  mod.def("compact_backward", &compact_backward, "a compact layer's gradients [dx2, dweight, dbias], no autograd");
   mod.def("compact_linear", &compact_linear,
           "a compact layer's training call: y = x W^T + b from the kept values, with C++ autograd (hf_sparse.nn.compact)");
   mod.def("refresh_packs", &refresh_packs, "rewrite many packs from their layers' values in one launch (a table)");

@@ -220,7 +220,9 @@ class CompactKernel:
         self.code, self.after = kernel_activation(self.activation, m, device) if cuda else (0, self.activation)
         self.code24, self.after24 = kernel_activation(self.activation, 4, device) if cuda else (0, self.activation)
         ext = _extension() if cuda else None
-        self.native = getattr(ext, "compact_linear", None)  # forward and backward in C++
+        self.native = getattr(ext, "compact_linear", None)  # forward and backward in C++, one autograd node
+        self.native_forward = getattr(ext, "compact_forward", None)  # the same computations without autograd
+        self.native_backward = getattr(ext, "compact_backward", None)
         self.refresher = ext if hasattr(ext, "refresh_packs") else None  # the batched refresh: see refresh_stale
         self.gather_cast = getattr(ext, "gather_cast", None)  # the GEMM weight gradient's gather, cast included
         self.layer = weakref.ref(layer)
@@ -420,6 +422,14 @@ class CompactKernel:
         rows, cols, dtype = self.rows, self.cols, self.dtype
         bias_c = self.bias_lp if self.bias_lp is not None else layer.bias
         act = self.activation if fuse else None
+        if self.native_forward is not None and act is None:  # one call into the extension
+            view = plan[0] == "sparse24"
+            q = self.packed24 if view else self.packed
+            dense = plan[0] == "dense"
+            return self.native_forward(
+                x2, layer.weight.detach(), bias_c, q.values, q.meta, q.columns, layer._kept() if dense else None,
+                rows, cols, 4 if view else self.m, int(not dense), self.kernel_bits24 if view else self.kernel_bits,
+            )  # fmt: skip
         if plan[0] == "dense":
             y = F.linear(x2, _dense(layer.weight.detach(), layer._kept(), rows, cols, dtype), bias_c)
             return y if act is None else activate(y, act)
@@ -438,8 +448,18 @@ class CompactKernel:
         ``plan[2]``; ``dx2`` in the compute dtype, ``dweight`` the gradient of the kept values in ``weight``'s order
         and dtype. No autograd."""
         rows, cols, dtype = self.rows, self.cols, self.dtype
-        dy2 = dy2.to(dtype).contiguous()
         weight = layer.weight.detach()
+        if self.native_backward is not None:  # one call into the extension
+            t, p = self.packed_t, self.packed
+            sparse_dx, sddmm = plan[1] == "sparse" and t is not None, plan[2] == "sddmm"
+            dense = (need_dx and not sparse_dx) or (need_dw and not sddmm)
+            dx, dw, db = self.native_backward(
+                dy2, x2, weight, layer._kept() if dense else None, *((None,) * 3 if t is None else t[:3]), p.meta,
+                p.columns, rows, cols, self.m, sparse_dx << 1 | sddmm << 2, self.kernel_bits, need_dx, need_dw,
+                need_db, torch.float32 if layer.bias is None else layer.bias.dtype,
+            )  # fmt: skip
+            return dx, dw, db
+        dy2 = dy2.to(dtype).contiguous()
         dx = dw = db = None
         if need_dx:
             t = self.packed_t
@@ -618,33 +638,42 @@ def _layer_of(layer_id: int) -> SparseLinear:
     return layer
 
 
-@torch.library.custom_op("hf_sparse::compact_linear", mutates_args=())
-def _compact_linear_op(x2: Tensor, weight: Tensor, bias: Tensor | None, layer_id: int, trains: bool) -> Tensor:
+# defined with torch.library.Library rather than torch.library.custom_op: the latter's wrapper costs several
+# microseconds of host time per call, twice per layer and step
+_lib = torch.library.Library("hf_sparse", "FRAGMENT")
+_lib.define("compact_linear(Tensor x2, Tensor weight, Tensor? bias, int layer_id, bool trains) -> Tensor")
+_lib.define(
+    "compact_linear_backward(Tensor dy2, Tensor x2, Tensor weight, Tensor? bias, int layer_id, bool need_dx, "
+    "bool need_dw) -> (Tensor, Tensor, Tensor)"
+)
+
+
+def _compact_linear_impl(x2: Tensor, weight: Tensor, bias: Tensor | None, layer_id: int, trains: bool) -> Tensor:
     layer = _layer_of(layer_id)
     kernel = layer.kernel_state(x2.dtype)
     plan = kernel.prepare(layer, x2, trains)
     return kernel.forward_compute(layer, x2, plan, fuse=not trains)
 
 
-@_compact_linear_op.register_fake
-def _(x2, weight, bias, layer_id, trains):
-    return x2.new_empty(x2.shape[0], weight.shape[0])
-
-
-@torch.library.custom_op("hf_sparse::compact_linear_backward", mutates_args=())
-def _compact_linear_backward_op(
-    dy2: Tensor, x2: Tensor, weight: Tensor, bias: Tensor | None, layer_id: int, need_dx: bool, need_dw: bool
-) -> tuple[Tensor, Tensor, Tensor]:
+def _compact_linear_backward_impl(dy2, x2, weight, bias, layer_id, need_dx, need_dw):
     layer = _layer_of(layer_id)
     kernel = layer.kernel_state(x2.dtype)
-    key = (1 << max(0, x2.shape[0] - 1).bit_length(), True)
-    plan = kernel.plans.get(key) or kernel._default()
+    plan = kernel.plans.get((1 << max(0, x2.shape[0] - 1).bit_length(), True)) or kernel._default()
     dx, dw, db = kernel.backward_compute(layer, dy2, x2, plan, need_dx, need_dw, bias is not None)
     empty = x2.new_empty(0)
     return (empty if dx is None else dx, weight.new_empty(0) if dw is None else dw, empty if db is None else db)
 
 
-@_compact_linear_backward_op.register_fake
+_lib.impl("compact_linear", _compact_linear_impl, "CompositeExplicitAutograd")
+_lib.impl("compact_linear_backward", _compact_linear_backward_impl, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("hf_sparse::compact_linear", lib=_lib)
+def _(x2, weight, bias, layer_id, trains):
+    return x2.new_empty(x2.shape[0], weight.shape[0])
+
+
+@torch.library.register_fake("hf_sparse::compact_linear_backward", lib=_lib)
 def _(dy2, x2, weight, bias, layer_id, need_dx, need_dw):
     dx = x2.new_empty(x2.shape) if need_dx else x2.new_empty(0)
     dw = weight.new_empty(weight.shape) if need_dw else weight.new_empty(0)
@@ -664,7 +693,7 @@ def _backward(ctx, dy2):
     return dx if need_dx else None, dw if need_dw else None, db if need_db else None, None, None
 
 
-_compact_linear_op.register_autograd(_backward, setup_context=_setup_context)
+torch.library.register_autograd("hf_sparse::compact_linear", _backward, setup_context=_setup_context, lib=_lib)
 
 
 def compact_linear(layer: SparseLinear, x: Tensor, dtype: torch.dtype) -> Tensor:

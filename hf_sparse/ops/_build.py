@@ -60,6 +60,7 @@ SOURCES = (
     "mask_select.cu",
 )
 HEADERS = (
+    "check.h",
     "common.cuh",
     "kernels.h",
     "lab.h",

@@ -484,28 +484,37 @@ mask = torch.zeros(128, 64, 4, dtype=torch.bool, device="cuda")
 mask[..., :2] = True
 p = pack(w, mask.view(128, 256), 64, 4)
 x = torch.randn(32, 256, device="cuda", dtype=torch.bfloat16)
-x = {"cpu input": x.cpu(), "wrong dtype": x.float(), "wrong shape": x[:, :128].contiguous()}[BAD]
+calls = {
+    "cpu input": ("spmm", lambda: ext.spmm(x.cpu(), p.values, p.meta, p.columns, None, 128, 256, 4, 0)),
+    "wrong dtype": ("spmm", lambda: ext.spmm(x.float(), p.values, p.meta, p.columns, None, 128, 256, 4, 0)),
+    "wrong features": ("spmm", lambda: ext.spmm(x[:, :128].contiguous(), p.values, p.meta, p.columns, None, 128, 256,
+                                                4, 0)),
+    "wrong pack shape": ("spmm", lambda: ext.spmm(x, p.values[:1].contiguous(), p.meta, p.columns, None, 128, 256, 4,
+                                                  0)),
+    "wrong group size": ("spmm", lambda: ext.spmm(x, p.values, p.meta, p.columns, None, 128, 256, 3, 0)),
+    "wrong table": ("refresh_packs", lambda: ext.refresh_packs(torch.zeros(2, 5, dtype=torch.int64, device="cuda"),
+                                                               1)),
+}
+op, call = calls[BAD]
 try:
-    ext.spmm(x, p.values, p.meta, p.columns, None, 128, 256, 4, 0)
+    call()
 except RuntimeError as err:
-    assert "hf_sparse.spmm" in str(err), err
-    y = ext.spmm(torch.randn(32, 256, device="cuda", dtype=torch.bfloat16), p.values, p.meta, p.columns, None, 128,
-                 256, 4, 0)
+    assert "hf_sparse." + op in str(err), err
+    y = ext.spmm(x, p.values, p.meta, p.columns, None, 128, 256, 4, 0)
     assert torch.isfinite(y).all()  # the extension still works after the error
     print("raised")
 """
 
 
-@pytest.mark.xfail(
-    reason="issue 17: on the GPU machine a failing TORCH_CHECK in the extension has killed the process instead of "
-    "raising; this test turns green when errors reach Python",
-    strict=False,
-)
-@pytest.mark.parametrize("bad", ["cpu input", "wrong dtype", "wrong shape"])
+BAD_ARGUMENTS = ["cpu input", "wrong dtype", "wrong features", "wrong pack shape", "wrong group size", "wrong table"]
+
+
+@pytest.mark.parametrize("bad", BAD_ARGUMENTS)
 def test_a_bad_argument_to_the_binding_raises_runtime_error(bad):
-    """A ``TORCH_CHECK`` failing inside the extension must reach Python as a ``RuntimeError`` naming the op, with
-    the process going on (the binding is called directly, with none of the Python checks in front of it). Run in a
-    child process, so a crash fails this test instead of ending the test session."""
+    """A check failing inside the extension reaches Python as a ``RuntimeError`` naming the op, and the process
+    goes on (the binding is called directly, with none of the Python checks in front of it); messages holding
+    numbers and shapes included (csrc/check.h). Run in a child process, so a crash fails this test instead of
+    ending the test session."""
     import os
     import subprocess
     import sys
