@@ -5,6 +5,7 @@ warm-up against the dense model with the same weights.
     python benchmarks/bench_trainer.py [--models bert-large llama] [--configs dense 2:4T 2:4 64:2:8]
                                        [--compile eager compiled] [--steps 50] [--warmup 30] [--no-load]
                                        [--compact-fallback auto|never]
+                                       [--worker-timeout S]
 
 Models (built from their configs, no download):
 
@@ -231,15 +232,28 @@ def load_worker(args) -> dict:
     return result
 
 
+WORKER_TIMEOUT_S: float | None = None  # --worker-timeout
+
+
 def run_worker(argv: list[str]) -> dict | None:
+    """One configuration in a fresh process; its JSON line with ``process_s`` (the worker's whole wall time: start,
+    model, pruning, compilation, the steps) added, or None after printing the end of its output."""
     cmd = [sys.executable, os.path.abspath(__file__), *argv]
     print("$", " ".join(argv), file=sys.stderr, flush=True)
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=WORKER_TIMEOUT_S)
+    except subprocess.TimeoutExpired as err:
+        out = err.stdout.decode() if isinstance(err.stdout, bytes) else err.stdout or ""
+        log = err.stderr.decode() if isinstance(err.stderr, bytes) else err.stderr or ""
+        print(f"worker timed out after {WORKER_TIMEOUT_S} s", out[-2000:], log[-6000:], file=sys.stderr, flush=True)
+        return None
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or not lines:
         print(proc.stdout[-3000:], proc.stderr[-6000:], file=sys.stderr, flush=True)
         return None
     res = json.loads(lines[-1])
+    res["process_s"] = round(time.perf_counter() - start, 1)
     print(json.dumps(res), file=sys.stderr, flush=True)
     return res
 
@@ -326,6 +340,7 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=30, help="untimed steps (the compact fallback decides by step 26)")
     ap.add_argument("--compact-fallback", default="auto", choices=["auto", "never"])
     ap.add_argument("--no-load", action="store_true", help="skip the from_pretrained section")
+    ap.add_argument("--worker-timeout", type=float, help="seconds a configuration may take (its output is printed)")
     # worker arguments (one configuration per process)
     ap.add_argument("--worker", choices=["train", "load"], help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
@@ -335,6 +350,8 @@ def main() -> int:
     ap.add_argument("--load", help=argparse.SUPPRESS)
     ap.add_argument("--dense-out", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    global WORKER_TIMEOUT_S
+    WORKER_TIMEOUT_S = args.worker_timeout
     if args.warmup >= args.steps:
         ap.error(f"--warmup ({args.warmup}) must be below --steps ({args.steps})")
     if args.worker == "train":

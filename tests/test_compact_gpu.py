@@ -164,6 +164,39 @@ def test_inference_in_bf16_holds_no_dense_copy(spec, transposable):
         assert own + state < dense
 
 
+@pytest.mark.parametrize("spec", ["2:4", "64:2:8"])
+def test_inference_memory_is_the_checkpoint_tensors(spec):
+    """A bf16 layer in inference holds its weights once: after its forwards the memory it takes is at most 1.05x
+    the bytes of its on-disk tensors (the pack holds the values and positions: ``CompactKernel.adopt``), and saving
+    gives those tensors back exactly."""
+    torch.manual_seed(0)
+    rows, cols = 2048, 4096
+    x = torch.randn(2, 256, cols, device="cuda", dtype=torch.bfloat16)
+    torch.nn.functional.linear(x, x[0, :8])  # cuBLAS's workspace exists before the count starts
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    dense = torch.nn.Linear(cols, rows, device="cuda", dtype=torch.bfloat16)
+    mask = compute_mask(dense.weight.detach().float().abs(), parse_pattern(spec))
+    layer = SparseLinear.from_dense(dense, mask, spec)
+    expected = torch.nn.functional.linear(x, torch.where(mask, dense.weight.detach(), 0.0), dense.bias.detach())
+    on_disk = {name: t.clone() for name, t in layer.state_dict().items()}
+    disk_bytes = sum(t.numel() * t.element_size() for t in on_disk.values())
+    del dense, mask
+    k = layer.kernel_state(torch.bfloat16)
+    k.plans[(512, False)] = ("sparse", "dense", "gemm")  # its own pack (a measurement may pick the 2:4 view)
+    extra = expected.numel() * expected.element_size() + disk_bytes  # what the test itself holds
+    with torch.inference_mode():
+        for _ in range(3):
+            y = layer(x)
+        torch.cuda.synchronize()
+        held = torch.cuda.memory_allocated() - base - extra - y.numel() * y.element_size()
+    assert layer._resident is k
+    assert held <= 1.05 * disk_bytes, (held, disk_bytes)
+    _close(y, expected)
+    for name, t in layer.state_dict().items():
+        assert torch.equal(t, on_disk[name]), name
+
+
 # odd shapes: rows % 16 == 8 and groups % 8 != 0 reach the pack's padding
 REFRESH_LAYERS = [("2:4", True, 40, 72), ("2:4", False, 192, 320), ("64:2:8", False, 128, 200), ("2:4", True, 64, 96)]
 

@@ -36,6 +36,14 @@ through one :class:`CompactKernel`, built once from the layer's position buffers
   measured once per bucket with :func:`hf_sparse.ops.dispatch.fastest` on the call's own input; where nothing can
   be measured (CPU, torch.compile tracing, CUDA-graph capture) the plan is :data:`DEFAULT_PLAN`.
 
+In inference (no call has trained, every measured forward runs on ``packed``, the values already in the compute
+dtype, no layout padding) the pack is the only copy of the weights: :meth:`CompactKernel.adopt` makes
+``layer.weight`` the pack's values (the same elements in the fragment order) and empties the position buffers (the
+metadata and block columns hold them), so a loaded model takes the bytes of its checkpoint tensors. Whatever reads the
+on-disk form (``state_dict``, ``compressed_tensors``, ``.to()``, a call that trains, a new measurement) calls
+:meth:`SparseLinear.on_disk_form` first, which makes it again from the pack (:meth:`CompactKernel.release`). A V:2:M
+layer run on its 2:4 view is not resident: the view holds zeros beside the values.
+
 The packs are refreshed on the first call after the weight changed: when its version counter, its address, the
 bias's version or the count of optimizer steps (:mod:`.optimizer_steps`: fused optimizers do not bump versions)
 differ from the last refresh. Where the extension runs, that first call refreshes every stale compact layer on the
@@ -59,13 +67,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..formats.bitpack import unpack_bits
+from ..formats.bitpack import pack_bits, unpack_bits
 from ..ops import dispatch
 from ..ops._layout import (
     VALID_M,
     VALID_V,
     PackedWeight,
     logical_from_dense,
+    logical_from_packed,
     packed_from_logical,
     values_to_kernel,
 )
@@ -114,6 +123,12 @@ def _positions(layer: SparseLinear) -> tuple[Tensor | None, Tensor]:
         return None, unpack_bits(layer.weight_indices, 2, 2 * groups).reshape(layer.out_features, groups, 2)
     selectors = unpack_bits(layer.weight_selectors, 2, 2 * groups).reshape(layer.out_features, groups, 2)
     return layer.weight_columns, selectors
+
+
+def _position_keys(layer: SparseLinear) -> list[str]:
+    """The names of the layer's position buffers (``weight_indices``, or ``weight_columns`` and
+    ``weight_selectors``)."""
+    return [key for key in layer._buffers if key.startswith("weight_")]
 
 
 def _pack24(where: Tensor, mask: Tensor, zero: int, dtype: torch.dtype) -> tuple[PackedWeight, Tensor]:
@@ -241,11 +256,62 @@ class CompactKernel:
     def _ensure_pack(self, layer: SparseLinear) -> None:
         """Make ``buf`` (the pack's values) from the current values if it was freed."""
         if self.buf is None:
-            self.buf = torch.zeros(self.n, dtype=self.dtype, device=self.device)
+            with torch.inference_mode(False):  # a normal tensor: it may become the Parameter's storage (adopt)
+                self.buf = torch.zeros(self.n, dtype=self.dtype, device=self.device)
             self.packed = self.packed._replace(values=self.buf.view(self.shape))
             with torch.no_grad():
                 _fill(self.packed.values, layer.weight.detach(), self.pieces, self.groups)
             self.entries = None
+
+    # ------------------------------------------------------------------ residency (inference)
+    def adopt(self, layer: SparseLinear) -> bool:
+        """Let the pack hold the layer's values and positions, so that an inference model keeps one copy of its
+        weights: ``layer.weight`` becomes the pack's values (same shape, dtype and element count, in the fragment
+        order) and the position buffers become empty (the metadata and block columns encode them). Only where the
+        pack is an exact permutation of the values in their own dtype: no layout padding, no 2:4 view or bias cast,
+        no call that trained, every measured forward on this pack, no process group (a wrapper may own the
+        storage). :meth:`SparseLinear.on_disk_form` (every reader of the on-disk form calls it: saving, ``.to()``,
+        training, a new measurement) undoes it with :meth:`release`. Returns whether the layer is resident."""
+        weight = layer.weight
+        if (
+            self.trained
+            or self.buf is None
+            or self.packed24 is not None
+            or self.bias_lp is not None
+            or weight.dtype != self.dtype
+            or self.n != weight.numel()
+            or type(weight.data) is not Tensor
+            or any(p[0] != "sparse" for p in self.plans.values())
+            or (torch.distributed.is_available() and torch.distributed.is_initialized())
+        ):
+            return False
+        if self.stamp != _stamp(weight, layer.bias):
+            self.refresh(layer)
+        with torch.no_grad():
+            weight.data = self.buf.view(weight.shape)
+            for key in _position_keys(layer):
+                layer._buffers[key] = layer._buffers[key].new_empty(0)
+        layer._index = layer._dense_cache = None
+        layer._resident = self
+        self.entries = None
+        self.stamp = _stamp(weight, layer.bias)
+        return True
+
+    def release(self, layer: SparseLinear) -> None:
+        """The inverse of :meth:`adopt`: new on-disk ``weight`` values and position buffers made from the pack (which
+        stays, as a copy of the values, until the plans drop it)."""
+        with torch.no_grad(), torch.inference_mode(False):
+            values, columns, selectors = logical_from_packed(self.packed)
+            layer.weight.data = values  # a new tensor: the pack keeps its storage
+            pattern, rows, groups = layer.pattern, self.rows, self.groups
+            if isinstance(pattern, NM):
+                layer.weight_indices = pack_bits(selectors.reshape(rows, 2 * groups), 2)
+            else:
+                layer.weight_selectors = pack_bits(selectors.reshape(rows, 2 * groups), 2)
+                slabs = pattern.v // 64 if self.m != 4 else 1
+                layer.weight_columns = columns[::slabs][: rows // pattern.v]
+        self.entries = None
+        self.stamp = _stamp(layer.weight, layer.bias)
 
     def refresh(self, layer: SparseLinear) -> None:
         """Rebuild this layer's packs (and the bias cast) from its current values: with every other stale compact
@@ -497,12 +563,16 @@ class CompactKernel:
     def prepare(self, layer: SparseLinear, x: Tensor, trains: bool) -> tuple[str, str, str]:
         """Bring the packs up to date with the values and return the plan for ``x`` (measured on the first call of
         its token bucket)."""
+        key = (1 << max(0, x.numel() // self.cols - 1).bit_length(), trains)
+        plan = self.plans.get(key)
+        if layer._resident is self:  # the pack is the values: nothing to refresh
+            if plan is not None and not trains:
+                return plan
+            layer.on_disk_form()  # training, or a measurement, reads the values in the on-disk form
         if trains and not self.trained:
             self._ensure_transposed(layer)
         if _stamp(layer.weight, layer.bias) != self.stamp:
             self.refresh(layer)
-        key = (1 << max(0, x.numel() // self.cols - 1).bit_length(), trains)
-        plan = self.plans.get(key)
         if plan is None:
             x2 = x.reshape(-1, self.cols)
             plan = self.plan(layer, key, x2 if x2.dtype == self.dtype else x2.to(self.dtype))
@@ -517,6 +587,8 @@ class CompactKernel:
         plan = self.prepare(layer, x, trains)
         rows, cols = self.rows, self.cols
         if not trains:  # inference, evaluation: no autograd, the activation fused where the kernel has it
+            if layer._resident is not self and plan[0] == "sparse":
+                self.adopt(layer)
             x2 = x.reshape(-1, cols)
             y = self.forward_compute(layer, x2 if x2.dtype == self.dtype else x2.to(self.dtype), plan, fuse=True)
             return y.view(*x.shape[:-1], rows)
@@ -589,6 +661,8 @@ def refresh_stale(device: torch.device) -> None:
     for k in list(_kernels):
         layer = k.layer()
         if k.device != device or k.refresher is None or layer is None or layer._kernel is not k:
+            continue
+        if layer._resident is k:  # its pack is its values
             continue
         stamp = _stamp(layer.weight, layer.bias)
         if stamp == k.stamp:

@@ -14,7 +14,9 @@ Compute:
 * On CUDA in bf16/fp16 (autocast's dtype, else the input's) with a pattern the kernels run (2:4, V:2:M, both
   dimensions multiples of 8), the layer runs on its own kernel state (:class:`~hf_sparse.nn.compact.CompactKernel`:
   the packed values, the transposed pack where the mask is transposable 2:4, the measured plan), in training and
-  in inference alike. It keeps no dense copy of the weight.
+  in inference alike. It keeps no dense copy of the weight. In inference the pack holds the values and positions
+  in place of ``weight`` and the position buffers (``CompactKernel.adopt``); :meth:`SparseLinear.on_disk_form`,
+  which saving, ``.to()``, training and every reader of the on-disk form call, brings that form back bit for bit.
 * Elsewhere (CPU, fp32 without autocast, other patterns or shapes) it runs the reference: the dense weight rebuilt
   by one scatter of the values at :attr:`SparseLinear.kept_index`, then ``F.linear`` -- bit-exact with the masked
   dense layer. On CPU without gradients (a loaded model's inference) that dense weight is cached while the values
@@ -76,6 +78,9 @@ class SparseLinear(nn.Module):
         self._dense_cache: tuple[tuple, Tensor] | None = None
         self._index: Tensor | None = None  # kept_index, int32 where R*K fits (see kept_index)
         self._kernel: CompactKernel | None = None
+        # the kernel state whose pack holds this layer's values and positions (inference; see CompactKernel.adopt),
+        # or None while they are in the on-disk form
+        self._resident: CompactKernel | None = None
         vm = kernel_pattern(self.pattern)
         self._kernel_vm = vm if vm is not None and in_features % 8 == 0 and out_features % 8 == 0 else None
         # an activation applied to the output, folded in from the parent module at load (hf_sparse.nn.fold): the
@@ -154,8 +159,22 @@ class SparseLinear(nn.Module):
         self._drop_derived()
         super()._load_from_state_dict(*args, **kwargs)
 
+    def _save_to_state_dict(self, *args, **kwargs):  # the on-disk form, also after inference moved it into the pack
+        self.on_disk_form()
+        super()._save_to_state_dict(*args, **kwargs)
+
+    def on_disk_form(self) -> None:
+        """Bring ``weight`` and the position buffers back to the on-disk form where inference had moved them into
+        the kernel's pack (:meth:`CompactKernel.adopt`); a no-op otherwise. Every reader of the values or positions
+        other than the kernels goes through here."""
+        kernel = self._resident
+        if kernel is not None:
+            self._resident = None
+            kernel.release(self)
+
     # ------------------------------------------------------------------ compressed tensors
     def compressed_tensors(self) -> dict[str, Tensor]:
+        self.on_disk_form()
         out = {"weight": self.weight}
         out.update({key: buf for key, buf in self._buffers.items() if key.startswith("weight_") and buf is not None})
         return out
@@ -175,10 +194,11 @@ class SparseLinear(nn.Module):
         """The ``(out, in)`` dense weight (``+0.0`` at pruned positions), differentiable with respect to the kept
         values: one scatter of ``weight`` at :attr:`kept_index`."""
         rows, cols = self.logical_shape
+        index = self._kept()
         w = self.weight
         return (
             torch.zeros(rows * cols, dtype=w.dtype, device=w.device)
-            .index_put_((self._kept(),), w.reshape(-1))
+            .index_put_((index,), w.reshape(-1))
             .view(rows, cols)
         )
 
@@ -200,6 +220,7 @@ class SparseLinear(nn.Module):
         shapes the kernels run (2:4, V:2:M; both dimensions multiples of 8)."""
         k = self._kernel
         if k is None or k.dtype != dtype or k.activation != self.activation:
+            self.on_disk_form()
             if self._kernel_vm is None:
                 raise ValueError(
                     f"SparseLinear: no Sparse Tensor Core kernel runs pattern {self.pattern} at shape "
@@ -209,6 +230,7 @@ class SparseLinear(nn.Module):
         return k
 
     def _drop_derived(self) -> None:
+        self.on_disk_form()
         self._dense_cache = None
         self._index = None
         self._kernel = None

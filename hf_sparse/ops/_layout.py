@@ -33,6 +33,7 @@ __all__ = [
     "dense_from_packed",
     "kept_columns",
     "logical_from_dense",
+    "logical_from_packed",
     "packed_from_logical",
     "values_to_kernel",
 ]
@@ -188,8 +189,8 @@ def packed_from_logical(
     return PackedWeight(values_k, meta_k, cols_k, valid.to(torch.bool).contiguous(), rows, cols, v, m)
 
 
-def _logical_positions(p: PackedWeight) -> tuple[Tensor, Tensor]:
-    """(values (R, G, 2), real column offsets within the group (R, G, 2)) recovered from the kernel layout."""
+def _decode(p: PackedWeight) -> tuple[Tensor, Tensor]:
+    """(values (R, G, 2), selectors (R, G, 2) int64: the kept positions within the block's 4 columns) of ``p``."""
     rp16, steps = p.values.shape[:2]
     rp, gp = rp16 * 16, steps * GROUPS_PER_STEP
     vals = p.values.reshape(rp16, steps, 8, 4, 2, 2, 2).permute(0, 5, 2, 1, 4, 3, 6).reshape(rp, gp, 2)
@@ -200,10 +201,23 @@ def _logical_positions(p: PackedWeight) -> tuple[Tensor, Tensor]:
     nib = (half.unsqueeze(-1) >> shifts) & 0xF  # (mt, rh, g8, s, c, j)
     nib = nib.reshape(rp, gp)
     sel = torch.stack([nib & 3, nib >> 2], dim=-1)  # (rp, gp, 2)
-    cols = p.columns.to(torch.int64).repeat_interleave(SLAB, dim=0)  # (rp, gp, 4)
-    off = torch.gather(cols, 2, sel)
     g = p.groups
-    return vals[: p.rows, :g], off[: p.rows, :g]
+    return vals[: p.rows, :g], sel[: p.rows, :g]
+
+
+def _logical_positions(p: PackedWeight) -> tuple[Tensor, Tensor]:
+    """(values (R, G, 2), real column offsets within the group (R, G, 2)) recovered from the kernel layout."""
+    vals, sel = _decode(p)
+    cols = p.columns.to(torch.int64).repeat_interleave(SLAB, dim=0)[: p.rows, : p.groups]  # (R, G, 4)
+    return vals, torch.gather(cols, 2, sel)
+
+
+def logical_from_packed(p: PackedWeight) -> tuple[Tensor, Tensor, Tensor]:
+    """The inverse of :func:`packed_from_logical`: ``(values (R, 2G), columns (ceil(R/64), G, 4) uint8, one row per
+    64-row slab, selectors (R, G, 2) uint8)``. ``values`` is a new tensor in the pack's dtype."""
+    vals, sel = _decode(p)
+    columns = p.columns[: -(-p.rows // SLAB), : p.groups]
+    return vals.reshape(p.rows, -1).contiguous(), columns.contiguous(), sel.to(torch.uint8)
 
 
 def kept_columns(p: PackedWeight) -> Tensor:
