@@ -149,3 +149,35 @@ def test_a_loaded_model_runs_resident_and_saves_the_same_bytes(tmp_path, monkeyp
     assert first.keys() == second.keys()
     for key in first:
         assert torch.equal(first[key], second[key]), key
+
+
+def test_plain_no_grad_keeps_the_on_disk_form():
+    """Code under ``no_grad`` may write the values between calls (in the on-disk order): no residency there."""
+    layer, dense, _ = _bf16_layer("2:4", 128, 256, seed=9)
+    k = layer.kernel_state(torch.bfloat16)
+    x = torch.randn(4, 256).bfloat16()
+    with torch.no_grad():
+        k(layer, x)
+        assert layer._resident is None
+        new = torch.randn_like(layer.weight)
+        layer.weight.copy_(new)
+        y = k(layer, x)
+    weight = torch.zeros(128 * 256, dtype=torch.bfloat16).index_put_((layer.kept_index,), new.view(-1))
+    ref = F.linear(x.float(), weight.view(128, 256).float(), layer.bias.detach().float())
+    torch.testing.assert_close(y.float(), ref, rtol=2e-2, atol=2e-2 * float(ref.abs().max()))
+
+
+def test_a_write_into_a_resident_weight_raises_instead_of_computing_with_scrambled_values():
+    layer, _, _ = _bf16_layer("2:4", 128, 256, seed=11)
+    k = layer.kernel_state(torch.bfloat16)
+    x = torch.randn(4, 256).bfloat16()
+    with torch.inference_mode():
+        k(layer, x)
+    assert layer._resident is k
+    with torch.no_grad():
+        layer.weight.mul_(2.0)
+    with pytest.raises(RuntimeError, match="written in place while torch.inference_mode"):
+        with torch.inference_mode():
+            k(layer, x)
+    with pytest.raises(RuntimeError, match="reload the model"):
+        layer.state_dict()

@@ -36,8 +36,8 @@ through one :class:`CompactKernel`, built once from the layer's position buffers
   measured once per bucket with :func:`hf_sparse.ops.dispatch.fastest` on the call's own input; where nothing can
   be measured (CPU, torch.compile tracing, CUDA-graph capture) the plan is :data:`DEFAULT_PLAN`.
 
-In inference (no call has trained, every measured forward runs on ``packed``, the values already in the compute
-dtype, no layout padding) the pack is the only copy of the weights: :meth:`CompactKernel.adopt` makes
+Under ``torch.inference_mode()`` (no call has trained, every measured forward runs on ``packed``, the values already
+in the compute dtype, no layout padding) the pack is the only copy of the weights: :meth:`CompactKernel.adopt` makes
 ``layer.weight`` the pack's values (the same elements in the fragment order) and empties the position buffers (the
 metadata and block columns hold them), so a loaded model takes the bytes of its checkpoint tensors. Whatever reads the
 on-disk form (``state_dict``, ``compressed_tensors``, ``.to()``, a call that trains, a new measurement) calls
@@ -241,6 +241,7 @@ class CompactKernel:
         self.refresher = ext if hasattr(ext, "refresh_packs") else None  # the batched refresh: see refresh_stale
         self.gather_cast = getattr(ext, "gather_cast", None)  # the GEMM weight gradient's gather, cast included
         self.layer = weakref.ref(layer)
+        self.resident_version = -1  # the weight's version when adopt made the pack its storage
         _kernels.add(self)
         self._set_kernel_bits()
         watch_optimizer_steps()
@@ -265,8 +266,9 @@ class CompactKernel:
 
     # ------------------------------------------------------------------ residency (inference)
     def adopt(self, layer: SparseLinear) -> bool:
-        """Let the pack hold the layer's values and positions, so that an inference model keeps one copy of its
-        weights: ``layer.weight`` becomes the pack's values (same shape, dtype and element count, in the fragment
+        """Let the pack hold the layer's values and positions, so that a model run under ``torch.inference_mode()``
+        keeps one copy of its weights (plain ``no_grad`` code may write the weights between calls, in their
+        on-disk order, and keeps the on-disk form): ``layer.weight`` becomes the pack's values (same shape, dtype and element count, in the fragment
         order) and the position buffers become empty (the metadata and block columns encode them). Only where the
         pack is an exact permutation of the values in their own dtype: no layout padding, no 2:4 view or bias cast,
         no call that trained, every measured forward on this pack, no process group (a wrapper may own the
@@ -295,11 +297,24 @@ class CompactKernel:
         layer._resident = self
         self.entries = None
         self.stamp = _stamp(weight, layer.bias)
+        self.resident_version = weight._version
         return True
+
+    def check_resident(self, layer: SparseLinear) -> None:
+        """Raise if ``layer.weight`` was written in place while it held the pack's values: such a write assumed the
+        on-disk order, and the values it left cannot be told apart from the pack's own."""
+        if layer.weight._version != self.resident_version:
+            raise RuntimeError(
+                f"hf_sparse: the weight of a {type(layer).__name__} ({layer.out_features}x{layer.in_features}, "
+                f"{layer.pattern}) was written in place while torch.inference_mode() inference held its values in "
+                "the kernel's order, so its values are no longer known; reload the model. Write weights before "
+                "inference, through load_state_dict, or after layer.on_disk_form() (model.state_dict() calls it)"
+            )
 
     def release(self, layer: SparseLinear) -> None:
         """The inverse of :meth:`adopt`: new on-disk ``weight`` values and position buffers made from the pack (which
         stays, as a copy of the values, until the plans drop it)."""
+        self.check_resident(layer)
         with torch.no_grad(), torch.inference_mode(False):
             values, columns, selectors = logical_from_packed(self.packed)
             layer.weight.data = values  # a new tensor: the pack keeps its storage
@@ -566,6 +581,7 @@ class CompactKernel:
         key = (1 << max(0, x.numel() // self.cols - 1).bit_length(), trains)
         plan = self.plans.get(key)
         if layer._resident is self:  # the pack is the values: nothing to refresh
+            self.check_resident(layer)
             if plan is not None and not trains:
                 return plan
             layer.on_disk_form()  # training, or a measurement, reads the values in the on-disk form
@@ -587,7 +603,7 @@ class CompactKernel:
         plan = self.prepare(layer, x, trains)
         rows, cols = self.rows, self.cols
         if not trains:  # inference, evaluation: no autograd, the activation fused where the kernel has it
-            if layer._resident is not self and plan[0] == "sparse":
+            if layer._resident is not self and plan[0] == "sparse" and torch.is_inference_mode_enabled():
                 self.adopt(layer)
             x2 = x.reshape(-1, cols)
             y = self.forward_compute(layer, x2 if x2.dtype == self.dtype else x2.to(self.dtype), plan, fuse=True)

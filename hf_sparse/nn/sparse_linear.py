@@ -14,9 +14,10 @@ Compute:
 * On CUDA in bf16/fp16 (autocast's dtype, else the input's) with a pattern the kernels run (2:4, V:2:M, both
   dimensions multiples of 8), the layer runs on its own kernel state (:class:`~hf_sparse.nn.compact.CompactKernel`:
   the packed values, the transposed pack where the mask is transposable 2:4, the measured plan), in training and
-  in inference alike. It keeps no dense copy of the weight. In inference the pack holds the values and positions
-  in place of ``weight`` and the position buffers (``CompactKernel.adopt``); :meth:`SparseLinear.on_disk_form`,
-  which saving, ``.to()``, training and every reader of the on-disk form call, brings that form back bit for bit.
+  in inference alike. It keeps no dense copy of the weight. Under ``torch.inference_mode()`` the pack holds the values
+  and positions in place of ``weight`` and the position buffers (``CompactKernel.adopt``);
+  :meth:`SparseLinear.on_disk_form`, which saving, ``.to()``, training and every reader of the on-disk form call,
+  brings that form back bit for bit.
 * Elsewhere (CPU, fp32 without autocast, other patterns or shapes) it runs the reference: the dense weight rebuilt
   by one scatter of the values at :attr:`SparseLinear.kept_index`, then ``F.linear`` -- bit-exact with the masked
   dense layer. On CPU without gradients (a loaded model's inference) that dense weight is cached while the values
@@ -169,8 +170,8 @@ class SparseLinear(nn.Module):
         other than the kernels goes through here."""
         kernel = self._resident
         if kernel is not None:
-            self._resident = None
             kernel.release(self)
+            self._resident = None
 
     # ------------------------------------------------------------------ compressed tensors
     def compressed_tensors(self) -> dict[str, Tensor]:
