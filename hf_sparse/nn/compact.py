@@ -267,13 +267,14 @@ class CompactKernel:
     # ------------------------------------------------------------------ residency (inference)
     def adopt(self, layer: SparseLinear) -> bool:
         """Let the pack hold the layer's values and positions, so that a model run under ``torch.inference_mode()``
-        keeps one copy of its weights (plain ``no_grad`` code may write the weights between calls, in their
-        on-disk order, and keeps the on-disk form): ``layer.weight`` becomes the pack's values (same shape, dtype and element count, in the fragment
-        order) and the position buffers become empty (the metadata and block columns encode them). Only where the
-        pack is an exact permutation of the values in their own dtype: no layout padding, no 2:4 view or bias cast,
-        no call that trained, every measured forward on this pack, no process group (a wrapper may own the
-        storage). :meth:`SparseLinear.on_disk_form` (every reader of the on-disk form calls it: saving, ``.to()``,
-        training, a new measurement) undoes it with :meth:`release`. Returns whether the layer is resident."""
+        keeps one copy of its weights (plain ``no_grad`` code may write the weights between calls, in their on-disk
+        order, and keeps the on-disk form): ``layer.weight`` becomes the pack's values (same shape, dtype and element
+        count, in the fragment order) and the position buffers become empty (the metadata and block columns encode
+        them). Only where the pack is an exact permutation of the values in their own dtype: no layout padding, no 2:4
+        view or bias cast, no call that trained, every measured forward on this pack, no process group or DataParallel
+        replica (a wrapper may own the storage). :meth:`SparseLinear.on_disk_form` (every reader of the on-disk form
+        calls it: saving, ``.to()``, training, a new measurement) undoes it with :meth:`release`. Returns whether the
+        layer is resident."""
         weight = layer.weight
         if (
             self.trained
@@ -283,6 +284,8 @@ class CompactKernel:
             or weight.dtype != self.dtype
             or self.n != weight.numel()
             or type(weight.data) is not Tensor
+            or not isinstance(weight, torch.nn.Parameter)  # a DataParallel replica's broadcast copy
+            or getattr(layer, "_is_replica", False)
             or any(p[0] != "sparse" for p in self.plans.values())
             or (torch.distributed.is_available() and torch.distributed.is_initialized())
         ):
