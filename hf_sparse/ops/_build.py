@@ -199,8 +199,8 @@ def _extension_name(lab: bool, extra: tuple[str, ...]) -> str:
 def load_extension() -> ModuleType:
     """Compile (first call only; cached on disk) and import the extension. Raises KernelUnavailableError.
 
-    A compile says so on stderr when it starts (it takes about a minute) and when it ends. A compile that failed is
-    not retried in the same process (``SparseTrainer`` asks at train start and again when it switches layers to the
+    A compile says so on stderr when it starts (about half a minute on 16 cores) and when it ends. A compile that
+    failed is not retried in the same process (``SparseTrainer`` asks at train start and again when it switches layers to the
     kernels): it would fail the same way, after the same time."""
     _check_toolchain()
     from torch.utils import cpp_extension
