@@ -61,11 +61,11 @@ lookups.
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
 from ..formats.bitpack import pack_bits, unpack_bits
 from ..ops import dispatch
@@ -94,8 +94,34 @@ from .refresh import (
     run_refresh_entries,
 )
 
-if TYPE_CHECKING:
-    from .sparse_linear import SparseLinear
+
+class SparseLinear(Protocol):
+    """What a :class:`CompactKernel` reads and writes of its layer, :class:`hf_sparse.nn.SparseLinear` (which
+    imports this module, so the kernel names the layer by this protocol instead of importing it back)."""
+
+    weight: nn.Parameter
+    bias: nn.Parameter | None
+    in_features: int
+    out_features: int
+    pattern: Pattern
+    activation: str | None
+    _kernel_vm: tuple[int, int] | None
+    _kernel: CompactKernel | None
+    _resident: CompactKernel | None
+    _index: Tensor | None
+    _dense_cache: tuple | None
+    _compact_id: int
+    _buffers: dict[str, Tensor | None]
+
+    @property
+    def logical_shape(self) -> tuple[int, int]: ...
+
+    def _kept(self) -> Tensor: ...
+
+    def on_disk_form(self) -> None: ...
+
+    def kernel_state(self, dtype: torch.dtype) -> CompactKernel: ...
+
 
 __all__ = ["DEFAULT_PLAN", "CompactKernel", "kernel_pattern"]
 
