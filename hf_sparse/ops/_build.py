@@ -200,8 +200,8 @@ def load_extension() -> ModuleType:
     """Compile (first call only; cached on disk) and import the extension. Raises KernelUnavailableError.
 
     A compile says so on stderr when it starts (about half a minute on 16 cores) and when it ends. A compile that
-    failed is not retried in the same process (``SparseTrainer`` asks at train start and again when it switches layers to the
-    kernels): it would fail the same way, after the same time."""
+    failed is not retried in the same process (``SparseTrainer`` asks at train start and again when it switches
+    layers to the kernels): it would fail the same way, after the same time."""
     _check_toolchain()
     from torch.utils import cpp_extension
 
