@@ -120,6 +120,8 @@ class SparseLinear(Protocol):
 
     def on_disk_form(self) -> None: ...
 
+    def position_keys(self) -> list[str]: ...
+
     def kernel_state(self, dtype: torch.dtype) -> CompactKernel: ...
 
 
@@ -149,12 +151,6 @@ def _positions(layer: SparseLinear) -> tuple[Tensor | None, Tensor]:
         return None, unpack_bits(layer.weight_indices, 2, 2 * groups).reshape(layer.out_features, groups, 2)
     selectors = unpack_bits(layer.weight_selectors, 2, 2 * groups).reshape(layer.out_features, groups, 2)
     return layer.weight_columns, selectors
-
-
-def _position_keys(layer: SparseLinear) -> list[str]:
-    """The names of the layer's position buffers (``weight_indices``, or ``weight_columns`` and
-    ``weight_selectors``)."""
-    return [key for key in layer._buffers if key.startswith("weight_")]
 
 
 def _pack24(where: Tensor, mask: Tensor, zero: int, dtype: torch.dtype) -> tuple[PackedWeight, Tensor]:
@@ -320,7 +316,7 @@ class CompactKernel:
             self.refresh(layer)
         with torch.no_grad():
             weight.data = self.buf.view(weight.shape)
-            for key in _position_keys(layer):
+            for key in layer.position_keys():
                 layer._buffers[key] = layer._buffers[key].new_empty(0)
         layer._index = layer._dense_cache = None
         layer._resident = self

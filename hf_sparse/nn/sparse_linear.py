@@ -177,8 +177,13 @@ class SparseLinear(nn.Module):
     def compressed_tensors(self) -> dict[str, Tensor]:
         self.on_disk_form()
         out = {"weight": self.weight}
-        out.update({key: buf for key, buf in self._buffers.items() if key.startswith("weight_") and buf is not None})
+        out.update({key: self._buffers[key] for key in self.position_keys() if self._buffers[key] is not None})
         return out
+
+    def position_keys(self) -> list[str]:
+        """The names of the position buffers (``weight_indices``, ``weight_columns``, ``weight_selectors``,
+        ``weight_bitmap``: the pattern's)."""
+        return [key for key in self._buffers if key.startswith("weight_")]
 
     def validate(self, prefix: str = "") -> None:
         """Check the tensors against the pattern; raises :class:`CompressedFormatError` naming the bad tensor."""
