@@ -59,6 +59,7 @@ def worker(args) -> dict:
         seed=0,
     )
     cfg = hf_sparse.SparsityConfig(
+        score="magnitude",
         pattern=args.config.rstrip("T"),
         schedule="oneshot",
         start=0,

@@ -40,6 +40,7 @@ def timed(fn, iters: int) -> float:
 def compact_from(linear: nn.Linear, pattern: str) -> SparseLinear:
     wrapper = nn.Sequential(linear)
     cfg = SparsityConfig(
+        score="magnitude",
         pattern=pattern.rstrip("T"),
         schedule="oneshot",
         start=0,

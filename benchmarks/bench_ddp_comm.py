@@ -50,7 +50,7 @@ def _build(pattern: str | None, device: torch.device, layers: int, hidden: int):
     model = BertForMaskedLM(config).to(device)
     pruner = None
     if pattern is not None:
-        pruner = Pruner(model, SparsityConfig(pattern=pattern, schedule="oneshot", start=0))
+        pruner = Pruner(model, SparsityConfig(score="magnitude", pattern=pattern, schedule="oneshot", start=0))
         pruner.bind(1)
         pruner.update(0)
     return model, pruner

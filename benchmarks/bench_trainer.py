@@ -148,6 +148,7 @@ def train_worker(args) -> dict:
     else:
         pattern = args.config.rstrip("T")
         cfg = hf_sparse.SparsityConfig(
+            score="magnitude",
             pattern=pattern,
             schedule="oneshot",
             start=0,

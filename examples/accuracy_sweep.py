@@ -73,13 +73,14 @@ PATTERNS: dict[str, tuple[tuple[str, ...], str]] = {
     "64:2:16": (("--sparsity_pattern", "64:2:16"), "64:2:16"),
     "unstructured:0.75": (("--sparsity_pattern", "unstructured:0.75"), "unstructured 75%"),
 }
-#: gradual magnitude pruning, every setting given (the values of SparsityConfig's defaults: see recipe_is_default)
+#: gradual magnitude pruning, every setting given (``SparsityConfig``'s defaults until the tables below chose gradual
+#: SparseGPT; kept as the baseline row)
 MAGNITUDE_SETTINGS = {"schedule": "cubic", "start": 0.0, "end": 0.5, "update_every": 100, "score": "magnitude"}
 #: recipe name in a row -> (flags before the pattern's, table text)
 RECIPES: dict[str, tuple[tuple[str, ...], str]] = {
     "gradual_magnitude": (
         tuple(f for key, value in MAGNITUDE_SETTINGS.items() for f in (f"--sparsity_{key}", str(value))),
-        "gradual magnitude, cubic 0 → 50% of training, masks every 100 steps",
+        "gradual magnitude, cubic 0 → 50% of training, masks every 100 steps (the default before these tables)",
     ),
     "prune_then_recover": (
         ("--recipe", "prune_then_recover"),
@@ -95,14 +96,27 @@ DEFAULT_ROWS = tuple(row for row in ALL_ROWS if row == "dense" or row.split("/")
 DEFAULT_SEEDS = (42, 43, 44)
 
 
+def recipe_settings(recipe: str) -> dict[str, Any]:
+    """The ``SparsityConfig`` fields a row's recipe sets, the pattern left out (rows set it), and whether it adds
+    distillation (``"distillation"``: True/False)."""
+    if recipe == "gradual_magnitude":
+        return {**MAGNITUDE_SETTINGS, "distillation": False}
+    from sparse_args import load_recipe, load_recipe_distillation
+
+    settings = {k: v for k, v in load_recipe(recipe).items() if k != "pattern"}
+    return {**settings, "distillation": bool(load_recipe_distillation(recipe))}
+
+
 def recipe_is_default(recipe: str) -> bool:
-    """Whether ``recipe``'s settings are ``SparsityConfig``'s defaults (the tables say so)."""
-    if recipe != "gradual_magnitude":
-        return False
+    """Whether ``recipe`` is what ``SparsityConfig()`` does (its settings are the defaults and it adds no
+    distillation): the tables mark that row."""
     from hf_sparse import SparsityConfig
 
+    settings = recipe_settings(recipe)
+    if settings.pop("distillation"):
+        return False
     defaults = SparsityConfig()
-    return all(getattr(defaults, key) == value for key, value in MAGNITUDE_SETTINGS.items())
+    return all(getattr(defaults, key) == value for key, value in settings.items())
 
 
 def select_rows(patterns: list[str]) -> list[str]:

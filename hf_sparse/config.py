@@ -96,6 +96,12 @@ def check_known_keys(keys: Any, allowed: Any, source: str) -> None:
 class SparsityConfig:
     """How :class:`~hf_sparse.SparseTrainer` / :class:`~hf_sparse.SparsityCallback` prune a model.
 
+    The defaults are gradual SparseGPT (``score="sparsegpt"``, a cubic ramp from 10% to 60% of training, masks every
+    100 steps, 32 calibration batches of the training data per update): across SST-2, MRPC, CoLA and SQuAD it kept
+    a fine-tuned encoder closer to dense than gradual magnitude pruning at every pattern tried (the tables and their
+    commands: ``examples/README.md``). Without calibration batches (a :class:`~hf_sparse.Pruner` driven by hand),
+    under FSDP2 or with ``global_unstructured``, use ``score="magnitude"``.
+
     Args:
         pattern: ``"N:M"`` (``"2:4"``), VENOM ``"V:N:M"`` (``"64:2:8"``) or ``"unstructured:S"``.
         schedule: ``"cubic"`` (Zhu & Gupta), ``"linear"`` or ``"oneshot"`` (prune once at ``start``).
@@ -146,12 +152,12 @@ class SparsityConfig:
 
     pattern: str = "2:4"
     schedule: ScheduleName = "cubic"
-    start: float | int = 0.0
-    end: float | int = 0.5
+    start: float | int = 0.1
+    end: float | int = 0.6
     update_every: int = 100
     targets: list[str] | None = None
     ignore: list[str] | None = None
-    score: str = "magnitude"
+    score: str = "sparsegpt"
     transposable: bool = False
     global_unstructured: bool = False
     obs_num_grads: int = 32

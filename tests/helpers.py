@@ -9,7 +9,9 @@ from hf_sparse import Pruner, SparsityConfig
 
 
 def prune_now(model, pattern: str = "2:4", **kwargs) -> Pruner:
-    """Prune ``model`` in place, one shot, with trained-looking (non-zero) weights; returns the pruner."""
+    """Prune ``model`` in place, one shot, by magnitude unless ``score`` says otherwise (no calibration data here);
+    returns the pruner."""
+    kwargs.setdefault("score", "magnitude")
     config = SparsityConfig(pattern=pattern, schedule="oneshot", start=0, end=0, **kwargs)
     pruner = Pruner(model, config)
     pruner.bind(1)

@@ -48,14 +48,17 @@ def test_choose_path_refuses_times_that_are_not_times(args, message):
 
 
 def test_fallback_config_fields_validate_and_round_trip():
-    config = SparsityConfig(compact_fallback="always", compact_fallback_steps=3)
+    config = SparsityConfig(score="magnitude", compact_fallback="always", compact_fallback_steps=3)
     assert SparsityConfig.from_dict(config.to_dict()) == config
-    assert SparsityConfig().compact_fallback == "auto" and SparsityConfig().compact_fallback_steps == 10
+    assert (
+        SparsityConfig(score="magnitude").compact_fallback == "auto"
+        and SparsityConfig(score="magnitude").compact_fallback_steps == 10
+    )
     with pytest.raises(ValueError, match=r"compact_fallback='sometimes': allowed 'auto'"):
-        SparsityConfig(compact_fallback="sometimes")
+        SparsityConfig(score="magnitude", compact_fallback="sometimes")
     for steps in (0, True, 2.0):
         with pytest.raises(ValueError, match=r"compact_fallback_steps=.*must be an int >= 1"):
-            SparsityConfig(compact_fallback_steps=steps)
+            SparsityConfig(score="magnitude", compact_fallback_steps=steps)
     with pytest.raises(ValueError, match="did you mean 'compact_fallback'"):
         SparsityConfig.from_dict({"compact_fallbak": "never"})
 

@@ -1,5 +1,5 @@
 """The compact switch inside training: once masks are final, pruned layers hold their kept values only, and the run
-continues exactly as the masked dense run (``SparsityConfig(compact=False)``) would have."""
+continues exactly as the masked dense run (``SparsityConfig(score="magnitude", compact=False)``) would have."""
 
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ def _run(
     fallback=None,
     **args,
 ):
-    config = SparsityConfig(**schedule, compact=compact, **(fallback or {}))
+    config = SparsityConfig(score="magnitude", **schedule, compact=compact, **(fallback or {}))
     settings = dict(max_steps=9, weight_decay=0.1, max_grad_norm=0.0, logging_steps=1, dataloader_drop_last=True)
     settings.update(args)
     common = dict(model=_model(family), args=trainer_args(tmp_path, **settings), train_dataset=ToyClassification())
@@ -133,7 +133,7 @@ def test_switch_at_final_update_continues_the_masked_run_exactly(tmp_path, famil
 
 @pytest.mark.slow
 def test_oneshot_at_step_zero_is_compact_before_the_optimizer_exists(tmp_path):
-    config = SparsityConfig(**ONESHOT)
+    config = SparsityConfig(score="magnitude", **ONESHOT)
     trainer = SparseTrainer(
         model=_model(),
         args=trainer_args(tmp_path, max_steps=4),
@@ -165,7 +165,7 @@ def test_compact_layers_hold_kept_values_only(tmp_path):
                 seen.append((weight.numel(), weight.grad.numel(), *(v.numel() for v in moments), nnz))
 
     trainer_ref = []
-    config = SparsityConfig(**GRADUAL)
+    config = SparsityConfig(score="magnitude", **GRADUAL)
     trainer = SparseTrainer(
         model=_model(),
         args=trainer_args(tmp_path, max_steps=9, dataloader_drop_last=True),

@@ -99,7 +99,7 @@ def test_sparse_trainer_makes_layers_compact_on_cuda(tmp_path):
         args=args,
         train_dataset=ToyClassification(size=64, length=16),
         callbacks=[Probe()],
-        sparsity_config=SparsityConfig(pattern="64:2:8", schedule="oneshot", start=0.5, end=0.5),
+        sparsity_config=SparsityConfig(score="magnitude", pattern="64:2:8", schedule="oneshot", start=0.5, end=0.5),
     )
     trainer.train()
     assert seen[0] == 0 and seen[-1] == 12, seen  # dense until the masks are final at step 3, compact after

@@ -74,7 +74,7 @@ def _trainer(tmp_path, model, **kwargs):
         seed=0,
         disable_tqdm=True,
     )
-    config = SparsityConfig(pattern="2:4", schedule="oneshot", start=2, end=2)
+    config = SparsityConfig(score="magnitude", pattern="2:4", schedule="oneshot", start=2, end=2)
     return SparseTrainer(model=model, args=args, train_dataset=ToyClassification(), sparsity_config=config, **kwargs)
 
 

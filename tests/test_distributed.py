@@ -50,7 +50,9 @@ PATTERN = "64:2:8"  # V=64 rows: FSDP2 cuts the 128-row FFN weight into two 64-r
 def _config() -> SparsityConfig:
     # levels change at steps 2 and 4 (64:3:8, then 64:2:8), so masks are recomputed from trained weights
     # compact=False: the one-process reference stays masked dense, as the DDP run does (no mid-run switch under DDP)
-    return SparsityConfig(pattern=PATTERN, schedule="cubic", start=0, end=4, update_every=2, compact=False)
+    return SparsityConfig(
+        score="magnitude", pattern=PATTERN, schedule="cubic", start=0, end=4, update_every=2, compact=False
+    )
 
 
 def _model(family: str = "bert"):
@@ -275,7 +277,7 @@ def _bucket_view_check(rank: int, kept_only: bool = False) -> dict:
     from hf_sparse.distributed import KeptGradientAllReduce, kept_gradient_all_reduce_hook
 
     model = _model()
-    pruner = Pruner(model, SparsityConfig(pattern="2:4", schedule="oneshot", start=0))
+    pruner = Pruner(model, SparsityConfig(score="magnitude", pattern="2:4", schedule="oneshot", start=0))
     pruner.bind(3)
     # small buckets, so that some hold pruned weights only, some dense parameters only, some both
     ddp = DistributedDataParallel(model, gradient_as_bucket_view=True, bucket_cap_mb=0.05)
@@ -485,7 +487,7 @@ def _gpt2_conv1d_check() -> dict:
     from torch.distributed.fsdp import fully_shard
 
     model = _model("gpt2")
-    callback = SparsityCallback(SparsityConfig(pattern="2:4", schedule="oneshot", start=0))
+    callback = SparsityCallback(SparsityConfig(score="magnitude", pattern="2:4", schedule="oneshot", start=0))
 
     def shard(m):
         for block in m.transformer.h:
@@ -525,7 +527,7 @@ def _broadcast_check(rank: int) -> dict:
     from hf_sparse import Pruner
     from hf_sparse.masks import compute_mask
 
-    pruner = Pruner(model, SparsityConfig(pattern="2:4", schedule="oneshot", start=0))
+    pruner = Pruner(model, SparsityConfig(score="magnitude", pattern="2:4", schedule="oneshot", start=0))
     own = {layer.name: compute_mask(layer.weight.detach().abs(), pruner.pattern) for layer in pruner.layers}
     pruner.bind(1)
     pruner.update(0)

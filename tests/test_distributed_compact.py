@@ -22,8 +22,8 @@ from transformers import TrainerControl, TrainerState, TrainingArguments
 from hf_sparse import SparseLinear, SparseTrainer, SparsityCallback, SparsityConfig
 
 STEPS = 4
-ONESHOT = SparsityConfig(pattern="64:2:8", schedule="oneshot", start=0)
-GRADUAL = SparsityConfig(pattern="64:2:8", schedule="cubic", start=0, end=2, update_every=1)
+ONESHOT = SparsityConfig(score="magnitude", pattern="64:2:8", schedule="oneshot", start=0)
+GRADUAL = SparsityConfig(score="magnitude", pattern="64:2:8", schedule="cubic", start=0, end=2, update_every=1)
 
 
 def _train(output_dir, batch: int, config: SparsityConfig) -> SparseTrainer:

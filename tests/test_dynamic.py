@@ -24,7 +24,7 @@ def _model(family="bert"):
 
 
 def _dynamic_pruner(model, pattern="2:4", **kwargs):
-    config = SparsityConfig(pattern=pattern, schedule="oneshot", start=0, dynamic=True, **kwargs)
+    config = SparsityConfig(score="magnitude", pattern=pattern, schedule="oneshot", start=0, dynamic=True, **kwargs)
     pruner = Pruner(model, config)
     pruner.bind(100)
     pruner.update(0)
@@ -96,7 +96,9 @@ def _independent_2of4(weight):
 
 def test_flip_rate_matches_an_independent_count():
     model = _model()
-    config = SparsityConfig(pattern="2:4", schedule="oneshot", start=0, update_every=3, dynamic=True)
+    config = SparsityConfig(
+        score="magnitude", pattern="2:4", schedule="oneshot", start=0, update_every=3, dynamic=True
+    )
     pruner = Pruner(model, config)
     pruner.bind(20)
     assert pruner.update(0) and pruner.flip_rate is None
@@ -136,7 +138,7 @@ def _dynamic_trainer(tmp_path, probe=None, **config_kwargs):
         model=_model(),
         args=_args(tmp_path),
         train_dataset=ToyClassification(),
-        sparsity_config=SparsityConfig(**kwargs),
+        sparsity_config=SparsityConfig(score="magnitude", **kwargs),
         callbacks=[probe] if probe else [],
     )
     if probe:
@@ -179,7 +181,7 @@ def test_dense_finetune_phase_drops_the_masks(tmp_path):
 
 def test_static_mode_installs_nothing():
     model = _model()
-    pruner = Pruner(model, SparsityConfig(pattern="2:4", schedule="oneshot", start=0))
+    pruner = Pruner(model, SparsityConfig(score="magnitude", pattern="2:4", schedule="oneshot", start=0))
     pruner.bind(10)
     pruner.update(0)
     assert not any(has_masked_forward(layer.module) for layer in pruner.layers)
@@ -188,6 +190,7 @@ def test_static_mode_installs_nothing():
 
 def _resume_run(tmp_path, stop_at=None, resume=None):
     config = SparsityConfig(
+        score="magnitude",
         pattern="2:8",
         schedule="cubic",
         start=2,
@@ -242,11 +245,11 @@ def test_dynamic_resume_is_exact(tmp_path):
 )
 def test_config_errors(kwargs, text):
     with pytest.raises(ValueError, match=text):
-        SparsityConfig(**kwargs)
+        SparsityConfig(score="magnitude", **kwargs)
 
 
 def test_dense_phase_must_follow_the_ramp_once_bound():
-    config = SparsityConfig(pattern="2:4", start=0, end=10, dynamic=True, dense_finetune_start=0.5)
+    config = SparsityConfig(score="magnitude", pattern="2:4", start=0, end=10, dynamic=True, dense_finetune_start=0.5)
     with pytest.raises(ValueError, match="not after the end of the ramp"):
         Pruner(_model(), config).bind(16)  # 0.5 of 16 steps = step 8, before the ramp ends at 10
 
@@ -257,7 +260,14 @@ def test_torch_compile_with_moving_masks(tmp_path):
         args=_args(tmp_path, max_steps=8, torch_compile=True, torch_compile_backend="aot_eager"),
         train_dataset=ToyClassification(),
         sparsity_config=SparsityConfig(
-            pattern="2:4", schedule="linear", start=0, end=2, update_every=2, dynamic=True, masked_decay=1e-3
+            score="magnitude",
+            pattern="2:4",
+            schedule="linear",
+            start=0,
+            end=2,
+            update_every=2,
+            dynamic=True,
+            masked_decay=1e-3,
         ),
     )
     trainer.train()

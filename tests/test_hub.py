@@ -214,7 +214,9 @@ def _sparse_model(tiny, pattern="2:4"):
         pytest.skip("this hf_sparse has no Pruner/save_pretrained")
     torch.manual_seed(0)
     model = AutoModelForSequenceClassification.from_pretrained(tiny, num_labels=2)
-    pruner = hf_sparse.Pruner(model, hf_sparse.SparsityConfig(pattern=pattern, schedule="oneshot", start=0, end=0))
+    pruner = hf_sparse.Pruner(
+        model, hf_sparse.SparsityConfig(score="magnitude", pattern=pattern, schedule="oneshot", start=0, end=0)
+    )
     pruner.bind(1)
     pruner.update(0)
     pruner.apply()

@@ -309,7 +309,9 @@ def test_trainer_run_with_obs_reaches_the_exact_pattern(tmp_path, pattern):
         model=_model(),
         args=_args(tmp_path / "mag"),
         train_dataset=ToyClassification(),
-        sparsity_config=SparsityConfig(pattern=pattern, schedule="cubic", start=3, end=9, update_every=3),
+        sparsity_config=SparsityConfig(
+            score="magnitude", pattern=pattern, schedule="cubic", start=3, end=9, update_every=3
+        ),
     )
     magnitude.train()
     assert any(not torch.equal(pruner.masks[a.name], magnitude.pruner.masks[a.name]) for a in pruner.layers)

@@ -136,5 +136,5 @@ def test_oneshot_errors_say_what_to_do():
     with pytest.raises(ValueError, match="calibration_batches=0"):
         SparsityConfig(calibration_batches=0)
     # magnitude needs no calibration
-    pruner = hf_sparse.oneshot(model, SparsityConfig(pattern="2:4"), progress=False)
+    pruner = hf_sparse.oneshot(model, SparsityConfig(pattern="2:4", score="magnitude"), progress=False)
     assert pruner.metrics()["sparsity"] == pytest.approx(0.5)

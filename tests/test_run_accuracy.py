@@ -179,3 +179,16 @@ def test_archive_keeps_results_and_logs_only(tmp_path):
         "tables.md",
     ]
     assert (back / "mrpc/dense-seed42/eval_results.json").read_text() == "eval_results.json"
+
+
+def test_the_default_mark_follows_sparsity_config():
+    """The tables mark the row whose recipe ``SparsityConfig()`` runs: gradual SparseGPT (chosen by the 3-seed tables
+    of examples/README.md), not the magnitude baseline nor prune-then-recover (which adds distillation)."""
+    from hf_sparse import SparsityConfig
+
+    assert accuracy_sweep.recipe_is_default("gradual_sparsegpt")
+    assert not accuracy_sweep.recipe_is_default("gradual_magnitude")
+    assert not accuracy_sweep.recipe_is_default("prune_then_recover")
+    defaults = SparsityConfig()
+    assert (defaults.score, defaults.schedule, defaults.start, defaults.end) == ("sparsegpt", "cubic", 0.1, 0.6)
+    assert (defaults.update_every, defaults.calibration_batches) == (100, 32)

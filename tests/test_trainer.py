@@ -51,7 +51,9 @@ def _check_final_masks(pruner):
 )
 def test_sparse_trainer_reaches_the_pattern(tmp_path, pattern, extra):
     model = _model()
-    config = SparsityConfig(pattern=pattern, schedule="cubic", start=0, end=0.5, update_every=2, **extra)
+    config = SparsityConfig(
+        score="magnitude", pattern=pattern, schedule="cubic", start=0, end=0.5, update_every=2, **extra
+    )
     trainer = SparseTrainer(
         model=model, args=_args(tmp_path), train_dataset=ToyClassification(), sparsity_config=config
     )
@@ -77,7 +79,7 @@ def test_sparse_trainer_reaches_the_pattern(tmp_path, pattern, extra):
 
 
 def test_gradual_levels_and_flip_rate_logged(tmp_path):
-    config = SparsityConfig(pattern="2:8", schedule="linear", start=0, end=12, update_every=2)
+    config = SparsityConfig(score="magnitude", pattern="2:8", schedule="linear", start=0, end=12, update_every=2)
     trainer = SparseTrainer(
         model=_model(),
         args=_args(tmp_path, max_steps=14, logging_steps=1),
@@ -92,7 +94,7 @@ def test_gradual_levels_and_flip_rate_logged(tmp_path):
 
 
 def test_gradient_accumulation_and_clipping(tmp_path):
-    config = SparsityConfig(pattern="64:2:8", schedule="oneshot", start=0)
+    config = SparsityConfig(score="magnitude", pattern="64:2:8", schedule="oneshot", start=0)
     seen = []
 
     class Probe(TrainerCallback):
@@ -114,7 +116,7 @@ def test_gradient_accumulation_and_clipping(tmp_path):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_low_precision_weights(tmp_path, dtype):
-    config = SparsityConfig(pattern="2:4", schedule="oneshot", start=0)
+    config = SparsityConfig(score="magnitude", pattern="2:4", schedule="oneshot", start=0)
     trainer = SparseTrainer(
         model=_model(dtype=dtype),
         args=_args(tmp_path, max_steps=4),
@@ -129,7 +131,7 @@ def test_low_precision_weights(tmp_path, dtype):
 
 
 def test_bf16_autocast(tmp_path):
-    config = SparsityConfig(pattern="2:4", schedule="oneshot", start=0)
+    config = SparsityConfig(score="magnitude", pattern="2:4", schedule="oneshot", start=0)
     trainer = SparseTrainer(
         model=_model(),
         args=_args(tmp_path, max_steps=4, bf16=True),
@@ -141,7 +143,7 @@ def test_bf16_autocast(tmp_path):
 
 
 def test_torch_compile(tmp_path):
-    config = SparsityConfig(pattern="2:4", schedule="linear", start=0, end=4, update_every=2)
+    config = SparsityConfig(score="magnitude", pattern="2:4", schedule="linear", start=0, end=4, update_every=2)
     args = _args(tmp_path, max_steps=6, torch_compile=True, torch_compile_backend="aot_eager")
     trainer = SparseTrainer(model=_model(), args=args, train_dataset=ToyClassification(), sparsity_config=config)
     trainer.train()
@@ -161,7 +163,7 @@ class _MaskRecord(TrainerCallback):
 
 
 def _resume_run(tmp_path, trainer_cls, stop_at=None, resume=None):
-    config = SparsityConfig(pattern="2:8", schedule="cubic", start=2, end=14, update_every=3)
+    config = SparsityConfig(score="magnitude", pattern="2:8", schedule="cubic", start=2, end=14, update_every=3)
     args = _args(tmp_path, max_steps=18, save_strategy="steps", save_steps=7, dataloader_drop_last=True)
     record = _MaskRecord()
     callbacks = [record, StopAt(stop_at)] if stop_at else [record]
@@ -233,7 +235,7 @@ def test_resume_with_other_layers_or_pattern_is_refused_before_training(tmp_path
         model=_model(),
         args=args,
         train_dataset=ToyClassification(),
-        sparsity_config=SparsityConfig(**saved),
+        sparsity_config=SparsityConfig(score="magnitude", **saved),
         callbacks=[StopAt(2)],
     )
     first.train()
@@ -242,7 +244,7 @@ def test_resume_with_other_layers_or_pattern_is_refused_before_training(tmp_path
         model=_model(),
         args=args,
         train_dataset=ToyClassification(),
-        sparsity_config=SparsityConfig(**{**saved, **changed}),
+        sparsity_config=SparsityConfig(score="magnitude", **{**saved, **changed}),
         callbacks=[counter],
     )
     with pytest.raises(ValueError, match=match) as error:
@@ -254,7 +256,7 @@ def test_resume_with_other_layers_or_pattern_is_refused_before_training(tmp_path
 def test_resume_with_masks_for_layers_this_model_lacks_is_refused():
     from hf_sparse import Pruner
 
-    config = SparsityConfig(pattern="2:4", schedule="oneshot", start=0)
+    config = SparsityConfig(score="magnitude", pattern="2:4", schedule="oneshot", start=0)
     two_blocks = Pruner(_model(), config)
     two_blocks.bind(1)
     two_blocks.update(0)
@@ -269,7 +271,7 @@ def test_resume_with_masks_for_layers_this_model_lacks_is_refused():
 
 
 def test_plain_trainer_callback_logs_and_saves_state(tmp_path):
-    config = SparsityConfig(pattern="64:2:8", schedule="oneshot", start=0)
+    config = SparsityConfig(score="magnitude", pattern="64:2:8", schedule="oneshot", start=0)
     callback = SparsityCallback(config)
     args = _args(tmp_path, max_steps=4, save_strategy="steps", save_steps=4)
     trainer = Trainer(model=_model(), args=args, train_dataset=ToyClassification(), callbacks=[callback])
@@ -294,7 +296,7 @@ def test_untileable_layer_is_left_dense_with_one_warning(tmp_path):
             model=model,
             args=_args(tmp_path),
             train_dataset=ToyClassification(),
-            sparsity_config=SparsityConfig(pattern="64:2:8"),
+            sparsity_config=SparsityConfig(score="magnitude", pattern="64:2:8"),
         )
     assert len([r for r in record if "cannot tile" in str(r.message)]) == 1
     names = {layer.name for layer in trainer.pruner.layers}
@@ -310,7 +312,7 @@ def test_untileable_layer_targeted_explicitly_raises(tmp_path):
             model=model,
             args=_args(tmp_path),
             train_dataset=ToyClassification(),
-            sparsity_config=SparsityConfig(pattern="64:2:8", targets=[r"intermediate\.dense"]),
+            sparsity_config=SparsityConfig(score="magnitude", pattern="64:2:8", targets=[r"intermediate\.dense"]),
         )
 
 
@@ -320,7 +322,7 @@ def test_no_matching_layer_raises(tmp_path):
             model=_model(),
             args=_args(tmp_path),
             train_dataset=ToyClassification(),
-            sparsity_config=SparsityConfig(pattern="2:4", targets=["nothing_is_called_this"]),
+            sparsity_config=SparsityConfig(score="magnitude", pattern="2:4", targets=["nothing_is_called_this"]),
         )
 
 
@@ -335,7 +337,7 @@ def test_a_run_of_no_steps_says_so(tmp_path, steps):
         model=_model(),
         args=_args(tmp_path, **steps),
         train_dataset=ToyClassification(),
-        sparsity_config=SparsityConfig(pattern="2:4"),
+        sparsity_config=SparsityConfig(score="magnitude", pattern="2:4"),
     )
     with pytest.raises(ValueError, match="this training run has 0 optimizer steps.*set max_steps >= 1"):
         trainer.train()
@@ -343,7 +345,7 @@ def test_a_run_of_no_steps_says_so(tmp_path, steps):
 
 def test_load_best_model_restores_its_masks(tmp_path):
     """With load_best_model_at_end, the best checkpoint can be from mid-ramp: its masks must come back with it."""
-    config = SparsityConfig(pattern="2:8", schedule="linear", start=0, end=12, update_every=2)
+    config = SparsityConfig(score="magnitude", pattern="2:8", schedule="linear", start=0, end=12, update_every=2)
     args = _args(
         tmp_path,
         max_steps=12,
@@ -380,7 +382,7 @@ def test_remove_hooks_stops_gradient_masking():
     from hf_sparse import Pruner
 
     model = _model()
-    pruner = Pruner(model, SparsityConfig(pattern="2:4", schedule="oneshot", start=0))
+    pruner = Pruner(model, SparsityConfig(score="magnitude", pattern="2:4", schedule="oneshot", start=0))
     pruner.bind(1)
     pruner.update(0)
     layer = model.bert.encoder.layer[0].output.dense

@@ -32,7 +32,7 @@ def _trained(tmp_path):
         disable_tqdm=True,
         hub_model_id="me/tiny-64-2-8",
     )
-    config = SparsityConfig(pattern="64:2:8", schedule="linear", start=0, end=3, update_every=1)
+    config = SparsityConfig(score="magnitude", pattern="64:2:8", schedule="linear", start=0, end=3, update_every=1)
     trainer = SparseTrainer(
         model=model,
         args=args,
@@ -92,7 +92,7 @@ def _short_run(tmp_path, **schedule):
     """4 optimizer steps (0 to 3) under ``schedule``; returns the trainer and the schedule warnings of train()."""
     torch.manual_seed(0)
     model = AutoModelForSequenceClassification.from_config(tiny_config("bert"))
-    config = SparsityConfig(pattern="2:8", **schedule)
+    config = SparsityConfig(score="magnitude", pattern="2:8", **schedule)
     args = trainer_args(tmp_path / "run", max_steps=4)
     trainer = SparseTrainer(model=model, args=args, train_dataset=ToyClassification(), sparsity_config=config)
     with pytest.warns(UserWarning, match="hf_sparse: the sparsity schedule") as record:
