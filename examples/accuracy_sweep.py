@@ -73,14 +73,13 @@ PATTERNS: dict[str, tuple[tuple[str, ...], str]] = {
     "64:2:16": (("--sparsity_pattern", "64:2:16"), "64:2:16"),
     "unstructured:0.75": (("--sparsity_pattern", "unstructured:0.75"), "unstructured 75%"),
 }
-#: gradual magnitude pruning, every setting given (``SparsityConfig``'s defaults until the tables below chose gradual
-#: SparseGPT; kept as the baseline row)
+#: gradual magnitude pruning, every setting given: the baseline the activation-aware recipes are measured against
 MAGNITUDE_SETTINGS = {"schedule": "cubic", "start": 0.0, "end": 0.5, "update_every": 100, "score": "magnitude"}
 #: recipe name in a row -> (flags before the pattern's, table text)
 RECIPES: dict[str, tuple[tuple[str, ...], str]] = {
     "gradual_magnitude": (
         tuple(f for key, value in MAGNITUDE_SETTINGS.items() for f in (f"--sparsity_{key}", str(value))),
-        "gradual magnitude, cubic 0 → 50% of training, masks every 100 steps (the default before these tables)",
+        "gradual magnitude, cubic 0 → 50% of training, masks every 100 steps (baseline)",
     ),
     "prune_then_recover": (
         ("--recipe", "prune_then_recover"),
