@@ -229,6 +229,8 @@ class SparsityCallback(TrainerCallback):
             self._restore()
         elif state.global_step > 0 and self.pruner.last_update_step is None:
             self._rebuild_from_weights(state.global_step)
+        if not self.pruner.masks_final:
+            self.pruner.check_can_update()  # mask updates are ahead: fail now, not at the first one
         self._make_compact(model, kwargs.get("optimizer"), state.global_step)
 
     def _load_kernels(self, model) -> None:

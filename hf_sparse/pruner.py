@@ -273,23 +273,37 @@ class Pruner:
         self.calibration = source
         self.calibration_max_batches = max_batches
 
-    @torch.no_grad()
-    def recompute(self, level: int | float) -> None:
-        """New masks at ``level`` from the current weights' scores, applied at once."""
-        assert self.plan is not None
-        if len(self.dense_layers) < len(self.layers):
-            raise RuntimeError("Pruner.recompute: compact layers keep their final masks; masks cannot change now")
-        pattern = self.pattern_for_level(level)
-        final = self.plan.quantise(self.pattern.sparsity) == level
-        transposable = self.config.transposable and final
-        global_threshold = isinstance(pattern, Unstructured) and self.config.global_unstructured
-        direct = self.scorer.provides_prune and not transposable and not global_threshold
+    def check_can_update(self) -> None:
+        """Raise what a mask update with this score cannot do here, with what to do instead. A training run calls it
+        before its first step, so a run that could not prune stops at once, not at its first mask update.
+
+        Activation-aware scores need calibration batches (:meth:`set_calibration`); they and the scores that move
+        the kept weights (SparseGPT, OBS) need the full weights, which FSDP2-sharded layers do not hold."""
         if (self.scorer.provides_prune or self.scorer.needs_calibration) and self.is_sharded:
             raise NotImplementedError(
                 f"score={self.config.score!r} needs the full weights (and, activation-aware, calibration passes "
                 "layer by layer), which hf_sparse does not do on FSDP2-sharded weights yet; train with DDP or one "
                 "process, or use score='magnitude'"
             )
+        if self.scorer.needs_calibration and self.calibration is None:
+            raise RuntimeError(
+                f"score={self.config.score!r} needs calibration batches: pass them to hf_sparse.oneshot(model, config, "
+                "calibration), train with SparsityCallback / SparseTrainer (which draw them from the training data), "
+                "call pruner.set_calibration(batches), or use score='magnitude'"
+            )
+
+    @torch.no_grad()
+    def recompute(self, level: int | float) -> None:
+        """New masks at ``level`` from the current weights' scores, applied at once."""
+        assert self.plan is not None
+        if len(self.dense_layers) < len(self.layers):
+            raise RuntimeError("Pruner.recompute: compact layers keep their final masks; masks cannot change now")
+        self.check_can_update()
+        pattern = self.pattern_for_level(level)
+        final = self.plan.quantise(self.pattern.sparsity) == level
+        transposable = self.config.transposable and final
+        global_threshold = isinstance(pattern, Unstructured) and self.config.global_unstructured
+        direct = self.scorer.provides_prune and not transposable and not global_threshold
         threshold = None
         if global_threshold:
             scores = [self.scorer.score(layer.name, full_tensor(layer.weight)) for layer in self.layers]
@@ -319,12 +333,6 @@ class Pruner:
     def _calibrated(self, prune) -> None:
         """Run the calibration batches block by block (:mod:`hf_sparse.calibration`), pruning each layer once the
         score has seen its inputs."""
-        if self.calibration is None:
-            raise RuntimeError(
-                f"score={self.config.score!r} needs calibration batches: pass them to hf_sparse.oneshot(model, config, "
-                "calibration), train with SparsityCallback / SparseTrainer (which draw them from the training data), "
-                "or call pruner.set_calibration(batches)"
-            )
         batches = prepare_batches(self.model, self.calibration, self.calibration_max_batches)
         scorer = self.scorer
         run_calibration(

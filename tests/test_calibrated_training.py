@@ -118,3 +118,26 @@ def test_self_distillation_without_a_dense_phase_warns(tmp_path):
     with pytest.warns(UserWarning, match="before any fine-tuning"):
         trainer.train()
     assert trainer.teacher_model is not None
+
+
+def test_a_run_without_calibration_data_stops_before_its_first_step(tmp_path):
+    """The default score (SparseGPT) with no training dataloader to draw calibration batches from: the callback
+    raises at train begin, naming the ways out, instead of at the first mask update hours later. With magnitude
+    scores the same run starts."""
+    from transformers import TrainerControl, TrainerState
+
+    args = trainer_args(tmp_path)
+    for config, starts in (
+        (SparsityConfig(pattern="2:4"), False),
+        (SparsityConfig(pattern="2:4", score="magnitude"), True),
+    ):
+        model = AutoModelForSequenceClassification.from_config(tiny_config("bert"))
+        callback = SparsityCallback(config)
+        callback.setup(model, 12)
+        state, control = TrainerState(max_steps=12), TrainerControl()
+        if starts:
+            callback.on_train_begin(args, state, control, model=model)
+            assert not callback.pruner.masks_final
+        else:
+            with pytest.raises(RuntimeError, match="needs calibration batches.*score='magnitude'"):
+                callback.on_train_begin(args, state, control, model=model)

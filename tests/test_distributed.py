@@ -34,7 +34,7 @@ from transformers import (
     TrainingArguments,
 )
 
-from hf_sparse import SparseTrainer, SparsityCallback, SparsityConfig, save_pretrained
+from hf_sparse import Pruner, SparseTrainer, SparsityCallback, SparsityConfig, save_pretrained
 from hf_sparse.distributed import full_tensor, gather_full_state_dict, local_part
 from hf_sparse.formats.compressed import compress
 
@@ -273,7 +273,6 @@ def _bucket_view_check(rank: int, kept_only: bool = False) -> dict:
     ``kept_only``: with the communication hook that sends only kept positions."""
     from torch.nn.parallel import DistributedDataParallel
 
-    from hf_sparse import Pruner
     from hf_sparse.distributed import KeptGradientAllReduce, kept_gradient_all_reduce_hook
 
     model = _model()
@@ -478,7 +477,21 @@ def _fsdp_scenario(rank: int, out: Path) -> None:
         torch.save({"final": full, "masks": callback.pruner.masks}, out / "fsdp_state.pt")
     seen["gpt2"] = _gpt2_conv1d_check()
     seen["broadcast"] = _broadcast_check(rank)
+    seen["sparsegpt_refused"] = _sparsegpt_refused_on_shards(model)
     (out / f"fsdp_record_rank{rank}.json").write_text(json.dumps(seen))
+
+
+def _sparsegpt_refused_on_shards(sharded_model) -> str:
+    """The default score (SparseGPT) on FSDP2-sharded weights: the check a run makes before its first step raises,
+    naming the way out; returns the message ('' if nothing was raised)."""
+    pruner = Pruner(sharded_model, SparsityConfig(pattern="2:4"))
+    try:
+        pruner.check_can_update()
+    except NotImplementedError as err:
+        return str(err)
+    finally:
+        pruner.remove_hooks()
+    return ""
 
 
 def _gpt2_conv1d_check() -> dict:
@@ -555,6 +568,13 @@ def test_fsdp2_masks_agree_and_pruned_values_exactly_zero(fsdp_run):
     state = torch.load(out / "fsdp_state.pt")
     for name, mask in pruner.masks.items():
         assert torch.equal(state["masks"][name], mask), name
+
+
+def test_fsdp2_refuses_sparsegpt_before_training(fsdp_run):
+    out = fsdp_run[0]
+    for rank in range(WORLD):
+        message = _read_json(out / f"fsdp_record_rank{rank}.json")["sparsegpt_refused"]
+        assert "FSDP2-sharded" in message and "score='magnitude'" in message
 
 
 def test_fsdp2_matches_one_process_and_counts_full_weights(fsdp_run):
