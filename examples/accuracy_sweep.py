@@ -96,14 +96,12 @@ DEFAULT_SEEDS = (42, 43, 44)
 
 
 def recipe_settings(recipe: str) -> dict[str, Any]:
-    """The ``SparsityConfig`` fields a row's recipe sets, the pattern left out (rows set it), and whether it adds
-    distillation (``"distillation"``: True/False)."""
+    """The ``SparsityConfig`` fields a row's recipe sets, the pattern left out (rows set it)."""
     if recipe == "gradual_magnitude":
-        return {**MAGNITUDE_SETTINGS, "distillation": False}
-    from sparse_args import load_recipe, load_recipe_distillation
+        return dict(MAGNITUDE_SETTINGS)
+    from sparse_args import load_recipe
 
-    settings = {k: v for k, v in load_recipe(recipe).items() if k != "pattern"}
-    return {**settings, "distillation": bool(load_recipe_distillation(recipe))}
+    return {k: v for k, v in load_recipe(recipe).items() if k != "pattern"}
 
 
 def recipe_is_default(recipe: str) -> bool:
@@ -111,11 +109,13 @@ def recipe_is_default(recipe: str) -> bool:
     distillation): the tables mark that row."""
     from hf_sparse import SparsityConfig
 
-    settings = recipe_settings(recipe)
-    if settings.pop("distillation"):
-        return False
+    if recipe != "gradual_magnitude":
+        from sparse_args import load_recipe_distillation
+
+        if load_recipe_distillation(recipe):
+            return False
     defaults = SparsityConfig()
-    return all(getattr(defaults, key) == value for key, value in settings.items())
+    return all(getattr(defaults, key) == value for key, value in recipe_settings(recipe).items())
 
 
 def select_rows(patterns: list[str]) -> list[str]:
