@@ -3,6 +3,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/extension.h>
+#include <torch/library.h>
 
 #include <vector>
 
@@ -552,7 +553,41 @@ at::Tensor compact_linear(const at::Tensor& x, const at::Tensor& weight, const c
                                 columns_t, meta_g, columns_g, index, rows, cols, m, m_g, plan, kernels);
 }
 
+// The same computations as the dispatcher ops ``hf_sparse::compact_linear`` / ``hf_sparse::compact_backward``
+// (schemas, autograd and CPU references in hf_sparse/nn/compact_ops.py), which a torch.compile graph calls with no
+// Python between it and these functions. The training op's forward is compact_forward; the arguments only the
+// backward reads come along so that autograd can save them.
+at::Tensor compact_linear_op(const at::Tensor& x2, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
+                             const c10::optional<at::Tensor>& bias_c, const at::Tensor& values,
+                             const at::Tensor& meta, const at::Tensor& columns,
+                             const c10::optional<at::Tensor>& values_t, const c10::optional<at::Tensor>& meta_t,
+                             const c10::optional<at::Tensor>& columns_t, const at::Tensor& meta_g,
+                             const at::Tensor& columns_g, const c10::optional<at::Tensor>& index, int64_t rows,
+                             int64_t cols, int64_t m, int64_t m_g, int64_t plan, int64_t kernels) {
+  return compact_forward(x2, weight, bias_c, values, meta, columns, index, rows, cols, m, plan, kernels);
+}
+
+// Gradients not asked for come back empty (0 elements), so that the op's outputs are always tensors.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> compact_backward_op(
+    const at::Tensor& dy2, const at::Tensor& x2, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
+    const c10::optional<at::Tensor>& index, const c10::optional<at::Tensor>& values_t,
+    const c10::optional<at::Tensor>& meta_t, const c10::optional<at::Tensor>& columns_t, const at::Tensor& meta_g,
+    const at::Tensor& columns_g, int64_t rows, int64_t cols, int64_t m_g, int64_t plan, int64_t kernels,
+    bool need_dx, bool need_dw) {
+  const bool need_db = bias.has_value();
+  auto g = compact_backward(dy2, x2, weight, index, values_t, meta_t, columns_t, meta_g, columns_g, rows, cols, m_g,
+                            plan, kernels, need_dx, need_dw, need_db, need_db ? bias->scalar_type() : at::kFloat);
+  return {g[0].defined() ? g[0] : at::empty({0}, x2.options()),
+          g[1].defined() ? g[1] : at::empty({0}, weight.options()),
+          g[2].defined() ? g[2] : at::empty({0}, x2.options())};
+}
+
 }  // namespace
+
+TORCH_LIBRARY_IMPL(hf_sparse, CUDA, lib) {
+  lib.impl("compact_linear", &compact_linear_op);
+  lib.impl("compact_backward", &compact_backward_op);
+}
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.doc() = "hf_sparse CUDA kernels (SpMM, SDDMM, pack) for V:2:M sparse weights";

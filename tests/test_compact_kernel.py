@@ -198,9 +198,9 @@ def test_kernel_state_is_not_in_the_state_dict_and_dropped_by_to():
 
 
 def test_compiles_without_graph_breaks():
-    """The reference path (CPU), and the kernel path as torch.compile traces it (``compact_linear``: one opaque op
-    per layer, run here on the ops' CPU references): no graph break, and the compiled forward and backward
-    (AOTAutograd, so the op's registered backward runs) equal the eager kernel path's."""
+    """The reference path (CPU), and the kernel path as torch.compile traces it (``compact_linear``: one
+    ``hf_sparse::compact_linear`` op per layer, run here on its CPU reference): no graph break, and the compiled
+    forward and backward (AOTAutograd, so the op's registered backward runs) equal the eager kernel path's."""
     layer, _, _ = _layer("2:4", 64, 128, transposable=True)
     x = torch.randn(8, 128)
     torch._dynamo.reset()
@@ -226,6 +226,31 @@ def test_compiles_without_graph_breaks():
     assert torch.equal(y, y_eager)
     for got, want in zip((xb.grad, layer.weight.grad, layer.bias.grad), expected, strict=True):
         torch.testing.assert_close(got, want)
+
+
+def test_a_compiled_graph_serves_one_token_bucket():
+    """The plan is a constant of the compiled graph, so a graph must serve one token bucket only: token counts in
+    one bucket share a graph (also once the shapes turn dynamic), another bucket traces again and measures its own
+    plan; every call equals the eager layer (activation included), forward and backward, with no graph break."""
+    layer, dense, _ = _layer("2:4", 64, 128)
+    layer.activation = "gelu"
+    compiled = torch.compile(lambda t: compact_linear(layer, t, torch.bfloat16), backend="aot_eager", fullgraph=True)
+    torch._dynamo.reset()
+    traced = []
+    for tokens in (8, 5, 6, 7, 16, 3):
+        x = torch.randn(tokens, 128).bfloat16().requires_grad_()
+        y = compiled(x)
+        y.float().sum().backward()
+        ref_w = dense.bfloat16().float().requires_grad_()
+        x_ref = x.detach().float().requires_grad_()
+        ref = F.gelu(F.linear(x_ref, ref_w, layer.bias.detach().bfloat16().float()))
+        ref.sum().backward()
+        ref = ref.detach()
+        assert float((y.detach().float() - ref).abs().max()) <= 2e-2 * float(ref.abs().max()), tokens
+        torch.testing.assert_close(x.grad.float(), x_ref.grad, atol=5e-2, rtol=2e-2)
+        traced.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+    # 8: a graph; 5: dynamic shapes, bucket 8 again; 6, 7: the same graph; 16, 3: a graph each
+    assert traced[2:4] == [traced[1]] * 2 and traced[4] > traced[3] and traced[5] > traced[4], traced
 
 
 def test_compiles_on_the_view_without_graph_breaks():
@@ -274,3 +299,31 @@ def test_index_is_kept_only_for_plans_that_read_it():
 )
 def test_kernel_pattern(spec, expected):
     assert kernel_pattern(parse_pattern(spec)) == expected
+
+
+def test_what_runs_after_each_optimizer_step():
+    """The compact layers' refresh rides on the global optimizer post-step hook (compiled code relies on it): a
+    function given to ``after_optimizer_step`` runs once after every step of any torch optimizer, fused or not, after
+    the step count moved; ``refresh_all`` is among them."""
+    from hf_sparse.nn import compact, optimizer_steps
+
+    assert compact.refresh_all in optimizer_steps._after
+    seen = []
+
+    def record():
+        seen.append(optimizer_steps.optimizer_steps())
+
+    optimizer_steps.watch_optimizer_steps()
+    optimizer_steps.after_optimizer_step(record)
+    optimizer_steps.after_optimizer_step(record)  # once only
+    try:
+        w = torch.nn.Parameter(torch.randn(4))
+        for opt in (torch.optim.SGD([w], lr=0.1), torch.optim.AdamW([w], lr=0.1, foreach=False)):
+            before = optimizer_steps.optimizer_steps()
+            w.sum().backward()
+            opt.step()
+            opt.step()
+            assert seen[-2:] == [before + 1, before + 2]
+    finally:
+        optimizer_steps._after.remove(record)
+    assert len(seen) == 4

@@ -76,6 +76,42 @@ def test_50_steps_of_compact_layers_track_masked_dense(pattern, extra):
         assert apart < 0.5 * moved, (name, apart, moved)  # both runs moved the same way
 
 
+@pytest.mark.parametrize(("pattern", "extra"), [("2:4", {"transposable": True}), ("64:2:8", {})])
+def test_compiled_compact_training_tracks_eager(pattern, extra):
+    """torch.compile (Inductor, one graph) of a model with compact layers: each layer is the extension's C++
+    ``hf_sparse::compact_linear`` op, the packs follow the fused AdamW steps (the refresh after each step: compiled code
+    does not check the weights), and 15 steps track eager compact training within bf16 noise; after training, a
+    compiled forward equals an eager one on the same weights."""
+    runs = []
+    for compiled in (False, True):
+        model = _small_bert(seed=0)
+        pruner = prune_now(model, pattern, **extra)
+        assert len(make_compact(model, pruner)) == 12
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+        run = torch.compile(model, fullgraph=True) if compiled else model
+        gen = torch.Generator().manual_seed(1)
+        losses = []
+        for _ in range(15):
+            ids = torch.randint(1, 512, (8, 64), generator=gen).cuda()
+            labels = (ids[:, 0] % 3).cuda()
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = run(input_ids=ids, labels=labels).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+        runs.append(torch.tensor(losses))
+    assert torch._C._dispatch_has_kernel_for_dispatch_key("hf_sparse::compact_linear", "CUDA")
+    assert "binding.cpp" in torch._C._dispatch_dump("hf_sparse::compact_linear")  # the C++ function, not Python
+    eager, comp = runs
+    assert torch.isfinite(comp).all() and (eager - comp).abs().max() < 0.1, (eager, comp)
+    ids = torch.randint(1, 512, (8, 64), generator=gen).cuda()
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        y_compiled = run(input_ids=ids).logits.float()  # first: an eager call would refresh stale packs
+        y_eager = model(input_ids=ids).logits.float()
+    assert float((y_compiled - y_eager).abs().max()) <= 2e-2 * float(y_eager.abs().max()) + 1e-2
+
+
 def test_sparse_trainer_makes_layers_compact_on_cuda(tmp_path):
     seen = []
 

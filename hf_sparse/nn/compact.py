@@ -33,8 +33,9 @@ through one :class:`CompactKernel`, built once from the layer's position buffers
   kept index), the input gradient (``"sparse"`` on ``packed_t``, else ``"dense"``), the weight gradient (``"gemm"``:
   ``dY^T X`` by cuBLAS, then one gather at the kept index, then the cast to the weight's dtype; ``"sddmm"``: the kept
   positions only, by the SDDMM kernel on the layer's own metadata, straight into ``weight``'s order in fp32). Each is
-  measured once per bucket with :func:`hf_sparse.ops.dispatch.fastest` on the call's own input; where nothing can
-  be measured (CPU, torch.compile tracing, CUDA-graph capture) the plan is :data:`DEFAULT_PLAN`.
+  measured once per bucket with :func:`hf_sparse.ops.dispatch.fastest` on the call's own input (under torch.compile on
+  a stand-in of the bucket's size, while tracing); where nothing can be measured (CPU, CUDA-graph capture) the plan
+  is :data:`DEFAULT_PLAN`.
 
 Under ``torch.inference_mode()`` (no call has trained, every measured forward runs on ``packed``, the values already
 in the compute dtype, no layout padding) the pack is the only copy of the weights: :meth:`CompactKernel.adopt` makes
@@ -44,18 +45,19 @@ on-disk form (``state_dict``, ``compressed_tensors``, ``.to()``, a call that tra
 :meth:`SparseLinear.on_disk_form` first, which makes it again from the pack (:meth:`CompactKernel.release`). A V:2:M
 layer run on its 2:4 view is not resident: the view holds zeros beside the values.
 
-The packs are refreshed on the first call after the weight changed: when its version counter, its address, the
-bias's version or the count of optimizer steps (:mod:`.optimizer_steps`: fused optimizers do not bump versions)
-differ from the last refresh. Where the extension runs, that first call refreshes every stale compact layer on the
-device in one launch (:func:`refresh_stale`; the entries of each layer come from
-:meth:`CompactKernel.refresh_entries`), so after an optimizer step the whole model costs the host one launch; elsewhere
-each layer runs the same entries with torch ops. Under torch.compile the packs are computed inside the graph on every call instead (the
-same copy and gathers: Inductor fuses them), with no Python state read but the plans and the permutations (a
-``"sparse24"`` plan whose ``perm24`` was dropped runs ``"sparse"`` there).
+The packs are refreshed after each optimizer step and on the first call after the weight changed otherwise: when its
+version counter, its address, the bias's version or the count of optimizer steps (:mod:`.optimizer_steps`: fused
+optimizers do not bump versions) differ from the last refresh. Where the extension runs, a refresh covers every stale
+compact layer on the device in one launch (:func:`refresh_stale`; the entries of each layer come from
+:meth:`CompactKernel.refresh_entries`), so after an optimizer step the whole model costs the host one launch;
+elsewhere each layer runs the same entries with torch ops. The optimizer-step refresh (:func:`refresh_all`, run by the
+hook of :mod:`.optimizer_steps`) is what compiled code relies on: it does not check the weights on each call.
 
 Per call, eager: one tuple compare (the refresh check), one plan lookup, a 2-D reshape of the input each way and the
 kernel call; backward runs in :class:`_CompactLinearFn` (or the extension's C++ node) on the saved tensors with no
-lookups.
+lookups. Under torch.compile the layer is one ``hf_sparse::compact_linear`` op, C++ on CUDA, and its backward one
+``hf_sparse::compact_backward`` (the section "compile" at the end of this module); the plan is measured while
+torch.compile traces.
 """
 
 from __future__ import annotations
@@ -81,7 +83,7 @@ from ..ops._layout import (
 from ..ops.sddmm import sddmm_function
 from ..ops.spmm import activate, kernel_activation, spmm_function
 from ..patterns import NM, VNM, Pattern
-from .optimizer_steps import optimizer_steps, watch_optimizer_steps
+from .optimizer_steps import after_optimizer_step, optimizer_steps, watch_optimizer_steps
 from .refresh import (
     COPY,
     GATHER,
@@ -476,13 +478,14 @@ class CompactKernel:
     def _default(self) -> tuple[str, str, str]:
         return (DEFAULT_PLAN[0], "sparse" if self.packed_t is not None else "dense", DEFAULT_PLAN[2])
 
-    def plan(self, layer: SparseLinear, key: tuple[int, bool], x2: Tensor) -> tuple:
+    def plan(self, layer: SparseLinear, key: tuple[int, bool], x2: Tensor, while_tracing: bool = False) -> tuple:
         """The plan for ``key`` ((token bucket, trains)): measured once on ``x2`` (in the compute dtype) where a
-        measurement can run, else :data:`DEFAULT_PLAN` (stored, except while torch.compile traces)."""
+        measurement can run (``while_tracing``: see :func:`hf_sparse.ops.dispatch.can_measure`), else
+        :data:`DEFAULT_PLAN` (stored, except while torch.compile traces)."""
         plan = self.plans.get(key)
         if plan is not None:
             return plan
-        if not (x2.is_cuda and dispatch.can_measure()):
+        if not (x2.is_cuda and dispatch.can_measure(while_tracing)):
             plan = self._default()
             if not torch.compiler.is_compiling():
                 self._ensure_pack(layer)
@@ -586,6 +589,36 @@ class CompactKernel:
             db = dy2.sum(0, dtype=torch.float32).to(layer.bias.dtype)
         return dx, dw, db
 
+    def native_arguments(self, layer: SparseLinear, plan: tuple, trains: bool) -> tuple:
+        """The arguments after ``x, weight, bias`` of the extension's ``compact_linear`` (eager training) and of the
+        ``hf_sparse::compact_linear`` op (torch.compile) for ``plan``: the bias in the compute dtype, the forward's
+        pack (the 2:4 view for ``"sparse24"``), the transposed pack (or Nones), the layer's own metadata and columns
+        (the SDDMM's), the kept index where a choice of ``plan`` reads it (always where the extension is absent: the
+        ops' references compute from it), the sizes, the group sizes of the forward's pack and of the layer, the plan
+        and kernel bits."""
+        p, t = self.packed, self.packed_t
+        view = plan[0] == "sparse24"
+        q = self.packed24 if view else p
+        dense = plan[0] == "dense" or (trains and (plan[1] == "dense" or plan[2] == "gemm"))
+        return (
+            self.bias_lp if self.bias_lp is not None else layer.bias,
+            q.values,
+            q.meta,
+            q.columns,
+            None if t is None else t.values,
+            None if t is None else t.meta,
+            None if t is None else t.columns,
+            p.meta,
+            p.columns,
+            layer._kept() if dense or self.native is None else None,
+            self.rows,
+            self.cols,
+            4 if view else self.m,
+            self.m,
+            _PLAN_BITS[plan],
+            self.kernel_bits24 if view else self.kernel_bits,
+        )
+
     def uses_index(self) -> bool:
         """Whether a measured plan reads the kept index (a dense forward or input gradient, the GEMM weight
         gradient)."""
@@ -600,9 +633,9 @@ class CompactKernel:
         self.kernel_bits24 = _kernel_bits((self.fn24, *self.fns[1:]))
 
     # ------------------------------------------------------------------ the forward
-    def prepare(self, layer: SparseLinear, x: Tensor, trains: bool) -> tuple[str, str, str]:
+    def prepare(self, layer: SparseLinear, x: Tensor, trains: bool, while_tracing: bool = False) -> tuple[str, str, str]:
         """Bring the packs up to date with the values and return the plan for ``x`` (measured on the first call of
-        its token bucket)."""
+        its token bucket; ``while_tracing``: see :meth:`plan`)."""
         key = (1 << max(0, x.numel() // self.cols - 1).bit_length(), trains)
         plan = self.plans.get(key)
         if layer._resident is self:  # the pack is the values: nothing to refresh
@@ -616,7 +649,7 @@ class CompactKernel:
             self.refresh(layer)
         if plan is None:
             x2 = x.reshape(-1, self.cols)
-            plan = self.plan(layer, key, x2 if x2.dtype == self.dtype else x2.to(self.dtype))
+            plan = self.plan(layer, key, x2 if x2.dtype == self.dtype else x2.to(self.dtype), while_tracing)
         return plan
 
     def __call__(self, layer: SparseLinear, x: Tensor) -> Tensor:
@@ -634,30 +667,7 @@ class CompactKernel:
             y = self.forward_compute(layer, x2 if x2.dtype == self.dtype else x2.to(self.dtype), plan, fuse=True)
             return y.view(*x.shape[:-1], rows)
         if self.native is not None:  # eager CUDA training: one C++ autograd node
-            p, t = self.packed, self.packed_t
-            q = self.packed24 if plan[0] == "sparse24" else p
-            dense = plan[0] == "dense" or plan[1] == "dense" or plan[2] == "gemm"
-            y = self.native(
-                x,
-                weight,
-                bias,
-                self.bias_lp if self.bias_lp is not None else bias,
-                q.values,
-                q.meta,
-                q.columns,
-                None if t is None else t.values,
-                None if t is None else t.meta,
-                None if t is None else t.columns,
-                p.meta,
-                p.columns,
-                layer._kept() if dense else None,
-                rows,
-                cols,
-                4 if plan[0] == "sparse24" else self.m,
-                self.m,
-                _PLAN_BITS[plan],
-                self.kernel_bits24 if plan[0] == "sparse24" else self.kernel_bits,
-            )
+            y = self.native(x, weight, bias, *self.native_arguments(layer, plan, trains=True))
         else:
             x2 = x.reshape(-1, cols)
             x2 = x2 if x2.dtype == self.dtype else x2.to(self.dtype)
@@ -729,16 +739,22 @@ def _stamp(weight: Tensor, bias: Tensor | None) -> tuple:
 
 
 # ---------------------------------------------------------------------------------------------------------- compile
-# Under torch.compile a compact layer is one opaque op (with its backward another) whose implementation is the eager
-# compute above: the refresh, the plan and the kernels run when the graph runs, exactly as in eager mode, and the
-# graph around the layer (casts, activations, the rest of the model) is Inductor's. The op finds its layer by the
-# id the layer got at construction (``SparseLinear._compact_id``).
+# Under torch.compile a compact layer is one ``hf_sparse::compact_linear`` op in the graph, its backward one
+# ``hf_sparse::compact_backward``: on CUDA both are the extension's C++ functions (registered for the CUDA key in
+# csrc/binding.cpp), so the compiled graph reaches the kernels with no Python between; elsewhere they run the
+# references below. Their tensor arguments are the layer's kernel state (:meth:`CompactKernel.native_arguments`),
+# which torch.compile reads from the kernel on every call of the compiled code; what is not a tensor (the plan, the
+# sizes) is a constant of the graph, decided while torch.compile traces by :func:`_compiled_plan`, which runs for
+# real then: it builds the kernel state, refreshes the packs and measures the plan of the call's token bucket on a
+# stand-in input. The packs then follow the values through the refresh after each optimizer step (``refresh_all``)
+# and through any eager call; a weight written by hand while only compiled code runs is seen at the next optimizer
+# step (``load_state_dict`` drops the kernel state, and torch.compile traces the layer again).
 
 _compact_layers: weakref.WeakValueDictionary[int, SparseLinear] = weakref.WeakValueDictionary()
 
 
 def register_compact_layer(layer: SparseLinear) -> int:
-    """Give ``layer`` the id the compile ops find it by."""
+    """Give ``layer`` the id :func:`_compiled_plan` finds it by."""
     layer_id = id(layer)
     _compact_layers[layer_id] = layer
     return layer_id
@@ -753,67 +769,107 @@ def _layer_of(layer_id: int) -> SparseLinear:
     return layer
 
 
-# defined with torch.library.Library rather than torch.library.custom_op: the latter's wrapper costs several
-# microseconds of host time per call, twice per layer and step
+def refresh_all() -> None:
+    """Refresh the packs of every stale compact layer, one launch per device (after each optimizer step: see
+    :func:`hf_sparse.nn.optimizer_steps.after_optimizer_step`)."""
+    devices = {k.device for k in list(_kernels) if k.refresher is not None}
+    for device in devices:
+        refresh_stale(device)
+
+
+after_optimizer_step(refresh_all)
+
+
+@torch._dynamo.assume_constant_result
+def _compiled_plan(layer_id: int, tokens: int, trains: bool, dtype: torch.dtype) -> tuple[str, str, str]:
+    """The plan of a compiled call of ``tokens`` tokens (a power of two: the token bucket): run for real while
+    torch.compile traces (its result is a constant of the graph), it builds the layer's kernel state, brings its packs
+    up to date and measures the plan on a stand-in input of that size (drawn from a private generator: the run's
+    random stream stays as it is), as an eager first call would."""
+    layer = _layer_of(layer_id)
+    kernel = layer.kernel_state(dtype)
+    generator = torch.Generator(kernel.device).manual_seed(0)
+    x2 = torch.empty(tokens, kernel.cols, dtype=dtype, device=kernel.device).normal_(generator=generator)
+    plan = kernel.prepare(layer, x2, trains, while_tracing=True)
+    kernel.native_arguments(layer, plan, trains)  # builds the kept index where the plan reads it
+    return plan
+
+
 _lib = torch.library.Library("hf_sparse", "FRAGMENT")
-_lib.define("compact_linear(Tensor x2, Tensor weight, Tensor? bias, int layer_id, bool trains) -> Tensor")
 _lib.define(
-    "compact_linear_backward(Tensor dy2, Tensor x2, Tensor weight, Tensor? bias, int layer_id, bool need_dx, "
-    "bool need_dw) -> (Tensor, Tensor, Tensor)"
+    "compact_linear(Tensor x2, Tensor weight, Tensor? bias, Tensor? bias_c, Tensor values, Tensor meta, "
+    "Tensor columns, Tensor? values_t, Tensor? meta_t, Tensor? columns_t, Tensor meta_g, Tensor columns_g, "
+    "Tensor? index, int rows, int cols, int m, int m_g, int plan, int kernels) -> Tensor"
+)
+_lib.define(
+    "compact_backward(Tensor dy2, Tensor x2, Tensor weight, Tensor? bias, Tensor? index, Tensor? values_t, "
+    "Tensor? meta_t, Tensor? columns_t, Tensor meta_g, Tensor columns_g, int rows, int cols, int m_g, int plan, "
+    "int kernels, bool need_dx, bool need_dw) -> (Tensor, Tensor, Tensor)"
 )
 
 
-def _compact_linear_impl(x2: Tensor, weight: Tensor, bias: Tensor | None, layer_id: int, trains: bool) -> Tensor:
-    layer = _layer_of(layer_id)
-    kernel = layer.kernel_state(x2.dtype)
-    plan = kernel.prepare(layer, x2, trains)
-    return kernel.forward_compute(layer, x2, plan, fuse=not trains)
+def _compact_linear_reference(x2, weight, bias, bias_c, values, meta, columns, values_t, meta_t, columns_t, meta_g,
+                              columns_g, index, rows, cols, m, m_g, plan, kernels):  # fmt: skip
+    """``x2 W^T + bias_c`` from the kept values at ``index`` in the compute dtype, accumulated in fp32 (the ops'
+    references' rule)."""
+    w = _dense(weight, index, rows, cols, x2.dtype).float()
+    y = x2.float() @ w.t()
+    return (y if bias_c is None else y + bias_c.float()).to(x2.dtype)
 
 
-def _compact_linear_backward_impl(dy2, x2, weight, bias, layer_id, need_dx, need_dw):
-    layer = _layer_of(layer_id)
-    kernel = layer.kernel_state(x2.dtype)
-    plan = kernel.plans.get((1 << max(0, x2.shape[0] - 1).bit_length(), True)) or kernel._default()
-    dx, dw, db = kernel.backward_compute(layer, dy2, x2, plan, need_dx, need_dw, bias is not None)
-    empty = x2.new_empty(0)
-    return (empty if dx is None else dx, weight.new_empty(0) if dw is None else dw, empty if db is None else db)
+def _compact_backward_reference(dy2, x2, weight, bias, index, values_t, meta_t, columns_t, meta_g, columns_g, rows,
+                                cols, m_g, plan, kernels, need_dx, need_dw):  # fmt: skip
+    """The gradients from the kept values at ``index``; those not asked for are empty."""
+    dy2 = dy2.to(x2.dtype)
+    dx = torch.mm(dy2, _dense(weight, index, rows, cols, x2.dtype)) if need_dx else x2.new_empty(0)
+    dw = _weight_grad("gemm", dy2, x2, weight, index, *(None,) * 4, rows, cols, 64, m_g, None, None)
+    dw = dw if need_dw else weight.new_empty(0)
+    db = x2.new_empty(0) if bias is None else dy2.sum(0, dtype=torch.float32).to(bias.dtype)
+    return dx, dw, db
 
 
-_lib.impl("compact_linear", _compact_linear_impl, "CompositeExplicitAutograd")
-_lib.impl("compact_linear_backward", _compact_linear_backward_impl, "CompositeExplicitAutograd")
+_lib.impl("compact_linear", _compact_linear_reference, "CPU")
+_lib.impl("compact_backward", _compact_backward_reference, "CPU")
 
 
 @torch.library.register_fake("hf_sparse::compact_linear", lib=_lib)
-def _(x2, weight, bias, layer_id, trains):
-    return x2.new_empty(x2.shape[0], weight.shape[0])
+def _(x2, weight, bias, bias_c, values, meta, columns, values_t, meta_t, columns_t, meta_g, columns_g, index, rows,
+      cols, m, m_g, plan, kernels):  # fmt: skip
+    return x2.new_empty(x2.shape[0], rows)
 
 
-@torch.library.register_fake("hf_sparse::compact_linear_backward", lib=_lib)
-def _(dy2, x2, weight, bias, layer_id, need_dx, need_dw):
+@torch.library.register_fake("hf_sparse::compact_backward", lib=_lib)
+def _(dy2, x2, weight, bias, index, values_t, meta_t, columns_t, meta_g, columns_g, rows, cols, m_g, plan, kernels,
+      need_dx, need_dw):  # fmt: skip
     dx = x2.new_empty(x2.shape) if need_dx else x2.new_empty(0)
     dw = weight.new_empty(weight.shape) if need_dw else weight.new_empty(0)
     return dx, dw, x2.new_empty(0) if bias is None else bias.new_empty(bias.shape)
 
 
 def _setup_context(ctx, inputs, output):
-    x2, weight, bias, layer_id, _ = inputs
-    ctx.save_for_backward(x2, weight, bias)
-    ctx.layer_id = layer_id
+    x2, weight, bias, _, _, _, _, values_t, meta_t, columns_t, meta_g, columns_g, index = inputs[:13]
+    ctx.save_for_backward(x2, weight, bias, index, values_t, meta_t, columns_t, meta_g, columns_g)
+    rows, cols, _, m_g, plan, kernels = inputs[13:]
+    ctx.sizes = (rows, cols, m_g, plan, kernels)
 
 
 def _backward(ctx, dy2):
-    x2, weight, bias = ctx.saved_tensors
+    x2, weight, bias, index, values_t, meta_t, columns_t, meta_g, columns_g = ctx.saved_tensors
     need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
-    dx, dw, db = torch.ops.hf_sparse.compact_linear_backward(dy2, x2, weight, bias, ctx.layer_id, need_dx, need_dw)
-    return dx if need_dx else None, dw if need_dw else None, db if need_db else None, None, None
+    dx, dw, db = torch.ops.hf_sparse.compact_backward(
+        dy2, x2, weight, bias if need_db else None, index, values_t, meta_t, columns_t, meta_g, columns_g, *ctx.sizes,
+        need_dx, need_dw,
+    )  # fmt: skip
+    return (dx if need_dx else None, dw if need_dw else None, db if need_db else None) + (None,) * 16
 
 
 torch.library.register_autograd("hf_sparse::compact_linear", _backward, setup_context=_setup_context, lib=_lib)
 
 
 def compact_linear(layer: SparseLinear, x: Tensor, dtype: torch.dtype) -> Tensor:
-    """The layer's forward as torch.compile traces it: the cast to the compute ``dtype`` and the activation (in
-    training) in the graph, the layer itself one ``hf_sparse::compact_linear`` op."""
+    """The layer's forward as torch.compile traces it: the cast to the compute ``dtype`` and the activation in the
+    graph, the layer itself one ``hf_sparse::compact_linear`` op on its kernel state, for the plan of the call's token
+    bucket (a graph serves one bucket: the bucket's bounds are guards)."""
     bias = layer.bias
     trains = torch.is_grad_enabled() and (
         layer.weight.requires_grad or x.requires_grad or (bias is not None and bias.requires_grad)
@@ -821,7 +877,12 @@ def compact_linear(layer: SparseLinear, x: Tensor, dtype: torch.dtype) -> Tensor
     x2 = x.reshape(-1, layer.in_features)
     if x2.dtype != dtype:
         x2 = x2.to(dtype)
-    y = torch.ops.hf_sparse.compact_linear(x2, layer.weight, bias, layer._compact_id, trains)
-    if trains and layer.activation is not None:
+    bucket = 1
+    while bucket < x2.shape[0]:  # comparisons, not bit_length: under dynamic shapes they become the graph's guards
+        bucket *= 2
+    plan = _compiled_plan(layer._compact_id, bucket, trains, dtype)
+    kernel = layer._kernel
+    y = torch.ops.hf_sparse.compact_linear(x2, layer.weight, bias, *kernel.native_arguments(layer, plan, trains))
+    if layer.activation is not None:
         y = activate(y, layer.activation)
     return y.view(*x.shape[:-1], layer.out_features)

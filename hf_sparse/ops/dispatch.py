@@ -18,9 +18,11 @@ __all__ = ["can_measure", "fastest"]
 _BUSY_CYCLES = 2_000_000  # ~1 ms of GPU spin ahead of each timed call (longer than any candidate's host work)
 
 
-def can_measure() -> bool:
-    """Whether a measurement may run now: not while torch.compile traces nor while a CUDA graph is captured."""
-    if torch.compiler.is_compiling():
+def can_measure(while_tracing: bool = False) -> bool:
+    """Whether a measurement may run now: not while a CUDA graph is captured, nor while torch.compile traces unless
+    ``while_tracing`` (the caller is code that torch.compile runs for real during tracing, e.g. a function marked
+    ``torch._dynamo.assume_constant_result``)."""
+    if torch.compiler.is_compiling() and not while_tracing:
         return False
     return not torch.cuda.is_current_stream_capturing()
 
