@@ -633,7 +633,9 @@ class CompactKernel:
         self.kernel_bits24 = _kernel_bits((self.fn24, *self.fns[1:]))
 
     # ------------------------------------------------------------------ the forward
-    def prepare(self, layer: SparseLinear, x: Tensor, trains: bool, while_tracing: bool = False) -> tuple[str, str, str]:
+    def prepare(
+        self, layer: SparseLinear, x: Tensor, trains: bool, while_tracing: bool = False
+    ) -> tuple[str, str, str]:
         """Bring the packs up to date with the values and return the plan for ``x`` (measured on the first call of
         its token bucket; ``while_tracing``: see :meth:`plan`)."""
         key = (1 << max(0, x.numel() // self.cols - 1).bit_length(), trains)
