@@ -1,0 +1,100 @@
+"""Where a ``Trainer`` step's time goes: the host's time to issue it against the GPU's time to run it, and the
+profiler's top operators, for one configuration of ``bench_trainer.py`` in this process.
+
+    python benchmarks/profile_trainer_step.py --model bert-large --config 2:4T --mode compiled [--steps 30]
+        [--profile-steps 3] [--rows 25]
+
+Steps before the last ``--profile-steps`` are warm-up (kernel plans, ``torch.compile``); the profiled steps run under
+``torch.profiler`` (CPU and CUDA activities). Printed: the wall clock per profiled step, the summed CUDA kernel time
+per step, and two tables (by self CPU time, by CUDA time). A diagnostic, not the benchmark: ``bench_trainer.py``
+times what a user sees.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from bench_trainer import MODELS, RandomTokens, build_model
+from transformers import Trainer, TrainerCallback, TrainingArguments
+
+import hf_sparse
+
+
+class Profile(TrainerCallback):
+    def __init__(self, start: int, steps: int) -> None:
+        self.start, self.end = start, start + steps
+        self.prof = None
+        self.t0 = 0.0
+
+    def on_step_end(self, a, state, control, **kw):
+        if state.global_step == self.start:
+            torch.cuda.synchronize()
+            self.prof = torch.profiler.profile(
+                activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+            )
+            self.prof.__enter__()
+            self.t0 = time.perf_counter()
+        elif state.global_step == self.end:
+            torch.cuda.synchronize()
+            self.wall_ms = (time.perf_counter() - self.t0) * 1e3 / (self.end - self.start)
+            self.prof.__exit__(None, None, None)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="bert-large", choices=list(MODELS))
+    ap.add_argument("--config", default="2:4T")
+    ap.add_argument("--mode", default="compiled", choices=["eager", "compiled"])
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--profile-steps", type=int, default=3)
+    ap.add_argument("--rows", type=int, default=25)
+    args = ap.parse_args()
+    shape = MODELS[args.model]
+    model = build_model(args.model)
+    targs = TrainingArguments(
+        output_dir="/tmp/profile_trainer_step",
+        max_steps=args.steps,
+        per_device_train_batch_size=shape["batch"],
+        learning_rate=1e-4,
+        bf16=True,
+        optim="adamw_torch_fused",
+        torch_compile=args.mode == "compiled",
+        report_to=[],
+        save_strategy="no",
+        logging_strategy="no",
+        eval_strategy="no",
+        disable_tqdm=True,
+        seed=0,
+    )
+    data = RandomTokens(shape["batch"] * args.steps, shape["seq"], model.config.vocab_size)
+    prof = Profile(args.steps - args.profile_steps - 1, args.profile_steps)
+    if args.config == "dense":
+        trainer = Trainer(model=model, args=targs, train_dataset=data, callbacks=[prof])
+    else:
+        cfg = hf_sparse.SparsityConfig(
+            score="magnitude",
+            pattern=args.config.rstrip("T"),
+            schedule="oneshot",
+            start=0,
+            end=0,
+            transposable=args.config.endswith("T"),
+            compact_fallback="never",
+        )
+        trainer = hf_sparse.SparseTrainer(
+            model=model, args=targs, train_dataset=data, callbacks=[prof], sparsity_config=cfg
+        )
+    trainer.train()
+    events = prof.prof.key_averages()
+    cuda_us = sum(e.self_device_time_total for e in events) / args.profile_steps
+    print(
+        f"## {args.model} {args.config} {args.mode}: wall {prof.wall_ms:.1f} ms/step (profiled), "
+        f"CUDA kernels {cuda_us / 1e3:.1f} ms/step"
+    )
+    print(events.table(sort_by="self_cpu_time_total", row_limit=args.rows, max_name_column_width=60))
+    print(events.table(sort_by="self_device_time_total", row_limit=args.rows, max_name_column_width=60))
+
+
+if __name__ == "__main__":
+    main()
