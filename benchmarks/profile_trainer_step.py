@@ -50,6 +50,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--profile-steps", type=int, default=3)
     ap.add_argument("--rows", type=int, default=25)
+    ap.add_argument("--children", nargs="*", default=[], help="print what runs inside the first calls of the ops whose names start so")
     args = ap.parse_args()
     shape = MODELS[args.model]
     model = build_model(args.model)
@@ -94,6 +95,14 @@ def main() -> None:
     )
     print(events.table(sort_by="self_cpu_time_total", row_limit=args.rows, max_name_column_width=60))
     print(events.table(sort_by="self_device_time_total", row_limit=args.rows, max_name_column_width=60))
+    for name in args.children:
+        calls = [e for e in prof.prof.events() if e.name.startswith(name)][:2]
+        for call in calls:
+            print(f"### {name}: {call.cpu_time_total:.1f} us CPU, self {call.self_cpu_time_total:.1f} us")
+            for child in call.cpu_children:
+                print(f"    {child.name}: {child.cpu_time_total:.1f} us")
+                for grandchild in child.cpu_children:
+                    print(f"        {grandchild.name}: {grandchild.cpu_time_total:.1f} us")
 
 
 if __name__ == "__main__":

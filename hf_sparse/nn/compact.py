@@ -858,11 +858,12 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, dy2):
     x2, weight, bias, index, values_t, meta_t, columns_t, meta_g, columns_g = ctx.saved_tensors
     need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
-    dx, dw, db = torch.ops.hf_sparse.compact_backward(
-        dy2, x2, weight, bias if need_db else None, index, values_t, meta_t, columns_t, meta_g, columns_g, *ctx.sizes,
-        need_dx, need_dw,
-    )  # fmt: skip
-    return (dx if need_dx else None, dw if need_dw else None, db if need_db else None) + (None,) * 16
+    dx, dw, _ = torch.ops.hf_sparse.compact_backward(
+        dy2, x2, weight, None, index, values_t, meta_t, columns_t, meta_g, columns_g, *ctx.sizes, need_dx, need_dw
+    )
+    # the bias gradient in the graph, where Inductor fuses the reduction into the kernel that makes dy2
+    db = dy2.sum(0, dtype=torch.float32).to(bias.dtype) if need_db else None
+    return (dx if need_dx else None, dw if need_dw else None, db) + (None,) * 16
 
 
 torch.library.register_autograd("hf_sparse::compact_linear", _backward, setup_context=_setup_context, lib=_lib)
