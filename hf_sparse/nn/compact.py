@@ -499,6 +499,10 @@ class CompactKernel:
         return plan
 
     def _measure(self, layer: SparseLinear, trains: bool, x2: Tensor) -> tuple[str, str, str]:
+        """Each choice ranked by its GPU time plus the host time it takes to issue above the lightest candidate's
+        (:func:`hf_sparse.ops.dispatch.fastest` with ``host_too``): a layer's call is often host-bound (BERT-large's
+        1024-wide layers on a slow host), and a choice with more launches (the GEMM weight gradient and its gather, a
+        dense weight made for the call) must save that much GPU time to win."""
         fuse = not trains  # in training the activation runs after the layer (see __call__)
 
         def forward(choice):
@@ -513,15 +517,17 @@ class CompactKernel:
         if self.packed24 is not None:
             forwards["sparse24"] = forward("sparse24")
         with torch.no_grad():
-            choice = dispatch.fastest(forwards, host_too=not trains)
+            choice = dispatch.fastest(forwards, host_too=True)
             if not trains:
                 return choice, "dense", DEFAULT_PLAN[2]
             dy2 = torch.randn(x2.shape[0], self.rows, dtype=self.dtype, device=x2.device)
             inputs = {"dense": backward("dense", None)}
             if self.packed_t is not None:
                 inputs["sparse"] = backward("sparse", None)
-            input_grad = dispatch.fastest(inputs) if len(inputs) > 1 else "dense"
-            weight_grad = dispatch.fastest({"gemm": backward(None, "gemm"), "sddmm": backward(None, "sddmm")})
+            input_grad = dispatch.fastest(inputs, host_too=True) if len(inputs) > 1 else "dense"
+            weight_grad = dispatch.fastest(
+                {"gemm": backward(None, "gemm"), "sddmm": backward(None, "sddmm")}, host_too=True
+            )
         return choice, input_grad, weight_grad
 
     # ------------------------------------------------------------------ compute

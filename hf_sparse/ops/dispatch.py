@@ -39,7 +39,8 @@ def fastest(candidates: dict[str, Callable[[], object]], rounds: int = 7, host_t
     ``host_too``: rank by the median GPU time plus the median host time to issue the call (timed while the GPU is
     still busy with the spin, so it is the host's own time) above that of the candidate with the least: a candidate
     with a heavier host side must save that much GPU time to win, which is what it costs where the host is the limit
-    (inference), while candidates with the same host work are still ranked by GPU time alone."""
+    (inference, training steps of small layers), while candidates with the same host work are still ranked by GPU
+    time alone."""
     live, failures = {}, {}
     for name, fn in candidates.items():
         try:
