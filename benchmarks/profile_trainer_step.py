@@ -5,14 +5,16 @@ profiler's top operators, for one configuration of ``bench_trainer.py`` in this 
         [--profile-steps 3] [--rows 25]
 
 Steps before the last ``--profile-steps`` are warm-up (kernel plans, ``torch.compile``); the profiled steps run under
-``torch.profiler`` (CPU and CUDA activities). Printed: the wall clock per profiled step, the summed CUDA kernel time
-per step, and two tables (by self CPU time, by CUDA time). A diagnostic, not the benchmark: ``bench_trainer.py``
-times what a user sees.
+``torch.profiler`` (CPU and CUDA activities). Printed: the wall clock per profiled step (the profiler slows the host),
+the profiler's self CPU and self CUDA totals per step (host busy, GPU kernels), two tables (by self CPU time, by CUDA
+time), and with ``--children`` what runs inside the first two calls of the named ops. A diagnostic, not the
+benchmark: ``bench_trainer.py`` times what a user sees.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import time
 
 import torch
@@ -50,7 +52,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--profile-steps", type=int, default=3)
     ap.add_argument("--rows", type=int, default=25)
-    ap.add_argument("--children", nargs="*", default=[], help="print what runs inside the first calls of the ops whose names start so")
+    ap.add_argument(
+        "--children",
+        nargs="*",
+        default=[],
+        help="print what runs inside the first calls of the ops whose names start so",
+    )
     args = ap.parse_args()
     shape = MODELS[args.model]
     model = build_model(args.model)
@@ -88,12 +95,15 @@ def main() -> None:
         )
     trainer.train()
     events = prof.prof.key_averages()
-    cuda_us = sum(e.self_device_time_total for e in events) / args.profile_steps
+    by_cpu = events.table(sort_by="self_cpu_time_total", row_limit=args.rows, max_name_column_width=60)
+    totals = {
+        k: float(v) / args.profile_steps for k, v in re.findall(r"Self (CPU|CUDA) time total: ([0-9.]+)ms", by_cpu)
+    }
     print(
-        f"## {args.model} {args.config} {args.mode}: wall {prof.wall_ms:.1f} ms/step (profiled), "
-        f"CUDA kernels {cuda_us / 1e3:.1f} ms/step"
+        f"## {args.model} {args.config} {args.mode}: wall {prof.wall_ms:.1f} ms/step (profiled), host busy "
+        f"{totals.get('CPU', float('nan')):.1f} ms/step, GPU kernels {totals.get('CUDA', float('nan')):.1f} ms/step"
     )
-    print(events.table(sort_by="self_cpu_time_total", row_limit=args.rows, max_name_column_width=60))
+    print(by_cpu)
     print(events.table(sort_by="self_device_time_total", row_limit=args.rows, max_name_column_width=60))
     for name in args.children:
         calls = [e for e in prof.prof.events() if e.name.startswith(name)][:2]
