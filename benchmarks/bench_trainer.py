@@ -171,6 +171,14 @@ def train_worker(args) -> dict:
         "peak_gib": max(clock.peak_before, torch.cuda.max_memory_allocated()) / 2**30,
         "steady_peak_gib": torch.cuda.max_memory_allocated() / 2**30,
     }
+    plans = {}  # the compact layers' measured training plans: (forward, input gradient, weight gradient) -> layers
+    for module in trainer.model.modules():
+        kernel = getattr(module, "_kernel", None)
+        for (_, trains), plan in getattr(kernel, "plans", {}).items():
+            if trains:
+                plans["/".join(plan)] = plans.get("/".join(plan), 0) + 1
+    if plans:
+        result["plans"] = plans
     if args.save_dir:
         trainer.save_model(args.save_dir)
         result["saved"] = args.save_dir
