@@ -380,26 +380,74 @@ void refresh_packs(const at::Tensor& table, int64_t blocks) {
 
 int64_t refresh_block_count(int64_t numel) { return hf_sparse::refresh_blocks(numel); }
 
-// out[j] = src.flatten()[index[j]] in `dtype` (one pass: the gather and the cast), shaped like `index`.
-at::Tensor gather_cast(const at::Tensor& src, const at::Tensor& index, at::ScalarType dtype) {
-  const char* op = "gather_cast";
-  HF_CHECK(src.is_cuda() && src.is_contiguous(), "hf_sparse.", op, ": src must be a contiguous CUDA tensor");
-  HF_CHECK(index.is_cuda() && index.device() == src.device() && index.is_contiguous() &&
-                  (index.scalar_type() == at::kInt || index.scalar_type() == at::kLong),
-              "hf_sparse.", op, ": index must be a contiguous int32/int64 tensor on ", src.device());
-  hf_sparse::RefreshEntry e{};
-  e.src_dtype = refresh_dtype(src.scalar_type(), op, "src");
-  e.dst_dtype = refresh_dtype(dtype, op, "dtype");
+// A compact layer's kept positions as the kernels read them (KeptPositions, kernels.h): `sel` the on-disk 2-bit codes
+// (2:4: weight_indices; V:2:M: weight_selectors), `columns` the on-disk block columns (V:2:M: weight_columns, else
+// absent), `v` the pattern's V, `m` its group size.
+struct Positions {
+  c10::optional<at::Tensor> sel, columns;
+  int64_t v, m;
+};
+
+hf_sparse::KeptPositions kept_positions(const char* op, const Positions& p, int64_t rows, int64_t cols,
+                                        const at::Device& device) {
+  HF_CHECK(p.sel.has_value(), "hf_sparse.", op, ": a dense choice needs the kept positions");
+  const auto& sel = *p.sel;
+  HF_CHECK(p.m >= 4 && cols % p.m == 0, "hf_sparse.", op, ": group size ", p.m, " does not divide ", cols, " columns");
+  const int64_t groups = cols / p.m, row_bytes = (4 * groups + 7) / 8;
+  HF_CHECK(sel.device() == device && sel.scalar_type() == at::kByte && sel.is_contiguous() && sel.dim() == 2 &&
+               sel.size(0) == rows && sel.size(1) == row_bytes,
+           "hf_sparse.", op, ": the kept positions' codes must be a contiguous (", rows, ", ", row_bytes,
+           ") uint8 tensor on the layer's device");
+  const bool blocks = p.m != 4 || p.columns.has_value();
+  if (blocks) {
+    const auto& c = *p.columns;
+    HF_CHECK(p.columns.has_value() && p.v > 0 && rows % p.v == 0 && c.device() == device &&
+                 c.scalar_type() == at::kByte && c.is_contiguous() && c.numel() == rows / p.v * groups * 4,
+             "hf_sparse.", op, ": a V:2:M layer's block columns must be a contiguous (rows / ", p.v, ", ", groups,
+             ", 4) uint8 tensor on the layer's device");
+  }
+  hf_sparse::KeptPositions k{};
+  k.sel = sel.data_ptr<uint8_t>();
+  k.columns = blocks ? p.columns->data_ptr<uint8_t>() : nullptr;
+  k.rows = rows;
+  k.groups = groups;
+  k.sel_row_bytes = row_bytes;
+  k.m = (int32_t)p.m;
+  k.v = (int32_t)(blocks ? p.v : 1);
+  return k;
+}
+
+// The kept values of the (rows, cols) matrix `src` in `dtype`, (rows, 2 cols / m): one pass, gather and cast.
+at::Tensor gather_kept(const at::Tensor& src, const c10::optional<at::Tensor>& sel,
+                       const c10::optional<at::Tensor>& columns, int64_t rows, int64_t cols, int64_t v, int64_t m,
+                       at::ScalarType dtype) {
+  const char* op = "gather_kept";
+  HF_CHECK(src.is_cuda() && src.is_contiguous() && src.numel() == rows * cols, "hf_sparse.", op,
+           ": src must be a contiguous CUDA tensor of ", rows, " x ", cols, " elements");
+  const auto pos = kept_positions(op, Positions{sel, columns, v, m}, rows, cols, src.device());
   c10::cuda::CUDAGuard guard(src.device());
-  auto out = at::empty(index.sizes(), src.options().dtype(dtype));
-  e.src = src.data_ptr();
-  e.dst = out.data_ptr();
-  e.index = index.data_ptr();
-  e.index_is_64 = index.scalar_type() == at::kLong;
-  e.numel = index.numel();
-  e.src_numel = src.numel();
-  e.kind = hf_sparse::kRefreshGather;
-  check_cuda(hf_sparse::refresh_one(e, c10::cuda::getCurrentCUDAStream().stream()), op);
+  auto out = at::empty({rows, 2 * (cols / m)}, src.options().dtype(dtype));
+  check_cuda(hf_sparse::gather_kept(src.data_ptr(), refresh_dtype(src.scalar_type(), op, "src"), out.data_ptr(),
+                                    refresh_dtype(dtype, op, "dtype"), pos, c10::cuda::getCurrentCUDAStream().stream()),
+             op);
+  return out;
+}
+
+// The dense (rows, cols) matrix in `dtype` whose kept positions hold `values` ((rows, 2 cols / m)), zero elsewhere.
+at::Tensor scatter_kept(const at::Tensor& values, const c10::optional<at::Tensor>& sel,
+                        const c10::optional<at::Tensor>& columns, int64_t rows, int64_t cols, int64_t v, int64_t m,
+                        at::ScalarType dtype) {
+  const char* op = "scatter_kept";
+  HF_CHECK(values.is_cuda() && values.is_contiguous() && m > 0 && values.numel() == rows * 2 * (cols / m),
+           "hf_sparse.", op, ": values must be a contiguous CUDA tensor of ", rows, " x ", 2 * (cols / m),
+           " elements");
+  const auto pos = kept_positions(op, Positions{sel, columns, v, m}, rows, cols, values.device());
+  c10::cuda::CUDAGuard guard(values.device());
+  auto out = at::empty({rows, cols}, values.options().dtype(dtype));
+  check_cuda(hf_sparse::scatter_kept(values.data_ptr(), refresh_dtype(values.scalar_type(), op, "values"),
+                                     out.data_ptr(), refresh_dtype(dtype, op, "dtype"), pos,
+                                     c10::cuda::getCurrentCUDAStream().stream()),
+             op);
   return out;
 }
 
@@ -407,11 +455,12 @@ at::Tensor gather_cast(const at::Tensor& src, const at::Tensor& index, at::Scala
 // A compact layer's training call (hf_sparse.nn.compact): y = x W^T + b with W given by its kept values, as one C++
 // autograd node, so that neither the forward nor the backward runs Python. ``plan`` bits: 1 forward by SpMM (else
 // cuBLAS on a transient dense weight), 2 input gradient by SpMM on the transposed 2:4 pack (else dense), 4 weight
-// gradient by SDDMM (else dY^T X by cuBLAS, then a gather at the kept index). ``kernels`` bits pick the sparse-wgmma
-// variant of those three kernels in the same order. ``bias_c`` is the bias in the compute dtype (the bias itself
-// where it already is), ``index`` the flat kept positions (needed by the dense choices only). The forward SpMM runs
-// on ``values, meta, columns`` with group size ``m`` (the layer's own pack, or the 2:4 view of a V:2:M layer: m = 4);
-// the SDDMM on the layer's own positions ``meta_g, columns_g`` with its group size ``m_g``.
+// gradient by SDDMM (else dY^T X by cuBLAS, then a gather at the kept positions). ``kernels`` bits pick the
+// sparse-wgmma variant of those three kernels in the same order. ``bias_c`` is the bias in the compute dtype (the
+// bias itself where it already is); ``sel`` / ``sel_columns`` / ``v_g`` the layer's kept positions in their on-disk
+// form (Positions; read by the dense choices only). The forward SpMM runs on ``values, meta, columns`` with group
+// size ``m`` (the layer's own pack, or the 2:4 view of a V:2:M layer: m = 4); the SDDMM on the layer's own pack
+// metadata ``meta_g, columns_g`` with its group size ``m_g``.
 
 at::Tensor aligned_2d(const at::Tensor& t, int64_t features, at::ScalarType dtype) {
   auto t2 = t.reshape({-1, features});
@@ -421,11 +470,9 @@ at::Tensor aligned_2d(const at::Tensor& t, int64_t features, at::ScalarType dtyp
   return t2;
 }
 
-at::Tensor dense_from_kept(const at::Tensor& weight, const at::Tensor& index, int64_t rows, int64_t cols,
-                           at::ScalarType dtype) {
-  HF_CHECK(index.defined(), "hf_sparse.compact_linear: a dense choice needs the kept index");
-  auto dense = at::zeros({rows * cols}, weight.options().dtype(dtype));
-  return dense.index_put_({index.to(at::kLong)}, weight.reshape({-1}).to(dtype)).view({rows, cols});
+at::Tensor dense_weight(const at::Tensor& weight, const Positions& pos, int64_t rows, int64_t cols,
+                        at::ScalarType dtype) {
+  return scatter_kept(weight.contiguous(), pos.sel, pos.columns, rows, cols, pos.v, pos.m, dtype);
 }
 
 c10::optional<at::Tensor> optional_of(const at::Tensor& t) {
@@ -436,30 +483,32 @@ c10::optional<at::Tensor> optional_of(const at::Tensor& t) {
 // cuBLAS on a transient dense weight.
 at::Tensor compact_forward(const at::Tensor& x2, const at::Tensor& weight, const c10::optional<at::Tensor>& bias_c,
                            const at::Tensor& values, const at::Tensor& meta, const at::Tensor& columns,
-                           const c10::optional<at::Tensor>& index, int64_t rows, int64_t cols, int64_t m,
-                           int64_t plan, int64_t kernels) {
-  HF_CHECK((plan & 1) || index.has_value(), "hf_sparse.compact_forward: a dense forward needs the kept index");
+                           const c10::optional<at::Tensor>& sel, const c10::optional<at::Tensor>& sel_columns,
+                           int64_t rows, int64_t cols, int64_t m, int64_t v_g, int64_t m_g, int64_t plan,
+                           int64_t kernels) {
   const auto xa = aligned_2d(x2, cols, x2.scalar_type());
   if (plan & 1) return spmm_impl("compact_linear", kernels & 1, xa, values, meta, columns, bias_c, rows, cols, m, 0);
-  return at::linear(xa, dense_from_kept(weight, *index, rows, cols, xa.scalar_type()), bias_c);
+  return at::linear(xa, dense_weight(weight, Positions{sel, sel_columns, v_g, m_g}, rows, cols, xa.scalar_type()),
+                    bias_c);
 }
 
 // The gradients of a compact layer (no autograd) for the output gradient dy2 (2-D, the compute dtype): dx2 (the
 // compute dtype) where need_dx, by SpMM on the transposed pack where plan & 2, else dense; the gradient of the kept
-// values in weight's dtype where need_dw, by SDDMM on the layer's own positions where plan & 4, else a GEMM and one
-// gather; the bias gradient in bias_dtype where need_db. Tensors not asked for are undefined.
+// values in weight's dtype where need_dw, by SDDMM on the layer's own pack metadata where plan & 4, else a GEMM and
+// one gather at the kept positions; the bias gradient in bias_dtype where need_db. Tensors not asked for are
+// undefined.
 std::vector<at::Tensor> compact_backward(const at::Tensor& dy, const at::Tensor& x2, const at::Tensor& weight,
-                                         const c10::optional<at::Tensor>& index,
+                                         const c10::optional<at::Tensor>& sel,
+                                         const c10::optional<at::Tensor>& sel_columns,
                                          const c10::optional<at::Tensor>& values_t,
                                          const c10::optional<at::Tensor>& meta_t,
                                          const c10::optional<at::Tensor>& columns_t, const at::Tensor& meta_g,
-                                         const at::Tensor& columns_g, int64_t rows, int64_t cols, int64_t m_g,
-                                         int64_t plan, int64_t kernels, bool need_dx, bool need_dw, bool need_db,
-                                         at::ScalarType bias_dtype) {
+                                         const at::Tensor& columns_g, int64_t rows, int64_t cols, int64_t v_g,
+                                         int64_t m_g, int64_t plan, int64_t kernels, bool need_dx, bool need_dw,
+                                         bool need_db, at::ScalarType bias_dtype) {
   HF_CHECK(!(need_dx && (plan & 2)) || (values_t.has_value() && meta_t.has_value() && columns_t.has_value()),
            "hf_sparse.compact_backward: a sparse input gradient needs the transposed pack");
-  HF_CHECK(!((need_dx && !(plan & 2)) || (need_dw && !(plan & 4))) || index.has_value(),
-           "hf_sparse.compact_backward: a dense input gradient or a GEMM weight gradient needs the kept index");
+  const Positions pos{sel, sel_columns, v_g, m_g};
   const auto dtype = x2.scalar_type();
   const auto dy2 = aligned_2d(dy, rows, dtype);
   const auto xa = aligned_2d(x2, cols, dtype);
@@ -467,12 +516,13 @@ std::vector<at::Tensor> compact_backward(const at::Tensor& dy, const at::Tensor&
   if (need_dx) {
     dx = (plan & 2) ? spmm_impl("compact_linear(input gradient)", kernels & 2, dy2, *values_t, *meta_t, *columns_t,
                                 c10::nullopt, cols, rows, 4, 0)
-                    : at::mm(dy2, dense_from_kept(weight, *index, rows, cols, dtype));
+                    : at::mm(dy2, dense_weight(weight, pos, rows, cols, dtype));
   }
   if (need_dw) {
     dw = (plan & 4) ? sddmm_impl("compact_linear(weight gradient)", kernels & 4, dy2, xa, meta_g, columns_g, rows,
                                  cols, m_g)
-                    : gather_cast(at::mm(dy2.t(), xa), *index, weight.scalar_type()).view(weight.sizes());
+                    : gather_kept(at::mm(dy2.t(), xa), sel, sel_columns, rows, cols, v_g, m_g, weight.scalar_type())
+                          .view(weight.sizes());
     dw = dw.to(weight.scalar_type());
   }
   if (need_db) db = dy2.sum(0, false, at::kFloat).to(bias_dtype);
@@ -480,24 +530,28 @@ std::vector<at::Tensor> compact_backward(const at::Tensor& dy, const at::Tensor&
 }
 
 struct CompactLinearFn : public torch::autograd::Function<CompactLinearFn> {
-  // Only x, weight and bias are autograd inputs; the packs and the index (optional, never differentiated) travel as
-  // optionals, which Function::apply does not treat as variables. Without a bias, ``bias`` is an empty tensor.
-  // meta_g / columns_g / m_g: the layer's own V:2:M positions, which the SDDMM reads (the forward may run a 2:4 view).
+  // Only x, weight and bias are autograd inputs; the packs and the positions (optional, never differentiated)
+  // travel as optionals, which Function::apply does not treat as variables. Without a bias, ``bias`` is an empty
+  // tensor. meta_g / columns_g / m_g: the layer's own V:2:M pack metadata, which the SDDMM reads (the forward may run
+  // a 2:4 view).
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
                             const at::Tensor& bias, bool has_bias, const c10::optional<at::Tensor>& bias_c,
                             const c10::optional<at::Tensor>& values, const c10::optional<at::Tensor>& meta,
                             const c10::optional<at::Tensor>& columns, const c10::optional<at::Tensor>& values_t,
                             const c10::optional<at::Tensor>& meta_t, const c10::optional<at::Tensor>& columns_t,
                             const c10::optional<at::Tensor>& meta_g, const c10::optional<at::Tensor>& columns_g,
-                            const c10::optional<at::Tensor>& index, int64_t rows, int64_t cols, int64_t m,
-                            int64_t m_g, int64_t plan, int64_t kernels) {
+                            const c10::optional<at::Tensor>& sel, const c10::optional<at::Tensor>& sel_columns,
+                            int64_t rows, int64_t cols, int64_t m, int64_t v_g, int64_t m_g, int64_t plan,
+                            int64_t kernels) {
     const auto dtype = values->scalar_type();
     auto x2 = aligned_2d(x, cols, dtype);
     const at::Tensor none;
-    at::Tensor y = compact_forward(x2, weight, bias_c, *values, *meta, *columns, index, rows, cols, m, plan, kernels);
+    at::Tensor y = compact_forward(x2, weight, bias_c, *values, *meta, *columns, sel, sel_columns, rows, cols, m, v_g,
+                                   m_g, plan, kernels);
     ctx->save_for_backward({x2, weight});
     auto& data = ctx->saved_data;
-    data["index"] = index.value_or(none);
+    data["sel"] = sel.value_or(none);
+    data["sel_columns"] = sel_columns.value_or(none);
     data["values_t"] = values_t.value_or(none);
     data["meta_t"] = meta_t.value_or(none);
     data["columns_t"] = columns_t.value_or(none);
@@ -505,6 +559,7 @@ struct CompactLinearFn : public torch::autograd::Function<CompactLinearFn> {
     data["columns_g"] = columns_g.value_or(none);
     data["rows"] = rows;
     data["cols"] = cols;
+    data["v_g"] = v_g;
     data["m_g"] = m_g;
     data["plan"] = plan;
     data["kernels"] = kernels;
@@ -522,14 +577,14 @@ struct CompactLinearFn : public torch::autograd::Function<CompactLinearFn> {
     auto& data = ctx->saved_data;
     const auto& bias_dtype = data["bias_dtype"];
     const bool need_db = !bias_dtype.isNone() && ctx->needs_input_grad(2);
-    auto g = compact_backward(grads[0], saved[0], saved[1], optional_of(data["index"].toTensor()),
-                              optional_of(data["values_t"].toTensor()), optional_of(data["meta_t"].toTensor()),
-                              optional_of(data["columns_t"].toTensor()), data["meta_g"].toTensor(),
-                              data["columns_g"].toTensor(), data["rows"].toInt(), data["cols"].toInt(),
-                              data["m_g"].toInt(), data["plan"].toInt(), data["kernels"].toInt(),
-                              ctx->needs_input_grad(0), ctx->needs_input_grad(1), need_db,
+    auto g = compact_backward(grads[0], saved[0], saved[1], optional_of(data["sel"].toTensor()),
+                              optional_of(data["sel_columns"].toTensor()), optional_of(data["values_t"].toTensor()),
+                              optional_of(data["meta_t"].toTensor()), optional_of(data["columns_t"].toTensor()),
+                              data["meta_g"].toTensor(), data["columns_g"].toTensor(), data["rows"].toInt(),
+                              data["cols"].toInt(), data["v_g"].toInt(), data["m_g"].toInt(), data["plan"].toInt(),
+                              data["kernels"].toInt(), ctx->needs_input_grad(0), ctx->needs_input_grad(1), need_db,
                               need_db ? bias_dtype.toScalarType() : at::kFloat);
-    torch::autograd::variable_list out(20);  // one per argument of forward
+    torch::autograd::variable_list out(22);  // one per argument of forward
     if (g[0].defined()) out[0] = g[0].to(data["x_dtype"].toScalarType()).view(data["x_sizes"].toIntVector());
     out[1] = g[1];
     out[2] = g[2];
@@ -541,20 +596,21 @@ at::Tensor compact_linear(const at::Tensor& x, const at::Tensor& weight, const c
                           const c10::optional<at::Tensor>& bias_c, const at::Tensor& values, const at::Tensor& meta,
                           const at::Tensor& columns, const c10::optional<at::Tensor>& values_t,
                           const c10::optional<at::Tensor>& meta_t, const c10::optional<at::Tensor>& columns_t,
-                          const at::Tensor& meta_g, const at::Tensor& columns_g,
-                          const c10::optional<at::Tensor>& index, int64_t rows, int64_t cols, int64_t m, int64_t m_g,
-                          int64_t plan, int64_t kernels) {
+                          const at::Tensor& meta_g, const at::Tensor& columns_g, const c10::optional<at::Tensor>& sel,
+                          const c10::optional<at::Tensor>& sel_columns, int64_t rows, int64_t cols, int64_t m,
+                          int64_t v_g, int64_t m_g, int64_t plan, int64_t kernels) {
   HF_CHECK(!(plan & 2) || (values_t.has_value() && meta_t.has_value() && columns_t.has_value()),
-              "hf_sparse.compact_linear: a sparse input gradient needs the transposed pack");
-  HF_CHECK((plan & 7) == 7 || index.has_value(),
-              "hf_sparse.compact_linear: a dense forward, input gradient or GEMM weight gradient needs the kept index");
+           "hf_sparse.compact_linear: a sparse input gradient needs the transposed pack");
+  HF_CHECK((plan & 7) == 7 || sel.has_value(),
+           "hf_sparse.compact_linear: a dense forward, input gradient or GEMM weight gradient needs the kept positions");
   const at::Tensor b = bias.has_value() ? *bias : at::empty({0}, x.options());
   return CompactLinearFn::apply(x, weight, b, bias.has_value(), bias_c, values, meta, columns, values_t, meta_t,
-                                columns_t, meta_g, columns_g, index, rows, cols, m, m_g, plan, kernels);
+                                columns_t, meta_g, columns_g, sel, sel_columns, rows, cols, m, v_g, m_g, plan,
+                                kernels);
 }
 
 // The same computations as the dispatcher ops ``hf_sparse::compact_linear`` / ``hf_sparse::compact_backward``
-// (schemas, autograd and CPU references in hf_sparse/nn/compact_ops.py), which a torch.compile graph calls with no
+// (schemas, autograd and CPU references in hf_sparse/nn/compact.py), which a torch.compile graph calls with no
 // Python between it and these functions. The training op's forward is compact_forward; the arguments only the
 // backward reads come along so that autograd can save them.
 at::Tensor compact_linear_op(const at::Tensor& x2, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
@@ -562,21 +618,24 @@ at::Tensor compact_linear_op(const at::Tensor& x2, const at::Tensor& weight, con
                              const at::Tensor& meta, const at::Tensor& columns,
                              const c10::optional<at::Tensor>& values_t, const c10::optional<at::Tensor>& meta_t,
                              const c10::optional<at::Tensor>& columns_t, const at::Tensor& meta_g,
-                             const at::Tensor& columns_g, const c10::optional<at::Tensor>& index, int64_t rows,
-                             int64_t cols, int64_t m, int64_t m_g, int64_t plan, int64_t kernels) {
-  return compact_forward(x2, weight, bias_c, values, meta, columns, index, rows, cols, m, plan, kernels);
+                             const at::Tensor& columns_g, const c10::optional<at::Tensor>& sel,
+                             const c10::optional<at::Tensor>& sel_columns, int64_t rows, int64_t cols, int64_t m,
+                             int64_t v_g, int64_t m_g, int64_t plan, int64_t kernels) {
+  return compact_forward(x2, weight, bias_c, values, meta, columns, sel, sel_columns, rows, cols, m, v_g, m_g, plan,
+                         kernels);
 }
 
 // Gradients not asked for come back empty (0 elements), so that the op's outputs are always tensors.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> compact_backward_op(
     const at::Tensor& dy2, const at::Tensor& x2, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
-    const c10::optional<at::Tensor>& index, const c10::optional<at::Tensor>& values_t,
-    const c10::optional<at::Tensor>& meta_t, const c10::optional<at::Tensor>& columns_t, const at::Tensor& meta_g,
-    const at::Tensor& columns_g, int64_t rows, int64_t cols, int64_t m_g, int64_t plan, int64_t kernels,
-    bool need_dx, bool need_dw) {
+    const c10::optional<at::Tensor>& sel, const c10::optional<at::Tensor>& sel_columns,
+    const c10::optional<at::Tensor>& values_t, const c10::optional<at::Tensor>& meta_t,
+    const c10::optional<at::Tensor>& columns_t, const at::Tensor& meta_g, const at::Tensor& columns_g, int64_t rows,
+    int64_t cols, int64_t v_g, int64_t m_g, int64_t plan, int64_t kernels, bool need_dx, bool need_dw) {
   const bool need_db = bias.has_value();
-  auto g = compact_backward(dy2, x2, weight, index, values_t, meta_t, columns_t, meta_g, columns_g, rows, cols, m_g,
-                            plan, kernels, need_dx, need_dw, need_db, need_db ? bias->scalar_type() : at::kFloat);
+  auto g = compact_backward(dy2, x2, weight, sel, sel_columns, values_t, meta_t, columns_t, meta_g, columns_g, rows,
+                            cols, v_g, m_g, plan, kernels, need_dx, need_dw, need_db,
+                            need_db ? bias->scalar_type() : at::kFloat);
   return {g[0].defined() ? g[0] : at::empty({0}, x2.options()),
           g[1].defined() ? g[1] : at::empty({0}, weight.options()),
           g[2].defined() ? g[2] : at::empty({0}, x2.options())};
@@ -611,6 +670,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
           "a compact layer's training call: y = x W^T + b from the kept values, with C++ autograd (hf_sparse.nn.compact)");
   mod.def("refresh_packs", &refresh_packs, "rewrite many packs from their layers' values in one launch (a table)");
   mod.def("refresh_block_count", &refresh_block_count, "blocks refresh_packs runs for an entry of numel elements");
-  mod.def("gather_cast", &gather_cast, "out[j] = src.flatten()[index[j]] in dtype, in one pass");
+  mod.def("gather_kept", &gather_kept, "a layer's kept values out of a dense matrix, at their on-disk positions");
+  mod.def("scatter_kept", &scatter_kept, "the dense matrix whose kept positions hold the values, zero elsewhere");
   mod.def("apply_masks_", &apply_masks_, "zero, in place, the entries of each tensor where its bool mask is false");
 }

@@ -104,4 +104,22 @@ int64_t refresh_blocks(int64_t numel);
 cudaError_t refresh_packs(const RefreshEntry* table, int count, int64_t blocks, cudaStream_t stream);
 cudaError_t refresh_one(const RefreshEntry& entry, cudaStream_t stream);
 
+// A compact layer's kept positions in their on-disk form (docs/format.md), read in place: `sel` (rows, sel_row_bytes)
+// uint8 holds each kept value's 2-bit code, packed LSB first (2:4: its offset in the group of 4; V:2:M: its position
+// among the block's 4 columns); `columns` (rows / v, groups, 4) uint8, V:2:M only (nullptr for 2:4), each V-row
+// block's kept column offsets in the group. The kept value (r, 2 g + j) sits at column m g + offset.
+struct KeptPositions {
+  const uint8_t* sel;
+  const uint8_t* columns;
+  int64_t rows, groups, sel_row_bytes;
+  int32_t m, v;
+};
+// dst (rows, 2 groups) = src (rows, m groups) at the kept positions, converted (kRefresh* dtypes): the gradient of the
+// kept values out of a dense weight gradient.
+cudaError_t gather_kept(const void* src, int32_t src_dtype, void* dst, int32_t dst_dtype, const KeptPositions& pos,
+                        cudaStream_t stream);
+// dst (rows, m groups) = the kept values src (rows, 2 groups) at their positions, zero elsewhere (a dense weight).
+cudaError_t scatter_kept(const void* src, int32_t src_dtype, void* dst, int32_t dst_dtype, const KeptPositions& pos,
+                         cudaStream_t stream);
+
 }  // namespace hf_sparse

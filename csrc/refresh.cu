@@ -1,5 +1,6 @@
-// refresh_packs: rewrite the packed weights of many compact layers from their kept values in one launch, and
-// gather_cast: the gradient of a layer's kept values out of its dense weight gradient in one pass.
+// refresh_packs: rewrite the packed weights of many compact layers from their kept values in one launch; and
+// gather_kept / scatter_kept: a layer's kept values out of a dense matrix (its weight gradient) and into one (a
+// transient dense weight), in one pass each, reading the positions in their on-disk form (no index is kept).
 //
 // Why: after every optimizer step each compact layer's packs (hf_sparse.nn.compact) must follow its fp32 values: the
 // fragment-ordered pack, the transposed 2:4 pack, the 2:4 view of a V:2:M weight, the bias in the compute dtype. Done
@@ -81,7 +82,64 @@ __global__ void __launch_bounds__(kThreads) refresh_many_kernel(const RefreshEnt
 
 __global__ void __launch_bounds__(kThreads) refresh_one_kernel(RefreshEntry e) { run_entry(e, blockIdx.x); }
 
+// The column (in 0 .. m * groups) of kept value k (0 .. 2 groups) of row r.
+__device__ __forceinline__ int64_t kept_column(const KeptPositions& p, int64_t r, int64_t k) {
+  const int code = (p.sel[r * p.sel_row_bytes + (k >> 2)] >> (2 * (k & 3))) & 3;
+  const int64_t g = k >> 1;
+  const int offset = p.columns == nullptr ? code : p.columns[((r / p.v) * p.groups + g) * 4 + code];
+  return g * p.m + offset;
+}
+
+// One thread per kept value: dst[r, k] = src[r, kept_column(r, k)].
+__global__ void __launch_bounds__(kThreads) gather_kept_kernel(const void* src, int32_t src_dtype, void* dst,
+                                                                 int32_t dst_dtype, KeptPositions p) {
+  const int64_t j = (int64_t)blockIdx.x * kThreads + threadIdx.x;
+  const int64_t kept = 2 * p.groups;
+  if (j >= p.rows * kept) return;
+  const int64_t r = j / kept;
+  store_float(dst, j, dst_dtype, load_as_float(src, r * p.groups * p.m + kept_column(p, r, j - r * kept), src_dtype));
+}
+
+// One thread per dense element: dst[r, c] = the kept value at column c of row r, or zero.
+__global__ void __launch_bounds__(kThreads) scatter_kept_kernel(const void* src, int32_t src_dtype, void* dst,
+                                                                  int32_t dst_dtype, KeptPositions p) {
+  const int64_t j = (int64_t)blockIdx.x * kThreads + threadIdx.x;
+  const int64_t cols = p.groups * p.m;
+  if (j >= p.rows * cols) return;
+  const int64_t r = j / cols, c = j - r * cols, k0 = 2 * (c / p.m);
+  float v = 0.0f;
+  if (kept_column(p, r, k0) == c) {
+    v = load_as_float(src, r * 2 * p.groups + k0, src_dtype);
+  } else if (kept_column(p, r, k0 + 1) == c) {
+    v = load_as_float(src, r * 2 * p.groups + k0 + 1, src_dtype);
+  }
+  store_float(dst, j, dst_dtype, v);
+}
+
+cudaError_t launch_over(int64_t n, int64_t* blocks) {
+  *blocks = (n + kThreads - 1) / kThreads;
+  return *blocks >= (1LL << 31) ? cudaErrorInvalidValue : cudaSuccess;
+}
+
 }  // namespace
+
+cudaError_t gather_kept(const void* src, int32_t src_dtype, void* dst, int32_t dst_dtype, const KeptPositions& pos,
+                        cudaStream_t stream) {
+  int64_t blocks = 0;
+  if (launch_over(pos.rows * 2 * pos.groups, &blocks) != cudaSuccess) return cudaErrorInvalidValue;
+  if (blocks == 0) return cudaSuccess;
+  gather_kept_kernel<<<(unsigned)blocks, kThreads, 0, stream>>>(src, src_dtype, dst, dst_dtype, pos);
+  return cudaGetLastError();
+}
+
+cudaError_t scatter_kept(const void* src, int32_t src_dtype, void* dst, int32_t dst_dtype, const KeptPositions& pos,
+                         cudaStream_t stream) {
+  int64_t blocks = 0;
+  if (launch_over(pos.rows * pos.groups * pos.m, &blocks) != cudaSuccess) return cudaErrorInvalidValue;
+  if (blocks == 0) return cudaSuccess;
+  scatter_kept_kernel<<<(unsigned)blocks, kThreads, 0, stream>>>(src, src_dtype, dst, dst_dtype, pos);
+  return cudaGetLastError();
+}
 
 int64_t refresh_blocks(int64_t numel) { return (numel + kPerBlock - 1) / kPerBlock; }
 

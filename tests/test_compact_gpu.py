@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from ops._helpers import poison_allocator
 
 from hf_sparse.masks import compute_mask
 from hf_sparse.nn import SparseLinear
+from hf_sparse.nn.compact import kept_index_of, positions
 from hf_sparse.patterns import parse_pattern
 
 pytestmark = [
@@ -252,16 +254,26 @@ def test_one_launch_refreshes_every_stale_layer_like_the_torch_ops():
             _close(layer(x), ref)
 
 
-@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gather_cast_is_index_select_then_to(index_dtype, dtype):
+@pytest.mark.parametrize(("spec", "rows", "cols"), [("2:4", 40, 72), ("64:2:8", 128, 200), ("128:2:16", 256, 96)])
+@pytest.mark.parametrize(("src_dtype", "dtype"), [(torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16)])
+def test_gather_and_scatter_at_the_kept_positions(spec, rows, cols, src_dtype, dtype):
+    """``gather_kept`` (the GEMM weight gradient's gather) and ``scatter_kept`` (a transient dense weight) read the
+    positions in their on-disk form: on fresh random data and odd shapes, into poisoned memory, they equal
+    ``index_select`` / ``index_put`` at the reference kept index, cast to ``dtype``."""
     from hf_sparse.ops._build import load_extension
 
     ext = load_extension()
-    src = torch.randn(333, 77, device="cuda", dtype=torch.bfloat16)
-    index = torch.randint(0, src.numel(), (1001,), device="cuda", dtype=index_dtype)
-    out = ext.gather_cast(src, index, dtype)
-    assert out.dtype == dtype and out.shape == index.shape
-    assert torch.equal(out, src.view(-1).index_select(0, index.long()).to(dtype))
-    index[::7] = src.numel()  # out of range reads zero
-    assert torch.equal(ext.gather_cast(src, index, dtype)[::7], torch.zeros(143, device="cuda", dtype=dtype))
+    layer = _pair(spec, False, rows, cols, seed=5)[0]
+    sel, sel_columns, v = positions(layer)
+    m = 4 if spec == "2:4" else parse_pattern(spec).m
+    index = kept_index_of(sel, sel_columns, rows, cols, v, m).view(-1)
+    src = torch.randn(rows, cols, device="cuda", dtype=src_dtype)
+    poison_allocator()
+    got = ext.gather_kept(src, sel, sel_columns, rows, cols, v, m, dtype)
+    assert got.shape == (rows, 2 * (cols // m)) and got.dtype == dtype
+    assert torch.equal(got.view(-1), src.view(-1).index_select(0, index).to(dtype))
+    values = torch.randn(rows, 2 * (cols // m), device="cuda", dtype=src_dtype)
+    poison_allocator()
+    dense = ext.scatter_kept(values, sel, sel_columns, rows, cols, v, m, dtype)
+    expected = torch.zeros(rows * cols, device="cuda", dtype=dtype).index_put_((index,), values.view(-1).to(dtype))
+    assert dense.shape == (rows, cols) and torch.equal(dense.view(-1), expected)

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from hf_sparse.masks import compute_mask
 from hf_sparse.nn import SparseLinear
-from hf_sparse.nn.compact import compact_linear, kernel_pattern
+from hf_sparse.nn.compact import compact_linear, kept_index_of, kernel_pattern, positions
 from hf_sparse.ops import pack, spmm_reference
 from hf_sparse.ops._layout import dense_from_packed, values_to_kernel
 from hf_sparse.patterns import parse_pattern
@@ -327,3 +327,18 @@ def test_what_runs_after_each_optimizer_step():
     finally:
         optimizer_steps._after.remove(record)
     assert len(seen) == 4
+
+
+@pytest.mark.parametrize(("spec", "rows", "cols"), [*SHAPES, ("128:2:8", 256, 64), ("64:2:32", 64, 128)])
+def test_kept_positions_in_their_on_disk_form_give_the_kept_index(spec, rows, cols):
+    """What the extension's dense choices read instead of a kept index (``positions``: the layer's own on-disk
+    buffers, decoded in place by ``gather_kept`` / ``scatter_kept``): its reference decoding equals the layer's kept
+    index, which the on-disk format defines, for 2:4 and V:2:M at several V and M."""
+    layer, _, mask = _layer(spec, rows, cols, seed=3)
+    v, m = (1, 4) if spec == "2:4" else (parse_pattern(spec).v, parse_pattern(spec).m)
+    sel, sel_columns, v_g = positions(layer)
+    assert v_g == v and (sel_columns is None) == (spec == "2:4")
+    index = kept_index_of(sel, sel_columns, rows, cols, v, m)
+    assert index.shape == layer.weight.shape
+    assert torch.equal(index.view(-1), layer.kept_index)
+    assert torch.equal(torch.zeros(rows * cols, dtype=torch.bool).index_fill_(0, index.view(-1), True), mask.view(-1))

@@ -29,10 +29,12 @@ through one :class:`CompactKernel`, built once from the layer's position buffers
   cannot stay within 1.05x the bytes of its checkpoint tensors (the measurement picks the view only where it is
   faster).
 * the plans, per (token bucket, whether the call trains): the forward (``"sparse"``: SpMM on ``packed``;
-  ``"sparse24"``: SpMM on ``packed24``; ``"dense"``: cuBLAS on a transient dense weight made by one scatter at the
-  kept index), the input gradient (``"sparse"`` on ``packed_t``, else ``"dense"``), the weight gradient (``"gemm"``:
-  ``dY^T X`` by cuBLAS, then one gather at the kept index, then the cast to the weight's dtype; ``"sddmm"``: the kept
-  positions only, by the SDDMM kernel on the layer's own metadata, straight into ``weight``'s order in fp32). Each is
+  ``"sparse24"``: SpMM on ``packed24``; ``"dense"``: cuBLAS on a transient dense weight made by one scatter to the
+  kept positions), the input gradient (``"sparse"`` on ``packed_t``, else ``"dense"``), the weight gradient
+  (``"gemm"``: ``dY^T X`` by cuBLAS, then one gather at the kept positions, cast included; ``"sddmm"``: the kept
+  positions only, by the SDDMM kernel on the layer's own metadata, straight into ``weight``'s order in fp32). The
+  extension's scatter and gather (``scatter_kept``, ``gather_kept``) read the positions in their on-disk form in place
+  (:func:`positions`), so no kept index is held; the torch-op paths (CPU) use the layer's kept index. Each is
   measured once per bucket with :func:`hf_sparse.ops.dispatch.fastest` on the call's own input (under torch.compile on
   a stand-in of the bucket's size, while tracing); where nothing can be measured (CPU, CUDA-graph capture) the plan
   is :data:`DEFAULT_PLAN`.
@@ -155,6 +157,29 @@ def _positions(layer: SparseLinear) -> tuple[Tensor | None, Tensor]:
     return layer.weight_columns, selectors
 
 
+def positions(layer: SparseLinear) -> tuple[Tensor, Tensor | None, int]:
+    """``(sel, sel_columns, v)``: the layer's kept positions in their on-disk form, as the extension's dense choices
+    read them in place (no index is built): the 2-bit codes (2:4: ``weight_indices``; V:2:M: ``weight_selectors``),
+    the block columns (V:2:M: ``weight_columns``, else None) and the pattern's V (1 for 2:4)."""
+    if isinstance(layer.pattern, NM):
+        return layer.weight_indices, None, 1
+    return layer.weight_selectors, layer.weight_columns, layer.pattern.v
+
+
+def kept_index_of(sel: Tensor, sel_columns: Tensor | None, rows: int, cols: int, v: int, m: int) -> Tensor:
+    """The flat position in the ``(rows, cols)`` matrix of every kept value (int64, ``(rows, 2 cols / m)``) from the
+    positions' on-disk form (:func:`positions`): the reference of the extension's ``gather_kept`` / ``scatter_kept``."""
+    groups = cols // m
+    codes = unpack_bits(sel, 2, 2 * groups)
+    group = torch.arange(2 * groups, device=sel.device) // 2
+    if sel_columns is None:
+        offset = codes
+    else:
+        block = (torch.arange(rows, device=sel.device) // v).unsqueeze(1)
+        offset = sel_columns.long()[block, group.unsqueeze(0), codes]
+    return torch.arange(rows, device=sel.device).unsqueeze(1) * cols + m * group + offset
+
+
 def _pack24(where: Tensor, mask: Tensor, zero: int, dtype: torch.dtype) -> tuple[PackedWeight, Tensor]:
     """A 2:4 pack (``v=64, m=4``) of the ``(R', K')`` matrix ``where`` under ``mask`` (at most 2 kept in every aligned
     4 columns of a row), whose kept entries are positions in a flat gather source with a zero at position ``zero``:
@@ -192,13 +217,11 @@ def _sddmm(dy2, x2, values, meta, columns, valid, rows, cols, v, m, fn) -> Tenso
     return torch.ops.hf_sparse.sddmm(dy2, x2, values, meta, columns, valid, rows, cols, v, m)
 
 
-def _weight_grad(choice, dy2, x2, weight, index, values, meta, columns, valid, rows, cols, v, m, fn, gather) -> Tensor:
-    """The gradient of the kept values, in ``weight``'s order and dtype. ``gather``: the extension's
-    ``gather_cast`` (the GEMM's gather and cast in one pass), or None for torch ops."""
+def _weight_grad(choice, dy2, x2, weight, index, values, meta, columns, valid, rows, cols, v, m, fn) -> Tensor:
+    """The gradient of the kept values, in ``weight``'s order and dtype, by torch ops (the reference of the
+    extension's ``compact_backward``)."""
     if choice == "sddmm":
         g = _sddmm(dy2, x2, values, meta, columns, valid, rows, cols, v, m, fn)
-    elif gather is not None:
-        return gather(torch.mm(dy2.t(), x2), index, weight.dtype).view(weight.shape)
     else:
         g = torch.mm(dy2.t(), x2).view(-1).index_select(0, index).view(weight.shape)
     return g if g.dtype == weight.dtype else g.to(weight.dtype)
@@ -263,7 +286,6 @@ class CompactKernel:
         self.native_forward = getattr(ext, "compact_forward", None)  # the same computations without autograd
         self.native_backward = getattr(ext, "compact_backward", None)
         self.refresher = ext if hasattr(ext, "refresh_packs") else None  # the batched refresh: see refresh_stale
-        self.gather_cast = getattr(ext, "gather_cast", None)  # the GEMM weight gradient's gather, cast included
         self.layer = weakref.ref(layer)
         self.resident_version = -1  # the weight's version when adopt made the pack its storage
         _kernels.add(self)
@@ -541,9 +563,10 @@ class CompactKernel:
             view = plan[0] == "sparse24"
             q = self.packed24 if view else self.packed
             dense = plan[0] == "dense"
+            sel, sel_columns, v_g = positions(layer)
             return self.native_forward(
-                x2, layer.weight.detach(), bias_c, q.values, q.meta, q.columns, layer._kept() if dense else None,
-                rows, cols, 4 if view else self.m, int(not dense), self.kernel_bits24 if view else self.kernel_bits,
+                x2, layer.weight.detach(), bias_c, q.values, q.meta, q.columns, sel, sel_columns, rows, cols,
+                4 if view else self.m, v_g, self.m, int(not dense), self.kernel_bits24 if view else self.kernel_bits,
             )  # fmt: skip
         if plan[0] == "dense":
             y = F.linear(x2, _dense(layer.weight.detach(), layer._kept(), rows, cols, dtype), bias_c)
@@ -567,11 +590,11 @@ class CompactKernel:
         if self.native_backward is not None:  # one call into the extension
             t, p = self.packed_t, self.packed
             sparse_dx, sddmm = plan[1] == "sparse" and t is not None, plan[2] == "sddmm"
-            dense = (need_dx and not sparse_dx) or (need_dw and not sddmm)
+            sel, sel_columns, v_g = positions(layer)
             dx, dw, db = self.native_backward(
-                dy2, x2, weight, layer._kept() if dense else None, *((None,) * 3 if t is None else t[:3]), p.meta,
-                p.columns, rows, cols, self.m, sparse_dx << 1 | sddmm << 2, self.kernel_bits, need_dx, need_dw,
-                need_db, torch.float32 if layer.bias is None else layer.bias.dtype,
+                dy2, x2, weight, sel, sel_columns, *((None,) * 3 if t is None else t[:3]), p.meta, p.columns, rows,
+                cols, v_g, self.m, sparse_dx << 1 | sddmm << 2, self.kernel_bits, need_dx, need_dw, need_db,
+                torch.float32 if layer.bias is None else layer.bias.dtype,
             )  # fmt: skip
             return dx, dw, db
         dy2 = dy2.to(dtype).contiguous()
@@ -589,23 +612,22 @@ class CompactKernel:
             index = layer._kept() if plan[2] == "gemm" else None
             dw = _weight_grad(
                 plan[2], dy2, x2, weight, index, p.values, p.meta, p.columns, p.valid, rows, cols, self.v, self.m,
-                self.fns[2], self.gather_cast,
+                self.fns[2],
             )  # fmt: skip
         if need_db:
             db = dy2.sum(0, dtype=torch.float32).to(layer.bias.dtype)
         return dx, dw, db
 
-    def native_arguments(self, layer: SparseLinear, plan: tuple, trains: bool) -> tuple:
+    def native_arguments(self, layer: SparseLinear, plan: tuple) -> tuple:
         """The arguments after ``x, weight, bias`` of the extension's ``compact_linear`` (eager training) and of the
         ``hf_sparse::compact_linear`` op (torch.compile) for ``plan``: the bias in the compute dtype, the forward's
         pack (the 2:4 view for ``"sparse24"``), the transposed pack (or Nones), the layer's own metadata and columns
-        (the SDDMM's), the kept index where a choice of ``plan`` reads it (always where the extension is absent: the
-        ops' references compute from it), the sizes, the group sizes of the forward's pack and of the layer, the plan
-        and kernel bits."""
+        (the SDDMM's), the kept positions in their on-disk form (:func:`positions`: what the dense choices read), the
+        sizes, the group size of the forward's pack, the layer's V and group size, the plan and kernel bits."""
         p, t = self.packed, self.packed_t
         view = plan[0] == "sparse24"
         q = self.packed24 if view else p
-        dense = plan[0] == "dense" or (trains and (plan[1] == "dense" or plan[2] == "gemm"))
+        sel, sel_columns, v_g = positions(layer)
         return (
             self.bias_lp if self.bias_lp is not None else layer.bias,
             q.values,
@@ -616,19 +638,22 @@ class CompactKernel:
             None if t is None else t.columns,
             p.meta,
             p.columns,
-            layer._kept() if dense or self.native is None else None,
+            sel,
+            sel_columns,
             self.rows,
             self.cols,
             4 if view else self.m,
+            v_g,
             self.m,
             _PLAN_BITS[plan],
             self.kernel_bits24 if view else self.kernel_bits,
         )
 
     def uses_index(self) -> bool:
-        """Whether a measured plan reads the kept index (a dense forward or input gradient, the GEMM weight
-        gradient)."""
-        return any(
+        """Whether a measured plan reads the kept index: a dense forward or input gradient, or the GEMM weight
+        gradient, computed by torch ops (where the extension is absent; the extension reads the positions in their
+        on-disk form instead)."""
+        return self.native is None and any(
             p[0] == "dense" or (trains and (p[1] == "dense" or p[2] == "gemm"))
             for (_, trains), p in self.plans.items()
         )
@@ -675,7 +700,7 @@ class CompactKernel:
             y = self.forward_compute(layer, x2 if x2.dtype == self.dtype else x2.to(self.dtype), plan, fuse=True)
             return y.view(*x.shape[:-1], rows)
         if self.native is not None:  # eager CUDA training: one C++ autograd node
-            y = self.native(x, weight, bias, *self.native_arguments(layer, plan, trains=True))
+            y = self.native(x, weight, bias, *self.native_arguments(layer, plan))
         else:
             x2 = x.reshape(-1, cols)
             x2 = x2 if x2.dtype == self.dtype else x2.to(self.dtype)
@@ -798,39 +823,39 @@ def _compiled_plan(layer_id: int, tokens: int, trains: bool, dtype: torch.dtype)
     kernel = layer.kernel_state(dtype)
     generator = torch.Generator(kernel.device).manual_seed(0)
     x2 = torch.empty(tokens, kernel.cols, dtype=dtype, device=kernel.device).normal_(generator=generator)
-    plan = kernel.prepare(layer, x2, trains, while_tracing=True)
-    kernel.native_arguments(layer, plan, trains)  # builds the kept index where the plan reads it
-    return plan
+    return kernel.prepare(layer, x2, trains, while_tracing=True)
 
 
 _lib = torch.library.Library("hf_sparse", "FRAGMENT")
 _lib.define(
     "compact_linear(Tensor x2, Tensor weight, Tensor? bias, Tensor? bias_c, Tensor values, Tensor meta, "
     "Tensor columns, Tensor? values_t, Tensor? meta_t, Tensor? columns_t, Tensor meta_g, Tensor columns_g, "
-    "Tensor? index, int rows, int cols, int m, int m_g, int plan, int kernels) -> Tensor"
+    "Tensor? sel, Tensor? sel_columns, int rows, int cols, int m, int v_g, int m_g, int plan, int kernels) -> Tensor"
 )
 _lib.define(
-    "compact_backward(Tensor dy2, Tensor x2, Tensor weight, Tensor? bias, Tensor? index, Tensor? values_t, "
-    "Tensor? meta_t, Tensor? columns_t, Tensor meta_g, Tensor columns_g, int rows, int cols, int m_g, int plan, "
-    "int kernels, bool need_dx, bool need_dw) -> (Tensor, Tensor, Tensor)"
+    "compact_backward(Tensor dy2, Tensor x2, Tensor weight, Tensor? bias, Tensor? sel, Tensor? sel_columns, "
+    "Tensor? values_t, Tensor? meta_t, Tensor? columns_t, Tensor meta_g, Tensor columns_g, int rows, int cols, "
+    "int v_g, int m_g, int plan, int kernels, bool need_dx, bool need_dw) -> (Tensor, Tensor, Tensor)"
 )
 
 
 def _compact_linear_reference(x2, weight, bias, bias_c, values, meta, columns, values_t, meta_t, columns_t, meta_g,
-                              columns_g, index, rows, cols, m, m_g, plan, kernels):  # fmt: skip
-    """``x2 W^T + bias_c`` from the kept values at ``index`` in the compute dtype, accumulated in fp32 (the ops'
-    references' rule)."""
+                              columns_g, sel, sel_columns, rows, cols, m, v_g, m_g, plan, kernels):  # fmt: skip
+    """``x2 W^T + bias_c`` from the kept values at their positions in the compute dtype, accumulated in fp32 (the
+    ops' references' rule)."""
+    index = kept_index_of(sel, sel_columns, rows, cols, v_g, m_g).view(-1)
     w = _dense(weight, index, rows, cols, x2.dtype).float()
     y = x2.float() @ w.t()
     return (y if bias_c is None else y + bias_c.float()).to(x2.dtype)
 
 
-def _compact_backward_reference(dy2, x2, weight, bias, index, values_t, meta_t, columns_t, meta_g, columns_g, rows,
-                                cols, m_g, plan, kernels, need_dx, need_dw):  # fmt: skip
-    """The gradients from the kept values at ``index``; those not asked for are empty."""
+def _compact_backward_reference(dy2, x2, weight, bias, sel, sel_columns, values_t, meta_t, columns_t, meta_g,
+                                columns_g, rows, cols, v_g, m_g, plan, kernels, need_dx, need_dw):  # fmt: skip
+    """The gradients from the kept values at their positions; those not asked for are empty."""
+    index = kept_index_of(sel, sel_columns, rows, cols, v_g, m_g).view(-1)
     dy2 = dy2.to(x2.dtype)
     dx = torch.mm(dy2, _dense(weight, index, rows, cols, x2.dtype)) if need_dx else x2.new_empty(0)
-    dw = _weight_grad("gemm", dy2, x2, weight, index, *(None,) * 4, rows, cols, 64, m_g, None, None)
+    dw = _weight_grad("gemm", dy2, x2, weight, index, *(None,) * 4, rows, cols, 64, m_g, None)
     dw = dw if need_dw else weight.new_empty(0)
     db = x2.new_empty(0) if bias is None else dy2.sum(0, dtype=torch.float32).to(bias.dtype)
     return dx, dw, db
@@ -841,35 +866,36 @@ _lib.impl("compact_backward", _compact_backward_reference, "CPU")
 
 
 @torch.library.register_fake("hf_sparse::compact_linear", lib=_lib)
-def _(x2, weight, bias, bias_c, values, meta, columns, values_t, meta_t, columns_t, meta_g, columns_g, index, rows,
-      cols, m, m_g, plan, kernels):  # fmt: skip
+def _(x2, weight, bias, bias_c, values, meta, columns, values_t, meta_t, columns_t, meta_g, columns_g, sel,
+      sel_columns, rows, cols, m, v_g, m_g, plan, kernels):  # fmt: skip
     return x2.new_empty(x2.shape[0], rows)
 
 
 @torch.library.register_fake("hf_sparse::compact_backward", lib=_lib)
-def _(dy2, x2, weight, bias, index, values_t, meta_t, columns_t, meta_g, columns_g, rows, cols, m_g, plan, kernels,
-      need_dx, need_dw):  # fmt: skip
+def _(dy2, x2, weight, bias, sel, sel_columns, values_t, meta_t, columns_t, meta_g, columns_g, rows, cols, v_g, m_g,
+      plan, kernels, need_dx, need_dw):  # fmt: skip
     dx = x2.new_empty(x2.shape) if need_dx else x2.new_empty(0)
     dw = weight.new_empty(weight.shape) if need_dw else weight.new_empty(0)
     return dx, dw, x2.new_empty(0) if bias is None else bias.new_empty(bias.shape)
 
 
 def _setup_context(ctx, inputs, output):
-    x2, weight, bias, _, _, _, _, values_t, meta_t, columns_t, meta_g, columns_g, index = inputs[:13]
-    ctx.save_for_backward(x2, weight, bias, index, values_t, meta_t, columns_t, meta_g, columns_g)
-    rows, cols, _, m_g, plan, kernels = inputs[13:]
-    ctx.sizes = (rows, cols, m_g, plan, kernels)
+    x2, weight, bias, _, _, _, _, values_t, meta_t, columns_t, meta_g, columns_g, sel, sel_columns = inputs[:14]
+    ctx.save_for_backward(x2, weight, bias, sel, sel_columns, values_t, meta_t, columns_t, meta_g, columns_g)
+    rows, cols, _, v_g, m_g, plan, kernels = inputs[14:]
+    ctx.sizes = (rows, cols, v_g, m_g, plan, kernels)
 
 
 def _backward(ctx, dy2):
-    x2, weight, bias, index, values_t, meta_t, columns_t, meta_g, columns_g = ctx.saved_tensors
+    x2, weight, bias, sel, sel_columns, values_t, meta_t, columns_t, meta_g, columns_g = ctx.saved_tensors
     need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
     dx, dw, _ = torch.ops.hf_sparse.compact_backward(
-        dy2, x2, weight, None, index, values_t, meta_t, columns_t, meta_g, columns_g, *ctx.sizes, need_dx, need_dw
-    )
+        dy2, x2, weight, None, sel, sel_columns, values_t, meta_t, columns_t, meta_g, columns_g, *ctx.sizes, need_dx,
+        need_dw,
+    )  # fmt: skip
     # the bias gradient in the graph, where Inductor fuses the reduction into the kernel that makes dy2
     db = dy2.sum(0, dtype=torch.float32).to(bias.dtype) if need_db else None
-    return (dx if need_dx else None, dw if need_dw else None, db) + (None,) * 16
+    return (dx if need_dx else None, dw if need_dw else None, db) + (None,) * 18
 
 
 torch.library.register_autograd("hf_sparse::compact_linear", _backward, setup_context=_setup_context, lib=_lib)
@@ -891,7 +917,7 @@ def compact_linear(layer: SparseLinear, x: Tensor, dtype: torch.dtype) -> Tensor
         bucket *= 2
     plan = _compiled_plan(layer._compact_id, bucket, trains, dtype)
     kernel = layer._kernel
-    y = torch.ops.hf_sparse.compact_linear(x2, layer.weight, bias, *kernel.native_arguments(layer, plan, trains))
+    y = torch.ops.hf_sparse.compact_linear(x2, layer.weight, bias, *kernel.native_arguments(layer, plan))
     if layer.activation is not None:
         y = activate(y, layer.activation)
     return y.view(*x.shape[:-1], layer.out_features)

@@ -494,6 +494,9 @@ calls = {
     "wrong group size": ("spmm", lambda: ext.spmm(x, p.values, p.meta, p.columns, None, 128, 256, 3, 0)),
     "wrong table": ("refresh_packs", lambda: ext.refresh_packs(torch.zeros(2, 5, dtype=torch.int64, device="cuda"),
                                                                1)),
+    "wrong positions": ("gather_kept", lambda: ext.gather_kept(w, torch.zeros(128, 3, dtype=torch.uint8,
+                                                                              device="cuda"), None, 128, 256, 1, 4,
+                                                               torch.float32)),
 }
 op, call = calls[BAD]
 try:
@@ -506,7 +509,15 @@ except RuntimeError as err:
 """
 
 
-BAD_ARGUMENTS = ["cpu input", "wrong dtype", "wrong features", "wrong pack shape", "wrong group size", "wrong table"]
+BAD_ARGUMENTS = [
+    "cpu input",
+    "wrong dtype",
+    "wrong features",
+    "wrong pack shape",
+    "wrong group size",
+    "wrong table",
+    "wrong positions",
+]
 
 
 @pytest.mark.parametrize("bad", BAD_ARGUMENTS)
