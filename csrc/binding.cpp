@@ -610,7 +610,7 @@ at::Tensor compact_linear(const at::Tensor& x, const at::Tensor& weight, const c
 }
 
 // The same computations as the dispatcher ops ``hf_sparse::compact_linear`` / ``hf_sparse::compact_backward``
-// (schemas, autograd and CPU references in hf_sparse/nn/compact.py), which a torch.compile graph calls with no
+// (schemas, autograd and CPU references in hf_sparse/nn/compiled.py), which a torch.compile graph calls with no
 // Python between it and these functions. The training op's forward is compact_forward; the arguments only the
 // backward reads come along so that autograd can save them.
 at::Tensor compact_linear_op(const at::Tensor& x2, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,

@@ -35,7 +35,8 @@ from torch import Tensor, nn
 from ..formats.compressed import compress, compressed_shapes, decompress, kept_index, mask_from_compressed, validate
 from ..ops.spmm import activate
 from ..patterns import Pattern, Unstructured, parse_pattern
-from .compact import CompactKernel, compact_linear, kernel_pattern, register_compact_layer
+from .compact import CompactKernel, kernel_pattern
+from .compiled import compact_linear, register_compact_layer
 
 __all__ = ["SparseLinear"]
 
