@@ -205,7 +205,7 @@ def _spmm(x2, values, meta, columns, valid, bias, rows, cols, v, m, fn, code, af
     return y if activation is None else activate(y, activation)
 
 
-def _dense(weight: Tensor, index: Tensor, rows: int, cols: int, dtype: torch.dtype) -> Tensor:
+def dense_at_index(weight: Tensor, index: Tensor, rows: int, cols: int, dtype: torch.dtype) -> Tensor:
     """A transient dense ``(rows, cols)`` weight in ``dtype``: zeros, then one scatter of the kept values."""
     dense = torch.zeros(rows * cols, dtype=dtype, device=weight.device)
     return dense.index_put_((index,), weight.reshape(-1).to(dtype)).view(rows, cols)
@@ -569,7 +569,7 @@ class CompactKernel:
                 4 if view else self.m, v_g, self.m, int(not dense), self.kernel_bits24 if view else self.kernel_bits,
             )  # fmt: skip
         if plan[0] == "dense":
-            y = F.linear(x2, _dense(layer.weight.detach(), layer._kept(), rows, cols, dtype), bias_c)
+            y = F.linear(x2, dense_at_index(layer.weight.detach(), layer._kept(), rows, cols, dtype), bias_c)
             return y if act is None else activate(y, act)
         if plan[0] == "sparse24":  # the 2:4 view
             q, fn, code, after, v, m = self.packed24, self.fn24, self.code24, self.after24, 64, 4
@@ -606,7 +606,7 @@ class CompactKernel:
                     dy2, t.values, t.meta, t.columns, t.valid, None, cols, rows, 64, 4, self.fns[1], 0, None, None
                 )
             else:
-                dx = torch.mm(dy2, _dense(weight, layer._kept(), rows, cols, dtype))
+                dx = torch.mm(dy2, dense_at_index(weight, layer._kept(), rows, cols, dtype))
         if need_dw:
             p = self.packed
             index = layer._kept() if plan[2] == "gemm" else None

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from ..ops.spmm import activate
-from .compact import _dense, _weight_grad, kept_index_of
+from .compact import dense_at_index, kept_index_of
 
 if TYPE_CHECKING:
     from .compact import SparseLinear
@@ -80,7 +80,7 @@ def _compact_linear_reference(x2, weight, bias, bias_c, values, meta, columns, v
     """``x2 W^T + bias_c`` from the kept values at their positions in the compute dtype, accumulated in fp32 (the
     ops' references' rule)."""
     index = kept_index_of(sel, sel_columns, rows, cols, v_g, m_g).view(-1)
-    w = _dense(weight, index, rows, cols, x2.dtype).float()
+    w = dense_at_index(weight, index, rows, cols, x2.dtype).float()
     y = x2.float() @ w.t()
     return (y if bias_c is None else y + bias_c.float()).to(x2.dtype)
 
@@ -90,9 +90,11 @@ def _compact_backward_reference(dy2, x2, weight, bias, sel, sel_columns, values_
     """The gradients from the kept values at their positions; those not asked for are empty."""
     index = kept_index_of(sel, sel_columns, rows, cols, v_g, m_g).view(-1)
     dy2 = dy2.to(x2.dtype)
-    dx = torch.mm(dy2, _dense(weight, index, rows, cols, x2.dtype)) if need_dx else x2.new_empty(0)
-    dw = _weight_grad("gemm", dy2, x2, weight, index, *(None,) * 4, rows, cols, 64, m_g, None)
-    dw = dw if need_dw else weight.new_empty(0)
+    dx = torch.mm(dy2, dense_at_index(weight, index, rows, cols, x2.dtype)) if need_dx else x2.new_empty(0)
+    if need_dw:
+        dw = torch.mm(dy2.t(), x2).view(-1).index_select(0, index).view(weight.shape).to(weight.dtype)
+    else:
+        dw = weight.new_empty(0)
     db = x2.new_empty(0) if bias is None else dy2.sum(0, dtype=torch.float32).to(bias.dtype)
     return dx, dw, db
 
