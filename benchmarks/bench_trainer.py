@@ -27,7 +27,8 @@ Loaded model (eager only, one fresh process each): the checkpoint ``SparseTraine
 the median wall time of 20 forwards under ``inference_mode`` (synchronised around each).
 
 Every worker prints one JSON line; the driver prints markdown tables with ratios against dense of the same model
-and mode, measured in the same run.
+and mode, measured in the same run. Each training worker also reports how fast its host issues a small CUDA op
+(``host_launch_us``): the lent machines' hosts differ, and a host-bound step's ratio moves with them.
 """
 
 from __future__ import annotations
@@ -100,6 +101,25 @@ class RandomTokens:
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
+def host_launch_us(device: str = DEVICE, calls: int = 1000) -> float:
+    """Host time to issue one small op on ``device`` (µs, mean over ``calls`` back to back): how fast this lease's
+    host is. A host-bound step's ratio against dense moves with it, so each worker reports it."""
+    import torch
+
+    x = torch.zeros(1, device=device)
+    for _ in range(50):
+        x.add_(1)
+    if x.is_cuda:
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        x.add_(1)
+    issued = (time.perf_counter() - start) / calls * 1e6
+    if x.is_cuda:
+        torch.cuda.synchronize()
+    return issued
+
+
 def train_worker(args) -> dict:
     import torch
     from transformers import Trainer, TrainerCallback, TrainingArguments
@@ -123,6 +143,7 @@ def train_worker(args) -> dict:
                 torch.cuda.synchronize()
                 self.t1 = time.perf_counter()
 
+    launch_us = host_launch_us()
     model = build_model(args.model)
     out = tempfile.mkdtemp(prefix="bench_trainer_")
     targs = TrainingArguments(
@@ -170,6 +191,7 @@ def train_worker(args) -> dict:
         "tokens_per_s": shape["batch"] * shape["seq"] / ms * 1e3,
         "peak_gib": max(clock.peak_before, torch.cuda.max_memory_allocated()) / 2**30,
         "steady_peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "host_launch_us": launch_us,
     }
     plans = {}  # the compact layers' measured training plans: (forward, input gradient, weight gradient) -> layers
     for module in trainer.model.modules():
@@ -322,6 +344,9 @@ def driver(args) -> int:
             f"| {r['model']} | {r['mode']} | {r['config']} | {r['ms_per_step']:.1f} | {r['tokens_per_s']:.0f} | "
             f"{speed} | {r['peak_gib']:.2f} | {mem} | {r['steady_peak_gib']:.2f} | {steady} |"
         )
+    launches = [f"{r['config']} ({r['mode']}) {r['host_launch_us']:.1f}" for r in train_rows if "host_launch_us" in r]
+    if launches:
+        print("\nhost time to issue one small CUDA op, µs, per worker: " + ", ".join(launches))
     if load_rows:
         print("\n## Loaded with from_pretrained(dtype=bfloat16), eager prefill\n")
         print(
