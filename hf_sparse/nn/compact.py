@@ -71,6 +71,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..distributed import is_sharded
 from ..formats.bitpack import pack_bits, unpack_bits
 from ..ops import dispatch
 from ..ops._layout import (
@@ -739,14 +740,17 @@ _kernels: weakref.WeakSet[CompactKernel] = weakref.WeakSet()  # every live kerne
 
 def refresh_stale(device: torch.device) -> None:
     """Refresh the packs of every compact layer on ``device`` whose values changed since its last refresh, in one
-    launch of the extension (:func:`hf_sparse.nn.refresh.launch_refresh`); the first layer to run after an
-    optimizer step calls it, so one launch per step serves the whole model."""
+    launch of the extension (:func:`hf_sparse.nn.refresh.launch_refresh`); the hook after each optimizer step calls
+    it, so one launch per step serves the whole model. A layer whose weight is an FSDP2 shard (a ``DTensor``, between
+    the layer's forwards) is left for its own next call, when FSDP2 has gathered the whole weight."""
     groups, stale, ext = [], [], None
     for k in list(_kernels):
         layer = k.layer()
         if k.device != device or k.refresher is None or layer is None or layer._kernel is not k:
             continue
         if layer._resident is k:  # its pack is its values
+            continue
+        if is_sharded(layer.weight):  # FSDP2 between its forwards: a shard; refreshed at the layer's own next call
             continue
         stamp = _stamp(layer.weight, layer.bias)
         if stamp == k.stamp:
