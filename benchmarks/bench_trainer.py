@@ -120,11 +120,54 @@ def host_launch_us(device: str = DEVICE, calls: int = 1000) -> float:
     return issued
 
 
-def train_worker(args) -> dict:
-    import torch
-    from transformers import Trainer, TrainerCallback, TrainingArguments
+def build_trainer(model_name: str, config: str, mode: str, steps: int, output_dir: str, callbacks: list,
+                  compact_fallback: str):  # fmt: skip
+    """The trainer of one configuration: ``model_name`` built from its config, ``steps`` steps on random tokens, bf16
+    mixed precision, fused AdamW, nothing logged, saved or evaluated, compiled where ``mode == "compiled"``. A dense
+    ``Trainer`` for ``config == "dense"``, else a ``SparseTrainer`` pruning one-shot at step 0 by magnitude (``"2:4T"``:
+    transposable 2:4)."""
+    from transformers import Trainer, TrainingArguments
 
     import hf_sparse
+
+    shape = MODELS[model_name]
+    model = build_model(model_name)
+    targs = TrainingArguments(
+        output_dir=output_dir,
+        max_steps=steps,
+        per_device_train_batch_size=shape["batch"],
+        learning_rate=1e-4,
+        bf16=True,
+        optim="adamw_torch_fused",
+        torch_compile=mode == "compiled",
+        report_to=[],
+        save_strategy="no",
+        logging_strategy="no",
+        eval_strategy="no",
+        disable_tqdm=True,
+        dataloader_pin_memory=True,
+        seed=0,
+    )
+    data = RandomTokens(shape["batch"] * steps, shape["seq"], model.config.vocab_size)
+    if config == "dense":
+        return Trainer(model=model, args=targs, train_dataset=data, callbacks=callbacks)
+    cfg = hf_sparse.SparsityConfig(
+        score="magnitude",
+        pattern=config.rstrip("T"),
+        schedule="oneshot",
+        start=0,
+        end=0,
+        transposable=config.endswith("T"),
+        compact_fallback=compact_fallback,
+    )
+    return hf_sparse.SparseTrainer(
+        model=model, args=targs, train_dataset=data, callbacks=callbacks, sparsity_config=cfg
+    )
+
+
+def train_worker(args) -> dict:
+    import torch
+    from transformers import TrainerCallback
 
     shape = MODELS[args.model]
     steps, warmup = args.steps, args.warmup
@@ -144,42 +187,9 @@ def train_worker(args) -> dict:
                 self.t1 = time.perf_counter()
 
     launch_us = host_launch_us()
-    model = build_model(args.model)
-    out = tempfile.mkdtemp(prefix="bench_trainer_")
-    targs = TrainingArguments(
-        output_dir=out,
-        max_steps=steps,
-        per_device_train_batch_size=shape["batch"],
-        learning_rate=1e-4,
-        bf16=True,
-        optim="adamw_torch_fused",
-        torch_compile=args.mode == "compiled",
-        report_to=[],
-        save_strategy="no",
-        logging_strategy="no",
-        eval_strategy="no",
-        disable_tqdm=True,
-        dataloader_pin_memory=True,
-        seed=0,
-    )
-    data = RandomTokens(shape["batch"] * steps, shape["seq"], model.config.vocab_size)
     clock = Clock()
-    if args.config == "dense":
-        trainer = Trainer(model=model, args=targs, train_dataset=data, callbacks=[clock])
-    else:
-        pattern = args.config.rstrip("T")
-        cfg = hf_sparse.SparsityConfig(
-            score="magnitude",
-            pattern=pattern,
-            schedule="oneshot",
-            start=0,
-            end=0,
-            transposable=args.config.endswith("T"),
-            compact_fallback=args.compact_fallback,
-        )
-        trainer = hf_sparse.SparseTrainer(
-            model=model, args=targs, train_dataset=data, callbacks=[clock], sparsity_config=cfg
-        )
+    out = tempfile.mkdtemp(prefix="bench_trainer_")
+    trainer = build_trainer(args.model, args.config, args.mode, steps, out, [clock], args.compact_fallback)
     torch.cuda.reset_peak_memory_stats()
     trainer.train()
     ms = (clock.t1 - clock.t0) * 1e3 / (steps - warmup)

@@ -18,10 +18,8 @@ import re
 import time
 
 import torch
-from bench_trainer import MODELS, RandomTokens, build_model
-from transformers import Trainer, TrainerCallback, TrainingArguments
-
-import hf_sparse
+from bench_trainer import MODELS, build_trainer
+from transformers import TrainerCallback
 
 
 class Profile(TrainerCallback):
@@ -59,40 +57,10 @@ def main() -> None:
         help="print what runs inside the first calls of the ops whose names start so",
     )
     args = ap.parse_args()
-    shape = MODELS[args.model]
-    model = build_model(args.model)
-    targs = TrainingArguments(
-        output_dir="/tmp/profile_trainer_step",
-        max_steps=args.steps,
-        per_device_train_batch_size=shape["batch"],
-        learning_rate=1e-4,
-        bf16=True,
-        optim="adamw_torch_fused",
-        torch_compile=args.mode == "compiled",
-        report_to=[],
-        save_strategy="no",
-        logging_strategy="no",
-        eval_strategy="no",
-        disable_tqdm=True,
-        seed=0,
-    )
-    data = RandomTokens(shape["batch"] * args.steps, shape["seq"], model.config.vocab_size)
     prof = Profile(args.steps - args.profile_steps - 1, args.profile_steps)
-    if args.config == "dense":
-        trainer = Trainer(model=model, args=targs, train_dataset=data, callbacks=[prof])
-    else:
-        cfg = hf_sparse.SparsityConfig(
-            score="magnitude",
-            pattern=args.config.rstrip("T"),
-            schedule="oneshot",
-            start=0,
-            end=0,
-            transposable=args.config.endswith("T"),
-            compact_fallback="never",
-        )
-        trainer = hf_sparse.SparseTrainer(
-            model=model, args=targs, train_dataset=data, callbacks=[prof], sparsity_config=cfg
-        )
+    trainer = build_trainer(
+        args.model, args.config, args.mode, args.steps, "/tmp/profile_trainer_step", [prof], compact_fallback="never"
+    )
     trainer.train()
     events = prof.prof.key_averages()
     by_cpu = events.table(sort_by="self_cpu_time_total", row_limit=args.rows, max_name_column_width=60)
