@@ -38,6 +38,24 @@ def _small_bert(seed: int):
     return AutoModelForSequenceClassification.from_config(cfg).cuda()
 
 
+def _train(run, opt, steps: int, gen: torch.Generator, after_step=None) -> torch.Tensor:
+    """``steps`` optimizer steps of ``run`` under bf16 autocast on random 8 x 64 batches drawn from ``gen``
+    (``after_step(opt)`` after each); the losses."""
+    losses = []
+    for _ in range(steps):
+        ids = torch.randint(1, 512, (8, 64), generator=gen).cuda()
+        labels = (ids[:, 0] % 3).cuda()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = run(input_ids=ids, labels=labels).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if after_step is not None:
+            after_step(opt)
+        losses.append(loss.item())
+    return torch.tensor(losses)
+
+
 @pytest.mark.parametrize(("pattern", "extra"), [("64:2:8", {}), ("2:4", {"transposable": True}), ("64:2:16", {})])
 def test_50_steps_of_compact_layers_track_masked_dense(pattern, extra):
     """The same model, masks and batches trained 50 steps with fused AdamW under bf16 autocast, once masked dense and
@@ -51,20 +69,10 @@ def test_50_steps_of_compact_layers_track_masked_dense(pattern, extra):
         if compact:
             assert len(make_compact(model, pruner)) == len(pruner.layers) == 12
         opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True)
-        gen = torch.Generator().manual_seed(1)
-        losses = []
-        for _ in range(50):
-            ids = torch.randint(1, 512, (8, 64), generator=gen).cuda()
-            labels = (ids[:, 0] % 3).cuda()
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                loss = model(input_ids=ids, labels=labels).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            pruner.apply(opt)  # as the callback does: masks the dense layers, leaves compact ones alone
-            losses.append(loss.item())
+        # pruner.apply after each step, as the callback does: masks the dense layers, leaves compact ones alone
+        losses = _train(model, opt, 50, torch.Generator().manual_seed(1), pruner.apply)
         assert all(layer.compact == compact for layer in pruner.layers)
-        runs.append(torch.tensor(losses))
+        runs.append(losses)
         weights.append({layer.name: logical_weight(layer).float() for layer in pruner.layers})
     dense, kern = runs
     assert torch.isfinite(kern).all()
@@ -90,17 +98,7 @@ def test_compiled_compact_training_tracks_eager(pattern, extra):
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
         run = torch.compile(model, fullgraph=True) if compiled else model
         gen = torch.Generator().manual_seed(1)
-        losses = []
-        for _ in range(15):
-            ids = torch.randint(1, 512, (8, 64), generator=gen).cuda()
-            labels = (ids[:, 0] % 3).cuda()
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                loss = run(input_ids=ids, labels=labels).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            losses.append(loss.item())
-        runs.append(torch.tensor(losses))
+        runs.append(_train(run, opt, 15, gen))
     assert torch._C._dispatch_has_kernel_for_dispatch_key("hf_sparse::compact_linear", "CUDA")
     assert "binding.cpp" in torch._C._dispatch_dump("hf_sparse::compact_linear")  # the C++ function, not Python
     eager, comp = runs
