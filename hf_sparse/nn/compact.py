@@ -73,6 +73,7 @@ from torch import Tensor, nn
 
 from ..distributed import is_sharded
 from ..formats.bitpack import pack_bits, unpack_bits
+from ..formats.compressed import kept_index
 from ..ops import dispatch
 from ..ops._layout import (
     VALID_M,
@@ -169,16 +170,13 @@ def positions(layer: SparseLinear) -> tuple[Tensor, Tensor | None, int]:
 
 def kept_index_of(sel: Tensor, sel_columns: Tensor | None, rows: int, cols: int, v: int, m: int) -> Tensor:
     """The flat position in the ``(rows, cols)`` matrix of every kept value (int64, ``(rows, 2 cols / m)``) from the
-    positions' on-disk form (:func:`positions`): the reference of the extension's ``gather_kept`` / ``scatter_kept``."""
-    groups = cols // m
-    codes = unpack_bits(sel, 2, 2 * groups)
-    group = torch.arange(2 * groups, device=sel.device) // 2
+    positions' on-disk form (:func:`positions`), decoded by the format's own :func:`kept_index`: the reference of the
+    extension's ``gather_kept`` / ``scatter_kept``."""
     if sel_columns is None:
-        offset = codes
+        tensors, pattern = {"weight_indices": sel}, NM(2, 4)
     else:
-        block = (torch.arange(rows, device=sel.device) // v).unsqueeze(1)
-        offset = sel_columns.long()[block, group.unsqueeze(0), codes]
-    return torch.arange(rows, device=sel.device).unsqueeze(1) * cols + m * group + offset
+        tensors, pattern = {"weight_selectors": sel, "weight_columns": sel_columns}, VNM(v, 2, m)
+    return kept_index(tensors, pattern, (rows, cols)).view(rows, -1)
 
 
 def _pack24(where: Tensor, mask: Tensor, zero: int, dtype: torch.dtype) -> tuple[PackedWeight, Tensor]:
