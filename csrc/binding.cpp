@@ -5,10 +5,14 @@
 #include <torch/extension.h>
 #include <torch/library.h>
 
+#include <map>
+#include <mutex>
+#include <utility>
 #include <vector>
 
 #include "check.h"
 #include "kernels.h"
+#include "tile_config.h"
 #if defined(HF_SPARSE_LAB)
 #include <string>
 
@@ -79,6 +83,18 @@ void check_activation(const char* op, const char* name, const at::Tensor& t, int
               " must be 16-byte aligned; pass a fresh contiguous tensor");
 }
 
+// The split-K arrival counters of the 2:4 sparse-wgmma SpMM (kernels.h SpmmArgs::split_counters): one zeroed set per
+// device and stream, made on first use and kept for the process (every launch leaves it zero). Never freed: the map is
+// leaked so no tensor outlives the CUDA context at exit.
+int* split_counters(const at::Device& device, cudaStream_t stream) {
+  static std::mutex mutex;
+  static auto* sets = new std::map<std::pair<int, cudaStream_t>, at::Tensor>();
+  std::lock_guard<std::mutex> lock(mutex);
+  auto& t = (*sets)[{device.index(), stream}];
+  if (!t.defined()) t = at::zeros({hf_sparse::kSplitKCounters}, at::TensorOptions().dtype(at::kInt).device(device));
+  return t.data_ptr<int>();
+}
+
 at::Tensor spmm_impl(const char* op, bool wgmma, const at::Tensor& x, const at::Tensor& values,
                      const at::Tensor& meta, const at::Tensor& columns, const c10::optional<at::Tensor>& bias,
                      int64_t rows, int64_t k, int64_t m, int64_t act) {
@@ -127,6 +143,15 @@ at::Tensor spmm_impl(const char* op, bool wgmma, const at::Tensor& x, const at::
   a.is_bf16 = dtype == at::kBFloat16;
   a.act = (int)act;
   const auto stream = c10::cuda::getCurrentCUDAStream().stream();
+  at::Tensor split_ws;  // split-K partial sums, alive until the launch is queued (the allocator orders reuse by stream)
+  if (wgmma) {
+    const int64_t floats = m == 4 ? hf_sparse::spmm_sm90_split_floats(a) : hf_sparse::spmm_vnm_sm90_split_floats(a);
+    if (floats > 0) {
+      split_ws = at::empty({floats}, x.options().dtype(at::kFloat));
+      a.split_ws = split_ws.data_ptr<float>();
+      a.split_counters = split_counters(x.device(), stream);
+    }
+  }
   // wgmma: plain 2:4 on spmm_sm90, V:2:M (m >= 8) on spmm_vnm_sm90 (the same packed layout over the kept columns)
   check_cuda(wgmma ? (m == 4 ? hf_sparse::spmm_sm90(a, stream) : hf_sparse::spmm_vnm_sm90(a, stream))
                    : hf_sparse::spmm(a, stream),

@@ -2,13 +2,15 @@
 memory (``imm-trans-a = imm-trans-b = 1``), one per N/dtype, for the SDDMM (csrc/sddmm_sm90.cu).
 
 Each wrapper lists N/2 accumulator operands, too many to write by hand without mistakes. Run from the repo root:
-``python csrc/gen_wgmma_dense.py`` (only after changing the set of N values in ``wgmma_codegen.py``; the output is
+``python csrc/gen_wgmma_dense.py`` (only after changing ``NS``; the output is
 committed).
 """
 
 from __future__ import annotations
 
 from wgmma_codegen import accumulators, write_header
+
+NS = (64, 128, 256)  # the SDDMM's condensed-column tiles
 
 COMMENT = """// Dense wgmma (sm_90a) m64nNk16, A (64 x 16) and B (16 x N) both from shared memory through matrix descriptors, both
 // MN-major (imm-trans-a = imm-trans-b = 1: A stored K rows of 64 M-contiguous elements, B K rows of N-contiguous
@@ -36,7 +38,7 @@ struct WgmmaMN<{n}, {cxx_type}> {{
 
 
 def main() -> None:
-    write_header("wgmma_dense.cuh", "gen_wgmma_dense.py", COMMENT, "WgmmaMN", wrapper)
+    write_header("wgmma_dense.cuh", "gen_wgmma_dense.py", COMMENT, "WgmmaMN", wrapper, NS)
 
 
 if __name__ == "__main__":

@@ -1,13 +1,16 @@
 """Writes csrc/wgmma_sp.cuh: inline-PTX wrappers of sparse ``wgmma`` (m64nNk32, A from registers), one per N/dtype.
 
 Each wrapper lists N/2 accumulator operands, too many to write by hand without mistakes. Run from the repo root:
-``python csrc/gen_wgmma_sp.py`` (only after changing the set of N values in ``wgmma_codegen.py``; the output is
+``python csrc/gen_wgmma_sp.py`` (only after changing ``NS``; the output is
 committed).
 """
 
 from __future__ import annotations
 
 from wgmma_codegen import accumulators, write_header
+
+# 16: the SpMM's few-token tile (<= 16 tokens); 64, 128, 256: its larger token tiles
+NS = (16, 64, 128, 256)
 
 COMMENT = """// Sparse wgmma (sm_90a) with A (2:4, compressed 64x16) from registers and B (32 x N, K-major) from shared memory
 // through a matrix descriptor; fp32 accumulators in d, metadata register e with sparsity selector 0, scale-d = 1
@@ -35,7 +38,7 @@ struct WgmmaSp<{n}, {cxx_type}> {{
 
 
 def main() -> None:
-    write_header("wgmma_sp.cuh", "gen_wgmma_sp.py", COMMENT, "WgmmaSp", wrapper)
+    write_header("wgmma_sp.cuh", "gen_wgmma_sp.py", COMMENT, "WgmmaSp", wrapper, NS)
 
 
 if __name__ == "__main__":

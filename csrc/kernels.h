@@ -17,6 +17,12 @@ struct SpmmArgs {
   int n_tokens, rows, rows_padded, k, m, steps;
   bool is_bf16;
   int act = 0;  // epilogue activation (common.cuh kActNone / kActGelu); only spmm_sm90 takes one other than none
+  // Split-K scratch of the sparse-wgmma SpMMs (tile_config.h sm90_split_k): split_ws holds the fp32 partial sums,
+  // spmm_sm90_split_floats(args) of them (spmm_vnm_sm90_split_floats at V:2:M), no initial value needed;
+  // split_counters kSplitKCounters ints, zero before the first launch and left zero by every launch, used by one
+  // stream at a time. Both may be null where those functions return 0.
+  float* split_ws = nullptr;
+  int* split_counters = nullptr;
 };
 cudaError_t spmm(const SpmmArgs& args, cudaStream_t stream);
 // Plain 2:4 (m == 4) SpMM with sparse wgmma (csrc/spmm_sm90.cu); same arguments and layout as spmm (columns
@@ -24,9 +30,12 @@ cudaError_t spmm(const SpmmArgs& args, cudaStream_t stream);
 // (HF_SPARSE_HAS_SM90A); otherwise it returns cudaErrorNoKernelImageForDevice.
 bool spmm_sm90_available();
 cudaError_t spmm_sm90(const SpmmArgs& args, cudaStream_t stream);
+// fp32 elements of split-K scratch spmm_sm90 needs for these arguments (0: it will not split).
+int64_t spmm_sm90_split_floats(const SpmmArgs& args);
 // V:2:M (m >= 8) SpMM with sparse wgmma (csrc/spmm_vnm_sm90.cu), gathering the kept columns of X into shared
 // memory; same arguments and layout as spmm, same availability as spmm_sm90.
 cudaError_t spmm_vnm_sm90(const SpmmArgs& args, cudaStream_t stream);
+int64_t spmm_vnm_sm90_split_floats(const SpmmArgs& args);  // as spmm_sm90_split_floats
 
 struct SddmmArgs {
   const void* dy;         // (n_tokens, rows) row-major

@@ -75,6 +75,22 @@ __device__ __forceinline__ uint64_t desc_k128(uint32_t smem_addr) {
          ((uint64_t)1 << 62);
 }
 
+// Split-K arrival of one CTA of a tile, after every thread has written its partial sums (st.global.cg): true in the
+// last CTA of the tile to arrive, which may then read every other CTA's partial sums (ld.global.cg) and has reset the
+// tile's counter to zero for the next launch (the threadfence-reduction pattern: fence, count, fence).
+__device__ __forceinline__ bool split_k_last_arrival(int* counter, int splits) {
+  __shared__ int last;
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    last = atomicAdd(counter, 1) == splits - 1;
+    if (last) *counter = 0;
+  }
+  __syncthreads();
+  if (last) __threadfence();
+  return last;
+}
+
 // Epilogue of one m64 x BN accumulator tile of a warpgroup: this warp's 16 rows start at row0. acc[4*nt + c]: row
 // g + 8*(c >> 1), token n_base + 8*nt + 2t + (c & 1). Lanes g and g^1 swap halves so each lane holds two adjacent
 // rows of one token: 32-bit stores of Y[n, r], r, r+1 (+ bias).

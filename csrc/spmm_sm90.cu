@@ -77,9 +77,10 @@ cudaError_t raise_smem_limit_once(int smem) {
 // = 1 keeps one k-tile of wgmmas in flight while the next is issued (0: each iteration waits for its own).
 // AREG = 1: each warp loads its A fragments and metadata straight from global memory into registers, two k-tiles
 // ahead, instead of through the shared-memory stages (which then hold only X: less shared-memory traffic).
-template <int BN_, int WGM_, int STAGES_, int INFLIGHT_, int AREG_ = 0>
+// MINB: CTAs per SM the registers must allow (__launch_bounds__), and the split-K plan counts on.
+template <int BN_, int WGM_, int STAGES_, int INFLIGHT_, int AREG_ = 0, int MINB_ = 1>
 struct Sm90Cfg {
-  static constexpr int BN = BN_, WGM = WGM_, STAGES = STAGES_, INFLIGHT = INFLIGHT_, AREG = AREG_;
+  static constexpr int BN = BN_, WGM = WGM_, STAGES = STAGES_, INFLIGHT = INFLIGHT_, AREG = AREG_, MINB = MINB_;
   static_assert(!AREG || !INFLIGHT, "register-prefetched A relies on each k-tile's wgmmas finishing in its iteration");
   static constexpr int ROWS = 128 * WGM;
   static constexpr int MT = ROWS / 16;                  // m16 tiles per CTA
@@ -111,11 +112,14 @@ __device__ __forceinline__ void k_tiles_with_register_rotation(int k_tiles, Fetc
 }
 #endif
 
+// Grid: (row tiles, token tiles, splits), or (token tiles, row tiles, splits) where tokens_fastest. Split z of
+// gridDim.z computes k-tiles [z * kt_per_split, (z + 1) * kt_per_split) of its tile (split-K, tile_config.h).
 template <typename T, typename Cfg>
-__global__ void __launch_bounds__(kSm90Threads, 1)
+__global__ void __launch_bounds__(kSm90Threads, Cfg::MINB)
 spmm_sm90_kernel(const T* __restrict__ x, const uint4* __restrict__ values, const uint32_t* __restrict__ meta,
                  const T* __restrict__ bias, T* __restrict__ y, int n_tokens, int rows, int rows_padded, int k,
-                 int steps, int act) {
+                 int steps, int act, bool tokens_fastest, int kt_per_split, float* __restrict__ split_ws,
+                 int* __restrict__ split_counters) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int BN = Cfg::BN, WGM = Cfg::WGM, STAGES = Cfg::STAGES, INFLIGHT = Cfg::INFLIGHT;
   constexpr int THREADS = kSm90Threads, MT = Cfg::MT;
@@ -130,16 +134,20 @@ spmm_sm90_kernel(const T* __restrict__ x, const uint4* __restrict__ values, cons
   const int lane = tid & 31, warp = tid >> 5;
   const int wg = warp >> 2, wq = warp & 3;  // warpgroup, warp within it
   const int g = lane >> 2, t = lane & 3;
-  const int n_base = blockIdx.y * BN;
-  const int cta_row0 = blockIdx.x * Cfg::ROWS;
+  const int n_base = (tokens_fastest ? blockIdx.x : blockIdx.y) * BN;
+  const int cta_row0 = (tokens_fastest ? blockIdx.y : blockIdx.x) * Cfg::ROWS;
   const int mt_cta = cta_row0 >> 4;
   const int mt_valid = (rows_padded - cta_row0) >> 4;  // m16 tiles of this CTA inside the packed weight
-  const int k_tiles = (steps + 1) >> 1;                 // 2 k-steps (64 columns of X) per stage
+  // This CTA's k-tiles (2 k-steps, 64 columns of X, each): kt0 .. kt0 + k_tiles - 1, local index kt from 0.
+  const int kt0 = blockIdx.z * kt_per_split;
+  const int k_tiles = min((steps + 1) >> 1, kt0 + kt_per_split) - kt0;
 
   // Copy roles, fixed across stages. B: token row r = tid/8 + 32i, 16-byte chunk c = tid%8 (swizzled: r%8 is the
-  // same for every i). A: 16-byte chunks (j, mt, lane). Metadata: one 16-byte chunk (j, mt, quarter) per thread.
-  constexpr int B_ITERS = BN * 8 / THREADS;
-  static_assert(BN * 8 % THREADS == 0, "B chunks must split evenly over the threads");
+  // same for every i), by the first BN * 8 threads where that is fewer than all. A: 16-byte chunks (j, mt, lane).
+  // Metadata: one 16-byte chunk (j, mt, quarter) per thread.
+  constexpr int B_ITERS = BN * 8 >= THREADS ? BN * 8 / THREADS : 1;
+  static_assert(BN * 8 % THREADS == 0 || THREADS % (BN * 8) == 0, "B chunks must split evenly over the threads");
+  const bool b_thread = tid < BN * 8;
   const int b_r0 = tid >> 3, b_c = tid & 7;
   const T* b_src = x + (size_t)(n_base + b_r0) * k + b_c * 8;
   uint32_t b_tok_ok = 0;
@@ -170,10 +178,12 @@ spmm_sm90_kernel(const T* __restrict__ x, const uint4* __restrict__ values, cons
     unsigned char* base = smem + slot * Cfg::STAGE;
     const int col = kt * 64 + b_c * 8;
     const bool col_ok = col < k;
+    if (b_thread) {
 #pragma unroll
-    for (int i = 0; i < B_ITERS; ++i) {
-      const bool ok = col_ok && ((b_tok_ok >> i) & 1u);
-      cp_async_16(base + b_dst + i * 32 * 128, ok ? b_src + (size_t)i * 32 * k + kt * 64 : x, ok);
+      for (int i = 0; i < B_ITERS; ++i) {
+        const bool ok = col_ok && ((b_tok_ok >> i) & 1u);
+        cp_async_16(base + b_dst + i * 32 * 128, ok ? b_src + (size_t)i * 32 * k + kt * 64 : x, ok);
+      }
     }
     if constexpr (!Cfg::AREG) {
       unsigned char* ad = base + Cfg::B_BYTES;
@@ -197,7 +207,7 @@ spmm_sm90_kernel(const T* __restrict__ x, const uint4* __restrict__ values, cons
 
 #pragma unroll
   for (int st = 0; st < AHEAD; ++st) {
-    if (st < k_tiles) load_stage(st, st);
+    if (st < k_tiles) load_stage(st, kt0 + st);
     cp_async_commit();
   }
 
@@ -231,7 +241,7 @@ spmm_sm90_kernel(const T* __restrict__ x, const uint4* __restrict__ values, cons
     const unsigned char* base = smem + slot * Cfg::STAGE;
     const uint4* as = reinterpret_cast<const uint4*>(base + Cfg::B_BYTES);
     const uint32_t* es = reinterpret_cast<const uint32_t*>(base + Cfg::B_BYTES + Cfg::A_BYTES);
-    const bool second = 2 * kt + 1 < steps;
+    const bool second = 2 * (kt0 + kt) + 1 < steps;
 #pragma unroll
     for (int i = 0; i < WGM; ++i) {
       const int mt = (wg * WGM + i) * 4 + wq;
@@ -244,7 +254,7 @@ spmm_sm90_kernel(const T* __restrict__ x, const uint4* __restrict__ values, cons
     }
     issue_wgmmas(slot, a, e);
     const int nxt = kt + AHEAD;  // its slot was read by k-tile kt - 1 - INFLIGHT, retired before the barrier
-    if (nxt < k_tiles) load_stage(nxt % STAGES, nxt);
+    if (nxt < k_tiles) load_stage(nxt % STAGES, kt0 + nxt);
     cp_async_commit();
     wgmma_wait<INFLIGHT>();
   };
@@ -271,7 +281,7 @@ spmm_sm90_kernel(const T* __restrict__ x, const uint4* __restrict__ values, cons
     }
     auto fetch = [&](int kt, uint4 (&a)[WGM][2], uint32_t (&e)[WGM][2]) {
 #pragma unroll
-      for (int i = 0; i < WGM; ++i) fetch_a_tile(ag[i], eg[i], active[i], kt, steps, a[i], e[i]);
+      for (int i = 0; i < WGM; ++i) fetch_a_tile(ag[i], eg[i], active[i], kt0 + kt, steps, a[i], e[i]);
     };
     auto k_tile_reg = [&](int kt, const uint4 (&a)[WGM][2], const uint32_t (&e)[WGM][2], uint4 (&a_next)[WGM][2],
                           uint32_t (&e_next)[WGM][2]) {
@@ -280,9 +290,9 @@ spmm_sm90_kernel(const T* __restrict__ x, const uint4* __restrict__ values, cons
       fence_proxy_async();
       __syncthreads();
       issue_wgmmas(slot, a, e);
-      fetch(kt + 2, a_next, e_next);
+      fetch(kt + 2, a_next, e_next);  // past this split's k-tiles: the next split's A, unused (within the weight)
       const int nxt = kt + AHEAD;
-      if (nxt < k_tiles) load_stage(nxt % STAGES, nxt);
+      if (nxt < k_tiles) load_stage(nxt % STAGES, kt0 + nxt);
       cp_async_commit();
       wgmma_wait<0>();
     };
@@ -294,6 +304,28 @@ spmm_sm90_kernel(const T* __restrict__ x, const uint4* __restrict__ values, cons
   for (int i = 0; i < WGM; ++i)
 #pragma unroll
     for (int j = 0; j < ND; ++j) asm volatile("" : "+f"(acc[i][j])::"memory");  // reads after the wgmma wait
+
+  if (gridDim.z > 1) {
+    // Split-K: every CTA of the tile writes its partial sums (each thread its own accumulators, coalesced); the last
+    // to arrive adds all of them in split order (the same result whichever CTA is last) and stores the tile.
+    constexpr int PER_CTA = WGM * ND * THREADS;
+    const int tile = blockIdx.y * gridDim.x + blockIdx.x;
+    float* tile_ws = split_ws + (size_t)tile * gridDim.z * PER_CTA + tid;
+#pragma unroll
+    for (int i = 0; i < WGM; ++i)
+#pragma unroll
+      for (int j = 0; j < ND; ++j) __stcg(tile_ws + (size_t)blockIdx.z * PER_CTA + (i * ND + j) * THREADS, acc[i][j]);
+    if (!split_k_last_arrival(split_counters + tile, gridDim.z)) return;
+#pragma unroll
+    for (int i = 0; i < WGM; ++i)
+#pragma unroll
+      for (int j = 0; j < ND; ++j) acc[i][j] = 0.f;
+    for (int z = 0; z < (int)gridDim.z; ++z)  // its own partial sums too (in L2), to keep the split order
+#pragma unroll
+      for (int i = 0; i < WGM; ++i)
+#pragma unroll
+        for (int j = 0; j < ND; ++j) acc[i][j] += __ldcg(tile_ws + (size_t)z * PER_CTA + (i * ND + j) * THREADS);
+  }
 
 #pragma unroll
   for (int i = 0; i < WGM; ++i) {
@@ -310,17 +342,24 @@ spmm_sm90_kernel(const T* __restrict__ x, const uint4* __restrict__ values, cons
 #endif
 }
 
+// splits > 1: split-K (a.split_ws / a.split_counters sized by spmm_sm90_split_floats). tokens_fastest: token tiles
+// vary fastest, so the CTAs of one row block run together and read its weight from DRAM once (few-token tiles);
+// otherwise row blocks vary fastest: CTAs resident together share a token tile of X (read once from L2) and walk W.
 template <typename T, typename Cfg>
-cudaError_t launch_sm90(const SpmmArgs& a, cudaStream_t stream) {
+cudaError_t launch_sm90(const SpmmArgs& a, cudaStream_t stream, int splits = 1, bool tokens_fastest = false) {
   constexpr auto kernel = spmm_sm90_kernel<T, Cfg>;
   cudaError_t err = raise_smem_limit_once<kernel>(Cfg::SMEM);
   if (err != cudaSuccess) return err;
-  // Row blocks vary fastest: CTAs resident together share a token tile of X (read once from L2) and walk W.
-  dim3 grid((a.rows_padded + Cfg::ROWS - 1) / Cfg::ROWS, (a.n_tokens + Cfg::BN - 1) / Cfg::BN);
+  const unsigned row_tiles = (a.rows_padded + Cfg::ROWS - 1) / Cfg::ROWS, token_tiles = (a.n_tokens + Cfg::BN - 1) / Cfg::BN;
+  const dim3 grid = tokens_fastest ? dim3(token_tiles, row_tiles, splits) : dim3(row_tiles, token_tiles, splits);
   if (grid.y > 65535) return cudaErrorInvalidConfiguration;  // the binding slices larger inputs
+  if (splits > 1 && (a.split_ws == nullptr || a.split_counters == nullptr || grid.x * grid.y > kSplitKCounters))
+    return cudaErrorInvalidValue;
+  const int k_tiles = (a.steps + 1) / 2, kt_per_split = (k_tiles + splits - 1) / splits;
   kernel<<<grid, kSm90Threads, Cfg::SMEM, stream>>>(
       static_cast<const T*>(a.x), static_cast<const uint4*>(a.values), static_cast<const uint32_t*>(a.meta),
-      static_cast<const T*>(a.bias), static_cast<T*>(a.y), a.n_tokens, a.rows, a.rows_padded, a.k, a.steps, a.act);
+      static_cast<const T*>(a.bias), static_cast<T*>(a.y), a.n_tokens, a.rows, a.rows_padded, a.k, a.steps, a.act,
+      tokens_fastest, kt_per_split, a.split_ws, a.split_counters);
   return cudaGetLastError();
 }
 
@@ -931,6 +970,21 @@ int sm_count() {
   return n;
 }
 
+// The few-token tiles (tile_config.h sm90_small_bn): 128 rows x BN tokens, A and metadata through the cp.async
+// stages; two CTAs per SM up to 64 tokens (small accumulators), more stages at 16 tokens (a smaller X tile).
+template <int BN>
+using SmallCfg = Sm90Cfg<BN, 1, BN == 16 ? 6 : 4, 0, 0, BN <= 64 ? 2 : 1>;
+struct SmallPlan {
+  int bn, splits;
+  long long tiles;
+};
+SmallPlan small_plan(const SpmmArgs& a, int sms) {
+  const int bn = sm90_small_bn(a.n_tokens);
+  const int per_sm = bn == 16 ? SmallCfg<16>::MINB : bn == 64 ? SmallCfg<64>::MINB : SmallCfg<128>::MINB;
+  const long long tiles = (long long)((a.rows_padded + 127) / 128) * ((a.n_tokens + bn - 1) / bn);
+  return {bn, sm90_split_k(tiles, (a.steps + 1) / 2, (long long)sms * per_sm), tiles};
+}
+
 // Tensor map of Y (n_tokens x rows, row-major) for the staged epilogue's TMA stores: boxes of 64 rows x box_tokens
 // tokens, 128-byte swizzle. False where TMA cannot address Y (rows % 8 != 0: the row stride is not a multiple of 16
 // bytes; unaligned base) or the driver refuses: the caller takes a configuration with direct stores.
@@ -1074,9 +1128,13 @@ cudaError_t dispatch_bn(const SpmmArgs& a, cudaStream_t stream) {
   const int forced = lab::tuning().sm90_config.load(std::memory_order_relaxed);
   if (forced >= 6 || (forced >= 0 && a.n_tokens > 128)) return launch_lab<T>(a, stream, forced);
 #endif
-  if (a.n_tokens <= 64) return launch_sm90<T, Sm90Cfg<64, 1, 4, 0>>(a, stream);
-  if (a.n_tokens <= 128) return launch_sm90<T, Sm90Cfg<128, 1, 4, 0>>(a, stream);
   static const int sms = sm_count();
+  if (sm90_small_tiles(a.rows_padded, a.n_tokens, sms)) {
+    const SmallPlan p = small_plan(a, sms);
+    if (p.bn == 16) return launch_sm90<T, SmallCfg<16>>(a, stream, p.splits, true);
+    if (p.bn == 64) return launch_sm90<T, SmallCfg<64>>(a, stream, p.splits, true);
+    return launch_sm90<T, SmallCfg<128>>(a, stream, p.splits, true);
+  }
   return launch_large<T>(a, stream, sm90_large_config(a.rows_padded, a.n_tokens, sms));
 }
 
@@ -1092,6 +1150,13 @@ bool spmm_sm90_available() {
 #else
   return false;
 #endif
+}
+
+int64_t spmm_sm90_split_floats(const SpmmArgs& a) {
+  static const int sms = sm_count();
+  if (a.m != 4 || a.n_tokens <= 0 || !sm90_small_tiles(a.rows_padded, a.n_tokens, sms)) return 0;
+  const SmallPlan p = small_plan(a, sms);
+  return p.splits > 1 ? p.tiles * p.splits * 128 * p.bn : 0;  // per CTA: 256 threads x 64 * BN / 128 accumulators
 }
 
 cudaError_t spmm_sm90(const SpmmArgs& a, cudaStream_t stream) {

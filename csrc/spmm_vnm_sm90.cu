@@ -38,6 +38,7 @@
 
 #include "common.cuh"
 #include "kernels.h"
+#include "tile_config.h"
 #if defined(HF_SPARSE_LAB)
 #include "lab.h"
 #endif
@@ -50,6 +51,7 @@ namespace hf_sparse {
 namespace {
 
 constexpr int kVnmThreads = 256;  // two consumer warpgroups, which also gather
+constexpr int kVnmCtasPerSm = 1;  // the gather registers (up to ~170 per thread) leave room for one CTA per SM
 
 template <int M, int BN>
 struct VnmCfg {
@@ -76,11 +78,14 @@ struct GatherRegs<M, BN, false> {
 };
 #endif
 
+// Grid: (row tiles, token tiles, splits); split z of gridDim.z computes k-tiles [z * kt_per_split, (z + 1) *
+// kt_per_split) of its tile (split-K, as spmm_sm90.cu's few-token tiles; tile_config.h).
 template <typename T, int M, int BN, bool PF>
-__global__ void __launch_bounds__(kVnmThreads, 1)
+__global__ void __launch_bounds__(kVnmThreads, kVnmCtasPerSm)
 spmm_vnm_sm90_kernel(const T* __restrict__ x, const uint4* __restrict__ values, const uint32_t* __restrict__ meta,
                      const uint32_t* __restrict__ columns, const T* __restrict__ bias, T* __restrict__ y,
-                     int n_tokens, int rows, int rows_padded, int k, int steps) {
+                     int n_tokens, int rows, int rows_padded, int k, int steps, int kt_per_split,
+                     float* __restrict__ split_ws, int* __restrict__ split_counters) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using Cfg = VnmCfg<M, BN>;
   using Regs = GatherRegs<M, BN>;
@@ -99,7 +104,9 @@ spmm_vnm_sm90_kernel(const T* __restrict__ x, const uint4* __restrict__ values, 
   const int cta_row0 = blockIdx.x * 128;
   const int mt_cta = cta_row0 >> 4;
   const int mt_valid = (rows_padded - cta_row0) >> 4;
-  const int k_tiles = (steps + 1) >> 1;  // 16 groups (2 k-steps) per k-tile
+  // This CTA's k-tiles (16 groups, 2 k-steps, each): kt0 .. kt0 + k_tiles - 1, local index kt from 0.
+  const int kt0 = blockIdx.z * kt_per_split;
+  const int k_tiles = min((steps + 1) >> 1, kt0 + kt_per_split) - kt0;
   const int groups = k / M, groups_padded = 8 * steps;
   const int slabs = rows_padded >> 6;
   const uint32_t* colp[2];
@@ -132,7 +139,7 @@ spmm_vnm_sm90_kernel(const T* __restrict__ x, const uint4* __restrict__ values, 
       st_off[r] = sl * Cfg::B_BYTES + (tok0 + r) * 128 + ((((uint32_t)gg >> 1) ^ r) << 4) + 8 * (gg & 1) + 2 * jj;
   }
 
-  auto group_of = [&](int kt) { return min(kt * 16 + gg, groups - 1); };  // clamped: never past K
+  auto group_of = [&](int kt) { return min((kt0 + kt) * 16 + gg, groups - 1); };  // clamped: never past K
   const uint32_t* colp_mine = sl ? colp[1] : colp[0];  // word mode: my slab's offsets (no dynamic array index)
   auto load_cw = [&](int kt) { return colp_mine[group_of(kt)]; };
   // Issue the global loads of k-tile kt (word mode: cw = its offsets, loaded one k-tile earlier).
@@ -208,7 +215,9 @@ spmm_vnm_sm90_kernel(const T* __restrict__ x, const uint4* __restrict__ values, 
   const int mt = active ? wg * 4 + wq : 0;
   const uint4* ag = values + (size_t)(mt_cta + mt) * steps * 32 + lane;
   const uint32_t* eg = meta + (size_t)(mt_cta + mt) * steps * 16 + g * 2 + (t & 1);
-  auto fetch_a = [&](int kt, uint4 (&a)[2], uint32_t (&e)[2]) { fetch_a_tile(ag, eg, active, kt, steps, a, e); };
+  auto fetch_a = [&](int kt, uint4 (&a)[2], uint32_t (&e)[2]) {
+    fetch_a_tile(ag, eg, active, kt0 + kt, steps, a, e);
+  };
 
   float acc[ND];
 #pragma unroll
@@ -239,8 +248,8 @@ spmm_vnm_sm90_kernel(const T* __restrict__ x, const uint4* __restrict__ values, 
       if (kt + 2 < k_tiles && active) {
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
-          prefetch_l1(ag + (size_t)min(2 * (kt + 2) + j, steps - 1) * 32);
-          prefetch_l1(eg + (size_t)min(2 * (kt + 2) + j, steps - 1) * 16);
+          prefetch_l1(ag + (size_t)min(2 * (kt0 + kt + 2) + j, steps - 1) * 32);
+          prefetch_l1(eg + (size_t)min(2 * (kt0 + kt + 2) + j, steps - 1) * 16);
         }
       }
     }
@@ -263,6 +272,20 @@ spmm_vnm_sm90_kernel(const T* __restrict__ x, const uint4* __restrict__ values, 
   }
 #pragma unroll
   for (int j = 0; j < ND; ++j) asm volatile("" : "+f"(acc[j])::"memory");  // reads after the wgmma wait
+  if (gridDim.z > 1) {
+    // Split-K: every CTA of the tile writes its partial sums; the last to arrive adds all of them in split order.
+    constexpr int PER_CTA = ND * kVnmThreads;
+    const int tile = blockIdx.y * gridDim.x + blockIdx.x;
+    float* tile_ws = split_ws + (size_t)tile * gridDim.z * PER_CTA + tid;
+#pragma unroll
+    for (int j = 0; j < ND; ++j) __stcg(tile_ws + (size_t)blockIdx.z * PER_CTA + j * kVnmThreads, acc[j]);
+    if (!split_k_last_arrival(split_counters + tile, gridDim.z)) return;
+#pragma unroll
+    for (int j = 0; j < ND; ++j) acc[j] = 0.f;
+    for (int z = 0; z < (int)gridDim.z; ++z)
+#pragma unroll
+      for (int j = 0; j < ND; ++j) acc[j] += __ldcg(tile_ws + (size_t)z * PER_CTA + j * kVnmThreads);
+  }
   if (active) store_tile<T, BN>(acc, cta_row0 + 64 * wg + 16 * wq, n_base, lane, bias, y, rows, n_tokens);
 #elif defined(__CUDA_ARCH__)
   __trap();  // built without sm_90a: the host never launches this (spmm_sm90_available() is false)
@@ -471,6 +494,34 @@ spmm_vnm_sm90_staged_kernel(const T* __restrict__ x, const uint4* __restrict__ v
 #endif
 }
 
+int sm_count() {
+  int dev = 0, n = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
+    return 132;
+  return n;
+}
+
+// Tokens per CTA (see launch_pipe), and the split-K plan of the register pipeline: as many splits as fill the SMs'
+// CTA slots (tile_config.h sm90_split_k). At few tokens a CTA waits about one L2/DRAM round trip per k-tile, so its
+// time is its number of k-tiles, which the splits divide.
+int vnm_bn(const SpmmArgs& a) {
+  bool small = a.m != 8 || a.n_tokens <= 64;
+#if defined(HF_SPARSE_LAB)
+  small = small || lab::tuning().vnm_tile.load(std::memory_order_relaxed) == 64;
+#endif
+  return small ? 64 : 128;
+}
+struct VnmPlan {
+  int bn, splits;
+  long long tiles;
+};
+VnmPlan vnm_plan(const SpmmArgs& a) {
+  static const int sms = sm_count();  // one device per process in practice; at worst a split of the wrong size
+  const int bn = vnm_bn(a);
+  const long long tiles = (long long)((a.rows_padded + 127) / 128) * ((a.n_tokens + bn - 1) / bn);
+  return {bn, sm90_split_k(tiles, (a.steps + 1) / 2, (long long)sms * kVnmCtasPerSm), tiles};
+}
+
 template <typename T, int M, int BN, int S>
 cudaError_t launch_vnm_staged(const SpmmArgs& a, cudaStream_t stream) {
   using Cfg = VnmStagedCfg<M, BN, S>;
@@ -493,12 +544,15 @@ cudaError_t launch_vnm(const SpmmArgs& a, cudaStream_t stream) {
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::SMEM);
   if (err != cudaSuccess) return err;
   // Row blocks vary fastest: CTAs resident together share a token tile of X (read once from L2) and walk W.
-  const dim3 grid((a.rows_padded + 127) / 128, (a.n_tokens + BN - 1) / BN);
+  const VnmPlan p = vnm_plan(a);
+  const dim3 grid((a.rows_padded + 127) / 128, (a.n_tokens + BN - 1) / BN, p.splits);
   if (grid.y > 65535) return cudaErrorInvalidConfiguration;  // the binding slices larger inputs
+  if (p.splits > 1 && (a.split_ws == nullptr || a.split_counters == nullptr)) return cudaErrorInvalidValue;
+  const int k_tiles = (a.steps + 1) / 2, kt_per_split = (k_tiles + p.splits - 1) / p.splits;
   kernel<<<grid, kVnmThreads, Cfg::SMEM, stream>>>(
       static_cast<const T*>(a.x), static_cast<const uint4*>(a.values), static_cast<const uint32_t*>(a.meta),
       reinterpret_cast<const uint32_t*>(a.columns), static_cast<const T*>(a.bias), static_cast<T*>(a.y), a.n_tokens,
-      a.rows, a.rows_padded, a.k, a.steps);
+      a.rows, a.rows_padded, a.k, a.steps, kt_per_split, a.split_ws, a.split_counters);
   return cudaGetLastError();
 }
 
@@ -520,11 +574,7 @@ cudaError_t launch_pipe(const SpmmArgs& a, cudaStream_t stream) {
 template <typename T, int M>
 cudaError_t dispatch_tile(const SpmmArgs& a, cudaStream_t stream) {
   if constexpr (M == 8) {
-    bool small = a.n_tokens <= 64;
-#if defined(HF_SPARSE_LAB)
-    small = small || lab::tuning().vnm_tile.load(std::memory_order_relaxed) == 64;
-#endif
-    if (!small) return launch_pipe<T, M, 128, 3>(a, stream);
+    if (vnm_bn(a) == 128) return launch_pipe<T, M, 128, 3>(a, stream);
     return launch_pipe<T, M, 64, 3>(a, stream);
   }
   return launch_pipe<T, M, 64, 4>(a, stream);
@@ -543,6 +593,12 @@ cudaError_t dispatch_m(const SpmmArgs& a, cudaStream_t stream) {
 }
 
 }  // namespace
+
+int64_t spmm_vnm_sm90_split_floats(const SpmmArgs& a) {
+  if (a.m < 8 || a.n_tokens <= 0) return 0;
+  const VnmPlan p = vnm_plan(a);
+  return p.splits > 1 ? p.tiles * p.splits * 128 * p.bn : 0;  // per CTA: 256 threads x BN / 2 accumulators
+}
 
 cudaError_t spmm_vnm_sm90(const SpmmArgs& a, cudaStream_t stream) {
   if (a.m < 8) return cudaErrorInvalidValue;

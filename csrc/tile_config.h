@@ -80,4 +80,27 @@ inline int sm90_large_config(long long rows_padded, long long n_tokens, int sms)
   return f192 + 0.02 >= f128 ? kSm90Config192 : kSm90Config128;
 }
 
+// The cp.async 2:4 wgmma SpMM (spmm_sm90_kernel) at few tokens, and split-K. Up to 256 tokens a layer's weight is read
+// once and the kernel is bound by how many SMs stream it; the few-token tile is 128 rows x sm90_small_bn tokens, and
+// 129-256 tokens take it too (two 128-token tiles) where the large configurations' tiles would not fill the SMs.
+// Where the tiles cannot fill every CTA slot (SMs x CTAs per SM), each tile's k-tiles are split over sm90_split_k
+// CTAs, each k range at least kSplitKMinKTiles k-tiles (64 columns each) long; the last CTA of a tile to finish adds
+// the others' fp32 partial sums and stores it. kSplitKCounters bounds the tiles of a split launch (one arrival counter
+// each, kept zero between launches by the last CTA).
+constexpr int kSplitKMax = 16, kSplitKMinKTiles = 4, kSplitKCounters = 4096;
+inline int sm90_small_bn(long long n_tokens) { return n_tokens <= 16 ? 16 : n_tokens <= 64 ? 64 : 128; }
+inline bool sm90_small_tiles(long long rows_padded, long long n_tokens, int sms) {
+  if (n_tokens <= 128) return true;
+  return n_tokens <= 256 && (rows_padded + 127) / 128 < sms;  // configs 20/27/23 would leave SMs idle
+}
+inline int sm90_split_k(long long tiles, long long k_tiles, long long slots) {
+  if (tiles <= 0 || tiles > kSplitKCounters) return 1;
+  long long s = slots / tiles;
+  if (s > kSplitKMax) s = kSplitKMax;
+  if (s > k_tiles / kSplitKMinKTiles) s = k_tiles / kSplitKMinKTiles;
+  if (s <= 1) return 1;
+  const long long per = (k_tiles + s - 1) / s;  // k-tiles per split; no split left empty
+  return (int)((k_tiles + per - 1) / per);
+}
+
 }  // namespace hf_sparse

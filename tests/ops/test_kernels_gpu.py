@@ -142,6 +142,52 @@ def test_spmm_vnm_ragged_k_and_token_tiles(v, m, dtype, bias, tokens, groups, pi
         _assert_spmm_matches_reference(x, w, p, b)
 
 
+@pytest.mark.parametrize(("v", "m"), [(64, 4), (64, 8), (128, 8), (64, 16), (128, 64)])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", [1, 3, 16, 17, 64, 65, 200, 256])
+def test_spmm_wgmma_split_k_at_few_tokens(v, m, dtype, tokens):
+    """Few rows and a long K: the sparse-wgmma SpMMs split each tile's 40.5 k-tiles (16 groups each, the last one
+    k-step) over ~10 CTAs (``sm90_split_k``, ``csrc/tile_config.h``), the last split shorter; poisoned memory, bias,
+    tokens across the few-token tile widths (16, 64, 128) and two 128-token tiles (200, 256)."""
+    if not _wgmma_runs_here():
+        pytest.skip("sparse wgmma needs a cc 9.0 GPU and an sm_90a build")
+    rows = 192 if m == 4 else 3 * v
+    w, mask, p = _pack_cuda(rows, (16 * 40 + 8) * m, v, m, dtype, seed=tokens + m)
+    x = torch.randn(tokens, w.shape[1], device="cuda").to(dtype)
+    b = torch.randn(rows, device="cuda").to(dtype)
+    with force_kernel(spmm="wgmma"):
+        _assert_spmm_matches_reference(x, w, p, b)
+
+
+@pytest.mark.parametrize(("v", "m"), [(64, 4), (64, 8)])
+def test_spmm_wgmma_split_k_is_deterministic_across_calls_shapes_and_streams(v, m):
+    """The last CTA of a tile adds the partial sums in split order, so the result does not depend on which CTA
+    finishes last; the arrival counters are left zero for the next call, of any shape, on any stream."""
+    if not _wgmma_runs_here():
+        pytest.skip("sparse wgmma needs a cc 9.0 GPU and an sm_90a build")
+    w, mask, p = _pack_cuda(192, 648 * m, v, m, torch.bfloat16, seed=5)
+    w2, mask2, p2 = _pack_cuda(448, 1000 * m, v, m, torch.bfloat16, seed=6)
+    x = torch.randn(5, w.shape[1], device="cuda").bfloat16()
+    x2 = torch.randn(9, w2.shape[1], device="cuda").bfloat16()
+    with force_kernel(spmm="wgmma"):
+        first = spmm(x, p)
+        runs = [spmm(x, p) for _ in range(20)]
+        other = spmm(x2, p2)
+        again = spmm(x, p)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            on_side = spmm(x, p)
+            other_side = spmm(x2, p2)
+        torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    assert_linear_matches(first, x, w)
+    assert_linear_matches(other, x2, w2)
+    for y in (*runs, again, on_side):
+        assert torch.equal(y, first)
+    assert torch.equal(other_side, other)
+
+
 @pytest.mark.parametrize(("m", "groups"), [(8, 2056), (16, 2100)])
 @pytest.mark.parametrize("pipe", [1, 0])
 def test_spmm_vnm_long_k_falls_back_to_register_pipeline(m, groups, pipe):

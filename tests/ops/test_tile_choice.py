@@ -1,5 +1,5 @@
-"""CPU: the 2:4 sparse-wgmma SpMM's tile choice above 128 tokens (``sm90_large_config`` in ``csrc/tile_config.h``),
-compiled on its own with the host compiler, against hand-computed choices."""
+"""CPU: the sparse-wgmma SpMMs' tile choices in ``csrc/tile_config.h`` (``sm90_large_config`` above 128 tokens, the
+few-token tiles and the split-K count), compiled on their own with the host compiler, against hand-computed choices."""
 
 from __future__ import annotations
 
@@ -29,13 +29,39 @@ CASES = [
     ((768, 8192, 114), 20),
 ]
 
+# (tiles, k_tiles, CTA slots) -> splits: slots // tiles, at most 16 and at most k_tiles // 4, then as many as the
+# k-tiles per split (rounded up) need, so that no split is empty.
+SPLIT_CASES = [
+    ((32, 172, 264), 8),  # 4096 rows (32 tiles) x K 11008 (172 k-tiles), 132 SMs x 2: 264 // 32 = 8
+    ((86, 64, 264), 3),  # 11008 rows x K 4096: 264 // 86 = 3
+    ((224, 64, 264), 1),  # 28672 rows: the tiles fill the slots already
+    ((2, 65, 264), 13),  # 264 // 2 = 132, capped at 16 (65 // 4 = 16 allows it): 5 k-tiles per split, 13 splits
+    ((2, 10, 264), 2),  # 10 k-tiles // 4 = 2 splits of 5
+    ((1, 3, 264), 1),  # fewer than 2 x 4 k-tiles: never split
+    ((5000, 64, 264), 1),  # more tiles than arrival counters (4096): never split
+]
+# (rows_padded, tokens, SMs) -> small tile width in tokens (0: the large configurations)
+SMALL_CASES = [
+    ((4096, 1, 132), 16),
+    ((4096, 16, 132), 16),
+    ((4096, 17, 132), 64),
+    ((4096, 65, 132), 128),
+    ((5120, 256, 132), 128),  # 40 row blocks < 132 SMs: two 128-token tiles
+    ((28672, 256, 132), 0),  # 224 row blocks fill the SMs: configuration 20
+    ((4096, 257, 132), 0),
+]
+
 PROGRAM = r"""
 #include <cstdio>
 #include "tile_config.h"
 int main(int argc, char** argv) {
-  long long rows, tokens; int sms;
-  while (std::scanf("%lld %lld %d", &rows, &tokens, &sms) == 3)
-    std::printf("%d\n", hf_sparse::sm90_large_config(rows, tokens, sms));
+  char fn;
+  long long a, b, c;
+  while (std::scanf(" %c %lld %lld %lld", &fn, &a, &b, &c) == 4) {
+    if (fn == 'L') std::printf("%d\n", hf_sparse::sm90_large_config(a, b, (int)c));
+    if (fn == 'S') std::printf("%d\n", hf_sparse::sm90_split_k(a, b, c));
+    if (fn == 'B') std::printf("%d\n", hf_sparse::sm90_small_tiles(a, b, (int)c) ? hf_sparse::sm90_small_bn(b) : 0);
+  }
   return 0;
 }
 """
@@ -53,7 +79,19 @@ def chooser(tmp_path_factory):
     return exe
 
 
-def test_sm90_large_config_matches_hand_computed_choices(chooser):
-    stdin = "".join(f"{r} {t} {s}\n" for (r, t, s), _ in CASES)
+def _choose(chooser, fn: str, cases) -> list[int]:
+    stdin = "".join(f"{fn} {a} {b} {c}\n" for (a, b, c), _ in cases)
     out = subprocess.run([str(chooser)], input=stdin, capture_output=True, text=True, check=True).stdout.split()
-    assert [int(c) for c in out] == [expected for _, expected in CASES]
+    return [int(c) for c in out]
+
+
+def test_sm90_large_config_matches_hand_computed_choices(chooser):
+    assert _choose(chooser, "L", CASES) == [expected for _, expected in CASES]
+
+
+def test_split_k_count_matches_hand_computed_choices(chooser):
+    assert _choose(chooser, "S", SPLIT_CASES) == [expected for _, expected in SPLIT_CASES]
+
+
+def test_few_token_tiles_match_hand_computed_choices(chooser):
+    assert _choose(chooser, "B", SMALL_CASES) == [expected for _, expected in SMALL_CASES]
