@@ -24,7 +24,8 @@ peak: over the timed steps only.
 Loaded model (eager only, one fresh process each): the checkpoint ``SparseTrainer.save_model`` wrote, loaded with
 ``from_pretrained(dtype=torch.bfloat16)`` onto the GPU, against the same weights saved dense. Memory is
 ``torch.cuda.memory_allocated()`` after 5 warm-up forwards, next to the bytes of the checkpoint's tensors in bf16; prefill is
-the median wall time of 20 forwards under ``inference_mode`` (synchronised around each).
+the median wall time of 20 forwards under ``inference_mode`` (synchronised around each); one-token the same for a forward
+of the first token of each sequence (batch-size tokens through every linear layer, as in decoding, without a cache).
 
 Every worker prints one JSON line; the driver prints markdown tables with ratios against dense of the same model
 and mode, measured in the same run. Each training worker also reports how fast its host issues a small CUDA op
@@ -249,21 +250,29 @@ def load_worker(args) -> dict:
     loaded = torch.cuda.memory_allocated() - base
     g = torch.Generator().manual_seed(2)
     ids = torch.randint(0, model.config.vocab_size, (shape["batch"], shape["seq"]), generator=g).to(DEVICE)
-    times = []
-    with torch.inference_mode():
-        for i in range(25):
+
+    def forward_ms(inputs, count: int) -> list[float]:
+        times = []
+        for _ in range(count):
             torch.cuda.synchronize()
             t = time.perf_counter()
-            model(input_ids=ids)
+            model(input_ids=inputs)
             torch.cuda.synchronize()
-            if i >= 5:
-                times.append((time.perf_counter() - t) * 1e3)
-            if i == 4:
-                after = torch.cuda.memory_allocated() - base
+            times.append((time.perf_counter() - t) * 1e3)
+        return times
+
+    with torch.inference_mode():
+        forward_ms(ids, 5)  # warm-up: plans measured, packs built
+        after = torch.cuda.memory_allocated() - base
+        prefill = statistics.median(forward_ms(ids, 20))
+        first = ids[:, :1]  # one token per sequence: the linear layers at batch-size tokens
+        forward_ms(first, 5)
+        one_token = statistics.median(forward_ms(first, 20))
     result = {
         "model": args.model,
         "config": args.config,
-        "prefill_ms": statistics.median(times),
+        "prefill_ms": prefill,
+        "one_token_ms": one_token,
         "gib_loaded": loaded / 2**30,
         "gib_after_warmup": after / 2**30,
         "checkpoint_tensor_gib": checkpoint_tensor_bytes(args.load) / 2**30,
@@ -360,15 +369,17 @@ def driver(args) -> int:
     if load_rows:
         print("\n## Loaded with from_pretrained(dtype=bfloat16), eager prefill\n")
         print(
-            "| model | checkpoint | prefill ms | vs dense | GiB loaded | GiB after warm-up | checkpoint tensors GiB "
-            "| after warm-up / tensors |"
+            "| model | checkpoint | prefill ms | vs dense | one-token ms | vs dense | GiB loaded | GiB after warm-up "
+            "| checkpoint tensors GiB | after warm-up / tensors |"
         )
-        print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+        print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
         for r in load_rows:
             dense = next((d for d in load_rows if d["model"] == r["model"] and d["config"] == "dense"), None)
             speed = f"{dense['prefill_ms'] / r['prefill_ms']:.3f}x" if dense else "-"
+            one = f"{dense['one_token_ms'] / r['one_token_ms']:.3f}x" if dense else "-"
             print(
-                f"| {r['model']} | {r['config']} | {r['prefill_ms']:.2f} | {speed} | {r['gib_loaded']:.2f} | "
+                f"| {r['model']} | {r['config']} | {r['prefill_ms']:.2f} | {speed} | {r['one_token_ms']:.2f} | {one} | "
+                f"{r['gib_loaded']:.2f} | "
                 f"{r['gib_after_warmup']:.2f} | {r['checkpoint_tensor_gib']:.2f} | "
                 f"{r['gib_after_warmup'] / r['checkpoint_tensor_gib']:.3f} |"
             )

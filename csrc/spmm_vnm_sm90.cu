@@ -51,7 +51,9 @@ namespace hf_sparse {
 namespace {
 
 constexpr int kVnmThreads = 256;  // two consumer warpgroups, which also gather
-constexpr int kVnmCtasPerSm = 1;  // the gather registers (up to ~170 per thread) leave room for one CTA per SM
+// CTAs per SM the registers allow: one at 64 and 128 tokens per CTA (the gather's registers, ~200 per thread), three
+// at 16 (M = 8 only), where each CTA waits on memory most of the time and more of them keep more loads in flight.
+constexpr int vnm_ctas_per_sm(int bn) { return bn == 16 ? 3 : 1; }
 
 template <int M, int BN>
 struct VnmCfg {
@@ -81,7 +83,7 @@ struct GatherRegs<M, BN, false> {
 // Grid: (row tiles, token tiles, splits); split z of gridDim.z computes k-tiles [z * kt_per_split, (z + 1) *
 // kt_per_split) of its tile (split-K, as spmm_sm90.cu's few-token tiles; tile_config.h).
 template <typename T, int M, int BN, bool PF>
-__global__ void __launch_bounds__(kVnmThreads, kVnmCtasPerSm)
+__global__ void __launch_bounds__(kVnmThreads, vnm_ctas_per_sm(BN))
 spmm_vnm_sm90_kernel(const T* __restrict__ x, const uint4* __restrict__ values, const uint32_t* __restrict__ meta,
                      const uint32_t* __restrict__ columns, const T* __restrict__ bias, T* __restrict__ y,
                      int n_tokens, int rows, int rows_padded, int k, int steps, int kt_per_split,
@@ -505,7 +507,9 @@ int sm_count() {
 // CTA slots (tile_config.h sm90_split_k). At few tokens a CTA waits about one L2/DRAM round trip per k-tile, so its
 // time is its number of k-tiles, which the splits divide.
 int vnm_bn(const SpmmArgs& a) {
-  bool small = a.m != 8 || a.n_tokens <= 64;
+  if (a.m != 8) return 64;
+  if (a.n_tokens <= 16) return 16;
+  bool small = a.n_tokens <= 64;
 #if defined(HF_SPARSE_LAB)
   small = small || lab::tuning().vnm_tile.load(std::memory_order_relaxed) == 64;
 #endif
@@ -519,7 +523,7 @@ VnmPlan vnm_plan(const SpmmArgs& a) {
   static const int sms = sm_count();  // one device per process in practice; at worst a split of the wrong size
   const int bn = vnm_bn(a);
   const long long tiles = (long long)((a.rows_padded + 127) / 128) * ((a.n_tokens + bn - 1) / bn);
-  return {bn, sm90_split_k(tiles, (a.steps + 1) / 2, (long long)sms * kVnmCtasPerSm), tiles};
+  return {bn, sm90_split_k(tiles, (a.steps + 1) / 2, (long long)sms * vnm_ctas_per_sm(bn)), tiles};
 }
 
 template <typename T, int M, int BN, int S>
@@ -556,7 +560,8 @@ cudaError_t launch_vnm(const SpmmArgs& a, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-// Tokens per CTA: 128 for M = 8 above 64 tokens, 64 otherwise (the word gather holds 4x the registers per token).
+// Tokens per CTA (vnm_bn): at M = 8, 16 up to 16 tokens, 128 above 64 tokens, else 64; 64 at M >= 16 (the word gather
+// holds 4x the registers per token).
 // Pipeline: X into registers one k-tile ahead. The lab build (HF_SPARSE_LAB) adds, by lab::tuning(), 64-token tiles
 // at M = 8 above 64 tokens (vnm_tile = 64) and two pipelines (vnm_pipe): 1 staged (where the column offsets of the
 // CTA's two slabs fit its 16 KB, i.e. K / M <= 2048; registers otherwise), 2 registers + L1 prefetch; what they
@@ -574,7 +579,9 @@ cudaError_t launch_pipe(const SpmmArgs& a, cudaStream_t stream) {
 template <typename T, int M>
 cudaError_t dispatch_tile(const SpmmArgs& a, cudaStream_t stream) {
   if constexpr (M == 8) {
-    if (vnm_bn(a) == 128) return launch_pipe<T, M, 128, 3>(a, stream);
+    const int bn = vnm_bn(a);
+    if (bn == 16) return launch_vnm<T, M, 16, false>(a, stream);  // the register pipeline only
+    if (bn == 128) return launch_pipe<T, M, 128, 3>(a, stream);
     return launch_pipe<T, M, 64, 3>(a, stream);
   }
   return launch_pipe<T, M, 64, 4>(a, stream);

@@ -82,7 +82,8 @@ inline int sm90_large_config(long long rows_padded, long long n_tokens, int sms)
 
 // The cp.async 2:4 wgmma SpMM (spmm_sm90_kernel) at few tokens, and split-K. Up to 256 tokens a layer's weight is read
 // once and the kernel is bound by how many SMs stream it; the few-token tile is 128 rows x sm90_small_bn tokens, and
-// 129-256 tokens take it too (two 128-token tiles) where the large configurations' tiles would not fill the SMs.
+// 129-256 tokens take it too (two 128-token tiles) where all of them run at once (twice the row blocks <= SMs), where
+// the large configurations' one 256-token tile per row block would leave half the SMs idle or more.
 // Where the tiles cannot fill every CTA slot (SMs x CTAs per SM), each tile's k-tiles are split over sm90_split_k
 // CTAs, each k range at least kSplitKMinKTiles k-tiles (64 columns each) long; the last CTA of a tile to finish adds
 // the others' fp32 partial sums and stores it. kSplitKCounters bounds the tiles of a split launch (one arrival counter
@@ -91,7 +92,7 @@ constexpr int kSplitKMax = 16, kSplitKMinKTiles = 4, kSplitKCounters = 4096;
 inline int sm90_small_bn(long long n_tokens) { return n_tokens <= 16 ? 16 : n_tokens <= 64 ? 64 : 128; }
 inline bool sm90_small_tiles(long long rows_padded, long long n_tokens, int sms) {
   if (n_tokens <= 128) return true;
-  return n_tokens <= 256 && (rows_padded + 127) / 128 < sms;  // configs 20/27/23 would leave SMs idle
+  return n_tokens <= 256 && 2 * ((rows_padded + 127) / 128) <= sms;  // both 128-token tiles of each row block at once
 }
 inline int sm90_split_k(long long tiles, long long k_tiles, long long slots) {
   if (tiles <= 0 || tiles > kSplitKCounters) return 1;

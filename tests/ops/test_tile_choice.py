@@ -46,7 +46,9 @@ SMALL_CASES = [
     ((4096, 16, 132), 16),
     ((4096, 17, 132), 64),
     ((4096, 65, 132), 128),
-    ((5120, 256, 132), 128),  # 40 row blocks < 132 SMs: two 128-token tiles
+    ((5120, 256, 132), 128),  # 40 row blocks: 80 128-token tiles <= 132 SMs
+    ((8192, 200, 132), 128),  # 64 row blocks: 128 tiles
+    ((11008, 256, 132), 0),  # 86 row blocks: 172 tiles > 132 SMs, configuration 20's 86 tiles run at once
     ((28672, 256, 132), 0),  # 224 row blocks fill the SMs: configuration 20
     ((4096, 257, 132), 0),
 ]
