@@ -276,6 +276,7 @@ def load_worker(args) -> dict:
         "gib_loaded": loaded / 2**30,
         "gib_after_warmup": after / 2**30,
         "checkpoint_tensor_gib": checkpoint_tensor_bytes(args.load) / 2**30,
+        "host_launch_us": host_launch_us(),
     }
     if args.dense_out:  # the same weights, dense, for the dense row of the table
         hf_sparse.to_dense(model).save_pretrained(args.dense_out)
@@ -364,6 +365,7 @@ def driver(args) -> int:
             f"{speed} | {r['peak_gib']:.2f} | {mem} | {r['steady_peak_gib']:.2f} | {steady} |"
         )
     launches = [f"{r['config']} ({r['mode']}) {r['host_launch_us']:.1f}" for r in train_rows if "host_launch_us" in r]
+    launches += [f"{r['config']} (loaded) {r['host_launch_us']:.1f}" for r in load_rows if "host_launch_us" in r]
     if launches:
         print("\nhost time to issue one small CUDA op, µs, per worker: " + ", ".join(launches))
     if load_rows:
