@@ -192,11 +192,14 @@ def test_inference_memory_is_the_checkpoint_tensors(spec):
     with torch.inference_mode():
         for _ in range(3):
             y = layer(x)
+        # the output leaves the GPU before the count: the allocator may have served it from a larger cached block
+        # (a kernel's freed scratch), whose whole size memory_allocated() would count
+        y = y.cpu()
         torch.cuda.synchronize()
-        held = torch.cuda.memory_allocated() - base + disk_bytes - y.numel() * y.element_size()
+        held = torch.cuda.memory_allocated() - base + disk_bytes
     assert layer._resident is k
     assert held <= 1.05 * disk_bytes, (held, disk_bytes)
-    _close(y, expected)
+    _close(y, expected.cpu())
     for name, t in layer.state_dict().items():
         assert torch.equal(t, on_disk[name]), name
 
