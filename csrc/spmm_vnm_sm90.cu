@@ -52,7 +52,7 @@ namespace {
 
 constexpr int kVnmThreads = 256;  // two consumer warpgroups, which also gather
 // CTAs per SM the registers allow: one at 64 and 128 tokens per CTA (the gather's registers, ~200 per thread), three
-// at 16 (M = 8, up to 64 tokens), where each CTA waits on memory most of the time and more of them keep more loads in
+// at 16 (M = 8, up to 32 tokens), where each CTA waits on memory most of the time and more of them keep more loads in
 // flight.
 constexpr int vnm_ctas_per_sm(int bn) { return bn == 16 ? 3 : 1; }
 
@@ -509,8 +509,8 @@ int sm_count() {
 // time is its number of k-tiles, which the splits divide.
 int vnm_bn(const SpmmArgs& a) {
   if (a.m != 8) return 64;
-  if (a.n_tokens <= 64) return 16;  // up to 4 token tiles per row block, resident together: the weight read once
-  bool small = false;
+  if (a.n_tokens <= 32) return 16;  // two token tiles per row block at most, resident together: the weight read once
+  bool small = a.n_tokens <= 64;
 #if defined(HF_SPARSE_LAB)
   small = small || lab::tuning().vnm_tile.load(std::memory_order_relaxed) == 64;
 #endif
@@ -561,8 +561,8 @@ cudaError_t launch_vnm(const SpmmArgs& a, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-// Tokens per CTA (vnm_bn): at M = 8, 16 up to 64 tokens, else 128; 64 at M >= 16 (the word gather holds 4x the
-// registers per token).
+// Tokens per CTA (vnm_bn): at M = 8, 16 up to 32 tokens, 64 up to 64, else 128; 64 at M >= 16 (the word gather holds
+// 4x the registers per token).
 // Pipeline: X into registers one k-tile ahead. The lab build (HF_SPARSE_LAB) adds, by lab::tuning(), 64-token tiles
 // at M = 8 above 64 tokens (vnm_tile = 64) and two pipelines (vnm_pipe): 1 staged (where the column offsets of the
 // CTA's two slabs fit its 16 KB, i.e. K / M <= 2048; registers otherwise), 2 registers + L1 prefetch; what they
