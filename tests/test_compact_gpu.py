@@ -208,6 +208,40 @@ def test_inference_memory_is_the_checkpoint_tensors(spec):
 REFRESH_LAYERS = [("2:4", True, 40, 72), ("2:4", False, 192, 320), ("64:2:8", False, 128, 200), ("2:4", True, 64, 96)]
 
 
+@pytest.mark.parametrize("spec", ["2:4", "64:2:8"])
+def test_resident_inference_is_one_extension_call_with_the_general_paths_result(spec):
+    """A resident layer (its pack holds its values) in a measured token bucket runs ``resident_forward``: the same
+    kernel on the same pack as the general path, so bit-identical output; it leaves every other call (grad mode,
+    autocast, another dtype, a new bucket) to the general path, and still refuses a weight written in place."""
+    torch.manual_seed(0)
+    rows, cols = 1024, 2048
+    x = torch.randn(3, 40, cols, device="cuda", dtype=torch.bfloat16)
+    dense = torch.nn.Linear(cols, rows, device="cuda", dtype=torch.bfloat16)
+    mask = compute_mask(dense.weight.detach().float().abs(), parse_pattern(spec))
+    layer = SparseLinear.from_dense(dense, mask, spec)
+    expected = torch.nn.functional.linear(x, torch.where(mask, dense.weight.detach(), 0.0), dense.bias.detach())
+    k = layer.kernel_state(torch.bfloat16)
+    k.plans[(128, False)] = ("sparse", "dense", "gemm")  # its own pack (a measurement may pick the 2:4 view)
+    with torch.inference_mode():
+        general = k(layer, x)  # adopts the pack
+        assert layer._resident is k and k.resident_buckets == {128}
+        short = k.resident_forward(layer, x)
+        assert short is not None and torch.equal(short, general)
+        assert torch.equal(layer(x), general)
+        assert k.resident_forward(layer, x[:, :5]) is None  # 15 tokens: bucket 16, not measured
+        assert k.resident_forward(layer, x.float()) is None
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            assert k.resident_forward(layer, x) is None
+    with torch.enable_grad():
+        assert k.resident_forward(layer, x) is None
+    _close(general, expected)
+    with torch.no_grad():
+        layer.weight.mul_(2.0)
+    with pytest.raises(RuntimeError, match="written in place while torch.inference_mode"):
+        with torch.inference_mode():
+            layer(x)
+
+
 def test_one_launch_refreshes_every_stale_layer_like_the_torch_ops():
     """``refresh_stale`` writes every stale layer's packs (own, transposed, 2:4 view, bias cast) in one launch of the
     extension: the same bytes as the torch ops of ``run_refresh_entries``, the layout's padding included (the packs

@@ -287,6 +287,9 @@ class CompactKernel:
         self.refresher = ext if hasattr(ext, "refresh_packs") else None  # the batched refresh: see refresh_stale
         self.layer = weakref.ref(layer)
         self.resident_version = -1  # the weight's version when adopt made the pack its storage
+        # while resident: the extension function and its arguments for the measured inference buckets (resident_forward)
+        self.resident_call: tuple | None = None
+        self.resident_buckets: frozenset[int] = frozenset()
         _kernels.add(self)
         self._set_kernel_bits()
         watch_optimizer_steps()
@@ -346,7 +349,36 @@ class CompactKernel:
         self.entries = None
         self.stamp = _stamp(weight, layer.bias)
         self.resident_version = weight._version
+        if self.fns[0] is not None and self.after is None:  # one extension call, the activation fused if any
+            q = self.packed
+            self.resident_call = (self.fns[0], q.values, q.meta, q.columns, self.rows, self.cols, self.m, self.code)
+            self.resident_buckets = frozenset(bucket for bucket, trains in self.plans if not trains)
         return True
+
+    def resident_forward(self, layer: SparseLinear, x: Tensor) -> Tensor | None:
+        """The forward of a resident layer (:meth:`adopt`) in a token bucket it has measured, as one call into the
+        extension: a loaded model's inference at few tokens (decoding) is bound by the host's time per layer call,
+        and this path reads nothing it does not need. Every plan of a resident layer is the SpMM on its own pack, so
+        it computes what :meth:`__call__` would. None where that general path must run: grad mode, autocast, another
+        dtype or device, torch.compile tracing, a bucket not measured yet, a misaligned input."""
+        if (
+            torch.compiler.is_compiling()
+            or torch.is_grad_enabled()
+            or x.dtype != self.dtype
+            or not x.is_cuda
+            or torch.is_autocast_enabled("cuda")
+        ):
+            return None
+        fn, values, meta, columns, rows, cols, m, code = self.resident_call
+        n = x.numel() // cols
+        if 1 << max(0, n - 1).bit_length() not in self.resident_buckets:
+            return None
+        x2 = x.reshape(n, cols)
+        if not x2.is_contiguous() or x2.data_ptr() % 16:
+            return None
+        if layer._parameters["weight"]._version != self.resident_version:
+            self.check_resident(layer)  # raises: the weight was written while it held the pack
+        return fn(x2, values, meta, columns, layer._parameters["bias"], rows, cols, m, code).view(*x.shape[:-1], rows)
 
     def check_resident(self, layer: SparseLinear) -> None:
         """Raise if ``layer.weight`` was written in place while it held the pack's values: such a write assumed the
@@ -363,6 +395,7 @@ class CompactKernel:
         """The inverse of :meth:`adopt`: new on-disk ``weight`` values and position buffers made from the pack (which
         stays, as a copy of the values, until the plans drop it)."""
         self.check_resident(layer)
+        self.resident_call, self.resident_buckets = None, frozenset()
         with torch.no_grad(), torch.inference_mode(False):
             values, columns, selectors = logical_from_packed(self.packed)
             layer.weight.data = values  # a new tensor: the pack keeps its storage
