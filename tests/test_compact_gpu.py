@@ -208,18 +208,20 @@ def test_inference_memory_is_the_checkpoint_tensors(spec):
 REFRESH_LAYERS = [("2:4", True, 40, 72), ("2:4", False, 192, 320), ("64:2:8", False, 128, 200), ("2:4", True, 64, 96)]
 
 
+@pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("spec", ["2:4", "64:2:8"])
-def test_resident_inference_is_one_extension_call_with_the_general_paths_result(spec):
+def test_resident_inference_is_one_extension_call_with_the_general_paths_result(spec, bias):
     """A resident layer (its pack holds its values) in a measured token bucket runs ``resident_forward``: the same
     kernel on the same pack as the general path, so bit-identical output; it leaves every other call (grad mode,
     autocast, another dtype, a new bucket) to the general path, and still refuses a weight written in place."""
     torch.manual_seed(0)
     rows, cols = 1024, 2048
     x = torch.randn(3, 40, cols, device="cuda", dtype=torch.bfloat16)
-    dense = torch.nn.Linear(cols, rows, device="cuda", dtype=torch.bfloat16)
+    dense = torch.nn.Linear(cols, rows, bias=bias, device="cuda", dtype=torch.bfloat16)
     mask = compute_mask(dense.weight.detach().float().abs(), parse_pattern(spec))
     layer = SparseLinear.from_dense(dense, mask, spec)
-    expected = torch.nn.functional.linear(x, torch.where(mask, dense.weight.detach(), 0.0), dense.bias.detach())
+    b = dense.bias.detach() if bias else None
+    expected = torch.nn.functional.linear(x, torch.where(mask, dense.weight.detach(), 0.0), b)
     k = layer.kernel_state(torch.bfloat16)
     k.plans[(128, False)] = ("sparse", "dense", "gemm")  # its own pack (a measurement may pick the 2:4 view)
     with torch.inference_mode():

@@ -360,14 +360,9 @@ class CompactKernel:
         extension: a loaded model's inference at few tokens (decoding) is bound by the host's time per layer call,
         and this path reads nothing it does not need. Every plan of a resident layer is the SpMM on its own pack, so
         it computes what :meth:`__call__` would. None where that general path must run: grad mode, autocast, another
-        dtype or device, torch.compile tracing, a bucket not measured yet, a misaligned input."""
-        if (
-            torch.compiler.is_compiling()
-            or torch.is_grad_enabled()
-            or x.dtype != self.dtype
-            or not x.is_cuda
-            or torch.is_autocast_enabled("cuda")
-        ):
+        dtype or device, a bucket not measured yet, a misaligned input. Not for torch.compile to trace (the caller
+        checks)."""
+        if torch.is_grad_enabled() or x.dtype != self.dtype or not x.is_cuda or torch.is_autocast_enabled("cuda"):
             return None
         fn, values, meta, columns, rows, cols, m, code = self.resident_call
         n = x.numel() // cols
@@ -376,9 +371,9 @@ class CompactKernel:
         x2 = x.reshape(n, cols)
         if not x2.is_contiguous() or x2.data_ptr() % 16:
             return None
-        if layer._parameters["weight"]._version != self.resident_version:
+        if layer.weight._version != self.resident_version:
             self.check_resident(layer)  # raises: the weight was written while it held the pack
-        return fn(x2, values, meta, columns, layer._parameters["bias"], rows, cols, m, code).view(*x.shape[:-1], rows)
+        return fn(x2, values, meta, columns, layer.bias, rows, cols, m, code).view(*x.shape[:-1], rows)
 
     def check_resident(self, layer: SparseLinear) -> None:
         """Raise if ``layer.weight`` was written in place while it held the pack's values: such a write assumed the

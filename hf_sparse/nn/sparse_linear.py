@@ -254,11 +254,12 @@ class SparseLinear(nn.Module):
         return dtype if dtype in (torch.bfloat16, torch.float16) else None
 
     def forward(self, x: Tensor) -> Tensor:
-        kernel = self._kernel
-        if kernel is not None and self._resident is kernel and kernel.resident_call is not None:
-            y = kernel.resident_forward(self, x)  # inference on the pack that holds the values: the short path
-            if y is not None:
-                return y
+        if not torch.compiler.is_compiling():  # (torch.compile traces compact_linear, which builds the kernel state)
+            kernel = self._kernel
+            if kernel is not None and self._resident is kernel and kernel.resident_call is not None:
+                y = kernel.resident_forward(self, x)  # inference on the pack that holds the values: the short path
+                if y is not None:
+                    return y
         dtype = self._kernel_dtype(x)
         if dtype is None:
             y = F.linear(x, self._reference_weight(), self.bias)
