@@ -504,17 +504,15 @@ int sm_count() {
   return n;
 }
 
-// Tokens per CTA (see launch_pipe), and the split-K plan of the register pipeline: as many splits as fill the SMs'
-// CTA slots (tile_config.h sm90_split_k). At few tokens a CTA waits about one L2/DRAM round trip per k-tile, so its
-// time is its number of k-tiles, which the splits divide.
+// Tokens per CTA (tile_config.h sm90_vnm_bn; the lab's vnm_tile = 64 forces 64 above 64 tokens at M = 8), and the
+// split-K plan of the register pipeline: as many splits as fill the SMs' CTA slots (sm90_split_k). At few tokens a CTA
+// waits about one L2/DRAM round trip per k-tile, so its time is its number of k-tiles, which the splits divide.
 int vnm_bn(const SpmmArgs& a) {
-  if (a.m != 8) return 64;
-  if (a.n_tokens <= 32) return 16;  // two token tiles per row block at most, resident together: the weight read once
-  bool small = a.n_tokens <= 64;
+  const int bn = sm90_vnm_bn(a.m, a.n_tokens);
 #if defined(HF_SPARSE_LAB)
-  small = small || lab::tuning().vnm_tile.load(std::memory_order_relaxed) == 64;
+  if (bn == 128 && lab::tuning().vnm_tile.load(std::memory_order_relaxed) == 64) return 64;
 #endif
-  return small ? 64 : 128;
+  return bn;
 }
 struct VnmPlan {
   int bn, splits;
@@ -561,8 +559,7 @@ cudaError_t launch_vnm(const SpmmArgs& a, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-// Tokens per CTA (vnm_bn): at M = 8, 16 up to 32 tokens, 64 up to 64, else 128; 64 at M >= 16 (the word gather holds
-// 4x the registers per token).
+// Tokens per CTA: vnm_bn.
 // Pipeline: X into registers one k-tile ahead. The lab build (HF_SPARSE_LAB) adds, by lab::tuning(), 64-token tiles
 // at M = 8 above 64 tokens (vnm_tile = 64) and two pipelines (vnm_pipe): 1 staged (where the column offsets of the
 // CTA's two slabs fit its 16 KB, i.e. K / M <= 2048; registers otherwise), 2 registers + L1 prefetch; what they

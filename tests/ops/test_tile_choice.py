@@ -53,6 +53,17 @@ SMALL_CASES = [
     ((4096, 257, 132), 0),
 ]
 
+# (M, tokens, unused) -> tokens per CTA of the V:2:M sparse-wgmma SpMM
+VNM_CASES = [
+    ((8, 1, 0), 16),
+    ((8, 32, 0), 16),
+    ((8, 33, 0), 64),
+    ((8, 64, 0), 64),
+    ((8, 65, 0), 128),
+    ((16, 1, 0), 64),  # the word gather (M >= 16) has one token width
+    ((128, 8192, 0), 64),
+]
+
 PROGRAM = r"""
 #include <cstdio>
 #include "tile_config.h"
@@ -63,6 +74,7 @@ int main(int argc, char** argv) {
     if (fn == 'L') std::printf("%d\n", hf_sparse::sm90_large_config(a, b, (int)c));
     if (fn == 'S') std::printf("%d\n", hf_sparse::sm90_split_k(a, b, c));
     if (fn == 'B') std::printf("%d\n", hf_sparse::sm90_small_tiles(a, b, (int)c) ? hf_sparse::sm90_small_bn(b) : 0);
+    if (fn == 'V') std::printf("%d\n", hf_sparse::sm90_vnm_bn((int)a, b));
   }
   return 0;
 }
@@ -97,3 +109,7 @@ def test_split_k_count_matches_hand_computed_choices(chooser):
 
 def test_few_token_tiles_match_hand_computed_choices(chooser):
     assert _choose(chooser, "B", SMALL_CASES) == [expected for _, expected in SMALL_CASES]
+
+
+def test_vnm_token_tiles_match_hand_computed_choices(chooser):
+    assert _choose(chooser, "V", VNM_CASES) == [expected for _, expected in VNM_CASES]
