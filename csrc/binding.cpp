@@ -86,13 +86,19 @@ void check_activation(const char* op, const char* name, const at::Tensor& t, int
 // The split-K arrival counters of the 2:4 sparse-wgmma SpMM (kernels.h SpmmArgs::split_counters): one zeroed set per
 // device and stream, made on first use and kept for the process (every launch leaves it zero). Never freed: the map is
 // leaked so no tensor outlives the CUDA context at exit.
+// Null while the stream captures a CUDA graph and has no set yet: zeros made there would be zeroed only when the graph
+// replays, and the kernel then does not split.
 int* split_counters(const at::Device& device, cudaStream_t stream) {
   static std::mutex mutex;
   static auto* sets = new std::map<std::pair<int, cudaStream_t>, at::Tensor>();
   std::lock_guard<std::mutex> lock(mutex);
-  auto& t = (*sets)[{device.index(), stream}];
-  if (!t.defined()) t = at::zeros({hf_sparse::kSplitKCounters}, at::TensorOptions().dtype(at::kInt).device(device));
-  return t.data_ptr<int>();
+  const auto key = std::make_pair((int)device.index(), stream);
+  const auto found = sets->find(key);
+  if (found != sets->end()) return found->second.data_ptr<int>();
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(stream, &capture) != cudaSuccess || capture != cudaStreamCaptureStatusNone) return nullptr;
+  auto t = at::zeros({hf_sparse::kSplitKCounters}, at::TensorOptions().dtype(at::kInt).device(device));
+  return sets->emplace(key, t).first->second.data_ptr<int>();
 }
 
 at::Tensor spmm_impl(const char* op, bool wgmma, const at::Tensor& x, const at::Tensor& values,
@@ -146,10 +152,10 @@ at::Tensor spmm_impl(const char* op, bool wgmma, const at::Tensor& x, const at::
   at::Tensor split_ws;  // split-K partial sums, alive until the launch is queued (the allocator orders reuse by stream)
   if (wgmma) {
     const int64_t floats = m == 4 ? hf_sparse::spmm_sm90_split_floats(a) : hf_sparse::spmm_vnm_sm90_split_floats(a);
-    if (floats > 0) {
+    a.split_counters = floats > 0 ? split_counters(x.device(), stream) : nullptr;
+    if (a.split_counters != nullptr) {
       split_ws = at::empty({floats}, x.options().dtype(at::kFloat));
       a.split_ws = split_ws.data_ptr<float>();
-      a.split_counters = split_counters(x.device(), stream);
     }
   }
   // wgmma: plain 2:4 on spmm_sm90, V:2:M (m >= 8) on spmm_vnm_sm90 (the same packed layout over the kept columns)

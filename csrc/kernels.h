@@ -20,7 +20,8 @@ struct SpmmArgs {
   // Split-K scratch of the sparse-wgmma SpMMs (tile_config.h sm90_split_k): split_ws holds the fp32 partial sums,
   // spmm_sm90_split_floats(args) of them (spmm_vnm_sm90_split_floats at V:2:M), no initial value needed;
   // split_counters kSplitKCounters ints, zero before the first launch and left zero by every launch, used by one
-  // stream at a time. Both may be null where those functions return 0.
+  // stream at a time. Null: the kernel does not split (the binding passes null while a CUDA graph is captured on a
+  // stream that has no counters yet, which it cannot allocate and zero there).
   float* split_ws = nullptr;
   int* split_counters = nullptr;
 };

@@ -342,19 +342,21 @@ spmm_sm90_kernel(const T* __restrict__ x, const uint4* __restrict__ values, cons
 #endif
 }
 
-// splits > 1: split-K (a.split_ws / a.split_counters sized by spmm_sm90_split_floats). tokens_fastest: token tiles
-// vary fastest, so the CTAs of one row block run together and read its weight from DRAM once (few-token tiles);
-// otherwise row blocks vary fastest: CTAs resident together share a token tile of X (read once from L2) and walk W.
+// splits > 1: split-K (a.split_ws / a.split_counters sized by spmm_sm90_split_floats; one split where they are null).
+// tokens_fastest: token tiles vary fastest, so the CTAs of one row block run together and read its weight from DRAM
+// once (few-token tiles); otherwise row blocks vary fastest: CTAs resident together share a token tile of X (read once
+// from L2) and walk W.
 template <typename T, typename Cfg>
 cudaError_t launch_sm90(const SpmmArgs& a, cudaStream_t stream, int splits = 1, bool tokens_fastest = false) {
   constexpr auto kernel = spmm_sm90_kernel<T, Cfg>;
   cudaError_t err = raise_smem_limit_once<kernel>(Cfg::SMEM);
   if (err != cudaSuccess) return err;
-  const unsigned row_tiles = (a.rows_padded + Cfg::ROWS - 1) / Cfg::ROWS, token_tiles = (a.n_tokens + Cfg::BN - 1) / Cfg::BN;
+  if (a.split_ws == nullptr || a.split_counters == nullptr) splits = 1;  // no scratch: see SpmmArgs
+  const unsigned row_tiles = (a.rows_padded + Cfg::ROWS - 1) / Cfg::ROWS;
+  const unsigned token_tiles = (a.n_tokens + Cfg::BN - 1) / Cfg::BN;
   const dim3 grid = tokens_fastest ? dim3(token_tiles, row_tiles, splits) : dim3(row_tiles, token_tiles, splits);
   if (grid.y > 65535) return cudaErrorInvalidConfiguration;  // the binding slices larger inputs
-  if (splits > 1 && (a.split_ws == nullptr || a.split_counters == nullptr || grid.x * grid.y > kSplitKCounters))
-    return cudaErrorInvalidValue;
+  if (splits > 1 && grid.x * grid.y > kSplitKCounters) return cudaErrorInvalidValue;
   const int k_tiles = (a.steps + 1) / 2, kt_per_split = (k_tiles + splits - 1) / splits;
   kernel<<<grid, kSm90Threads, Cfg::SMEM, stream>>>(
       static_cast<const T*>(a.x), static_cast<const uint4*>(a.values), static_cast<const uint32_t*>(a.meta),

@@ -547,11 +547,10 @@ cudaError_t launch_vnm(const SpmmArgs& a, cudaStream_t stream) {
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::SMEM);
   if (err != cudaSuccess) return err;
   // Row blocks vary fastest: CTAs resident together share a token tile of X (read once from L2) and walk W.
-  const VnmPlan p = vnm_plan(a);
-  const dim3 grid((a.rows_padded + 127) / 128, (a.n_tokens + BN - 1) / BN, p.splits);
+  const int splits = a.split_ws != nullptr && a.split_counters != nullptr ? vnm_plan(a).splits : 1;  // see SpmmArgs
+  const dim3 grid((a.rows_padded + 127) / 128, (a.n_tokens + BN - 1) / BN, splits);
   if (grid.y > 65535) return cudaErrorInvalidConfiguration;  // the binding slices larger inputs
-  if (p.splits > 1 && (a.split_ws == nullptr || a.split_counters == nullptr)) return cudaErrorInvalidValue;
-  const int k_tiles = (a.steps + 1) / 2, kt_per_split = (k_tiles + p.splits - 1) / p.splits;
+  const int k_tiles = (a.steps + 1) / 2, kt_per_split = (k_tiles + splits - 1) / splits;
   kernel<<<grid, kVnmThreads, Cfg::SMEM, stream>>>(
       static_cast<const T*>(a.x), static_cast<const uint4*>(a.values), static_cast<const uint32_t*>(a.meta),
       reinterpret_cast<const uint32_t*>(a.columns), static_cast<const T*>(a.bias), static_cast<T*>(a.y), a.n_tokens,
