@@ -8,6 +8,7 @@
 // Token ranges are split over gridDim.z and summed with fp32 atomics into a zeroed output in logical order.
 #include "common.cuh"
 #include "kernels.h"
+#include "smem_limit.h"
 #include "tile_config.h"
 
 namespace hf_sparse {
@@ -189,8 +190,8 @@ cudaError_t launch(const SddmmArgs& a, cudaStream_t stream) {
   constexpr int G = Cfg::GROUPS, CC = 4 * G;
   constexpr size_t SMEM = (size_t)Cfg::STAGES * Cfg::BT * ((64 * Cfg::SLABS + 8) + (G * M + 8)) * sizeof(T) +
                           (size_t)Cfg::SLABS * CC * (Cfg::BT + 8) * sizeof(T) + Cfg::SLABS * CC * sizeof(int);
-  auto kernel = sddmm_kernel<T, M>;
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)SMEM);
+  constexpr auto kernel = sddmm_kernel<T, M>;
+  cudaError_t err = raise_smem_limit_once<kernel>((int)SMEM);
   if (err != cudaSuccess) return err;
   const int m_groups = a.k / a.m;
   dim3 grid((m_groups + G - 1) / G, (a.rows_padded / 64 + Cfg::SLABS - 1) / Cfg::SLABS, 1);

@@ -37,6 +37,7 @@
 
 #include "common.cuh"
 #include "kernels.h"
+#include "smem_limit.h"
 #include "tensor_map.h"
 #include "tile_config.h"
 #if defined(HF_SPARSE_LAB)
@@ -386,8 +387,8 @@ cudaError_t launch(const SddmmArgs& a, cudaStream_t stream) {
   if ((Cfg::DIRECT || Cfg::STAGED) &&
       !encode_rows_map(a.x, a.k, a.n_tokens, Cfg::DIRECT ? 64 : 256, Cfg::BK, a.is_bf16, &x_map))
     return cudaErrorNotSupported;
-  auto kernel = sddmm_sm90_kernel<T, M, STG>;
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::SMEM);
+  constexpr auto kernel = sddmm_sm90_kernel<T, M, STG>;
+  cudaError_t err = raise_smem_limit_once<kernel>(Cfg::SMEM);
   if (err != cudaSuccess) return err;
   const int groups = a.k / a.m;
   dim3 grid((groups + Cfg::NG - 1) / Cfg::NG, (a.rows_padded + 127) / 128, 1);

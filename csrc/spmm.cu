@@ -8,6 +8,7 @@
 // loads otherwise). The epilogue writes Y[n, r] directly (plus bias), so no transposes or copies surround it.
 #include "common.cuh"
 #include "kernels.h"
+#include "smem_limit.h"
 #include "tile_config.h"
 
 namespace hf_sparse {
@@ -209,8 +210,8 @@ cudaError_t launch(const SpmmArgs& a, cudaStream_t stream) {
   using Cfg = SpmmTile<M>;
   constexpr int THREADS = 32 * Cfg::WR * Cfg::WN;
   constexpr size_t SMEM = SpmmSmem<T, M>::TOTAL;
-  auto kernel = spmm_kernel<T, M>;
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)SMEM);
+  constexpr auto kernel = spmm_kernel<T, M>;
+  cudaError_t err = raise_smem_limit_once<kernel>((int)SMEM);
   if (err != cudaSuccess) return err;
   dim3 grid((a.rows_padded + 64 * Cfg::WR - 1) / (64 * Cfg::WR), (a.n_tokens + Cfg::BN - 1) / Cfg::BN);
   if (grid.y > 65535) return cudaErrorInvalidConfiguration;  // > 65535 token tiles: the binding splits the call

@@ -39,6 +39,7 @@
 
 #include "common.cuh"
 #include "kernels.h"
+#include "smem_limit.h"
 #include "tensor_map.h"
 #include "tile_config.h"
 #if defined(HF_SPARSE_LAB)
@@ -54,24 +55,6 @@ namespace hf_sparse {
 namespace {
 
 constexpr int kSm90Threads = 256;  // two consumer warpgroups
-
-// Host cost per call: cudaFuncSetAttribute(MaxDynamicSharedMemorySize) took a few microseconds of host time on every
-// launch (the H200 test machine's host is slow and the training step is host-bound), yet its effect lasts for the
-// function on that device. So it runs once per kernel instantiation (Kernel, a distinct template argument per
-// instantiation) and device; a failed call is retried next time. Devices past kMaxDevices set it on every call.
-constexpr int kMaxDevices = 64;
-template <auto Kernel>
-cudaError_t raise_smem_limit_once(int smem) {
-  static std::atomic<bool> done[kMaxDevices];  // zero-initialised (static storage)
-  int dev = 0;
-  cudaError_t err = cudaGetDevice(&dev);
-  if (err != cudaSuccess) return err;
-  const bool cached = dev >= 0 && dev < kMaxDevices;
-  if (cached && done[dev].load(std::memory_order_acquire)) return cudaSuccess;
-  err = cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  if (err == cudaSuccess && cached) done[dev].store(true, std::memory_order_release);
-  return err;
-}
 
 // CTA tile: 128*WGM weight rows (each warpgroup WGM m64 tiles) x BN tokens, STAGES pipeline stages, and INFLIGHT
 // = 1 keeps one k-tile of wgmmas in flight while the next is issued (0: each iteration waits for its own).

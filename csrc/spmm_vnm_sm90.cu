@@ -38,6 +38,7 @@
 
 #include "common.cuh"
 #include "kernels.h"
+#include "smem_limit.h"
 #include "tile_config.h"
 #if defined(HF_SPARSE_LAB)
 #include "lab.h"
@@ -528,8 +529,8 @@ VnmPlan vnm_plan(const SpmmArgs& a) {
 template <typename T, int M, int BN, int S>
 cudaError_t launch_vnm_staged(const SpmmArgs& a, cudaStream_t stream) {
   using Cfg = VnmStagedCfg<M, BN, S>;
-  auto kernel = spmm_vnm_sm90_staged_kernel<T, M, BN, S>;
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::SMEM);
+  constexpr auto kernel = spmm_vnm_sm90_staged_kernel<T, M, BN, S>;
+  cudaError_t err = raise_smem_limit_once<kernel>(Cfg::SMEM);
   if (err != cudaSuccess) return err;
   const dim3 grid((a.rows_padded + 127) / 128, (a.n_tokens + BN - 1) / BN);
   if (grid.y > 65535) return cudaErrorInvalidConfiguration;
@@ -543,8 +544,8 @@ cudaError_t launch_vnm_staged(const SpmmArgs& a, cudaStream_t stream) {
 template <typename T, int M, int BN, bool PF>
 cudaError_t launch_vnm(const SpmmArgs& a, cudaStream_t stream) {
   using Cfg = VnmCfg<M, BN>;
-  auto kernel = spmm_vnm_sm90_kernel<T, M, BN, PF>;
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::SMEM);
+  constexpr auto kernel = spmm_vnm_sm90_kernel<T, M, BN, PF>;
+  cudaError_t err = raise_smem_limit_once<kernel>(Cfg::SMEM);
   if (err != cudaSuccess) return err;
   // Row blocks vary fastest: CTAs resident together share a token tile of X (read once from L2) and walk W.
   const int splits = a.split_ws != nullptr && a.split_counters != nullptr ? vnm_plan(a).splits : 1;  // see SpmmArgs

@@ -65,6 +65,7 @@ HEADERS = (
     "kernels.h",
     "lab.h",
     "sm90_common.cuh",
+    "smem_limit.h",
     "tensor_map.h",
     "tile_config.h",
     "tma_sm90.cuh",
