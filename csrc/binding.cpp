@@ -83,7 +83,7 @@ void check_activation(const char* op, const char* name, const at::Tensor& t, int
               " must be 16-byte aligned; pass a fresh contiguous tensor");
 }
 
-// The split-K arrival counters of the 2:4 sparse-wgmma SpMM (kernels.h SpmmArgs::split_counters): one zeroed set per
+// The split-K arrival counters of the sparse-wgmma SpMMs (kernels.h SpmmArgs::split_counters): one zeroed set per
 // device and stream, made on first use and kept for the process (every launch leaves it zero). Never freed: the map is
 // leaked so no tensor outlives the CUDA context at exit.
 // Null while the stream captures a CUDA graph and has no set yet: zeros made there would be zeroed only when the graph

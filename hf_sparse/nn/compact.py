@@ -362,7 +362,12 @@ class CompactKernel:
         it computes what :meth:`__call__` would. None where that general path must run: grad mode, autocast, another
         dtype or device, a bucket not measured yet, a misaligned input. Not for torch.compile to trace (the caller
         checks)."""
-        if torch.is_grad_enabled() or x.dtype != self.dtype or not x.is_cuda or torch.is_autocast_enabled("cuda"):
+        if (
+            torch.is_grad_enabled()
+            or x.dtype != self.dtype
+            or x.device != self.device
+            or torch.is_autocast_enabled("cuda")
+        ):
             return None
         fn, values, meta, columns, rows, cols, m, code = self.resident_call
         n = x.numel() // cols
