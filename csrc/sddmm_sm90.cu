@@ -19,7 +19,7 @@
 //      (2 boxes of 256 columns x BK = 16 tokens, no swizzle), S - 2 stages ahead; every gatherer thread reads one
 //      group's 16-byte chunk per token from shared memory and picks its slab's 4 columns with 2 byte permutes per
 //      output word. The lab build (gather_regs): the chunks from global memory into two register sets
-//      (the first version, 1.3-1.4x slower: the proxy fence also waits for the next stage's loads).
+//      (1.3-1.4x slower: the proxy fence also waits for the next stage's loads).
 //    - M >= 16: the 4 kept 16-bit elements per slab from global memory, 8 (group, token) items in flight per thread.
 //    Its thread 0 issues the dY boxes of M >= 16 (expect-tx on "full") and of M = 4 (with X) as well.
 // Consumers wait on "full" (staged: and on the TMA barrier of the stage's dY), issue BK/16 wgmma m64n256k16 per stage,

@@ -26,9 +26,10 @@
 // publishes the stores with fence.proxy.async + one CTA barrier. Two register sets (named, loop unrolled by two) hold
 // the X words of kt+1 and kt+2. Measured on the H200 (ncu, 64:2:8, 4096->11008, 8192 tokens): ~1660 cycles per
 // k-tile against 256 for its wgmmas at the sparse peak, 6 cycles per issued instruction with 2 warps per scheduler,
-// L2 52% and L1 59% busy: latency-bound. Loading X two k-tiles ahead (the first version) was no faster than one,
-// which fits the fence (MEMBAR.ALL.CTA + FENCE.VIEW.ASYNC in SASS) waiting for the thread's in-flight loads; neither
-// the staged pipeline nor L1 prefetches (below) helped.
+// L2 52% and L1 59% busy: latency-bound. Loading X two k-tiles ahead is no faster than one, which fits the fence
+// (MEMBAR.ALL.CTA + FENCE.VIEW.ASYNC in SASS) waiting for the thread's in-flight loads; neither the staged pipeline
+// nor L1 prefetches (below) help. At few tokens the same wait makes each CTA's time its number of k-tiles: split-K
+// (tile_config.h) divides them, and the 16-token tile at M = 8 holds few enough registers for three CTAs per SM.
 // Tails: tokens past n_tokens read the last token's row (chunk) or are not loaded (word); their outputs are never
 // stored. Groups past G (the padded groups up to 8*steps, whose A values are zero) read group G-1's columns, so
 // nothing past K is ever read.
