@@ -17,6 +17,9 @@ cuSPARSELt (2:4; a V:2:M weight keeps <= 2 of every 4 columns, so it runs as 2:4
 (wgmma where available, else mma.sp) / csltC. *v24* (V:2:M only): our 2:4 SpMM on the weight packed as 2:4 (the
 forward a compact V:2:M layer can measure as ``sparse24``), ``v24*D`` = dense / v24.
 
+The run ends with a summary: per pattern and token count, the range over the shapes of the best of our kernels
+(*wgmma*, *ours*, *v24*, whichever is fastest: what a compact layer's measured plan can pick) against cuBLAS.
+
 ``--shapes`` limits the run to some (in x out) shapes; ``--sm90-configs`` (lab build only: ``HF_SPARSE_BUILD_LAB=1``)
 adds, for 2:4 rows, the 2:4 wgmma kernel forced to each listed tile configuration (``lab.tuning``'s ``sm90_config``),
 each checked against the dense product, printed as one extra line per row. Kernels are forced with
@@ -194,6 +197,24 @@ def sddmm_section(tokens_list: list[int], patterns: list[str], shapes: list[tupl
     return rows
 
 
+def best_ratio(row: dict) -> float:
+    """The best of our kernels for the row's pattern against cuBLAS: the sparse-``wgmma`` kernel, ``mma.sp`` or the 2:4
+    view of a V:2:M weight, whichever is fastest (what a compact layer's measured plan can pick)."""
+    ratios = [float(row[key]) for key in ("x_dense", "wgmma_x_dense", "ours_2to4_view_x_dense")]
+    return max(r for r in ratios if r == r)
+
+
+def print_best_summary(rows: list[dict]) -> None:
+    """Per pattern and token count, the range over the shapes of :func:`best_ratio`."""
+    print("\n| pattern | tokens | best of our kernels x cuBLAS (min-max over the shapes) |")
+    print("| --- | ---: | ---: |")
+    for pat in dict.fromkeys(str(r["pattern"]) for r in rows):
+        for tokens in dict.fromkeys(int(r["tokens"]) for r in rows):
+            best = [best_ratio(r) for r in rows if str(r["pattern"]) == pat and int(r["tokens"]) == tokens]
+            if best:
+                print(f"| {pat} | {tokens} | {min(best):.2f}-{max(best):.2f}x |")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, nargs="+", default=[8192, 16])
@@ -317,6 +338,7 @@ def main() -> int:
                         + " | ".join(f"{c}: {t:.4f} {t_dense / t:.2f} {t_cc / t:.2f}" for c, t in t_cfg.items()),
                         flush=True,
                     )
+    print_best_summary(rows_out)
     if args.csv:
         with open(args.csv, "w", newline="") as f:
             wr = csv.DictWriter(f, fieldnames=list(rows_out[0]))
