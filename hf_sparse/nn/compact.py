@@ -168,6 +168,13 @@ def positions(layer: SparseLinear) -> tuple[Tensor, Tensor | None, int]:
     return layer.weight_selectors, layer.weight_columns, layer.pattern.v
 
 
+def token_bucket(tokens: int) -> int:
+    """The token bucket of a call with ``tokens`` rows of input: the smallest power of two that holds them (1 for
+    none). A plan is measured once per bucket (:meth:`CompactKernel.prepare`); the compiled path computes the same
+    bound by comparisons (:func:`hf_sparse.nn.compiled.compact_linear`)."""
+    return 1 << max(0, tokens - 1).bit_length()
+
+
 def kept_index_of(sel: Tensor, sel_columns: Tensor | None, rows: int, cols: int, v: int, m: int) -> Tensor:
     """The flat position in the ``(rows, cols)`` matrix of every kept value (int64, ``(rows, 2 cols / m)``) from the
     positions' on-disk form (:func:`positions`), decoded by the format's own :func:`kept_index`: the reference of the
@@ -371,7 +378,7 @@ class CompactKernel:
             return None
         fn, values, meta, columns, rows, cols, m, code = self.resident_call
         n = x.numel() // cols
-        if 1 << max(0, n - 1).bit_length() not in self.resident_buckets:
+        if token_bucket(n) not in self.resident_buckets:
             return None
         x2 = x.reshape(n, cols)
         if not x2.is_contiguous() or x2.data_ptr() % 16:
@@ -701,7 +708,7 @@ class CompactKernel:
     ) -> tuple[str, str, str]:
         """Bring the packs up to date with the values and return the plan for ``x`` (measured on the first call of
         its token bucket; ``while_tracing``: see :meth:`plan`)."""
-        key = (1 << max(0, x.numel() // self.cols - 1).bit_length(), trains)
+        key = (token_bucket(x.numel() // self.cols), trains)
         plan = self.plans.get(key)
         if layer._resident is self:  # the pack is the values: nothing to refresh
             self.check_resident(layer)

@@ -151,7 +151,7 @@ def compact_linear(layer: SparseLinear, x: Tensor, dtype: torch.dtype) -> Tensor
     if x2.dtype != dtype:
         x2 = x2.to(dtype)
     bucket = 1
-    while bucket < x2.shape[0]:  # comparisons, not bit_length: under dynamic shapes they become the graph's guards
+    while bucket < x2.shape[0]:  # compact.token_bucket by comparisons: under dynamic shapes they become guards
         bucket *= 2
     plan = _compiled_plan(layer._compact_id, bucket, trains, dtype)
     kernel = layer._kernel
