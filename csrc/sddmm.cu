@@ -8,7 +8,7 @@
 // Token ranges are split over gridDim.z and summed with fp32 atomics into a zeroed output in logical order.
 #include "common.cuh"
 #include "kernels.h"
-#include "smem_limit.h"
+#include "launch.h"
 #include "tile_config.h"
 
 namespace hf_sparse {
@@ -195,9 +195,8 @@ cudaError_t launch(const SddmmArgs& a, cudaStream_t stream) {
   if (err != cudaSuccess) return err;
   const int m_groups = a.k / a.m;
   dim3 grid((m_groups + G - 1) / G, (a.rows_padded / 64 + Cfg::SLABS - 1) / Cfg::SLABS, 1);
-  int device = 0, sms = 0;
-  if ((err = cudaGetDevice(&device)) != cudaSuccess) return err;
-  if ((err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device)) != cudaSuccess) return err;
+  int sms = 0;
+  if ((err = current_sm_count(&sms)) != cudaSuccess) return err;
   const int n_chunks = (a.n_tokens + Cfg::BT - 1) / Cfg::BT;
   const long ctas = (long)grid.x * grid.y;
   int splits = (int)((2L * sms + ctas - 1) / ctas);  // aim for ~2 CTAs per SM

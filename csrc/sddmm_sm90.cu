@@ -37,7 +37,7 @@
 
 #include "common.cuh"
 #include "kernels.h"
-#include "smem_limit.h"
+#include "launch.h"
 #include "tensor_map.h"
 #include "tile_config.h"
 #if defined(HF_SPARSE_LAB)
@@ -393,9 +393,8 @@ cudaError_t launch(const SddmmArgs& a, cudaStream_t stream) {
   const int groups = a.k / a.m;
   dim3 grid((groups + Cfg::NG - 1) / Cfg::NG, (a.rows_padded + 127) / 128, 1);
   if (grid.y > 65535) return cudaErrorInvalidConfiguration;
-  int device = 0, sms = 0;
-  if ((err = cudaGetDevice(&device)) != cudaSuccess) return err;
-  if ((err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device)) != cudaSuccess) return err;
+  int sms = 0;
+  if ((err = current_sm_count(&sms)) != cudaSuccess) return err;
   const int n_chunks = (a.n_tokens + Cfg::BK - 1) / Cfg::BK;
   const int splits = pick_splits((long)grid.x * grid.y, n_chunks, sms);
   const int per = (n_chunks + splits - 1) / splits;

@@ -8,7 +8,7 @@
 // loads otherwise). The epilogue writes Y[n, r] directly (plus bias), so no transposes or copies surround it.
 #include "common.cuh"
 #include "kernels.h"
-#include "smem_limit.h"
+#include "launch.h"
 #include "tile_config.h"
 
 namespace hf_sparse {

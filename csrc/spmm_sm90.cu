@@ -39,7 +39,7 @@
 
 #include "common.cuh"
 #include "kernels.h"
-#include "smem_limit.h"
+#include "launch.h"
 #include "tensor_map.h"
 #include "tile_config.h"
 #if defined(HF_SPARSE_LAB)
@@ -948,13 +948,6 @@ bool encode_u32_rows_map(const void* base, int row_words, int n_rows, int box_wo
   return res == CUDA_SUCCESS;
 }
 
-int sm_count() {
-  int dev = 0, n = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
-    return 132;
-  return n;
-}
-
 // The few-token tiles (tile_config.h sm90_small_bn): 128 rows x BN tokens, A and metadata through the cp.async
 // stages; two CTAs per SM up to 64 tokens (small accumulators), more stages at 16 tokens (a smaller X tile).
 template <int BN>
@@ -1015,7 +1008,8 @@ cudaError_t launch_sm90_tma_a(const SpmmArgs& a, cudaStream_t stream) {
   const int row_units = ((a.rows_padded + 127) / 128 + CLUSTER - 1) / CLUSTER;
   const long long tiles = (long long)row_units * ((a.n_tokens + BN - 1) / BN);
   if (tiles > (1LL << 31) - 1) return cudaErrorInvalidConfiguration;
-  static const int sms = sm_count();  // one device per process in practice; at worst a grid of the wrong size
+  int sms = 0;
+  if ((err = current_sm_count(&sms)) != cudaSuccess) return err;
   if constexpr (CLUSTER == 1) {
     const int grid = PERSIST ? (int)std::min<long long>(tiles, sms) : (int)tiles;
     kernel<<<grid, kTmaThreads, smem, stream>>>(x_map, a_map, e_map, y_map, static_cast<const T*>(a.bias),
@@ -1113,7 +1107,9 @@ cudaError_t dispatch_bn(const SpmmArgs& a, cudaStream_t stream) {
   const int forced = lab::tuning().sm90_config.load(std::memory_order_relaxed);
   if (forced >= 6 || (forced >= 0 && a.n_tokens > 128)) return launch_lab<T>(a, stream, forced);
 #endif
-  static const int sms = sm_count();
+  int sms = 0;
+  const cudaError_t err = current_sm_count(&sms);
+  if (err != cudaSuccess) return err;
   if (sm90_small_tiles(a.rows_padded, a.n_tokens, sms)) {
     const SmallPlan p = small_plan(a, sms);
     if (p.bn == 16) return launch_sm90<T, SmallCfg<16>>(a, stream, p.splits, true);
@@ -1138,8 +1134,9 @@ bool spmm_sm90_available() {
 }
 
 int64_t spmm_sm90_split_floats(const SpmmArgs& a) {
-  static const int sms = sm_count();
-  if (a.m != 4 || a.n_tokens <= 0 || !sm90_small_tiles(a.rows_padded, a.n_tokens, sms)) return 0;
+  int sms = 0;
+  if (a.m != 4 || a.n_tokens <= 0 || current_sm_count(&sms) != cudaSuccess) return 0;  // (the launch reports an error)
+  if (!sm90_small_tiles(a.rows_padded, a.n_tokens, sms)) return 0;
   const SmallPlan p = small_plan(a, sms);
   return p.splits > 1 ? p.tiles * p.splits * 128 * p.bn : 0;  // per CTA: 256 threads x 64 * BN / 128 accumulators
 }

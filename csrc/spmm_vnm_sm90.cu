@@ -39,7 +39,7 @@
 
 #include "common.cuh"
 #include "kernels.h"
-#include "smem_limit.h"
+#include "launch.h"
 #include "tile_config.h"
 #if defined(HF_SPARSE_LAB)
 #include "lab.h"
@@ -499,13 +499,6 @@ spmm_vnm_sm90_staged_kernel(const T* __restrict__ x, const uint4* __restrict__ v
 #endif
 }
 
-int sm_count() {
-  int dev = 0, n = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
-    return 132;
-  return n;
-}
-
 // Tokens per CTA (tile_config.h sm90_vnm_bn; the lab's vnm_tile = 64 forces 64 above 64 tokens at M = 8), and the
 // split-K plan of the register pipeline: as many splits as fill the SMs' CTA slots (sm90_split_k). At few tokens a CTA
 // waits about one L2/DRAM round trip per k-tile, so its time is its number of k-tiles, which the splits divide.
@@ -521,7 +514,8 @@ struct VnmPlan {
   long long tiles;
 };
 VnmPlan vnm_plan(const SpmmArgs& a) {
-  static const int sms = sm_count();  // one device per process in practice; at worst a split of the wrong size
+  int sms = 0;
+  if (current_sm_count(&sms) != cudaSuccess) sms = 0;  // no split (the launch reports the error)
   const int bn = vnm_bn(a);
   const long long tiles = (long long)((a.rows_padded + 127) / 128) * ((a.n_tokens + bn - 1) / bn);
   return {bn, sm90_split_k(tiles, (a.steps + 1) / 2, (long long)sms * vnm_ctas_per_sm(bn)), tiles};

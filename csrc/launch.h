@@ -1,0 +1,50 @@
+// Host helpers every kernel launcher shares: the opt-in to more than 48 KB of dynamic shared memory, and the SM count
+// that grid and split choices are made for. Each is a CUDA runtime call of a few microseconds of host time whose
+// answer does not change, so it is made once per kernel instantiation or device, not on every launch (the training
+// step and few-token inference are host-bound on slow hosts).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <atomic>
+
+namespace hf_sparse {
+
+constexpr int kMaxCachedDevices = 64;  // devices past this query on every call
+
+// cudaFuncSetAttribute(MaxDynamicSharedMemorySize) for Kernel (a distinct template argument per instantiation) on the
+// current device, once; a failed call is retried next time.
+template <auto Kernel>
+cudaError_t raise_smem_limit_once(int smem) {
+  static std::atomic<bool> done[kMaxCachedDevices];  // zero-initialised (static storage)
+  int dev = 0;
+  cudaError_t err = cudaGetDevice(&dev);
+  if (err != cudaSuccess) return err;
+  const bool cached = dev >= 0 && dev < kMaxCachedDevices;
+  if (cached && done[dev].load(std::memory_order_acquire)) return cudaSuccess;
+  err = cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (err == cudaSuccess && cached) done[dev].store(true, std::memory_order_release);
+  return err;
+}
+
+// The current device's number of SMs in *sms, queried once per device.
+inline cudaError_t current_sm_count(int* sms) {
+  static std::atomic<int> counts[kMaxCachedDevices];  // 0: not queried yet
+  int dev = 0;
+  cudaError_t err = cudaGetDevice(&dev);
+  if (err != cudaSuccess) return err;
+  const bool cached = dev >= 0 && dev < kMaxCachedDevices;
+  const int known = cached ? counts[dev].load(std::memory_order_relaxed) : 0;
+  if (known > 0) {
+    *sms = known;
+    return cudaSuccess;
+  }
+  int n = 0;
+  err = cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev);
+  if (err != cudaSuccess) return err;
+  if (cached) counts[dev].store(n, std::memory_order_relaxed);
+  *sms = n;
+  return cudaSuccess;
+}
+
+}  // namespace hf_sparse
