@@ -15,9 +15,10 @@ import statistics
 import time
 
 import torch
+from bench_trainer import oneshot_config
 from torch import nn
 
-from hf_sparse import Pruner, SparsityConfig
+from hf_sparse import Pruner
 from hf_sparse.nn import SparseLinear
 
 SHAPES = [(1024, 1024), (4096, 1024), (1024, 4096), (4096, 4096), (11008, 4096), (4096, 11008)]
@@ -39,16 +40,7 @@ def timed(fn, iters: int) -> float:
 
 def compact_from(linear: nn.Linear, pattern: str) -> SparseLinear:
     wrapper = nn.Sequential(linear)
-    cfg = SparsityConfig(
-        score="magnitude",
-        pattern=pattern.rstrip("T"),
-        schedule="oneshot",
-        start=0,
-        end=0,
-        transposable=pattern.endswith("T"),
-        targets=[r"^0$"],
-    )
-    pruner = Pruner(wrapper, cfg)
+    pruner = Pruner(wrapper, oneshot_config(pattern, targets=[r"^0$"]))
     pruner.bind(1)
     pruner.update(0)
     mask = pruner.masks["0"]

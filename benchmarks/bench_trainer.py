@@ -121,6 +121,22 @@ def host_launch_us(device: str = DEVICE, calls: int = 1000) -> float:
     return issued
 
 
+def oneshot_config(spec: str, **extra):
+    """The benchmarks' sparsity: magnitude pruning, one-shot at step 0, to ``spec`` (a pattern, with ``T`` appended
+    for transposable 2:4, e.g. ``"2:4T"``); ``extra``: further ``SparsityConfig`` fields."""
+    import hf_sparse
+
+    return hf_sparse.SparsityConfig(
+        score="magnitude",
+        pattern=spec.rstrip("T"),
+        schedule="oneshot",
+        start=0,
+        end=0,
+        transposable=spec.endswith("T"),
+        **extra,
+    )
+
+
 def build_trainer(model_name: str, config: str, mode: str, steps: int, output_dir: str, callbacks: list,
                   compact_fallback: str):  # fmt: skip
     """The trainer of one configuration: ``model_name`` built from its config, ``steps`` steps on random tokens, bf16
@@ -152,15 +168,7 @@ def build_trainer(model_name: str, config: str, mode: str, steps: int, output_di
     data = RandomTokens(shape["batch"] * steps, shape["seq"], model.config.vocab_size)
     if config == "dense":
         return Trainer(model=model, args=targs, train_dataset=data, callbacks=callbacks)
-    cfg = hf_sparse.SparsityConfig(
-        score="magnitude",
-        pattern=config.rstrip("T"),
-        schedule="oneshot",
-        start=0,
-        end=0,
-        transposable=config.endswith("T"),
-        compact_fallback=compact_fallback,
-    )
+    cfg = oneshot_config(config, compact_fallback=compact_fallback)
     return hf_sparse.SparseTrainer(
         model=model, args=targs, train_dataset=data, callbacks=callbacks, sparsity_config=cfg
     )

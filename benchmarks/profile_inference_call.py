@@ -6,7 +6,8 @@
 For each layer, under ``torch.inference_mode()`` on bf16 inputs (the plan already measured): the wall time per call of
 1000 back-to-back calls while the GPU is kept busy by a spin kernel queued first (so the figure is the host's time to
 issue the call, not the GPU's), for ``nn.Linear``, the layer's ``__call__``, and the extension call it ends in with
-prebuilt arguments; then the top functions of a cProfile of the layer calls (cumulative time).
+its arguments bound (``CompactKernel.resident_call``; ``forward_compute`` where the layer is not resident); then the
+top functions of a cProfile of the layer calls.
 """
 # ruff: noqa: B023  (every timed lambda is called at once, inside its own loop iteration)
 
@@ -20,8 +21,6 @@ import time
 import torch
 from bench_compact_layer import compact_from
 from torch import nn
-
-from hf_sparse.nn.compact import positions
 
 
 def host_us(fn, calls: int = 1000) -> float:
@@ -58,15 +57,13 @@ def main() -> int:
             plan = k.plans[next(iter(k.plans))]
             print(f"{pattern}: plans {k.plans}, resident {layer._resident is k}")
             print(f"{pattern}: layer(x) {host_us(lambda: layer(x)):.1f} us per call")
-            view = plan[0] == "sparse24"
-            q = k.packed24 if view else k.packed
-            sel, sel_columns, v_g = positions(layer)
-            bias = k.bias_lp if k.bias_lp is not None else layer.bias
-            argv = (
-                x, layer.weight.detach(), bias, q.values, q.meta, q.columns, sel, sel_columns, k.rows, k.cols,
-                4 if view else k.m, v_g, k.m, int(plan[0] != "dense"), k.kernel_bits24 if view else k.kernel_bits,
-            )  # fmt: skip
-            print(f"{pattern}: compact_forward alone {host_us(lambda: k.native_forward(*argv)):.1f} us per call")
+            if k.resident_call is not None:  # the extension function resident_forward calls, its arguments bound
+                fn, values, meta, columns, rows, cols, m, code = k.resident_call
+                alone = host_us(lambda: fn(x, values, meta, columns, layer.bias, rows, cols, m, code))
+                print(f"{pattern}: the extension call alone {alone:.1f} us per call")
+            else:
+                alone = host_us(lambda: k.forward_compute(layer, x, plan, fuse=True))
+                print(f"{pattern}: not resident; forward_compute alone {alone:.1f} us per call")
             prof = cProfile.Profile()
             prof.enable()
             for _ in range(2000):
