@@ -952,15 +952,10 @@ bool encode_u32_rows_map(const void* base, int row_words, int n_rows, int box_wo
 // stages; two CTAs per SM up to 64 tokens (small accumulators), more stages at 16 tokens (a smaller X tile).
 template <int BN>
 using SmallCfg = Sm90Cfg<BN, 1, BN == 16 ? 6 : 4, 0, 0, BN <= 64 ? 2 : 1>;
-struct SmallPlan {
-  int bn, splits;
-  long long tiles;
-};
-SmallPlan small_plan(const SpmmArgs& a, int sms) {
+Sm90SplitPlan small_plan(const SpmmArgs& a, int sms) {
   const int bn = sm90_small_bn(a.n_tokens);
   const int per_sm = bn == 16 ? SmallCfg<16>::MINB : bn == 64 ? SmallCfg<64>::MINB : SmallCfg<128>::MINB;
-  const long long tiles = (long long)((a.rows_padded + 127) / 128) * ((a.n_tokens + bn - 1) / bn);
-  return {bn, sm90_split_k(tiles, (a.steps + 1) / 2, (long long)sms * per_sm), tiles};
+  return sm90_split_plan(a.rows_padded, a.n_tokens, bn, (a.steps + 1) / 2, (long long)sms * per_sm);
 }
 
 // Tensor map of Y (n_tokens x rows, row-major) for the staged epilogue's TMA stores: boxes of 64 rows x box_tokens
@@ -1111,7 +1106,7 @@ cudaError_t dispatch_bn(const SpmmArgs& a, cudaStream_t stream) {
   const cudaError_t err = current_sm_count(&sms);
   if (err != cudaSuccess) return err;
   if (sm90_small_tiles(a.rows_padded, a.n_tokens, sms)) {
-    const SmallPlan p = small_plan(a, sms);
+    const Sm90SplitPlan p = small_plan(a, sms);
     if (p.bn == 16) return launch_sm90<T, SmallCfg<16>>(a, stream, p.splits, true);
     if (p.bn == 64) return launch_sm90<T, SmallCfg<64>>(a, stream, p.splits, true);
     return launch_sm90<T, SmallCfg<128>>(a, stream, p.splits, true);
@@ -1137,8 +1132,7 @@ int64_t spmm_sm90_split_floats(const SpmmArgs& a) {
   int sms = 0;
   if (a.m != 4 || a.n_tokens <= 0 || current_sm_count(&sms) != cudaSuccess) return 0;  // (the launch reports an error)
   if (!sm90_small_tiles(a.rows_padded, a.n_tokens, sms)) return 0;
-  const SmallPlan p = small_plan(a, sms);
-  return p.splits > 1 ? p.tiles * p.splits * 128 * p.bn : 0;  // per CTA: 256 threads x 64 * BN / 128 accumulators
+  return small_plan(a, sms).scratch_floats();
 }
 
 cudaError_t spmm_sm90(const SpmmArgs& a, cudaStream_t stream) {

@@ -509,16 +509,11 @@ int vnm_bn(const SpmmArgs& a) {
 #endif
   return bn;
 }
-struct VnmPlan {
-  int bn, splits;
-  long long tiles;
-};
-VnmPlan vnm_plan(const SpmmArgs& a) {
+Sm90SplitPlan vnm_plan(const SpmmArgs& a) {
   int sms = 0;
   if (current_sm_count(&sms) != cudaSuccess) sms = 0;  // no split (the launch reports the error)
   const int bn = vnm_bn(a);
-  const long long tiles = (long long)((a.rows_padded + 127) / 128) * ((a.n_tokens + bn - 1) / bn);
-  return {bn, sm90_split_k(tiles, (a.steps + 1) / 2, (long long)sms * vnm_ctas_per_sm(bn)), tiles};
+  return sm90_split_plan(a.rows_padded, a.n_tokens, bn, (a.steps + 1) / 2, (long long)sms * vnm_ctas_per_sm(bn));
 }
 
 template <typename T, int M, int BN, int S>
@@ -596,8 +591,7 @@ cudaError_t dispatch_m(const SpmmArgs& a, cudaStream_t stream) {
 
 int64_t spmm_vnm_sm90_split_floats(const SpmmArgs& a) {
   if (a.m < 8 || a.n_tokens <= 0) return 0;
-  const VnmPlan p = vnm_plan(a);
-  return p.splits > 1 ? p.tiles * p.splits * 128 * p.bn : 0;  // per CTA: 256 threads x BN / 2 accumulators
+  return vnm_plan(a).scratch_floats();
 }
 
 cudaError_t spmm_vnm_sm90(const SpmmArgs& a, cudaStream_t stream) {

@@ -110,5 +110,17 @@ inline int sm90_split_k(long long tiles, long long k_tiles, long long slots) {
   const long long per = (k_tiles + s - 1) / s;  // k-tiles per split; no split left empty
   return (int)((k_tiles + per - 1) / per);
 }
+// The split-K plan of a grid of 128-row x bn-token tiles with k_tiles k-tiles each and `slots` CTA slots: the splits
+// (sm90_split_k) and the fp32 scratch their partial sums take, one 128 x bn accumulator tile per CTA (0 unsplit).
+struct Sm90SplitPlan {
+  int bn, splits;
+  long long tiles;
+  long long scratch_floats() const { return splits > 1 ? tiles * splits * 128 * bn : 0; }
+};
+inline Sm90SplitPlan sm90_split_plan(long long rows_padded, long long n_tokens, int bn, long long k_tiles,
+                                     long long slots) {
+  const long long tiles = ((rows_padded + 127) / 128) * ((n_tokens + bn - 1) / bn);
+  return {bn, sm90_split_k(tiles, k_tiles, slots), tiles};
+}
 
 }  // namespace hf_sparse
