@@ -75,21 +75,48 @@ __device__ __forceinline__ uint64_t desc_k128(uint32_t smem_addr) {
          ((uint64_t)1 << 62);
 }
 
-// Split-K arrival of one CTA of a tile, after every thread has written its partial sums (st.global.cg): true in the
-// last CTA of the tile to arrive, which may then read every other CTA's partial sums (ld.global.cg) and has reset the
-// tile's counter to zero for the next launch (the threadfence-reduction pattern: fence, count, fence).
-__device__ __forceinline__ bool split_k_last_arrival(int* counter, int splits) {
-  __shared__ int last;
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    last = atomicAdd(counter, 1) == splits - 1;
-    if (last) *counter = 0;
+// Split-K at the end of a CTA of a split tile (gridDim.z splits; tile_config.h sm90_split_k): its partial sums go
+// to the tile's scratch in split_ws, THREADS x FLOATS floats per CTA (FLOATS accumulators per thread, each array at
+// its offset among them), coalesced; the last CTA of the tile to arrive (its counter) reads all of them back in split order, its own included,
+// so the sum does not depend on the arrival order. Use: store() every array, then if last(), sum() every array.
+template <int FLOATS, int THREADS>
+struct SplitK {
+  static constexpr int PER_CTA = FLOATS * THREADS;
+  float* ws;     // this thread's first float of the tile's scratch
+  int* counter;  // the tile's arrival counter, zero between launches
+  __device__ __forceinline__ SplitK(float* split_ws, int* split_counters) {
+    const int tile = blockIdx.y * gridDim.x + blockIdx.x;
+    ws = split_ws + (size_t)tile * gridDim.z * PER_CTA + threadIdx.x;
+    counter = split_counters + tile;
   }
-  __syncthreads();
-  if (last) __threadfence();
-  return last;
-}
+  template <int N>
+  __device__ __forceinline__ void store(const float (&acc)[N], int offset) const {
+#pragma unroll
+    for (int j = 0; j < N; ++j) __stcg(ws + (size_t)blockIdx.z * PER_CTA + (offset + j) * THREADS, acc[j]);
+  }
+  // After every thread's store(): true in the last CTA of the tile to arrive, which has reset the counter for the next
+  // launch (the threadfence-reduction pattern: fence, count, fence).
+  __device__ __forceinline__ bool last() const {
+    __shared__ int is_last;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      is_last = atomicAdd(counter, 1) == (int)gridDim.z - 1;
+      if (is_last) *counter = 0;
+    }
+    __syncthreads();
+    if (is_last) __threadfence();
+    return is_last;
+  }
+  template <int N>
+  __device__ __forceinline__ void sum(float (&acc)[N], int offset) const {
+#pragma unroll
+    for (int j = 0; j < N; ++j) acc[j] = 0.f;
+    for (int z = 0; z < (int)gridDim.z; ++z)
+#pragma unroll
+      for (int j = 0; j < N; ++j) acc[j] += __ldcg(ws + (size_t)z * PER_CTA + (offset + j) * THREADS);
+  }
+};
 
 // Epilogue of one m64 x BN accumulator tile of a warpgroup: this warp's 16 rows start at row0. acc[4*nt + c]: row
 // g + 8*(c >> 1), token n_base + 8*nt + 2t + (c & 1). Lanes g and g^1 swap halves so each lane holds two adjacent

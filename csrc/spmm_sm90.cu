@@ -288,26 +288,13 @@ spmm_sm90_kernel(const T* __restrict__ x, const uint4* __restrict__ values, cons
 #pragma unroll
     for (int j = 0; j < ND; ++j) asm volatile("" : "+f"(acc[i][j])::"memory");  // reads after the wgmma wait
 
-  if (gridDim.z > 1) {
-    // Split-K: every CTA of the tile writes its partial sums (each thread its own accumulators, coalesced); the last
-    // to arrive adds all of them in split order (the same result whichever CTA is last) and stores the tile.
-    constexpr int PER_CTA = WGM * ND * THREADS;
-    const int tile = blockIdx.y * gridDim.x + blockIdx.x;
-    float* tile_ws = split_ws + (size_t)tile * gridDim.z * PER_CTA + tid;
+  if (gridDim.z > 1) {  // split-K: the last CTA of the tile to finish stores it (sm90_common.cuh SplitK)
+    const SplitK<WGM * ND, THREADS> split(split_ws, split_counters);
 #pragma unroll
-    for (int i = 0; i < WGM; ++i)
+    for (int i = 0; i < WGM; ++i) split.store(acc[i], i * ND);
+    if (!split.last()) return;
 #pragma unroll
-      for (int j = 0; j < ND; ++j) __stcg(tile_ws + (size_t)blockIdx.z * PER_CTA + (i * ND + j) * THREADS, acc[i][j]);
-    if (!split_k_last_arrival(split_counters + tile, gridDim.z)) return;
-#pragma unroll
-    for (int i = 0; i < WGM; ++i)
-#pragma unroll
-      for (int j = 0; j < ND; ++j) acc[i][j] = 0.f;
-    for (int z = 0; z < (int)gridDim.z; ++z)  // its own partial sums too (in L2), to keep the split order
-#pragma unroll
-      for (int i = 0; i < WGM; ++i)
-#pragma unroll
-        for (int j = 0; j < ND; ++j) acc[i][j] += __ldcg(tile_ws + (size_t)z * PER_CTA + (i * ND + j) * THREADS);
+    for (int i = 0; i < WGM; ++i) split.sum(acc[i], i * ND);
   }
 
 #pragma unroll

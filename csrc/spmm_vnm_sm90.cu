@@ -277,19 +277,11 @@ spmm_vnm_sm90_kernel(const T* __restrict__ x, const uint4* __restrict__ values, 
   }
 #pragma unroll
   for (int j = 0; j < ND; ++j) asm volatile("" : "+f"(acc[j])::"memory");  // reads after the wgmma wait
-  if (gridDim.z > 1) {
-    // Split-K: every CTA of the tile writes its partial sums; the last to arrive adds all of them in split order.
-    constexpr int PER_CTA = ND * kVnmThreads;
-    const int tile = blockIdx.y * gridDim.x + blockIdx.x;
-    float* tile_ws = split_ws + (size_t)tile * gridDim.z * PER_CTA + tid;
-#pragma unroll
-    for (int j = 0; j < ND; ++j) __stcg(tile_ws + (size_t)blockIdx.z * PER_CTA + j * kVnmThreads, acc[j]);
-    if (!split_k_last_arrival(split_counters + tile, gridDim.z)) return;
-#pragma unroll
-    for (int j = 0; j < ND; ++j) acc[j] = 0.f;
-    for (int z = 0; z < (int)gridDim.z; ++z)
-#pragma unroll
-      for (int j = 0; j < ND; ++j) acc[j] += __ldcg(tile_ws + (size_t)z * PER_CTA + j * kVnmThreads);
+  if (gridDim.z > 1) {  // split-K: the last CTA of the tile to finish stores it (sm90_common.cuh SplitK)
+    const SplitK<ND, kVnmThreads> split(split_ws, split_counters);
+    split.store(acc, 0);
+    if (!split.last()) return;
+    split.sum(acc, 0);
   }
   if (active) store_tile<T, BN>(acc, cta_row0 + 64 * wg + 16 * wq, n_base, lane, bias, y, rows, n_tokens);
 #elif defined(__CUDA_ARCH__)
