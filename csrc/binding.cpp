@@ -395,13 +395,14 @@ int32_t refresh_dtype(at::ScalarType t, const char* op, const char* name) {
   return 0;
 }
 
-// Runs the `table` (int64, (count, 11), on the device of the tensors it points to: one RefreshEntry per row) in
+// Runs the `table` (int64, (count, kRefreshWords), on the device of the tensors it points to: one RefreshEntry per row) in
 // one launch; `blocks`: the sum of refresh_block_count(numel) over the entries.
 void refresh_packs(const at::Tensor& table, int64_t blocks) {
   const char* op = "refresh_packs";
-  HF_CHECK(table.is_cuda() && table.scalar_type() == at::kLong && table.dim() == 2 && table.size(1) == 11 &&
-                  table.is_contiguous(),
-              "hf_sparse.", op, ": table must be a contiguous (count, 11) int64 CUDA tensor, got ", table.sizes());
+  HF_CHECK(table.is_cuda() && table.scalar_type() == at::kLong && table.dim() == 2 &&
+               table.size(1) == hf_sparse::kRefreshWords && table.is_contiguous(),
+           "hf_sparse.", op, ": table must be a contiguous (count, ", hf_sparse::kRefreshWords,
+           ") int64 CUDA tensor, got ", table.sizes());
   HF_CHECK(table.size(0) < (1LL << 31), "hf_sparse.", op, ": too many entries");
   c10::cuda::CUDAGuard guard(table.device());
   check_cuda(hf_sparse::refresh_packs(reinterpret_cast<const hf_sparse::RefreshEntry*>(table.data_ptr()),
@@ -501,6 +502,35 @@ at::Tensor aligned_2d(const at::Tensor& t, int64_t features, at::ScalarType dtyp
   return t2;
 }
 
+// x as aligned_2d makes it in `dtype`, cast once for the layers that read the same input in turn (a decoder's q, k
+// and v projections, gate and up): under autocast each would otherwise cast the fp32 input itself and save its own
+// copy for its weight gradient. The last cast is remembered weakly (its source, the source's version, the cast), so
+// it is reused only while the source is unchanged and a saved autograd node still holds the cast, and never kept
+// alive by this cache.
+at::Tensor input_in(const at::Tensor& x, int64_t features, at::ScalarType dtype) {
+  if (x.scalar_type() == dtype) return aligned_2d(x, features, dtype);
+  using Weak = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>;
+  struct LastCast {
+    Weak source{c10::intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>()};
+    Weak cast{c10::intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>()};
+    uint32_t version = 0;
+  };
+  static thread_local LastCast last;
+  const auto source = last.source.lock();
+  if (source.get() == x.unsafeGetTensorImpl() && last.version == x._version()) {
+    const auto cast = last.cast.lock();
+    if (cast.defined()) {
+      at::Tensor t(cast);
+      if (t.scalar_type() == dtype && t.size(-1) == features && t.numel() == x.numel()) return t;
+    }
+  }
+  auto t = aligned_2d(x, features, dtype);
+  last.source = Weak(x.getIntrusivePtr());
+  last.cast = Weak(t.getIntrusivePtr());
+  last.version = x._version();
+  return t;
+}
+
 at::Tensor dense_weight(const at::Tensor& weight, const Positions& pos, int64_t rows, int64_t cols,
                         at::ScalarType dtype) {
   return scatter_kept(weight.contiguous(), pos.sel, pos.columns, rows, cols, pos.v, pos.m, dtype);
@@ -575,7 +605,7 @@ struct CompactLinearFn : public torch::autograd::Function<CompactLinearFn> {
                             int64_t rows, int64_t cols, int64_t m, int64_t v_g, int64_t m_g, int64_t plan,
                             int64_t kernels) {
     const auto dtype = values->scalar_type();
-    auto x2 = aligned_2d(x, cols, dtype);
+    auto x2 = input_in(x, cols, dtype);
     const at::Tensor none;
     at::Tensor y = compact_forward(x2, weight, bias_c, *values, *meta, *columns, sel, sel_columns, rows, cols, m, v_g,
                                    m_g, plan, kernels);

@@ -94,25 +94,33 @@ cudaError_t transposable_2to4_mask(const float* score, const uint16_t* patterns,
                                    cudaStream_t stream);
 
 // Pack refresh (csrc/refresh.cu). One entry writes `numel` destination elements, converting from src_dtype to
-// dst_dtype (kRefreshF32 / BF16 / F16): kRefreshPack: dst is a fragment-ordered pack (rows_padded/16, steps, 32, 8)
-// of the (rows, 2 * groups) row-major values src (zero in the layout's padding); kRefreshGather: dst[j] =
-// src[index[j]], zero where index[j] is outside [0, src_numel) (int32 index, int64 where index_is_64); kRefreshCopy:
-// dst[j] = src[j]. The layout is fixed (88 bytes, eleven 8-byte words) because hf_sparse.nn.compact writes the table
-// as an int64 tensor: refresh_packs takes `count` entries in device memory, first_block increasing from 0 by
-// refresh_blocks(numel) per entry, `blocks` the total.
-enum : int32_t { kRefreshPack = 0, kRefreshGather = 1, kRefreshCopy = 2 };
+// dst_dtype (kRefreshF32 / BF16 / F16). kRefreshPack, kRefreshTransposed and kRefreshView24 write a fragment-ordered
+// 2:4 pack (rows_padded/16, steps, 32, 8) whose logical form has `rows` rows and `groups` groups (zero in the layout's
+// padding), from a layer's kept values src ((src_rows, 2 * src_groups) row-major):
+// - kRefreshPack: the layer's own pack (its logical form is src itself);
+// - kRefreshTransposed: the 2:4 pack of W^T for a 2:4 layer whose transposed mask is 2:4 too (rows = W's columns,
+//   groups = W's rows / 4): slot k of a group holds the k-th kept value, by row, of that column and 4 rows;
+// - kRefreshView24: the 2:4 pack of a V:2:M weight (M >= 8) seen as 2:4 (rows = W's rows, groups = W's columns / 4):
+//   slot k holds the k-th kept value, by column, of that row and 4 columns, zero where there are fewer.
+// The last two find their sources from the layer's kept positions in their on-disk form (KeptPositions below: `sel`
+// with sel_row_bytes per row, `columns` for V:2:M, m, v), so no permutation is held. kRefreshCopy: dst[j] = src[j].
+// The layout is fixed (kRefreshWords 8-byte words) because hf_sparse.nn.refresh writes the table as an int64 tensor:
+// refresh_packs takes `count` entries in device memory, first_block increasing from 0 by refresh_blocks(numel) per
+// entry, `blocks` the total.
+enum : int32_t { kRefreshPack = 0, kRefreshTransposed = 1, kRefreshView24 = 2, kRefreshCopy = 3 };
 enum : int32_t { kRefreshF32 = 0, kRefreshBF16 = 1, kRefreshF16 = 2 };
 struct RefreshEntry {
   const void* src;
   void* dst;
-  const void* index;
-  int64_t numel, src_numel, rows, groups, steps, first_block;
-  int32_t kind, src_dtype, dst_dtype, index_is_64;
+  const uint8_t* sel;
+  const uint8_t* columns;
+  int64_t numel, src_numel, rows, groups, steps, first_block, sel_row_bytes, src_groups;
+  int32_t kind, src_dtype, dst_dtype, m, v, unused;
 };
-static_assert(sizeof(RefreshEntry) == 88, "RefreshEntry is read from an int64 table of 11 words");
+constexpr int kRefreshWords = 15;
+static_assert(sizeof(RefreshEntry) == 8 * kRefreshWords, "RefreshEntry is read from an int64 table of 15 words");
 int64_t refresh_blocks(int64_t numel);
 cudaError_t refresh_packs(const RefreshEntry* table, int count, int64_t blocks, cudaStream_t stream);
-cudaError_t refresh_one(const RefreshEntry& entry, cudaStream_t stream);
 
 // A compact layer's kept positions in their on-disk form (docs/format.md), read in place: `sel` (rows, sel_row_bytes)
 // uint8 holds each kept value's 2-bit code, packed LSB first (2:4: its offset in the group of 4; V:2:M: its position

@@ -4,7 +4,7 @@
 //
 // Why: after every optimizer step each compact layer's packs (hf_sparse.nn.compact) must follow its fp32 values: the
 // fragment-ordered pack, the transposed 2:4 pack, the 2:4 view of a V:2:M weight, the bias in the compute dtype. Done
-// with torch ops that is three or four launches per layer (a strided copy, an index_select per 2:4 pack, a copy),
+// with torch ops that is three or four launches per layer (a strided copy, a gather per 2:4 pack, a copy),
 // ~400 launches per step for BERT-large, and on a host that needs ~20 us per launch that is most of what the sparse
 // step saves on the GPU. Here one launch does every layer: a table in device memory lists the work (RefreshEntry),
 // block b finds its entry by binary search over the entries' first blocks.
@@ -37,24 +37,76 @@ __device__ __forceinline__ void store_float(void* dst, int64_t i, int dtype, flo
   }
 }
 
+// The 2-bit codes of kept values kk and kk + 1 (kk even: one byte holds both) of row r.
+__device__ __forceinline__ int codes_of(const RefreshEntry& e, int64_t r, int64_t kk) {
+  return e.sel[r * e.sel_row_bytes + (kk >> 2)] >> (2 * (kk & 3));
+}
+
+// Slot k of a group of 4 in a 2:4 pack made by hf_sparse.ops._layout (its selectors are the kept offsets, padded
+// with the first offsets not kept, in increasing order): of kept sources `first` (offset `first_offset`) and
+// `second` (a larger offset; -1 for none), which one slot k holds, or -1.
+__device__ __forceinline__ int64_t slot_source(int64_t first, int first_offset, int64_t second, int64_t k) {
+  if (second >= 0) return k == 0 ? first : second;
+  if (first < 0) return -1;
+  return k == (first_offset == 0 ? 0 : 1) ? first : -1;  // a lone kept value sits after a padding offset below it
+}
+
+// kRefreshTransposed: the source of slot k of (column c of W, its rows 4 g .. 4 g + 3), among those rows that keep
+// column c (its 2:4 code in the column's group of 4 equals c's offset).
+__device__ __forceinline__ int64_t transposed_source(const RefreshEntry& e, int64_t c, int64_t g, int64_t k) {
+  const int64_t kk = 2 * (c >> 2);
+  const int offset = (int)(c & 3);
+  int64_t first = -1, second = -1;
+  int first_offset = 0;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int64_t r = 4 * g + i;
+    const int codes = codes_of(e, r, kk);
+    const int hit = (codes & 3) == offset ? 0 : ((codes >> 2) & 3) == offset ? 1 : -1;
+    if (hit < 0) continue;
+    const int64_t source = r * 2 * e.src_groups + kk + hit;
+    if (first < 0) {
+      first = source, first_offset = i;
+    } else {
+      second = source;
+    }
+  }
+  return slot_source(first, first_offset, second, k);
+}
+
+// kRefreshView24: the source of slot k of (row r, columns 4 g .. 4 g + 3) of a V:2:M weight, among the row's two
+// kept values of the group of m that holds those columns.
+__device__ __forceinline__ int64_t view24_source(const RefreshEntry& e, int64_t r, int64_t g, int64_t k) {
+  const int64_t h = 4 * g / e.m, kk = 2 * h;
+  const int codes = codes_of(e, r, kk);
+  const uint8_t* block = e.columns + ((r / e.v) * e.src_groups + h) * 4;
+  int64_t c0 = h * e.m + block[codes & 3], c1 = h * e.m + block[(codes >> 2) & 3];
+  int64_t k0 = kk, k1 = kk + 1;
+  if (c1 < c0) {
+    const int64_t c = c0, kt = k0;
+    c0 = c1, k0 = k1, c1 = c, k1 = kt;
+  }
+  const bool in0 = (c0 >> 2) == g, in1 = (c1 >> 2) == g;
+  const int64_t base = r * 2 * e.src_groups;
+  if (in0 && in1) return slot_source(base + k0, (int)(c0 & 3), base + k1, k);
+  if (in0 || in1) return slot_source(base + (in0 ? k0 : k1), (int)((in0 ? c0 : c1) & 3), -1, k);
+  return -1;
+}
+
 // The source position of destination slot j, or -1 for a slot that reads zero.
 __device__ __forceinline__ int64_t source_of(const RefreshEntry& e, int64_t j) {
+  if (e.kind == kRefreshCopy) return j;
+  // values (tiles, steps, 32, 8) seen as (tile, step, g8, t, ch, rh, k): row 16 tile + 8 rh + g8, group 8 step +
+  // 4 ch + t, kept value k of the group
+  const int64_t k = j & 1, rh = (j >> 1) & 1, ch = (j >> 2) & 1, t = (j >> 3) & 3, g8 = (j >> 5) & 7;
+  const int64_t tile_step = j >> 8;
+  const int64_t row = 16 * (tile_step / e.steps) + 8 * rh + g8;
+  const int64_t group = 8 * (tile_step % e.steps) + 4 * ch + t;
+  if (row >= e.rows || group >= e.groups) return -1;
   switch (e.kind) {
-    case kRefreshPack: {
-      // values (tiles, steps, 32, 8) seen as (tile, step, g8, t, ch, rh, k): row 16 tile + 8 rh + g8, group
-      // 8 step + 4 ch + t, kept value k of the group; the source is (rows, 2 * groups) row-major
-      const int64_t k = j & 1, rh = (j >> 1) & 1, ch = (j >> 2) & 1, t = (j >> 3) & 3, g8 = (j >> 5) & 7;
-      const int64_t tile_step = j >> 8;
-      const int64_t row = 16 * (tile_step / e.steps) + 8 * rh + g8;
-      const int64_t group = 8 * (tile_step % e.steps) + 4 * ch + t;
-      return (row < e.rows && group < e.groups) ? (row * e.groups + group) * 2 + k : -1;
-    }
-    case kRefreshGather: {
-      const int64_t p = e.index_is_64 ? static_cast<const int64_t*>(e.index)[j]
-                                      : (int64_t) static_cast<const int32_t*>(e.index)[j];
-      return (p >= 0 && p < e.src_numel) ? p : -1;
-    }
-    default: return j;  // kRefreshCopy
+    case kRefreshPack: return (row * e.groups + group) * 2 + k;  // src is (rows, 2 * groups) row-major
+    case kRefreshTransposed: return transposed_source(e, row, group, k);
+    default: return view24_source(e, row, group, k);
   }
 }
 
@@ -79,8 +131,6 @@ __global__ void __launch_bounds__(kThreads) refresh_many_kernel(const RefreshEnt
   const RefreshEntry e = table[lo];
   run_entry(e, (int64_t)blockIdx.x - e.first_block);
 }
-
-__global__ void __launch_bounds__(kThreads) refresh_one_kernel(RefreshEntry e) { run_entry(e, blockIdx.x); }
 
 // The column (in 0 .. m * groups) of kept value k (0 .. 2 groups) of row r.
 __device__ __forceinline__ int64_t kept_column(const KeptPositions& p, int64_t r, int64_t k) {
@@ -147,14 +197,6 @@ cudaError_t refresh_packs(const RefreshEntry* table, int count, int64_t blocks, 
   if (count <= 0 || blocks <= 0) return cudaSuccess;
   if (blocks >= (1LL << 31)) return cudaErrorInvalidValue;
   refresh_many_kernel<<<(unsigned)blocks, kThreads, 0, stream>>>(table, count);
-  return cudaGetLastError();
-}
-
-cudaError_t refresh_one(const RefreshEntry& entry, cudaStream_t stream) {
-  const int64_t blocks = refresh_blocks(entry.numel);
-  if (blocks <= 0) return cudaSuccess;
-  if (blocks >= (1LL << 31)) return cudaErrorInvalidValue;
-  refresh_one_kernel<<<(unsigned)blocks, kThreads, 0, stream>>>(entry);
   return cudaGetLastError();
 }
 

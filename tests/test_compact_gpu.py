@@ -10,6 +10,7 @@ from ops._helpers import poison_allocator
 from hf_sparse.masks import compute_mask
 from hf_sparse.nn import SparseLinear
 from hf_sparse.nn.compact import kept_index_of, positions
+from hf_sparse.ops import spmm_reference
 from hf_sparse.patterns import parse_pattern
 
 pytestmark = [
@@ -90,13 +91,13 @@ def test_training_step_matches_masked_dense(spec, transposable, plan):
             ref.weight.view(-1)[layer.kept_index] = new.view(-1)
     assert transposable == (k.packed_t is not None) or plan is None
     if plan is not None and plan[0] == "sparse24":  # the native call ran on the view: it is kept, refreshed
-        assert k.packed24 is not None and k.perm24 is not None
+        assert k.packed24 is not None
 
 
 @pytest.mark.parametrize("plan", [("sparse24", "dense", "gemm"), ("sparse", "dense", "gemm")])
 def test_inference_on_the_2to4_view(plan):
     """A 64:2:8 bf16 layer whose inference plan runs on its 2:4 view (or its own pack): outputs match; on the view,
-    the layer's own pack values and the permutation are freed after the plan is set."""
+    the layer's own pack values are freed after the plan is set."""
     layer, ref = _pair("64:2:8", False, dtype=torch.bfloat16)
     layer.weight.requires_grad_(False)
     k = layer.kernel_state(torch.bfloat16)
@@ -106,7 +107,7 @@ def test_inference_on_the_2to4_view(plan):
     x = torch.randn(4, 37, 320, device="cuda", dtype=torch.bfloat16)
     with torch.no_grad():
         _close(layer(x), ref(x))
-        assert (k.buf is None) == (plan[0] == "sparse24") and k.perm24 is None
+        assert (k.buf is None) == (plan[0] == "sparse24")
         new = torch.randn_like(layer.weight) * 0.05  # a changed weight is picked up on the view too
         layer.weight.copy_(new)
         ref.weight.view(-1)[layer.kept_index] = new.view(-1)
@@ -205,7 +206,14 @@ def test_inference_memory_is_the_checkpoint_tensors(spec):
 
 
 # odd shapes: rows % 16 == 8 and groups % 8 != 0 reach the pack's padding
-REFRESH_LAYERS = [("2:4", True, 40, 72), ("2:4", False, 192, 320), ("64:2:8", False, 128, 200), ("2:4", True, 64, 96)]
+REFRESH_LAYERS = [
+    ("2:4", True, 40, 72),
+    ("2:4", False, 192, 320),
+    ("64:2:8", False, 128, 200),
+    ("128:2:16", False, 256, 96),
+    ("2:4", True, 200, 136),
+    ("2:4", True, 64, 96),
+]
 
 
 @pytest.mark.parametrize("bias", [True, False])
@@ -247,9 +255,10 @@ def test_resident_inference_is_one_extension_call_with_the_general_paths_result(
 def test_one_launch_refreshes_every_stale_layer_like_the_torch_ops():
     """``refresh_stale`` writes every stale layer's packs (own, transposed, 2:4 view, bias cast) in one launch of the
     extension: the same bytes as the torch ops of ``run_refresh_entries``, the layout's padding included (the packs
-    are poisoned with NaN first), and layers whose values did not change are not touched."""
+    are poisoned with NaN first), and layers whose values did not change are not touched. The transposed packs and
+    2:4 views find their sources from the kept positions (odd shapes, M = 8 and 16)."""
     from hf_sparse.nn.compact import refresh_stale
-    from hf_sparse.nn.refresh import run_refresh_entries
+    from hf_sparse.nn.refresh import COPY, PACK, TRANSPOSED, VIEW24, run_refresh_entries
 
     layers = []
     for i, (spec, transposable, rows, cols) in enumerate(REFRESH_LAYERS):
@@ -258,7 +267,7 @@ def test_one_launch_refreshes_every_stale_layer_like_the_torch_ops():
         if k.refresher is None:
             pytest.skip("the loaded extension has no refresh_packs")
         k._ensure_transposed(layer)  # as on the first call that trains: the transposed pack where transposable
-        if spec == "64:2:8":
+        if spec != "2:4":
             k._ensure_view24(layer)
         layers.append((layer, k))
     k_untouched = layers[-1][1]
@@ -269,7 +278,7 @@ def test_one_launch_refreshes_every_stale_layer_like_the_torch_ops():
     expected = []
     for layer, k in layers[:-1]:
         entries = k.refresh_entries(layer)
-        assert {e.kind for e in entries} >= {0, 2}
+        assert {e.kind for e in entries} >= {PACK, COPY}
         copies = [e._replace(dst=torch.empty_like(e.dst)) for e in entries]
         for e in copies:
             e.dst.fill_(float("nan"))
@@ -285,11 +294,20 @@ def test_one_launch_refreshes_every_stale_layer_like_the_torch_ops():
         for e, c in zip(entries, copies, strict=True):
             assert torch.equal(e.dst, c.dst), e.kind
     assert torch.equal(k_untouched.buf, before[0]) and torch.equal(k_untouched.packed_t.values, before[1])
-    for layer, _ in layers:  # and the refreshed packs compute the new layer
+    kinds = {e.kind for entries, _ in expected for e in entries}
+    assert kinds == {PACK, TRANSPOSED, VIEW24, COPY}, kinds
+    for layer, k in layers:  # and the refreshed packs compute the new layer (the format's own reference SpMM)
         x = torch.randn(24, layer.in_features, device="cuda")
+        w = layer.dense_weight().detach().bfloat16().float()
         ref = torch.nn.functional.linear(x, layer.dense_weight().detach(), layer.bias.detach())
         with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
             _close(layer(x), ref)
+        xb = x.bfloat16()
+        if k.packed24 is not None:
+            _close(spmm_reference(xb, k.packed24).float(), xb.float() @ w.t(), 1e-2)
+        if k.packed_t is not None:
+            dy = torch.randn(24, layer.out_features, device="cuda").bfloat16()
+            _close(spmm_reference(dy, k.packed_t).float(), dy.float() @ w, 1e-2)
 
 
 @pytest.mark.parametrize(("spec", "rows", "cols"), [("2:4", 40, 72), ("64:2:8", 128, 200), ("128:2:16", 256, 96)])
@@ -315,3 +333,47 @@ def test_gather_and_scatter_at_the_kept_positions(spec, rows, cols, src_dtype, d
     dense = ext.scatter_kept(values, sel, sel_columns, rows, cols, v, m, dtype)
     expected = torch.zeros(rows * cols, device="cuda", dtype=dtype).index_put_((index,), values.view(-1).to(dtype))
     assert dense.shape == (rows, cols) and torch.equal(dense.view(-1), expected)
+
+
+def test_layers_reading_one_input_under_autocast_save_one_cast_of_it():
+    """Three compact layers fed the same fp32 input under bf16 autocast (a decoder's q, k and v) save one bf16 copy
+    of it for their weight gradients, not three; their outputs and every gradient still match the masked dense
+    layers, and an input written in place between two calls is cast again."""
+    pairs = [_pair("2:4", False, rows=64, cols=1024, seed=20 + i) for i in range(3)]
+    x = torch.randn(512, 1024, device="cuda", requires_grad=True)
+    g = torch.randn(512, 64, device="cuda")
+    for layer, _ in pairs:  # plans measured, packs made: the count below sees the calls' own tensors only
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            layer(x).float().mul(g).sum().backward()
+    x.grad = None
+    outs = []
+    for mods in ([p[0] for p in pairs], [p[1] for p in pairs]):
+        for mod in mods:
+            mod.zero_grad(set_to_none=True)
+        xx = x.detach().clone().requires_grad_()
+        h = xx * 1.0  # not a leaf, as a hidden state is (autocast caches the casts of leaves)
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            ys = [mod(h) for mod in mods]
+        held = torch.cuda.memory_allocated() - before
+        sum(y.float().mul(g).sum() for y in ys).backward()
+        outs.append((ys, xx.grad, [mod.weight.grad for mod in mods], held))
+    (ys, dx, dws, held), (yr, dxr, dwr, held_dense) = outs
+    cast = x.numel() * 2
+    outputs = sum(y.numel() * y.element_size() for y in ys)
+    assert held <= cast + outputs + 2**20, (held, cast, outputs)  # one cast (the dense layers: three)
+    assert held_dense >= 3 * cast, held_dense
+    for a, b in zip(ys, yr, strict=True):
+        _close(a, b)
+    _close(dx, dxr)
+    for (layer, _), dw, dw_ref in zip(pairs, dws, dwr, strict=True):
+        _close(dw.reshape(-1), dw_ref.reshape(-1)[layer.kept_index])
+    plain = torch.randn(512, 1024, device="cuda")  # written in place between two calls: a new cast
+    (layer, ref), (layer2, ref2) = pairs[0], pairs[1]
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        first = layer(plain)
+        plain.mul_(-2.0)
+        second = layer2(plain)
+        _close(first, ref(plain / -2.0))
+        _close(second, ref2(plain))

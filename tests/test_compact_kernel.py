@@ -75,20 +75,19 @@ def test_plain_2to4_mask_is_not_transposed():
     layer, _, _ = _layer("2:4", 64, 64)
     k = layer.kernel_state(torch.bfloat16)
     k(layer, torch.randn(2, 64, requires_grad=True))
-    assert k.transposable is False and k.packed_t is None and k.perm_t is None
+    assert k.transposable is False and k.packed_t is None
 
 
 @pytest.mark.parametrize(("spec", "rows", "cols"), [("64:2:8", 128, 200), ("128:2:16", 128, 96), ("64:2:8", 192, 320)])
 def test_view24_is_the_2to4_pack_of_the_vnm_weight(spec, rows, cols):
     """A V:2:M weight keeps at most 2 of every 4 aligned columns: its 2:4 view is ``pack`` of the dense weight as
-    2:4 (padding where a chunk keeps fewer), refreshed through ``perm24`` when the values change."""
+    2:4 (padding where a chunk keeps fewer), refreshed from the kept positions when the values change."""
     layer, dense, mask = _layer(spec, rows, cols, seed=3)
     k = layer.kernel_state(torch.bfloat16)
     k._ensure_view24(layer)
     expected = pack(dense, mask, 64, 4, torch.bfloat16)
     assert torch.equal(k.packed24.values, expected.values) and torch.equal(k.packed24.meta, expected.meta)
-    # positions in the values (flat); padding slots read position nnz, the zero after them in a gather source
-    assert k.packed24.m == 4 and int(k.perm24.max()) == layer.weight.numel()
+    assert k.packed24.m == 4
     with torch.no_grad():
         layer.weight.add_(1.0)
     k.plans[(4, False)] = ("sparse24", "dense", "gemm")
@@ -100,16 +99,15 @@ def test_view24_is_the_2to4_pack_of_the_vnm_weight(spec, rows, cols):
     torch.testing.assert_close(spmm_reference(xb, k.packed24).float(), ref)
 
 
-def test_inference_on_the_view_frees_the_vnm_values_and_the_permutation():
-    """An inference plan on the 2:4 view keeps the view only (the layer's own pack values and ``perm24`` are freed,
-    the metadata stays for the SDDMM); a later change of the values is still picked up, through a permutation
-    made again from the positions."""
+def test_inference_on_the_view_frees_the_vnm_values():
+    """An inference plan on the 2:4 view keeps the view only (the layer's own pack values are freed, the metadata
+    stays for the SDDMM); a later change of the values is still picked up."""
     layer, dense, mask = _layer("64:2:8", 128, 200, seed=4)
     k = layer.kernel_state(torch.bfloat16)
     k._ensure_view24(layer)
     k.plans[(8, False)] = ("sparse24", "dense", "gemm")
     k._drop_unused(layer, trains=False)
-    assert k.buf is None and k.perm24 is None and k.packed24 is not None and layer._index is None
+    assert k.buf is None and k.packed24 is not None and layer._index is None
     assert k.packed.values.untyped_storage().nbytes() == 2  # a zero standing for the freed values
     x = torch.randn(8, 200).bfloat16()
     with torch.no_grad():
@@ -118,7 +116,7 @@ def test_inference_on_the_view_frees_the_vnm_values_and_the_permutation():
     w = torch.where(mask, -dense, 0.0).bfloat16().float()
     ref = F.linear(x.float(), w, layer.bias.detach().bfloat16().float())
     assert float((y.float() - ref).abs().max()) <= 2e-2 * float(ref.abs().max())
-    assert k.buf is None and k.perm24 is None and layer._index is None
+    assert k.buf is None and layer._index is None
 
 
 PLANS = [

@@ -17,12 +17,9 @@ through one :class:`CompactKernel`, built once from the layer's position buffers
   zeros than 2:4 needs), which on the H200 beats the V:2:M kernels at M = 8 and 16. Built for the first
   measurement; dropped if no measured plan runs the forward on it.
 
-  Both 2:4 packs of the layer's values (``packed_t``, ``packed24``) are a fixed permutation of ``weight``:
-  ``perm_t`` / ``perm24`` (int32) give the position in ``weight`` (flat) of each of their value slots, and
-  ``weight.numel()`` at padding slots (a slot that reads zero), so a refresh is one gather each (:func:`_pack24`
-  builds the pack and its permutation from a matrix of positions and its mask). The permutations are 4 bytes per slot (the 2:4 view of a 64:2:8 weight: 2 slots
-  per 4 columns, twice the bytes of the dense bf16 weight): kept while the layer trains; in inference ``perm24`` is
-  dropped once the view is built and remade from the positions if the weight ever changes.
+  Both 2:4 packs of the layer's values (``packed_t``, ``packed24``) have their metadata made once from the mask
+  (:func:`_pack24`); their values are refreshed like the layer's own pack, each slot finding its source from the
+  kept positions in their on-disk form (:mod:`.refresh`: ``TRANSPOSED``, ``VIEW24``), so no permutation is held.
 
   A V:2:M layer run on its 2:4 view holds the view (half the bytes of the dense weight in the compute dtype) beside
   its own values (a quarter at 64:2:8): the plan trades that memory for the 2:4 kernel's speed, and such a layer
@@ -82,7 +79,6 @@ from ..ops._layout import (
     logical_from_dense,
     logical_from_packed,
     packed_from_logical,
-    values_to_kernel,
 )
 from ..ops.sddmm import sddmm_function
 from ..ops.spmm import activate, kernel_activation, spmm_function
@@ -90,12 +86,12 @@ from ..patterns import NM, VNM, Pattern
 from .optimizer_steps import after_optimizer_step, optimizer_steps, watch_optimizer_steps
 from .refresh import (
     COPY,
-    GATHER,
     PACK,
+    TRANSPOSED,
+    VIEW24,
     RefreshEntry,
     _fill,
     _pieces,
-    gather_source,
     launch_refresh,
     run_refresh_entries,
 )
@@ -186,19 +182,14 @@ def kept_index_of(sel: Tensor, sel_columns: Tensor | None, rows: int, cols: int,
     return kept_index(tensors, pattern, (rows, cols)).view(rows, -1)
 
 
-def _pack24(where: Tensor, mask: Tensor, zero: int, dtype: torch.dtype) -> tuple[PackedWeight, Tensor]:
-    """A 2:4 pack (``v=64, m=4``) of the ``(R', K')`` matrix ``where`` under ``mask`` (at most 2 kept in every aligned
-    4 columns of a row), whose kept entries are positions in a flat gather source with a zero at position ``zero``:
-    the pack (values zero), and ``perm``, the source position of each of its value slots (``zero`` for padding: a
-    slot no kept entry fills, the layout's rows and groups beyond the matrix), so that ``index_select(source, 0,
-    perm)`` is the pack's values (int32 where ``zero`` fits)."""
-    rows, cols = where.shape
-    slots, _, selectors, _ = logical_from_dense(where + 1, mask, 64, 4)  # + 1: a padding slot reads 0
-    perm = values_to_kernel(slots, torch.int64).view(-1) - 1
-    perm = torch.where(perm < 0, zero, perm).to(torch.int32 if zero < 2**31 else torch.int64)
-    values = torch.zeros(rows, cols // 2, dtype=dtype, device=where.device)
-    valid = torch.ones((), dtype=torch.bool, device=where.device).expand(rows, cols // 2)
-    return packed_from_logical(values, None, selectors, 64, 4, dtype)._replace(valid=valid), perm
+def _pack24(mask: Tensor, dtype: torch.dtype) -> PackedWeight:
+    """The 2:4 pack (``v=64, m=4``, values zero) of a ``(R', K')`` matrix under ``mask`` (at most 2 kept in every
+    aligned 4 columns of a row): its metadata, in the layout whose values :mod:`.refresh` writes."""
+    rows, cols = mask.shape
+    _, _, selectors, _ = logical_from_dense(mask, mask, 64, 4)
+    values = torch.zeros(rows, cols // 2, dtype=dtype, device=mask.device)
+    valid = torch.ones((), dtype=torch.bool, device=mask.device).expand(rows, cols // 2)
+    return packed_from_logical(values, None, selectors, 64, 4, dtype)._replace(valid=valid)
 
 
 def _spmm(x2, values, meta, columns, valid, bias, rows, cols, v, m, fn, code, after, activation) -> Tensor:
@@ -273,11 +264,9 @@ class CompactKernel:
         self.entries: tuple | None = None  # (storage key, the refresh's entries): see refresh_entries
         self.pieces = _pieces(rows, self.groups)
         self.transposable: bool | None = None  # decided on the first call that trains
-        self.trained = False  # a call that trains has run: the gathers' staging and permutations are kept
+        self.trained = False  # a call that trains has run
         self.packed_t: PackedWeight | None = None
-        self.perm_t: Tensor | None = None
         self.packed24: PackedWeight | None = None  # the 2:4 view (V:2:M layers)
-        self.perm24: Tensor | None = None
         bias = layer.bias
         self.bias_lp = None if bias is None or bias.dtype == dtype else bias.detach().to(dtype)
         self.plans: dict[tuple[int, bool], tuple[str, str, str]] = {}
@@ -427,56 +416,56 @@ class CompactKernel:
 
     def refresh_one(self, layer: SparseLinear) -> None:
         """:meth:`refresh` of this layer alone, by torch ops (the reference of :meth:`refresh_entries`)."""
-        with torch.no_grad():
-            if self.packed24 is not None and self.perm24 is None:  # dropped in inference: made again
-                self.perm24 = self._view24(layer)[1]
-                self.entries = None
-            run_refresh_entries(self.refresh_entries(layer))
-            if not self.trained and self.perm24 is not None and self.packed24 is not None:
-                self.perm24 = None
-                self.entries = None
-                if not self.uses_index():
-                    layer._index = None
+        run_refresh_entries(self.refresh_entries(layer))
         self.stamp = _stamp(layer.weight, layer.bias)
 
-    def refresh_entries(self, layer: SparseLinear) -> tuple[RefreshEntry, ...] | None:
-        """The work of a refresh (cached until a pack or the weight's storage changes), or None where it cannot be
-        described as entries (the 2:4 view's permutation was dropped: :meth:`refresh_one` remakes it)."""
+    def refresh_entries(self, layer: SparseLinear) -> tuple[RefreshEntry, ...]:
+        """The work of a refresh (cached until a pack or the weight's storage changes)."""
         weight, bias = layer.weight, layer.bias
         key = (weight.data_ptr(), None if bias is None else bias.data_ptr())
         if self.entries is not None and self.entries[0] == key:
             return self.entries[1]
-        if self.packed24 is not None and self.perm24 is None:
-            return None
         w = weight.detach()
         out = []
         if self.buf is not None:
-            out.append(RefreshEntry(PACK, w, self.buf, None, self.rows, self.groups, self.shape[1]))
+            out.append(RefreshEntry(PACK, w, self.buf, self.rows, self.groups, self.shape[1]))
         if self.packed_t is not None:
-            out.append(RefreshEntry(GATHER, w, self.packed_t.values, self.perm_t))
+            out.append(self._entry24(layer, TRANSPOSED, self.packed_t))
         if self.packed24 is not None:
-            out.append(RefreshEntry(GATHER, w, self.packed24.values, self.perm24))
+            out.append(self._entry24(layer, VIEW24, self.packed24))
         if self.bias_lp is not None:
             out.append(RefreshEntry(COPY, bias.detach(), self.bias_lp))
         entries = tuple(out)
         self.entries = (key, entries, tuple(tuple(e.words(0)) for e in entries))
         return entries
 
-    def _weight_positions(self, layer: SparseLinear) -> tuple[Tensor, Tensor]:
-        """``(where, mask)``, both ``(R, K)``: the position in ``weight`` (flat) of every kept weight (``nnz``,
-        the zero after the values in a gather source, elsewhere), and the mask."""
-        rows, cols, dev = self.rows, self.cols, self.device
-        flat = layer._kept().long()
-        nnz = flat.numel()
-        where = torch.full((rows * cols,), nnz, dtype=torch.int64, device=dev)
-        where[flat] = torch.arange(nnz, device=dev)
-        mask = torch.zeros(rows * cols, dtype=torch.bool, device=dev)
-        mask[flat] = True
-        return where.view(rows, cols), mask.view(rows, cols)
+    def _entry24(self, layer: SparseLinear, kind: int, packed: PackedWeight) -> RefreshEntry:
+        """The refresh of ``packed_t`` (``TRANSPOSED``) or of the 2:4 view (``VIEW24``) from the values."""
+        rows, cols = (self.cols, self.rows) if kind == TRANSPOSED else (self.rows, self.cols)
+        sel, sel_columns, v = positions(layer)
+        return RefreshEntry(
+            kind, layer.weight.detach(), packed.values, rows, cols // 4, packed.values.shape[1], sel, sel_columns,
+            self.m, v,
+        )  # fmt: skip
+
+    def _write(self, layer: SparseLinear, entry: RefreshEntry) -> None:
+        """Write one pack's values from the current values (as a refresh would)."""
+        with torch.no_grad():
+            if self.refresher is not None:
+                launch_refresh(self.refresher, [(tuple(entry.words(0)), (entry,))], self.device)
+            else:
+                run_refresh_entries((entry,))
+        self.entries = None
+
+    def _mask(self, layer: SparseLinear) -> Tensor:
+        """The layer's ``(R, K)`` mask (transient: made for building a 2:4 pack's metadata)."""
+        mask = torch.zeros(self.rows * self.cols, dtype=torch.bool, device=self.device)
+        mask[layer._kept().long()] = True
+        return mask.view(self.rows, self.cols)
 
     @torch.compiler.disable  # once per layer, on its first call that trains
     def _ensure_transposed(self, layer: SparseLinear) -> None:
-        """Decide transposability (once) and build ``packed_t`` / ``perm_t`` where ``W^T`` is 2:4 too."""
+        """Decide transposability (once) and build ``packed_t`` where ``W^T`` is 2:4 too."""
         self.trained = True
         if self.transposable is not None:
             return
@@ -484,38 +473,26 @@ class CompactKernel:
         if self.m != 4:
             return
         with torch.no_grad():
-            where, mask = self._weight_positions(layer)
-            mask_t = mask.t()
+            mask_t = self._mask(layer).t()
             if not bool((mask_t.reshape(self.cols, self.rows // 4, 4).sum(-1) <= 2).all()):
                 return
-            self.packed_t, self.perm_t = _pack24(where.t(), mask_t, layer.weight.numel(), self.dtype)
-            self._gather(layer, self.packed_t, self.perm_t)
+            self.packed_t = _pack24(mask_t, self.dtype)
+        self._write(layer, self._entry24(layer, TRANSPOSED, self.packed_t))
         if self.fns[0] is not None:
             self.fns = (self.fns[0], spmm_function(4, self.device), self.fns[2])
             self._set_kernel_bits()
         self.transposable = True
 
-    def _view24(self, layer: SparseLinear) -> tuple[PackedWeight, Tensor]:
-        """The 2:4 view's pack (values zero) and ``perm24``, from the positions."""
-        with torch.no_grad():
-            where, mask = self._weight_positions(layer)
-            return _pack24(where, mask, layer.weight.numel(), self.dtype)
-
     def _ensure_view24(self, layer: SparseLinear) -> None:
         """Build the 2:4 view (a V:2:M layer's ``"sparse24"`` candidate) if it is not there."""
         if self.packed24 is None:
-            self.packed24, self.perm24 = self._view24(layer)
-            self._gather(layer, self.packed24, self.perm24)
-
-    def _gather(self, layer: SparseLinear, packed: PackedWeight, perm: Tensor) -> None:
-        """Write the current values into the 2:4 pack ``packed`` through ``perm``."""
-        with torch.no_grad():
-            torch.index_select(gather_source(layer.weight, self.dtype), 0, perm, out=packed.values.view(-1))
-        self.entries = None
+            with torch.no_grad():
+                self.packed24 = _pack24(self._mask(layer), self.dtype)
+            self._write(layer, self._entry24(layer, VIEW24, self.packed24))
 
     def drop_transposed(self) -> None:
-        """Free ``packed_t`` and ``perm_t`` (no measured plan runs the input gradient on them)."""
-        self.packed_t = self.perm_t = None
+        """Free ``packed_t`` (no measured plan runs the input gradient on it)."""
+        self.packed_t = None
         self.entries = None
 
     def _drop_unused(self, layer: SparseLinear, trains: bool) -> None:
@@ -523,9 +500,7 @@ class CompactKernel:
         docstring)."""
         forwards = {p[0] for p in self.plans.values()}
         if "sparse24" not in forwards:
-            self.packed24 = self.perm24 = None
-        elif not self.trained:
-            self.perm24 = None
+            self.packed24 = None
         if trains and self.packed_t is not None and all(p[1] != "sparse" for k, p in self.plans.items() if k[1]):
             self.drop_transposed()
         if "sparse" not in forwards:
@@ -533,7 +508,7 @@ class CompactKernel:
             self.packed = self.packed._replace(values=self._absent())
         self.entries = None
         if not self.uses_index():
-            layer._index = None  # built for the measurement or the permutations only
+            layer._index = None  # built for the measurement or the 2:4 packs' metadata only
 
     # ------------------------------------------------------------------ plans
     def _default(self) -> tuple[str, str, str]:
@@ -794,9 +769,6 @@ def refresh_stale(device: torch.device) -> None:
         if stamp == k.stamp:
             continue
         entries = k.refresh_entries(layer)
-        if entries is None:  # a permutation to make again first
-            k.refresh_one(layer)
-            continue
         if entries:
             groups.append((k.entries[2], entries))
         stale.append((k, stamp))

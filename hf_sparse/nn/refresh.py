@@ -8,13 +8,21 @@ pack must follow its values. With torch ops that is three or four launches per l
 2:4 pack, a copy), ~400 per step for BERT-large, each costing the host ~20 us on the machines this was measured on;
 the extension's ``refresh_packs`` runs the entries of every stale layer in one launch from a table of pointers.
 
-Entries (every one writes all of ``dst``, converting to its dtype):
+Entries (every one writes all of ``dst``, converting to its dtype; ``src`` is a layer's kept values ``(R, 2G)``):
 
-* ``PACK``: ``dst`` is the fragment-ordered pack (flat) of the ``(rows, 2 * groups)`` values ``src``; the layout's
-  padding (rows past ``rows``, groups past ``groups``) is zero.
-* ``GATHER``: ``dst[j] = src.flatten()[index[j]]``, zero where ``index[j] >= src.numel()`` (the 2:4 packs of a
-  layer's values: ``index`` is their permutation, with ``src.numel()`` at padding slots).
+* ``PACK``: ``dst`` is the fragment-ordered pack (flat) of ``src``; the layout's padding (rows past ``rows``, groups
+  past ``groups``) is zero.
+* ``TRANSPOSED``: ``dst`` is the fragment-ordered 2:4 pack of ``W^T`` for a 2:4 layer whose transposed mask is 2:4
+  too (``rows`` = W's columns, ``groups`` = W's rows / 4): slot k of a group holds the k-th kept value, by row, of
+  that column and 4 rows.
+* ``VIEW24``: ``dst`` is the fragment-ordered 2:4 pack of a V:2:M weight (M >= 8) seen as 2:4 (``rows`` = W's rows,
+  ``groups`` = W's columns / 4): slot k holds the k-th kept value, by column, of that row and 4 columns, zero where
+  there are fewer.
 * ``COPY``: ``dst = src`` (the bias in the compute dtype).
+
+``TRANSPOSED`` and ``VIEW24`` find each slot's source from the layer's kept positions in their on-disk form (``sel``,
+the 2-bit codes; ``columns``, V:2:M's block columns): a permutation held for them would take 4 bytes per slot, more
+than the pack it fills.
 """
 
 from __future__ import annotations
@@ -24,46 +32,89 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-__all__ = ["COPY", "GATHER", "PACK", "RefreshEntry", "gather_source", "launch_refresh", "run_refresh_entries"]
+from ..formats.compressed import kept_index
+from ..ops._layout import _first_k_true, values_to_kernel
+from ..patterns import NM, VNM
 
-PACK, GATHER, COPY = 0, 1, 2
+__all__ = [
+    "COPY",
+    "PACK",
+    "TRANSPOSED",
+    "VIEW24",
+    "WORDS",
+    "RefreshEntry",
+    "launch_refresh",
+    "run_refresh_entries",
+    "source_index",
+]
+
+PACK, TRANSPOSED, VIEW24, COPY = 0, 1, 2, 3  # csrc/kernels.h kRefreshPack / Transposed / View24 / Copy
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # csrc/kernels.h kRefreshF32 / BF16 / F16
 
 
 class RefreshEntry(NamedTuple):
-    """One piece of a refresh (see the module docstring). ``rows``, ``groups``, ``steps``: ``PACK`` only."""
+    """One piece of a refresh (see the module docstring). ``rows``, ``groups``, ``steps``: the destination pack's
+    logical rows and groups and its layout's steps (not for ``COPY``); ``sel``, ``columns``, ``m``, ``v``: the
+    layer's kept positions (:func:`hf_sparse.nn.compact.positions`) and group size, for ``TRANSPOSED`` and
+    ``VIEW24``."""
 
     kind: int
     src: Tensor
     dst: Tensor
-    index: Tensor | None = None
     rows: int = 0
     groups: int = 0
     steps: int = 0
+    sel: Tensor | None = None
+    columns: Tensor | None = None
+    m: int = 4
+    v: int = 1
 
     def words(self, first_block: int) -> list[int]:
-        """The entry as the extension's ``RefreshEntry`` (csrc/kernels.h): eleven 64-bit words."""
-        index = self.index
+        """The entry as the extension's ``RefreshEntry`` (csrc/kernels.h): :data:`WORDS` 64-bit words."""
+        sel, columns = self.sel, self.columns
         return [
             self.src.data_ptr(),
             self.dst.data_ptr(),
-            0 if index is None else index.data_ptr(),
+            0 if sel is None else sel.data_ptr(),
+            0 if columns is None else columns.data_ptr(),
             self.dst.numel(),
             self.src.numel(),
             self.rows,
             self.groups,
             self.steps,
             first_block,
+            0 if sel is None else sel.shape[-1],
+            self.src.shape[-1] // 2 if self.src.dim() == 2 else 0,
             self.kind | _DTYPES[self.src.dtype] << 32,
-            _DTYPES[self.dst.dtype] | int(index is not None and index.dtype == torch.int64) << 32,
+            _DTYPES[self.dst.dtype] | self.m << 32,
+            self.v,
         ]
 
 
-def gather_source(weight: Tensor, dtype: torch.dtype) -> Tensor:
-    """``weight`` flat in ``dtype``, then one zero: what a ``GATHER`` index reads with torch ops (position
-    ``weight.numel()`` is the zero)."""
-    flat = weight.detach().reshape(-1)
-    return torch.cat([flat.to(dtype), flat.new_zeros(1, dtype=dtype)])
+#: 64-bit words per entry (csrc/kernels.h kRefreshWords)
+WORDS = 15
+
+
+def source_index(e: RefreshEntry) -> Tensor:
+    """Where each slot of a ``TRANSPOSED`` or ``VIEW24`` entry's ``dst`` reads ``src`` (flat), -1 for a zero: the
+    torch-op reference of the extension's ``transposed_source`` / ``view24_source``."""
+    rows, two_g = e.src.shape
+    cols = two_g // 2 * e.m
+    kept = kept_index(
+        {"weight_indices": e.sel} if e.columns is None else {"weight_selectors": e.sel, "weight_columns": e.columns},
+        NM(2, 4) if e.columns is None else VNM(e.v, 2, e.m),
+        (rows, cols),
+    ).view(-1)
+    where = torch.full((rows * cols,), -1, dtype=torch.int64, device=e.src.device)
+    where[kept] = torch.arange(kept.numel(), device=e.src.device)
+    where = where.view(rows, cols)
+    if e.kind == TRANSPOSED:
+        where = where.t()
+    r, c = where.shape
+    groups4 = where.reshape(r, c // 4, 4)
+    slots, _ = _first_k_true(groups4 >= 0, 2)  # the pack's selectors: kept offsets, padded, in increasing order
+    source = groups4.gather(-1, slots).reshape(r, c // 2)  # -1 at a padding offset
+    return values_to_kernel(source + 1, torch.int64).view(-1) - 1  # the layout's padding reads zero too
 
 
 def run_refresh_entries(entries) -> None:
@@ -73,8 +124,10 @@ def run_refresh_entries(entries) -> None:
             if e.kind == PACK:
                 values = e.dst.view(-1, e.steps, 32, 8)
                 _fill(values, e.src.detach(), _pieces(e.rows, e.groups), e.groups)
-            elif e.kind == GATHER:
-                torch.index_select(gather_source(e.src, e.dst.dtype), 0, e.index, out=e.dst.view(-1))
+            elif e.kind in (TRANSPOSED, VIEW24):
+                index = source_index(e)
+                values = e.src.detach().reshape(-1).index_select(0, index.clamp(min=0))
+                e.dst.view(-1).copy_(torch.where(index >= 0, values, 0))
             else:
                 e.dst.copy_(e.src.detach())
 
