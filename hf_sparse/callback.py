@@ -19,8 +19,8 @@ Event by event:
   mask update, and add the masked decay in dynamic mode.
 * ``on_optimizer_step``: re-apply the masks, so pruned weights stay exactly ``+0.0`` under momentum and decay.
 * ``on_step_begin`` / ``on_step_end`` once layers are compact (on CUDA, ``SparsityConfig.compact_fallback``): time a
-  few real training steps on the compact layers and a few on the masked dense ones, keep the faster and log one line
-  saying so (:mod:`hf_sparse.compact_fallback`).
+  few real training steps on the compact layers and, unless the layers' own measurements already decide, a few on the
+  masked dense ones; keep the faster and log one line saying so (:mod:`hf_sparse.compact_fallback`).
 * ``on_log``: add overall sparsity, target and flip rate to the logs (per-layer sparsity after each mask update).
 * ``on_save``: write the pruner state (bit-packed masks, level, schedule position, which layers are compact, where
   the compact/dense comparison stands) into the checkpoint folder.
@@ -280,7 +280,13 @@ class SparsityCallback(TrainerCallback):
                 self._make_compact(model, kwargs.get("optimizer"), state.global_step)
         if model is not None and self.config.compact:
             self.fallback.begin_step(
-                state.global_step, state.max_steps, model, self.pruner, kwargs.get("optimizer"), args.torch_compile
+                state.global_step,
+                state.max_steps,
+                model,
+                self.pruner,
+                kwargs.get("optimizer"),
+                args.torch_compile,
+                passes=args.gradient_accumulation_steps,
             )
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs):

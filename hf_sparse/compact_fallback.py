@@ -10,6 +10,14 @@ real training steps, counted from the first step with compact layers ``s``, ``W`
     [s+2W+T, s+2W+2T)   masked dense, timed
     after step s+2W+2T-1: the faster path (choose_path); back to compact (compaction.make_compact) unless dense won
 
+The masked dense half runs only where the compact layers' own measurements leave the outcome open. Each compact
+layer measured its plan against the dense choices when it made it (GPU time plus extra host time,
+:func:`hf_sparse.compaction.measured_saving_ms`); where those savings add up, per optimizer step, to more than
+:data:`NOISE_MARGIN` of the compact step's measured time, the masked dense step cannot be faster by the margin
+unless the layers' measurements were wrong by more than that, so the run decides for the compact layers after
+their timed window, logs one line saying why, and never holds the dense layers' state (a dense phase would put the
+run's peak memory at the masked dense one's).
+
 The comparison is skipped (one log line says why) under DDP/FSDP2 wrappers, under torch.compile (a switch would
 recompile the model), and where the dense layers' state would not fit in the free device memory. Its dense phase
 holds that state for ``W + T`` steps, so a run's peak memory is the masked dense one's; the steps after the decision
@@ -34,7 +42,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from .compaction import make_compact, make_dense, why_not_compact_now
+from .compaction import make_compact, make_dense, measured_saving_ms, why_not_compact_now
 from .pruner import Pruner
 
 __all__ = ["NOISE_MARGIN", "WARMUP_STEPS", "CompactFallback", "choose_path"]
@@ -93,6 +101,7 @@ class CompactFallback:
         self._open: tuple[PathName, float, int] | None = None  # (path, start time, steps so far) of a timed stretch
         self._device: torch.device | None = None
         self._skip_next = False  # the first step after a resume is a warm-up
+        self.passes = 1  # forward and backward passes per optimizer step (gradient accumulation)
 
     # ------------------------------------------------------------------ schedule
     def timed_steps(self, path: PathName) -> range:
@@ -112,11 +121,20 @@ class CompactFallback:
 
     # ------------------------------------------------------------------ events
     def begin_step(
-        self, step: int, max_steps: int, model: nn.Module, pruner: Pruner, optimizer, compiled: bool = False
+        self,
+        step: int,
+        max_steps: int,
+        model: nn.Module,
+        pruner: Pruner,
+        optimizer,
+        compiled: bool = False,
+        passes: int = 1,
     ) -> None:
         """At the start of optimizer step ``step``, after the compact switch: start the schedule at the first step
         with compact layers, and begin a timed stretch on a timed step. ``compiled``: the model runs under
-        torch.compile (``TrainingArguments.torch_compile``)."""
+        torch.compile (``TrainingArguments.torch_compile``); ``passes``: forward and backward passes per optimizer
+        step (``gradient_accumulation_steps``)."""
+        self.passes = passes
         if self.start is None and self.choice is None and self.declined is None:
             self._plan(step, max_steps, model, pruner, optimizer, compiled)
         path = self._timed_path(step)
@@ -142,7 +160,8 @@ class CompactFallback:
         if self.choice is not None or self.start is None:
             return
         if step == self.timed_steps("compact")[-1]:
-            make_dense(model, pruner, optimizer=optimizer)
+            if not self._layers_decide(pruner):
+                make_dense(model, pruner, optimizer=optimizer)
         elif step == self.timed_steps("dense")[-1]:
             self._decide(model, pruner, optimizer)
 
@@ -194,6 +213,24 @@ class CompactFallback:
         timing.ms += (time.perf_counter() - began) * 1e3
         timing.steps += count
         self._open = None
+
+    def _layers_decide(self, pruner: Pruner) -> bool:
+        """After the compact window: decide for the compact layers without timing masked dense ones where the layers'
+        own measurements save more than the noise margin per step (see the module docstring)."""
+        compact_ms = self.timings["compact"].ms_per_step
+        saved = measured_saving_ms(pruner)
+        if compact_ms is None or saved is None or saved * self.passes < NOISE_MARGIN * compact_ms:
+            return False
+        self.choice = "compact"
+        logger.info(
+            "hf_sparse: compact layers %s ms/step; their kernel plans measured %.2f ms/step less than the masked "
+            "dense layers' work (more than %.0f%% of the step), so the masked dense layers are not timed: training "
+            "goes on with the compact layers",
+            _ms(compact_ms),
+            saved * self.passes,
+            100 * NOISE_MARGIN,
+        )
+        return True
 
     def _decide(self, model: nn.Module, pruner: Pruner, optimizer) -> None:
         compact, dense = self.timings["compact"], self.timings["dense"]

@@ -5,6 +5,7 @@ the comparison are in ``tests/test_compact_switch.py``."""
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ from helpers import prune_now
 from transformers import AutoModelForSequenceClassification
 from transformers.pytorch_utils import Conv1D
 
-from hf_sparse import SparseLinear, SparsityConfig
+from hf_sparse import SparseLinear, SparsityConfig, compaction
 from hf_sparse.compact_fallback import CompactFallback, choose_path
 from hf_sparse.compaction import make_compact, make_dense
 
@@ -149,3 +150,45 @@ def test_fallback_schedule_and_what_declines_it(caplog):
     with caplog.at_level("INFO", logger="hf_sparse.compact_fallback"):
         short.begin_step(0, 9, model, pruner, optimizer=None)
     assert short.start is None and "9 optimizer steps are left and the comparison needs 10" in caplog.text
+
+
+def _compact_bert_with_measured_savings(ms_per_layer: float | None):
+    """A tiny BERT whose pruned layers are compact, each with its kernel state (built on the CPU) holding a training
+    plan's measured saving of ``ms_per_layer`` (what a CUDA measurement records; None: nothing measured)."""
+    model = AutoModelForSequenceClassification.from_config(tiny_config("bert"))
+    pruner = prune_now(model, "2:4")
+    make_compact(model, pruner)
+    layers = [layer for layer in pruner.layers if layer.compact]
+    for layer in layers:
+        kernel = layer.module.kernel_state(torch.bfloat16)
+        if ms_per_layer is not None:
+            kernel.savings[(64, True)] = ms_per_layer
+            kernel.savings[(128, False)] = -100.0  # an inference plan's: not a training saving
+    return model, pruner, len(layers)
+
+
+def test_measured_saving_is_the_layers_training_savings_or_none():
+    _, pruner, count = _compact_bert_with_measured_savings(0.25)
+    assert compaction.measured_saving_ms(pruner) == pytest.approx(0.25 * count)
+    _, unmeasured, _ = _compact_bert_with_measured_savings(None)
+    assert compaction.measured_saving_ms(unmeasured) is None
+
+
+@pytest.mark.parametrize(("ms_per_layer", "passes", "skips"), [(50.0, 1, True), (0.0, 1, False), (None, 4, False)])
+def test_layers_that_measured_a_clear_saving_decide_without_the_dense_phase(caplog, ms_per_layer, passes, skips):
+    """After the compact window: where the layers' measured savings exceed the noise margin of the compact step, the
+    run decides for the compact layers at once (one log line; the layers stay compact, nothing dense is held); a
+    saving within the margin, or none measured, goes on to time the masked dense layers."""
+    model, pruner, _ = _compact_bert_with_measured_savings(ms_per_layer)
+    fallback = CompactFallback("always", steps=2, warmup=1)
+    with caplog.at_level("INFO", logger="hf_sparse.compact_fallback"):
+        for step in range(3):
+            fallback.begin_step(step, 100, model, pruner, optimizer=None, passes=passes)
+            time.sleep(0.01)  # a step: 10 ms, so a 50 ms saving per layer is far beyond 3 % of it, and 0 ms is not
+            fallback.end_step(step + 1, False, model, pruner, optimizer=None)
+    assert fallback.timings["compact"].steps == 2
+    compact_now = all(layer.compact for layer in pruner.layers)
+    assert (fallback.choice == "compact") == skips and compact_now == skips
+    assert [fallback.holds_dense(step) for step in range(3, 6)] == [not skips] * 3
+    lines = [r.getMessage() for r in caplog.records if "are not timed" in r.getMessage()]
+    assert len(lines) == int(skips)

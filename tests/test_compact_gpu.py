@@ -90,6 +90,8 @@ def test_training_step_matches_masked_dense(spec, transposable, plan):
             layer.weight.copy_(new)
             ref.weight.view(-1)[layer.kept_index] = new.view(-1)
     assert transposable == (k.packed_t is not None) or plan is None
+    if plan is None:  # measured: what the plan saves against the dense choices, each part the cheapest of its own
+        assert k.training_saving_ms() is not None and k.training_saving_ms() >= 0.0
     if plan is not None and plan[0] == "sparse24":  # the native call ran on the view: it is kept, refreshed
         assert k.packed24 is not None
 

@@ -270,6 +270,8 @@ class CompactKernel:
         bias = layer.bias
         self.bias_lp = None if bias is None or bias.dtype == dtype else bias.detach().to(dtype)
         self.plans: dict[tuple[int, bool], tuple[str, str, str]] = {}
+        # per training plan: the ms per call it measured below the dense choices (see training_saving_ms)
+        self.savings: dict[tuple[int, bool], float] = {}
         self.stamp: tuple | None = None
         cuda = device.type == "cuda"
         self.fns = (spmm_function(m, device), None, sddmm_function(m, device)) if cuda else (None, None, None)
@@ -553,18 +555,24 @@ class CompactKernel:
         if self.packed24 is not None:
             forwards["sparse24"] = forward("sparse24")
         with torch.no_grad():
-            choice = dispatch.fastest(forwards, host_too=True)
-            if not trains:
-                return choice, "dense", DEFAULT_PLAN[2]
-            dy2 = torch.randn(x2.shape[0], self.rows, dtype=self.dtype, device=x2.device)
-            inputs = {"dense": backward("dense", None)}
-            if self.packed_t is not None:
-                inputs["sparse"] = backward("sparse", None)
-            input_grad = dispatch.fastest(inputs, host_too=True) if len(inputs) > 1 else "dense"
-            weight_grad = dispatch.fastest(
-                {"gemm": backward(None, "gemm"), "sddmm": backward(None, "sddmm")}, host_too=True
-            )
-        return choice, input_grad, weight_grad
+            parts = [dispatch.costs(forwards, host_too=True)]
+            if trains:
+                dy2 = torch.randn(x2.shape[0], self.rows, dtype=self.dtype, device=x2.device)
+                inputs = {"dense": backward("dense", None)}
+                if self.packed_t is not None:
+                    inputs["sparse"] = backward("sparse", None)
+                parts.append(dispatch.costs(inputs, host_too=True))
+                parts.append(
+                    dispatch.costs({"gemm": backward(None, "gemm"), "sddmm": backward(None, "sddmm")}, host_too=True)
+                )
+        plan = tuple(min(part, key=part.get) for part in parts) + DEFAULT_PLAN[len(parts) :]
+        if trains:  # what the plan saves, per call, against the dense choices (as a masked dense layer computes)
+            dense = ("dense", "dense", "gemm")
+            if all(d in part for d, part in zip(dense, parts, strict=True)):
+                self.savings[(token_bucket(x2.shape[0]), trains)] = sum(
+                    part[d] - part[c] for d, c, part in zip(dense, plan, parts, strict=True)
+                )
+        return plan
 
     # ------------------------------------------------------------------ compute
     def forward_compute(self, layer: SparseLinear, x2: Tensor, plan: tuple, fuse: bool) -> Tensor:
@@ -662,6 +670,14 @@ class CompactKernel:
             _PLAN_BITS[plan],
             self.kernel_bits24 if view else self.kernel_bits,
         )
+
+    def training_saving_ms(self) -> float | None:
+        """What one training call of this layer saves, as measured when its plans were made: the cost (GPU time
+        plus extra host time, :func:`hf_sparse.ops.dispatch.costs`) of the dense choices (a dense forward and input
+        gradient, a GEMM weight gradient: the work of a masked dense layer) less that of the plan, in ms, averaged
+        over the token buckets measured; None where no training plan was measured (CPU, CUDA-graph capture)."""
+        saved = [value for (_, trains), value in self.savings.items() if trains]
+        return sum(saved) / len(saved) if saved else None
 
     def uses_index(self) -> bool:
         """Whether a measured plan reads the kept index: a dense forward or input gradient, or the GEMM weight

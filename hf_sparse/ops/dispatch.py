@@ -2,7 +2,8 @@
 
 It holds no state. Whoever measures keeps what it measured: a compact layer
 (:class:`hf_sparse.nn.compact.CompactKernel`) keeps one plan per token bucket and asks :func:`fastest` once per
-bucket, on the call's own tensors, and only when :func:`can_measure` says a measurement may run now.
+bucket, on the call's own tensors, and only when :func:`can_measure` says a measurement may run now; it keeps the
+costs :func:`costs` measured too, for what its plan saves against dense layers.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["can_measure", "fastest"]
+__all__ = ["can_measure", "costs", "fastest"]
 
 _BUSY_CYCLES = 2_000_000  # ~1 ms of GPU spin ahead of each timed call (longer than any candidate's host work)
 
@@ -28,7 +29,13 @@ def can_measure(while_tracing: bool = False) -> bool:
 
 
 def fastest(candidates: dict[str, Callable[[], object]], rounds: int = 7, host_too: bool = False) -> str:
-    """The candidate with the lowest median GPU time, measured in interleaved rounds.
+    """The candidate with the lowest cost (:func:`costs`)."""
+    measured = costs(candidates, rounds, host_too)
+    return min(measured, key=measured.get)
+
+
+def costs(candidates: dict[str, Callable[[], object]], rounds: int = 7, host_too: bool = False) -> dict[str, float]:
+    """Each candidate's cost in ms: its median GPU time, measured in interleaved rounds.
 
     Each timed call is enqueued behind a ~1 ms spin kernel, so its CUDA events time the GPU's work alone: timed from
     an idle GPU, a call would also carry the host's time to issue it, and the backend with more Python would lose
@@ -40,7 +47,7 @@ def fastest(candidates: dict[str, Callable[[], object]], rounds: int = 7, host_t
     still busy with the spin, so it is the host's own time) above that of the candidate with the least: a candidate
     with a heavier host side must save that much GPU time to win, which is what it costs where the host is the limit
     (inference, training steps of small layers), while candidates with the same host work are still ranked by GPU
-    time alone."""
+    time alone. The candidates that ran, in their order."""
     live, failures = {}, {}
     for name, fn in candidates.items():
         try:
@@ -74,4 +81,4 @@ def fastest(candidates: dict[str, Callable[[], object]], rounds: int = 7, host_t
         gpu = statistics.median(times[name])
         return gpu + (host[name] - least_host) if host_too and spin is not None else gpu
 
-    return min(times, key=cost)
+    return {name: cost(name) for name in live}

@@ -56,3 +56,7 @@ def test_measurement_picks_by_gpu_time_and_drops_candidates_that_raise():
     # ~0.3 ms GEMM, and two candidates with the same host work are ranked by GPU time
     assert dispatch.fastest({"one": one_gemm, "python": python_heavy}, host_too=True) == "one"
     assert dispatch.fastest({"two": two_gemms, "one": one_gemm}, host_too=True) == "one"
+    # the costs behind the choice: ms per candidate that ran, the second GEMM about doubling the first's
+    measured = dispatch.costs({"two": two_gemms, "one": one_gemm, "refuses": refuses})
+    assert list(measured) == ["two", "one"]
+    assert 1.5 < measured["two"] / measured["one"] < 2.5, measured
