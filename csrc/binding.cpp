@@ -412,6 +412,29 @@ void refresh_packs(const at::Tensor& table, int64_t blocks) {
 
 int64_t refresh_block_count(int64_t numel) { return hf_sparse::refresh_blocks(numel); }
 
+// The 2:4 view of a V:2:M pack (m >= 8; csrc/refresh.cu view24_from_pack): [values, meta] of the 2:4 pack of the same
+// (rows, cols) matrix, made from the pack in one pass, so that inference holds one copy of the values and builds the
+// view per call. The 2:4 kernels take it with the 2:4 layout's identity block columns (the caller's).
+std::vector<at::Tensor> view24(const at::Tensor& values, const at::Tensor& meta, const at::Tensor& columns,
+                               int64_t rows, int64_t cols, int64_t m) {
+  const char* op = "view24";
+  HF_CHECK(m >= 8, "hf_sparse.", op, ": m=", m, " is not a V:2:M group size (8 or more); a 2:4 pack is its own view");
+  const auto dtype = values.scalar_type();
+  HF_CHECK(dtype == at::kBFloat16 || dtype == at::kHalf, "hf_sparse.", op, ": values must be bfloat16 or float16, got ",
+           dtype);
+  check_packed(op, values, meta, columns, rows, cols, m, dtype);
+  c10::cuda::CUDAGuard guard(values.device());
+  const int64_t steps4 = (cols / 4 + 7) / 8, tiles = values.size(0);
+  auto out_values = at::empty({tiles, steps4, 32, 8}, values.options());
+  auto out_meta = at::empty({tiles, steps4, 16}, meta.options());
+  check_cuda(hf_sparse::view24_from_pack(reinterpret_cast<const uint16_t*>(values.data_ptr()), meta.data_ptr<int32_t>(),
+                                         columns.data_ptr<uint8_t>(), tiles * 16, rows, cols, (int32_t)m,
+                                         values.size(1), reinterpret_cast<uint16_t*>(out_values.data_ptr()),
+                                         out_meta.data_ptr<int32_t>(), c10::cuda::getCurrentCUDAStream().stream()),
+             op);
+  return {out_values, out_meta};
+}
+
 // A compact layer's kept positions as the kernels read them (KeptPositions, kernels.h): `sel` the on-disk 2-bit codes
 // (2:4: weight_indices; V:2:M: weight_selectors), `columns` the on-disk block columns (V:2:M: weight_columns, else
 // absent), `v` the pattern's V, `m` its group size.
@@ -731,6 +754,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
           "a compact layer's training call: y = x W^T + b from the kept values, with C++ autograd (hf_sparse.nn.compact)");
   mod.def("refresh_packs", &refresh_packs, "rewrite many packs from their layers' values in one launch (a table)");
   mod.def("refresh_block_count", &refresh_block_count, "blocks refresh_packs runs for an entry of numel elements");
+  mod.def("view24", &view24, "the 2:4 view (values, meta) of a V:2:M pack, made from the pack in one pass");
   mod.def("gather_kept", &gather_kept, "a layer's kept values out of a dense matrix, at their on-disk positions");
   mod.def("scatter_kept", &scatter_kept, "the dense matrix whose kept positions hold the values, zero elsewhere");
   mod.def("apply_masks_", &apply_masks_, "zero, in place, the entries of each tensor where its bool mask is false");

@@ -98,8 +98,8 @@ def test_training_step_matches_masked_dense(spec, transposable, plan):
 
 @pytest.mark.parametrize("plan", [("sparse24", "dense", "gemm"), ("sparse", "dense", "gemm")])
 def test_inference_on_the_2to4_view(plan):
-    """A 64:2:8 bf16 layer whose inference plan runs on its 2:4 view (or its own pack): outputs match; on the view,
-    the layer's own pack values are freed after the plan is set."""
+    """A 64:2:8 bf16 layer whose inference plan runs on its 2:4 view (or its own pack): outputs match; the view is
+    made per call from the layer's own pack, which is all the layer keeps."""
     layer, ref = _pair("64:2:8", False, dtype=torch.bfloat16)
     layer.weight.requires_grad_(False)
     k = layer.kernel_state(torch.bfloat16)
@@ -109,7 +109,7 @@ def test_inference_on_the_2to4_view(plan):
     x = torch.randn(4, 37, 320, device="cuda", dtype=torch.bfloat16)
     with torch.no_grad():
         _close(layer(x), ref(x))
-        assert (k.buf is None) == (plan[0] == "sparse24")
+        assert k.buf is not None and k.packed24 is None
         new = torch.randn_like(layer.weight) * 0.05  # a changed weight is picked up on the view too
         layer.weight.copy_(new)
         ref.weight.view(-1)[layer.kept_index] = new.view(-1)
@@ -169,12 +169,13 @@ def test_inference_in_bf16_holds_no_dense_copy(spec, transposable):
         assert own + state < dense
 
 
-@pytest.mark.parametrize("spec", ["2:4", "64:2:8"])
-def test_inference_memory_is_the_checkpoint_tensors(spec):
+@pytest.mark.parametrize(("spec", "forward"), [("2:4", "sparse"), ("64:2:8", "sparse"), ("64:2:8", "sparse24")])
+def test_inference_memory_is_the_checkpoint_tensors(spec, forward):
     """A bf16 layer in inference holds its weights once: after its forwards the memory it takes is at most 1.05x
-    the bytes of its on-disk tensors (the pack holds the values and positions: ``CompactKernel.adopt``), and saving
-    gives those tensors back exactly. The count covers the layer alone: it starts once the layer, its reference
-    output and everything the test built to make them exist (mask selection, cuBLAS's workspaces)."""
+    the bytes of its on-disk tensors (the pack holds the values and positions: ``CompactKernel.adopt``; a V:2:M
+    layer run on its 2:4 view makes the view per call from that pack), and saving gives those tensors back exactly.
+    The count covers the layer alone: it starts once the layer, its reference output and everything the test built
+    to make them exist (mask selection, cuBLAS's workspaces)."""
     torch.manual_seed(0)
     rows, cols = 2048, 4096
     x = torch.randn(2, 256, cols, device="cuda", dtype=torch.bfloat16)
@@ -191,7 +192,7 @@ def test_inference_memory_is_the_checkpoint_tensors(spec):
     torch.cuda.empty_cache()
     base = torch.cuda.memory_allocated()  # the layer's on-disk tensors are in it
     k = layer.kernel_state(torch.bfloat16)
-    k.plans[(512, False)] = ("sparse", "dense", "gemm")  # its own pack (a measurement may pick the 2:4 view)
+    k.plans[(512, False)] = (forward, "dense", "gemm")
     with torch.inference_mode():
         for _ in range(3):
             y = layer(x)
@@ -200,7 +201,7 @@ def test_inference_memory_is_the_checkpoint_tensors(spec):
         y = y.cpu()
         torch.cuda.synchronize()
         held = torch.cuda.memory_allocated() - base + disk_bytes
-    assert layer._resident is k
+    assert layer._resident is k and k.packed24 is None
     assert held <= 1.05 * disk_bytes, (held, disk_bytes)
     _close(y, expected.cpu())
     for name, t in layer.state_dict().items():
@@ -379,3 +380,32 @@ def test_layers_reading_one_input_under_autocast_save_one_cast_of_it():
         second = layer2(plain)
         _close(first, ref(plain / -2.0))
         _close(second, ref2(plain))
+
+
+@pytest.mark.parametrize(
+    ("spec", "rows", "cols"), [("64:2:8", 192, 200), ("128:2:16", 256, 112), ("64:2:32", 64, 160), ("64:2:8", 64, 64)]
+)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_view24_of_a_vnm_pack_is_the_2to4_pack_of_the_same_weight(spec, rows, cols, dtype):
+    """The extension's ``view24`` (the 2:4 view a V:2:M layer makes per call in inference) is, byte for byte, what
+    ``pack`` makes of the same weight as 2:4: fresh random weights, odd group counts (the layouts' padding), outputs
+    into NaN-poisoned memory. A 2:4 pack is refused with an error that reaches Python."""
+    from hf_sparse.ops import pack
+    from hf_sparse.ops._build import load_extension
+
+    ext = load_extension()
+    pattern = parse_pattern(spec)
+    gen = torch.Generator().manual_seed(rows + cols)
+    w = torch.randn(rows, cols, generator=gen)
+    mask = compute_mask(w.abs(), pattern).cuda()
+    w = w.cuda()
+    vnm = pack(w, mask, pattern.v, pattern.m, dtype)
+    poison_allocator()
+    values, meta = ext.view24(vnm.values, vnm.meta, vnm.columns, rows, cols, pattern.m)
+    expected = pack(w, mask, 64, 4, dtype)
+    assert values.shape == expected.values.shape and meta.shape == expected.meta.shape
+    assert torch.equal(values, expected.values)
+    assert torch.equal(meta, expected.meta)
+    twofour = pack(w, compute_mask(w.abs(), parse_pattern("2:4")), 64, 4, dtype)
+    with pytest.raises(RuntimeError, match="view24"):
+        ext.view24(twofour.values, twofour.meta, twofour.columns, rows, cols, 4)

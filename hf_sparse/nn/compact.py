@@ -14,19 +14,17 @@ through one :class:`CompactKernel`, built once from the layer's position buffers
   first call that trains; dropped again if the measured plans never use it.
 * ``packed24`` (V:2:M layers, M >= 8): the 2:4 view. A V:2:M weight keeps at most 2 of every M columns of a row, so
   at most 2 of every 4 aligned ones: it is a 2:4 weight too, and the 2:4 kernel runs it at 2:4 speed (with more
-  zeros than 2:4 needs), which on the H200 beats the V:2:M kernels at M = 8 and 16. Built for the first
-  measurement; dropped if no measured plan runs the forward on it.
+  zeros than 2:4 needs), which on the H200 beats the V:2:M kernels at M = 8 and 16 from a few hundred tokens. In
+  training it is kept, built for the first measurement and refreshed with the values (half the bytes of the dense
+  weight in the compute dtype, beside the layer's own values); dropped if no measured plan runs the forward on it.
+  In eager inference it is not kept: a ``"sparse24"`` forward makes it from the layer's own pack in one launch of
+  the extension's ``view24`` (:meth:`CompactKernel._view_per_call`), so the layer holds one copy of its values.
 
   Both 2:4 packs of the layer's values (``packed_t``, ``packed24``) have their metadata made once from the mask
   (:func:`_pack24`); their values are refreshed like the layer's own pack, each slot finding its source from the
   kept positions in their on-disk form (:mod:`.refresh`: ``TRANSPOSED``, ``VIEW24``), so no permutation is held.
-
-  A V:2:M layer run on its 2:4 view holds the view (half the bytes of the dense weight in the compute dtype) beside
-  its own values (a quarter at 64:2:8): the plan trades that memory for the 2:4 kernel's speed, and such a layer
-  cannot stay within 1.05x the bytes of its checkpoint tensors (the measurement picks the view only where it is
-  faster).
 * the plans, per (token bucket, whether the call trains): the forward (``"sparse"``: SpMM on ``packed``;
-  ``"sparse24"``: SpMM on ``packed24``; ``"dense"``: cuBLAS on a transient dense weight made by one scatter to the
+  ``"sparse24"``: SpMM on the 2:4 view; ``"dense"``: cuBLAS on a transient dense weight made by one scatter to the
   kept positions), the input gradient (``"sparse"`` on ``packed_t``, else ``"dense"``), the weight gradient
   (``"gemm"``: ``dY^T X`` by cuBLAS, then one gather at the kept positions, cast included; ``"sddmm"``: the kept
   positions only, by the SDDMM kernel on the layer's own metadata, straight into ``weight``'s order in fp32). The
@@ -36,13 +34,12 @@ through one :class:`CompactKernel`, built once from the layer's position buffers
   a stand-in of the bucket's size, while tracing); where nothing can be measured (CPU, CUDA-graph capture) the plan
   is :data:`DEFAULT_PLAN`.
 
-Under ``torch.inference_mode()`` (no call has trained, every measured forward runs on ``packed``, the values already
-in the compute dtype, no layout padding) the pack is the only copy of the weights: :meth:`CompactKernel.adopt` makes
+Under ``torch.inference_mode()`` (no call has trained, every measured forward runs on ``packed`` or on a view made
+from it per call, the values already in the compute dtype, no layout padding) the pack is the only copy of the weights: :meth:`CompactKernel.adopt` makes
 ``layer.weight`` the pack's values (the same elements in the fragment order) and empties the position buffers (the
 metadata and block columns hold them), so a loaded model takes the bytes of its checkpoint tensors. Whatever reads the
 on-disk form (``state_dict``, ``compressed_tensors``, ``.to()``, a call that trains, a new measurement) calls
-:meth:`SparseLinear.on_disk_form` first, which makes it again from the pack (:meth:`CompactKernel.release`). A V:2:M
-layer run on its 2:4 view is not resident: the view holds zeros beside the values.
+:meth:`SparseLinear.on_disk_form` first, which makes it again from the pack (:meth:`CompactKernel.release`).
 
 The packs are refreshed after each optimizer step and on the first call after the weight changed otherwise: when its
 version counter, its address, the bias's version or the count of optimizer steps (:mod:`.optimizer_steps`: fused
@@ -192,6 +189,19 @@ def _pack24(mask: Tensor, dtype: torch.dtype) -> PackedWeight:
     return packed_from_logical(values, None, selectors, 64, 4, dtype)._replace(valid=valid)
 
 
+_identity: dict[tuple[int, int, torch.device], Tensor] = {}  # the 2:4 layout's block columns, per shape and device
+
+
+def _identity_columns(slabs: int, groups: int, device: torch.device) -> Tensor:
+    """The block columns of a 2:4 pack with ``slabs`` row slabs and ``groups`` padded groups (0, 1, 2, 3 in every
+    block): a constant the views made per call share (:meth:`CompactKernel._view_of_pack`)."""
+    key = (slabs, groups, device)
+    if key not in _identity:
+        with torch.inference_mode(False):
+            _identity[key] = torch.arange(4, dtype=torch.uint8, device=device).repeat(slabs, groups, 1)
+    return _identity[key]
+
+
 def _spmm(x2, values, meta, columns, valid, bias, rows, cols, v, m, fn, code, after, activation) -> Tensor:
     """``act(x2 @ W^T + bias)``: the extension's function ``fn`` where it can take ``x2`` as it is, else the
     ``hf_sparse::spmm`` op (torch.compile, CPU, misaligned input)."""
@@ -266,7 +276,8 @@ class CompactKernel:
         self.transposable: bool | None = None  # decided on the first call that trains
         self.trained = False  # a call that trains has run
         self.packed_t: PackedWeight | None = None
-        self.packed24: PackedWeight | None = None  # the 2:4 view (V:2:M layers)
+        self.packed24: PackedWeight | None = None  # the 2:4 view (V:2:M layers), where it is kept between calls
+        self.traced = False  # a plan was measured while torch.compile traced: the compiled graph reads packed24
         bias = layer.bias
         self.bias_lp = None if bias is None or bias.dtype == dtype else bias.detach().to(dtype)
         self.plans: dict[tuple[int, bool], tuple[str, str, str]] = {}
@@ -281,6 +292,7 @@ class CompactKernel:
         ext = _extension() if cuda else None
         self.native = getattr(ext, "compact_linear", None)  # forward and backward in C++, one autograd node
         self.native_forward = getattr(ext, "compact_forward", None)  # the same computations without autograd
+        self.view24 = getattr(ext, "view24", None) if m != 4 else None  # a V:2:M pack's 2:4 view, made per call
         self.native_backward = getattr(ext, "compact_backward", None)
         self.refresher = ext if hasattr(ext, "refresh_packs") else None  # the batched refresh: see refresh_stale
         self.layer = weakref.ref(layer)
@@ -332,7 +344,9 @@ class CompactKernel:
             or type(weight.data) is not Tensor
             or not isinstance(weight, torch.nn.Parameter)  # a DataParallel replica's broadcast copy
             or getattr(layer, "_is_replica", False)
-            or any(p[0] != "sparse" for p in self.plans.values())
+            or any(
+                p[0] != "sparse" and not (p[0] == "sparse24" and self._view_per_call()) for p in self.plans.values()
+            )
             or (torch.distributed.is_available() and torch.distributed.is_initialized())
         ):
             return False
@@ -350,7 +364,9 @@ class CompactKernel:
         if self.fns[0] is not None and self.after is None:  # one extension call, the activation fused if any
             q = self.packed
             self.resident_call = (self.fns[0], q.values, q.meta, q.columns, self.rows, self.cols, self.m, self.code)
-            self.resident_buckets = frozenset(bucket for bucket, trains in self.plans if not trains)
+            self.resident_buckets = frozenset(
+                bucket for (bucket, trains), p in self.plans.items() if not trains and p[0] == "sparse"
+            )
         return True
 
     def resident_forward(self, layer: SparseLinear, x: Tensor) -> Tensor | None:
@@ -492,6 +508,20 @@ class CompactKernel:
                 self.packed24 = _pack24(self._mask(layer), self.dtype)
             self._write(layer, self._entry24(layer, VIEW24, self.packed24))
 
+    def _view_per_call(self) -> bool:
+        """Whether a ``"sparse24"`` forward makes the 2:4 view from the layer's own pack on each call instead of
+        keeping it: in eager inference (no call has trained, nothing compiled) where the extension has ``view24``.
+        The layer then holds one copy of its values (resident: its checkpoint's bytes) for the price of one more
+        launch and a pass over the view's bytes per call; training keeps the view, refreshed with the values."""
+        return self.view24 is not None and not self.trained and not self.traced
+
+    def _view_of_pack(self) -> PackedWeight:
+        """The 2:4 view made now from the layer's own pack (:meth:`_view_per_call`)."""
+        q = self.packed
+        values, meta = self.view24(q.values, q.meta, q.columns, self.rows, self.cols, self.m)
+        columns = _identity_columns(values.shape[0] // 4, values.shape[1] * 8, self.device)
+        return q._replace(values=values, meta=meta, columns=columns, v=64, m=4)
+
     def drop_transposed(self) -> None:
         """Free ``packed_t`` (no measured plan runs the input gradient on it)."""
         self.packed_t = None
@@ -501,11 +531,12 @@ class CompactKernel:
         """After a measurement (of a call that ``trains`` or not): free what no measured plan reads (see the module
         docstring)."""
         forwards = {p[0] for p in self.plans.values()}
-        if "sparse24" not in forwards:
+        per_call = self._view_per_call()
+        if "sparse24" not in forwards or per_call:
             self.packed24 = None
         if trains and self.packed_t is not None and all(p[1] != "sparse" for k, p in self.plans.items() if k[1]):
             self.drop_transposed()
-        if "sparse" not in forwards:
+        if "sparse" not in forwards and not ("sparse24" in forwards and per_call):
             self.buf = None
             self.packed = self.packed._replace(values=self._absent())
         self.entries = None
@@ -530,7 +561,7 @@ class CompactKernel:
                 self.plans[key] = plan
             return plan
         self._ensure_pack(layer)
-        if self.m != 4:
+        if self.m != 4 and not self._view_per_call():
             self._ensure_view24(layer)
         plan = self.plans[key] = self._measure(layer, key[1], x2)
         self._drop_unused(layer, key[1])
@@ -552,7 +583,7 @@ class CompactKernel:
             )
 
         forwards = {"sparse": forward("sparse"), "dense": forward("dense")}
-        if self.packed24 is not None:
+        if self.packed24 is not None or (self.m != 4 and self._view_per_call()):
             forwards["sparse24"] = forward("sparse24")
         with torch.no_grad():
             parts = [dispatch.costs(forwards, host_too=True)]
@@ -583,7 +614,7 @@ class CompactKernel:
         act = self.activation if fuse else None
         if self.native_forward is not None and act is None:  # one call into the extension
             view = plan[0] == "sparse24"
-            q = self.packed24 if view else self.packed
+            q = (self._view_of_pack() if self.packed24 is None else self.packed24) if view else self.packed
             dense = plan[0] == "dense"
             sel, sel_columns, v_g = positions(layer)
             return self.native_forward(
@@ -701,6 +732,11 @@ class CompactKernel:
         its token bucket; ``while_tracing``: see :meth:`plan`)."""
         key = (token_bucket(x.numel() // self.cols), trains)
         plan = self.plans.get(key)
+        if while_tracing and not self.traced:  # compiled code reads a kept 2:4 view (native_arguments)
+            self.traced = True
+            if self.m != 4 and any(p[0] == "sparse24" for p in self.plans.values()):
+                layer.on_disk_form()  # the view's metadata is made from the positions
+                self._ensure_view24(layer)
         if layer._resident is self:  # the pack is the values: nothing to refresh
             self.check_resident(layer)
             if plan is not None and not trains:
@@ -724,7 +760,7 @@ class CompactKernel:
         plan = self.prepare(layer, x, trains)
         rows, cols = self.rows, self.cols
         if not trains:  # inference, evaluation: no autograd, the activation fused where the kernel has it
-            if layer._resident is not self and plan[0] == "sparse" and torch.is_inference_mode_enabled():
+            if layer._resident is not self and plan[0] != "dense" and torch.is_inference_mode_enabled():
                 self.adopt(layer)
             x2 = x.reshape(-1, cols)
             y = self.forward_compute(layer, x2 if x2.dtype == self.dtype else x2.to(self.dtype), plan, fuse=True)
