@@ -194,7 +194,7 @@ _identity: dict[tuple[int, int, torch.device], Tensor] = {}  # the 2:4 layout's 
 
 def _identity_columns(slabs: int, groups: int, device: torch.device) -> Tensor:
     """The block columns of a 2:4 pack with ``slabs`` row slabs and ``groups`` padded groups (0, 1, 2, 3 in every
-    block): a constant the views made per call share (:meth:`CompactKernel._view_of_pack`)."""
+    block): a constant the views made per call share (:meth:`CompactKernel._view`)."""
     key = (slabs, groups, device)
     if key not in _identity:
         with torch.inference_mode(False):
@@ -515,12 +515,16 @@ class CompactKernel:
         launch and a pass over the view's bytes per call; training keeps the view, refreshed with the values."""
         return self.view24 is not None and not self.trained and not self.traced
 
-    def _view_of_pack(self) -> PackedWeight:
-        """The 2:4 view made now from the layer's own pack (:meth:`_view_per_call`)."""
+    def _view(self) -> PackedWeight:
+        """The 2:4 view for a ``"sparse24"`` forward: the kept one, else made now from the layer's own pack
+        (:meth:`_view_per_call`)."""
+        if self.packed24 is not None:
+            return self.packed24
         q = self.packed
         values, meta = self.view24(q.values, q.meta, q.columns, self.rows, self.cols, self.m)
         columns = _identity_columns(values.shape[0] // 4, values.shape[1] * 8, self.device)
-        return q._replace(values=values, meta=meta, columns=columns, v=64, m=4)
+        valid = torch.ones((), dtype=torch.bool, device=self.device).expand(self.rows, self.cols // 2)
+        return q._replace(values=values, meta=meta, columns=columns, valid=valid, v=64, m=4)
 
     def drop_transposed(self) -> None:
         """Free ``packed_t`` (no measured plan runs the input gradient on it)."""
@@ -614,7 +618,7 @@ class CompactKernel:
         act = self.activation if fuse else None
         if self.native_forward is not None and act is None:  # one call into the extension
             view = plan[0] == "sparse24"
-            q = (self._view_of_pack() if self.packed24 is None else self.packed24) if view else self.packed
+            q = self._view() if view else self.packed
             dense = plan[0] == "dense"
             sel, sel_columns, v_g = positions(layer)
             return self.native_forward(
@@ -625,7 +629,7 @@ class CompactKernel:
             y = F.linear(x2, dense_at_index(layer.weight.detach(), layer._kept(), rows, cols, dtype), bias_c)
             return y if act is None else activate(y, act)
         if plan[0] == "sparse24":  # the 2:4 view
-            q, fn, code, after, v, m = self.packed24, self.fn24, self.code24, self.after24, 64, 4
+            q, fn, code, after, v, m = self._view(), self.fn24, self.code24, self.after24, 64, 4
         else:
             q, fn, code, after, v, m = self.packed, self.fns[0], self.code, self.after, self.v, self.m
         if not fuse:
