@@ -167,54 +167,50 @@ __global__ void __launch_bounds__(kThreads) scatter_kept_kernel(const void* src,
   store_float(dst, j, dst_dtype, v);
 }
 
-// One thread per metadata word of the view: rows 16 tile + g8 (rh 0) and + 8 (rh 1), groups of 4 columns
-// 8 step + 4 ch + t (t = 0..3); it writes the word and the 16 values it describes.
+// One thread per value pair of the view (the two slots of one row and group of 4 columns: 4 bytes, so the lanes of a
+// warp write 128 consecutive bytes); the 8 lanes that share a metadata word (its 2 rows x 4 groups) combine their
+// selectors by shuffles and the first of them writes it. `pairs` is a multiple of 128, so every warp is whole.
 __global__ void __launch_bounds__(kThreads)
-    view24_kernel(const uint16_t* __restrict__ values, const int32_t* __restrict__ meta,
+    view24_kernel(const uint32_t* __restrict__ values, const int32_t* __restrict__ meta,
                   const uint8_t* __restrict__ columns, int64_t rows, int64_t cols, int32_t m, int64_t steps,
-                  int64_t steps4, int64_t words, uint16_t* __restrict__ out_values, int32_t* __restrict__ out_meta) {
-  const int64_t w = (int64_t)blockIdx.x * kThreads + threadIdx.x;
-  if (w >= words) return;
-  const int64_t word = w & 15, tile_step = w >> 4;
-  const int64_t tile = tile_step / steps4, step4 = tile_step - tile * steps4;
-  const int64_t g8 = word >> 1, ch = word & 1;
-  const int64_t groups4 = cols / 4;
-  uint32_t out_word = 0;
-#pragma unroll
-  for (int rh = 0; rh < 2; ++rh) {
-    const int64_t row = 16 * tile + 8 * rh + g8;
-#pragma unroll
-    for (int t = 0; t < 4; ++t) {
-      const int64_t g4 = 8 * step4 + 4 * ch + t;
-      uint16_t v0 = 0, v1 = 0;
-      uint32_t sel0 = 0, sel1 = 1;
-      if (row < rows && g4 < groups4) {
-        const int64_t h = 4 * g4 / m;  // the V:2:M group holding these 4 columns
-        const int64_t src_step = h >> 3, src_ch = (h >> 2) & 1, src_t = h & 3;
-        const int64_t base = (tile * steps + src_step) * 256 + g8 * 32 + src_t * 8 + src_ch * 4 + rh * 2;
-        const uint32_t nib = ((uint32_t)meta[(tile * steps + src_step) * 16 + g8 * 2 + src_ch] >> (16 * rh + 4 * src_t)) & 0xF;
-        const uint8_t* block = columns + ((row >> 6) * steps * 8 + h) * 4;
-        const int64_t c0 = h * m + block[nib & 3], c1 = h * m + block[nib >> 2];  // c0 < c1: selectors increase
-        const bool in0 = (c0 >> 2) == g4, in1 = (c1 >> 2) == g4;
-        if (in0 && in1) {
-          v0 = values[base], v1 = values[base + 1], sel0 = c0 & 3, sel1 = c1 & 3;
-        } else if (in0 || in1) {
-          const uint16_t v = in0 ? values[base] : values[base + 1];
-          const uint32_t offset = (uint32_t)((in0 ? c0 : c1) & 3);
-          if (offset == 0) {
-            v0 = v, sel0 = 0, sel1 = 1;
-          } else {
-            v1 = v, sel0 = 0, sel1 = offset;
-          }
+                  int64_t steps4, int64_t pairs, uint32_t* __restrict__ out_values, int32_t* __restrict__ out_meta) {
+  const int64_t p = (int64_t)blockIdx.x * kThreads + threadIdx.x;
+  if (p >= pairs) return;
+  // element 2p of the view's (tiles, steps4, 32, 8) values is (tile, step4, g8, t, ch, rh, k = 0)
+  const int within = (int)(p & 127);
+  const int64_t tile_step = p >> 7, tile = tile_step / steps4, step4 = tile_step - tile * steps4;
+  const int g8 = within >> 4, t = (within >> 2) & 3, ch = (within >> 1) & 1, rh = within & 1;
+  const int64_t row = 16 * tile + 8 * rh + g8, g4 = 8 * step4 + 4 * ch + t;
+  uint32_t pair = 0, sel0 = 0, sel1 = 1;
+  if (row < rows && g4 < cols / 4) {
+    const int64_t h = 4 * g4 / m;  // the V:2:M group holding these 4 columns
+    const int64_t src_step = h >> 3, src_ch = (h >> 2) & 1, src_t = h & 3;
+    const int64_t src_tile_step = tile * steps + src_step;
+    const uint32_t nib = ((uint32_t)meta[src_tile_step * 16 + g8 * 2 + src_ch] >> (16 * rh + 4 * src_t)) & 0xF;
+    const uint8_t* block = columns + ((row >> 6) * steps * 8 + h) * 4;
+    const int64_t c0 = h * m + block[nib & 3], c1 = h * m + block[nib >> 2];  // c0 < c1: selectors increase
+    const bool in0 = (c0 >> 2) == g4, in1 = (c1 >> 2) == g4;
+    if (in0 || in1) {
+      const uint32_t source = values[(src_tile_step * 256 + g8 * 32 + src_t * 8 + src_ch * 4 + rh * 2) >> 1];
+      if (in0 && in1) {
+        pair = source, sel0 = (uint32_t)(c0 & 3), sel1 = (uint32_t)(c1 & 3);
+      } else {
+        const uint32_t v = in0 ? source & 0xFFFF : source >> 16;
+        const uint32_t offset = (uint32_t)((in0 ? c0 : c1) & 3);
+        if (offset == 0) {
+          pair = v;  // slot 0 holds it, slot 1 pads at offset 1
+        } else {
+          pair = v << 16, sel1 = offset;  // slot 0 pads at offset 0, slot 1 holds it
         }
       }
-      const int64_t out = (tile * steps4 + step4) * 256 + g8 * 32 + t * 8 + ch * 4 + rh * 2;
-      out_values[out] = v0;
-      out_values[out + 1] = v1;
-      out_word |= (sel0 | sel1 << 2) << (16 * rh + 4 * t);
     }
   }
-  out_meta[w] = (int32_t)out_word;
+  out_values[p] = pair;
+  uint32_t word = (sel0 | sel1 << 2) << (16 * rh + 4 * t);
+  word |= __shfl_xor_sync(0xffffffffu, word, 1);  // the other row half
+  word |= __shfl_xor_sync(0xffffffffu, word, 4);  // the other groups of the word
+  word |= __shfl_xor_sync(0xffffffffu, word, 8);
+  if ((within & 0xD) == 0) out_meta[tile_step * 16 + g8 * 2 + ch] = (int32_t)word;
 }
 
 cudaError_t launch_over(int64_t n, int64_t* blocks) {
@@ -246,12 +242,13 @@ cudaError_t view24_from_pack(const uint16_t* values, const int32_t* meta, const 
                              int64_t rows, int64_t cols, int32_t m, int64_t steps, uint16_t* out_values,
                              int32_t* out_meta, cudaStream_t stream) {
   const int64_t steps4 = (cols / 4 + 7) / 8;
-  const int64_t words = rows_padded / 16 * steps4 * 16;
+  const int64_t pairs = rows_padded / 16 * steps4 * 128;
   int64_t blocks = 0;
-  if (launch_over(words, &blocks) != cudaSuccess) return cudaErrorInvalidValue;
+  if (launch_over(pairs, &blocks) != cudaSuccess) return cudaErrorInvalidValue;
   if (blocks == 0) return cudaSuccess;
-  view24_kernel<<<(unsigned)blocks, kThreads, 0, stream>>>(values, meta, columns, rows, cols, m, steps, steps4, words,
-                                                            out_values, out_meta);
+  view24_kernel<<<(unsigned)blocks, kThreads, 0, stream>>>(reinterpret_cast<const uint32_t*>(values), meta, columns,
+                                                            rows, cols, m, steps, steps4, pairs,
+                                                            reinterpret_cast<uint32_t*>(out_values), out_meta);
   return cudaGetLastError();
 }
 

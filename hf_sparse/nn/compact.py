@@ -523,7 +523,7 @@ class CompactKernel:
         q = self.packed
         values, meta = self.view24(q.values, q.meta, q.columns, self.rows, self.cols, self.m)
         columns = _identity_columns(values.shape[0] // 4, values.shape[1] * 8, self.device)
-        valid = torch.ones((), dtype=torch.bool, device=self.device).expand(self.rows, self.cols // 2)
+        valid = q.valid.as_strided((self.rows, self.cols // 2), (0, 0))  # every slot (a view: no launch)
         return q._replace(values=values, meta=meta, columns=columns, valid=valid, v=64, m=4)
 
     def drop_transposed(self) -> None:
