@@ -169,26 +169,27 @@ __global__ void __launch_bounds__(kThreads) scatter_kept_kernel(const void* src,
 
 // One thread per value pair of the view (the two slots of one row and group of 4 columns: 4 bytes, so the lanes of a
 // warp write 128 consecutive bytes); the 8 lanes that share a metadata word (its 2 rows x 4 groups) combine their
-// selectors by shuffles and the first of them writes it. `pairs` is a multiple of 128, so every warp is whole.
+// selectors by shuffles and the first of them writes it. blockIdx.y is the 16-row tile, the threads of x run over
+// its steps4 * 128 pairs (a multiple of 128, so every warp is whole); indices are 32-bit and m a power of two
+// (log2_m), so no thread divides.
 __global__ void __launch_bounds__(kThreads)
     view24_kernel(const uint32_t* __restrict__ values, const int32_t* __restrict__ meta,
-                  const uint8_t* __restrict__ columns, int64_t rows, int64_t cols, int32_t m, int64_t steps,
-                  int64_t steps4, int64_t pairs, uint32_t* __restrict__ out_values, int32_t* __restrict__ out_meta) {
-  const int64_t p = (int64_t)blockIdx.x * kThreads + threadIdx.x;
-  if (p >= pairs) return;
-  // element 2p of the view's (tiles, steps4, 32, 8) values is (tile, step4, g8, t, ch, rh, k = 0)
-  const int within = (int)(p & 127);
-  const int64_t tile_step = p >> 7, tile = tile_step / steps4, step4 = tile_step - tile * steps4;
-  const int g8 = within >> 4, t = (within >> 2) & 3, ch = (within >> 1) & 1, rh = within & 1;
-  const int64_t row = 16 * tile + 8 * rh + g8, g4 = 8 * step4 + 4 * ch + t;
+                  const uint8_t* __restrict__ columns, int32_t rows, int32_t groups4, int32_t log2_m, int32_t steps,
+                  int32_t steps4, uint32_t* __restrict__ out_values, int32_t* __restrict__ out_meta) {
+  const int32_t p = blockIdx.x * kThreads + threadIdx.x;  // pair within the tile
+  if (p >= steps4 * 128) return;
+  const int32_t tile = blockIdx.y, step4 = p >> 7, within = p & 127;
+  // element 2p of the tile's (steps4, 32, 8) values is (step4, g8, t, ch, rh, k = 0)
+  const int32_t g8 = within >> 4, t = (within >> 2) & 3, ch = (within >> 1) & 1, rh = within & 1;
+  const int32_t row = 16 * tile + 8 * rh + g8, g4 = 8 * step4 + 4 * ch + t;
   uint32_t pair = 0, sel0 = 0, sel1 = 1;
-  if (row < rows && g4 < cols / 4) {
-    const int64_t h = 4 * g4 / m;  // the V:2:M group holding these 4 columns
-    const int64_t src_step = h >> 3, src_ch = (h >> 2) & 1, src_t = h & 3;
-    const int64_t src_tile_step = tile * steps + src_step;
+  if (row < rows && g4 < groups4) {
+    const int32_t h = (4 * g4) >> log2_m;  // the V:2:M group holding these 4 columns
+    const int32_t src_step = h >> 3, src_ch = (h >> 2) & 1, src_t = h & 3;
+    const int64_t src_tile_step = (int64_t)tile * steps + src_step;
     const uint32_t nib = ((uint32_t)meta[src_tile_step * 16 + g8 * 2 + src_ch] >> (16 * rh + 4 * src_t)) & 0xF;
-    const uint8_t* block = columns + ((row >> 6) * steps * 8 + h) * 4;
-    const int64_t c0 = h * m + block[nib & 3], c1 = h * m + block[nib >> 2];  // c0 < c1: selectors increase
+    const uint8_t* block = columns + ((int64_t)(row >> 6) * steps * 8 + h) * 4;
+    const int32_t c0 = (h << log2_m) + block[nib & 3], c1 = (h << log2_m) + block[nib >> 2];  // c0 < c1
     const bool in0 = (c0 >> 2) == g4, in1 = (c1 >> 2) == g4;
     if (in0 || in1) {
       const uint32_t source = values[(src_tile_step * 256 + g8 * 32 + src_t * 8 + src_ch * 4 + rh * 2) >> 1];
@@ -205,7 +206,8 @@ __global__ void __launch_bounds__(kThreads)
       }
     }
   }
-  out_values[p] = pair;
+  const int64_t tile_step = (int64_t)tile * steps4 + step4;
+  out_values[tile_step * 128 + (within)] = pair;
   uint32_t word = (sel0 | sel1 << 2) << (16 * rh + 4 * t);
   word |= __shfl_xor_sync(0xffffffffu, word, 1);  // the other row half
   word |= __shfl_xor_sync(0xffffffffu, word, 4);  // the other groups of the word
@@ -241,14 +243,15 @@ cudaError_t scatter_kept(const void* src, int32_t src_dtype, void* dst, int32_t 
 cudaError_t view24_from_pack(const uint16_t* values, const int32_t* meta, const uint8_t* columns, int64_t rows_padded,
                              int64_t rows, int64_t cols, int32_t m, int64_t steps, uint16_t* out_values,
                              int32_t* out_meta, cudaStream_t stream) {
-  const int64_t steps4 = (cols / 4 + 7) / 8;
-  const int64_t pairs = rows_padded / 16 * steps4 * 128;
-  int64_t blocks = 0;
-  if (launch_over(pairs, &blocks) != cudaSuccess) return cudaErrorInvalidValue;
-  if (blocks == 0) return cudaSuccess;
-  view24_kernel<<<(unsigned)blocks, kThreads, 0, stream>>>(reinterpret_cast<const uint32_t*>(values), meta, columns,
-                                                            rows, cols, m, steps, steps4, pairs,
-                                                            reinterpret_cast<uint32_t*>(out_values), out_meta);
+  const int64_t steps4 = (cols / 4 + 7) / 8, tiles = rows_padded / 16;
+  int32_t log2_m = 0;
+  while ((1 << log2_m) < m) ++log2_m;
+  if ((1 << log2_m) != m || tiles > 65535 || steps4 * 128 >= (1LL << 31)) return cudaErrorInvalidValue;
+  if (tiles == 0 || steps4 == 0) return cudaSuccess;
+  const dim3 grid((unsigned)((steps4 * 128 + kThreads - 1) / kThreads), (unsigned)tiles);
+  view24_kernel<<<grid, kThreads, 0, stream>>>(reinterpret_cast<const uint32_t*>(values), meta, columns, (int32_t)rows,
+                                               (int32_t)(cols / 4), log2_m, (int32_t)steps, (int32_t)steps4,
+                                               reinterpret_cast<uint32_t*>(out_values), out_meta);
   return cudaGetLastError();
 }
 
