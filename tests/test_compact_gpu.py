@@ -9,7 +9,8 @@ from ops._helpers import poison_allocator
 
 from hf_sparse.masks import compute_mask
 from hf_sparse.nn import SparseLinear
-from hf_sparse.nn.compact import kept_index_of, positions
+from hf_sparse.nn.compact import positions
+from hf_sparse.nn.refresh import kept_index_of
 from hf_sparse.ops import spmm_reference
 from hf_sparse.patterns import parse_pattern
 

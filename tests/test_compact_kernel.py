@@ -10,8 +10,9 @@ import torch.nn.functional as F
 
 from hf_sparse.masks import compute_mask
 from hf_sparse.nn import SparseLinear
-from hf_sparse.nn.compact import kept_index_of, kernel_pattern, positions
+from hf_sparse.nn.compact import kernel_pattern, positions
 from hf_sparse.nn.compiled import compact_linear
+from hf_sparse.nn.refresh import kept_index_of
 from hf_sparse.ops import pack, spmm_reference
 from hf_sparse.ops._layout import dense_from_packed, values_to_kernel
 from hf_sparse.patterns import parse_pattern

@@ -67,7 +67,6 @@ from torch import Tensor, nn
 
 from ..distributed import is_sharded
 from ..formats.bitpack import pack_bits, unpack_bits
-from ..formats.compressed import kept_index
 from ..ops import dispatch
 from ..ops._layout import (
     VALID_M,
@@ -166,17 +165,6 @@ def token_bucket(tokens: int) -> int:
     none). A plan is measured once per bucket (:meth:`CompactKernel.prepare`); the compiled path computes the same
     bound by comparisons (:func:`hf_sparse.nn.compiled.compact_linear`)."""
     return 1 << max(0, tokens - 1).bit_length()
-
-
-def kept_index_of(sel: Tensor, sel_columns: Tensor | None, rows: int, cols: int, v: int, m: int) -> Tensor:
-    """The flat position in the ``(rows, cols)`` matrix of every kept value (int64, ``(rows, 2 cols / m)``) from the
-    positions' on-disk form (:func:`positions`), decoded by the format's own :func:`kept_index`: the reference of the
-    extension's ``gather_kept`` / ``scatter_kept``."""
-    if sel_columns is None:
-        tensors, pattern = {"weight_indices": sel}, NM(2, 4)
-    else:
-        tensors, pattern = {"weight_selectors": sel, "weight_columns": sel_columns}, VNM(v, 2, m)
-    return kept_index(tensors, pattern, (rows, cols)).view(rows, -1)
 
 
 def _pack24(mask: Tensor, dtype: torch.dtype) -> PackedWeight:

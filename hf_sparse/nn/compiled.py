@@ -23,7 +23,8 @@ import torch
 from torch import Tensor
 
 from ..ops.spmm import activate
-from .compact import dense_at_index, kept_index_of
+from .compact import dense_at_index
+from .refresh import kept_index_of
 
 if TYPE_CHECKING:
     from .compact import SparseLinear

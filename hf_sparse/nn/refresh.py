@@ -43,6 +43,7 @@ __all__ = [
     "VIEW24",
     "WORDS",
     "RefreshEntry",
+    "kept_index_of",
     "launch_refresh",
     "run_refresh_entries",
     "source_index",
@@ -95,16 +96,23 @@ class RefreshEntry(NamedTuple):
 WORDS = 15
 
 
+def kept_index_of(sel: Tensor, sel_columns: Tensor | None, rows: int, cols: int, v: int, m: int) -> Tensor:
+    """The flat position in the ``(rows, cols)`` matrix of every kept value (int64, ``(rows, 2 cols / m)``) from the
+    positions' on-disk form (:func:`hf_sparse.nn.compact.positions`), decoded by the format's own :func:`kept_index`: the reference of the
+    extension's ``gather_kept`` / ``scatter_kept``."""
+    if sel_columns is None:
+        tensors, pattern = {"weight_indices": sel}, NM(2, 4)
+    else:
+        tensors, pattern = {"weight_selectors": sel, "weight_columns": sel_columns}, VNM(v, 2, m)
+    return kept_index(tensors, pattern, (rows, cols)).view(rows, -1)
+
+
 def source_index(e: RefreshEntry) -> Tensor:
     """Where each slot of a ``TRANSPOSED`` or ``VIEW24`` entry's ``dst`` reads ``src`` (flat), -1 for a zero: the
     torch-op reference of the extension's ``transposed_source`` / ``view24_source``."""
     rows, two_g = e.src.shape
     cols = two_g // 2 * e.m
-    kept = kept_index(
-        {"weight_indices": e.sel} if e.columns is None else {"weight_selectors": e.sel, "weight_columns": e.columns},
-        NM(2, 4) if e.columns is None else VNM(e.v, 2, e.m),
-        (rows, cols),
-    ).view(-1)
+    kept = kept_index_of(e.sel, e.columns, rows, cols, e.v, e.m).view(-1)
     where = torch.full((rows * cols,), -1, dtype=torch.int64, device=e.src.device)
     where[kept] = torch.arange(kept.numel(), device=e.src.device)
     where = where.view(rows, cols)
