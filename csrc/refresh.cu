@@ -38,32 +38,43 @@ __device__ __forceinline__ void store_float(void* dst, int64_t i, int dtype, flo
   }
 }
 
-// The 2-bit codes of kept values kk and kk + 1 (kk even: one byte holds both) of row r.
-__device__ __forceinline__ int codes_of(const RefreshEntry& e, int64_t r, int64_t kk) {
-  return e.sel[r * e.sel_row_bytes + (kk >> 2)] >> (2 * (kk & 3));
+// The column (in 0 .. m * groups) of kept value k (0 .. 2 groups) of row r, from the positions in their on-disk form:
+// `sel` (rows, row_bytes) 2-bit codes; `columns` (rows / v, groups, 4) the V-row blocks' column offsets, or nullptr
+// for 2:4 (the code is the offset).
+__device__ __forceinline__ int64_t kept_column_at(const uint8_t* sel, int64_t row_bytes, const uint8_t* columns,
+                                                  int64_t v, int64_t groups, int64_t m, int64_t r, int64_t k) {
+  const int code = (sel[r * row_bytes + (k >> 2)] >> (2 * (k & 3))) & 3;
+  const int64_t g = k >> 1;
+  const int offset = columns == nullptr ? code : columns[((r / v) * groups + g) * 4 + code];
+  return g * m + offset;
 }
 
-// Slot k of a group of 4 in a 2:4 pack made by hf_sparse.ops._layout (its selectors are the kept offsets, padded
-// with the first offsets not kept, in increasing order): of kept sources `first` (offset `first_offset`) and
-// `second` (a larger offset; -1 for none), which one slot k holds, or -1.
+// The slot that holds the only kept value of a group of 4 in a 2:4 pack made by hf_sparse.ops._layout, whose
+// selectors are the kept offsets padded with the first offsets not kept, in increasing order: slot 0 when the value
+// is at offset 0 (padding at 1), else slot 1 (padding at 0).
+__device__ __forceinline__ int lone_slot(int offset) { return offset == 0 ? 0 : 1; }
+
+// Slot k of a group of 4 in such a pack: of kept sources `first` (offset `first_offset`) and `second` (a larger
+// offset; -1 for none), which one slot k holds, or -1.
 __device__ __forceinline__ int64_t slot_source(int64_t first, int first_offset, int64_t second, int64_t k) {
   if (second >= 0) return k == 0 ? first : second;
   if (first < 0) return -1;
-  return k == (first_offset == 0 ? 0 : 1) ? first : -1;  // a lone kept value sits after a padding offset below it
+  return k == lone_slot(first_offset) ? first : -1;
 }
 
 // kRefreshTransposed: the source of slot k of (column c of W, its rows 4 g .. 4 g + 3), among those rows that keep
-// column c (its 2:4 code in the column's group of 4 equals c's offset).
+// column c (one of their two kept values in the column's group of 4 is at c).
 __device__ __forceinline__ int64_t transposed_source(const RefreshEntry& e, int64_t c, int64_t g, int64_t k) {
   const int64_t kk = 2 * (c >> 2);
-  const int offset = (int)(c & 3);
   int64_t first = -1, second = -1;
   int first_offset = 0;
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     const int64_t r = 4 * g + i;
-    const int codes = codes_of(e, r, kk);
-    const int hit = (codes & 3) == offset ? 0 : ((codes >> 2) & 3) == offset ? 1 : -1;
+    const auto column = [&](int64_t kept) {
+      return kept_column_at(e.sel, e.sel_row_bytes, nullptr, 1, e.src_groups, 4, r, kept);
+    };
+    const int hit = column(kk) == c ? 0 : column(kk + 1) == c ? 1 : -1;
     if (hit < 0) continue;
     const int64_t source = r * 2 * e.src_groups + kk + hit;
     if (first < 0) {
@@ -78,10 +89,9 @@ __device__ __forceinline__ int64_t transposed_source(const RefreshEntry& e, int6
 // kRefreshView24: the source of slot k of (row r, columns 4 g .. 4 g + 3) of a V:2:M weight, among the row's two
 // kept values of the group of m that holds those columns.
 __device__ __forceinline__ int64_t view24_source(const RefreshEntry& e, int64_t r, int64_t g, int64_t k) {
-  const int64_t h = 4 * g / e.m, kk = 2 * h;
-  const int codes = codes_of(e, r, kk);
-  const uint8_t* block = e.columns + ((r / e.v) * e.src_groups + h) * 4;
-  int64_t c0 = h * e.m + block[codes & 3], c1 = h * e.m + block[(codes >> 2) & 3];
+  const int64_t kk = 2 * (4 * g / e.m);
+  int64_t c0 = kept_column_at(e.sel, e.sel_row_bytes, e.columns, e.v, e.src_groups, e.m, r, kk);
+  int64_t c1 = kept_column_at(e.sel, e.sel_row_bytes, e.columns, e.v, e.src_groups, e.m, r, kk + 1);
   int64_t k0 = kk, k1 = kk + 1;
   if (c1 < c0) {
     const int64_t c = c0, kt = k0;
@@ -133,12 +143,8 @@ __global__ void __launch_bounds__(kThreads) refresh_many_kernel(const RefreshEnt
   run_entry(e, (int64_t)blockIdx.x - e.first_block);
 }
 
-// The column (in 0 .. m * groups) of kept value k (0 .. 2 groups) of row r.
 __device__ __forceinline__ int64_t kept_column(const KeptPositions& p, int64_t r, int64_t k) {
-  const int code = (p.sel[r * p.sel_row_bytes + (k >> 2)] >> (2 * (k & 3))) & 3;
-  const int64_t g = k >> 1;
-  const int offset = p.columns == nullptr ? code : p.columns[((r / p.v) * p.groups + g) * 4 + code];
-  return g * p.m + offset;
+  return kept_column_at(p.sel, p.sel_row_bytes, p.columns, p.v, p.groups, p.m, r, k);
 }
 
 // One thread per kept value: dst[r, k] = src[r, kept_column(r, k)].
@@ -198,10 +204,10 @@ __global__ void __launch_bounds__(kThreads)
       } else {
         const uint32_t v = in0 ? source & 0xFFFF : source >> 16;
         const uint32_t offset = (uint32_t)((in0 ? c0 : c1) & 3);
-        if (offset == 0) {
-          pair = v;  // slot 0 holds it, slot 1 pads at offset 1
+        if (lone_slot((int)offset) == 0) {
+          pair = v;  // padding at offset 1
         } else {
-          pair = v << 16, sel1 = offset;  // slot 0 pads at offset 0, slot 1 holds it
+          pair = v << 16, sel1 = offset;  // padding at offset 0
         }
       }
     }
