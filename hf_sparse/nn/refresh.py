@@ -41,7 +41,6 @@ __all__ = [
     "PACK",
     "TRANSPOSED",
     "VIEW24",
-    "WORDS",
     "RefreshEntry",
     "kept_index_of",
     "launch_refresh",
@@ -71,7 +70,7 @@ class RefreshEntry(NamedTuple):
     v: int = 1
 
     def words(self, first_block: int) -> list[int]:
-        """The entry as the extension's ``RefreshEntry`` (csrc/kernels.h): :data:`WORDS` 64-bit words."""
+        """The entry as the extension's ``RefreshEntry`` (csrc/kernels.h): ``kRefreshWords`` 64-bit words."""
         sel, columns = self.sel, self.columns
         return [
             self.src.data_ptr(),
@@ -92,14 +91,10 @@ class RefreshEntry(NamedTuple):
         ]
 
 
-#: 64-bit words per entry (csrc/kernels.h kRefreshWords)
-WORDS = 15
-
-
 def kept_index_of(sel: Tensor, sel_columns: Tensor | None, rows: int, cols: int, v: int, m: int) -> Tensor:
     """The flat position in the ``(rows, cols)`` matrix of every kept value (int64, ``(rows, 2 cols / m)``) from the
-    positions' on-disk form (:func:`hf_sparse.nn.compact.positions`), decoded by the format's own :func:`kept_index`: the reference of the
-    extension's ``gather_kept`` / ``scatter_kept``."""
+    positions' on-disk form (:func:`hf_sparse.nn.compact.positions`), decoded by the format's own :func:`kept_index`:
+    the reference of the extension's ``gather_kept`` / ``scatter_kept``, and what :func:`source_index` starts from."""
     if sel_columns is None:
         tensors, pattern = {"weight_indices": sel}, NM(2, 4)
     else:
