@@ -38,10 +38,11 @@ def owner(frames: list[dict]) -> str:
     return "(no Python frame)" if not frames else f"{frames[0].get('filename', '?')}:{frames[0].get('line')}"
 
 
-def peak_live_set(trace: list[dict], baseline: int) -> tuple[int, dict[int, dict]]:
-    """Replay one device's trace: (highest allocated bytes, {addr: event} of the recorded blocks live then)."""
+def peak_live_set(trace: list[dict], baseline: int, start: int = 0) -> tuple[int, dict[int, dict]]:
+    """Replay one device's trace: (highest allocated bytes at or after event ``start``, {addr: event} of the recorded
+    blocks live then)."""
     live: dict[int, dict] = {}
-    total, best, best_index = baseline, baseline, -1
+    total, best, best_index = baseline, -1, -1
     for i, ev in enumerate(trace):
         action = ev["action"]
         if action == "alloc":
@@ -50,7 +51,7 @@ def peak_live_set(trace: list[dict], baseline: int) -> tuple[int, dict[int, dict
         elif action == "free_completed":
             live.pop(ev["addr"], None)
             total -= ev["size"]
-        if total > best:
+        if i >= start and total > best:
             best, best_index = total, i
     live = {}
     for ev in trace[: best_index + 1]:
@@ -109,12 +110,17 @@ def main() -> int:
     ap.add_argument("--record-from", type=int, default=4, help="first recorded step (after warm-up and any switch)")
     ap.add_argument("--compact-fallback", default="never", choices=["auto", "never"])
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--record-all", action="store_true", help="record from before the model is built")
     args = ap.parse_args()
 
     import torch
     from transformers import TrainerCallback
 
-    state = {}
+    state = {"start": 0}
+
+    def record() -> None:
+        torch.cuda.memory._record_memory_history(enabled="all", context="alloc", stacks="python",
+                                                 max_entries=2_000_000)  # fmt: skip
 
     class Recorder(TrainerCallback):
         def on_step_begin(self, a, st, control, **kw):
@@ -122,9 +128,12 @@ def main() -> int:
                 torch.cuda.synchronize()
                 state["before"] = torch.cuda.max_memory_allocated()
                 torch.cuda.reset_peak_memory_stats()
-                state["baseline"] = torch.cuda.memory_allocated()
-                torch.cuda.memory._record_memory_history(enabled="all", context="alloc", stacks="python",
-                                                         max_entries=2_000_000)  # fmt: skip
+                state["opened"] = torch.cuda.memory_allocated()
+                if args.record_all:
+                    state["start"] = len(torch.cuda.memory._snapshot()["device_traces"][torch.cuda.current_device()])
+                else:
+                    state["baseline"] = state["opened"]
+                    record()
 
         def on_step_end(self, a, st, control, **kw):
             if st.global_step == args.steps:
@@ -134,16 +143,19 @@ def main() -> int:
                 state["peak"] = torch.cuda.max_memory_allocated()
 
     out = tempfile.mkdtemp(prefix="profile_memory_")
+    if args.record_all:
+        state["baseline"] = torch.cuda.memory_allocated()
+        record()
     trainer = bench_trainer.build_trainer(args.model, args.config, "eager", args.steps, out, [Recorder()],
                                           args.compact_fallback)  # fmt: skip
     torch.cuda.reset_peak_memory_stats()
     trainer.train()
     trace = state["snapshot"]["device_traces"][torch.cuda.current_device()]
-    replayed, live = peak_live_set(trace, state["baseline"])
+    replayed, live = peak_live_set(trace, state["baseline"], state["start"])
     print(f"# {args.model} {args.config}, {torch.cuda.get_device_name()}, torch {torch.__version__}")
     print(f"peak before step {args.record_from}: {state['before'] / GIB:.2f} GiB; in steps {args.record_from}-"
           f"{args.steps}: {state['peak'] / GIB:.2f} GiB (replayed trace: {replayed / GIB:.2f}); allocated when the "
-          f"window opened: {state['baseline'] / GIB:.2f} GiB")  # fmt: skip
+          f"window opened: {state['opened'] / GIB:.2f} GiB")  # fmt: skip
     print("\n## Persistent state after the run (GiB)")
     persistent = persistent_state(trainer.model, trainer.optimizer)
     for key, value in persistent.items():
@@ -156,7 +168,7 @@ def main() -> int:
         g[0] += ev["size"]
         g[1] += 1
     print(
-        f"\n## Blocks allocated inside the window and live at its peak: {sum(g[0] for g in groups.values()) / GIB:.3f} GiB"
+        f"\n## Blocks allocated {'since the start' if args.record_all else 'inside the window'} and live at its peak: {sum(g[0] for g in groups.values()) / GIB:.3f} GiB"
     )
     for key, (size, count) in sorted(groups.items(), key=lambda kv: -kv[1][0])[: args.top]:
         print(f"- {size / GIB:7.3f} GiB in {count:5d} blocks: {key}")
