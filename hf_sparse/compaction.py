@@ -34,7 +34,6 @@ import torch
 from torch import Tensor, nn
 
 from .distributed import has_sharded_parameters, world_size
-from .formats.compressed import mask_from_compressed
 from .modeling import unwrap_model
 from .nn.convert import compact_like, has_compressed_tensors, replace_submodule, to_compact, to_dense_module
 from .pruner import Pruner
@@ -187,8 +186,8 @@ def make_dense(model: nn.Module, pruner: Pruner, names=None, optimizer=None) -> 
 def install_load_hook(model: nn.Module, pruner: Pruner):
     """Let ``model.load_state_dict`` take a state dict in which each pruned layer is dense or compressed, whatever
     form the layer has in ``model`` now: before anything is copied, each layer whose form differs is replaced by an
-    empty layer of the state dict's form (its masks come with the pruner state of the same checkpoint). Returns the
-    hook's handle."""
+    empty layer of the state dict's form (a compact layer's positions, which are its mask, come with the state dict; a
+    dense layer's mask with the pruner state of the same checkpoint). Returns the hook's handle."""
     root = unwrap_model(model)
 
     def hook(module, state_dict, prefix, *args) -> None:
@@ -202,9 +201,6 @@ def install_load_hook(model: nn.Module, pruner: Pruner):
                 new = compact_like(layer.module, pruner.pattern, tensors)
                 replace_submodule(root, layer.name, new)
                 pruner.replace_module(layer.name, new, compact=True)
-                pruner.masks[layer.name] = mask_from_compressed(tensors, pruner.pattern, layer.shape).to(
-                    new.weight.device
-                )
                 compact_names.append(layer.name)
             elif not has_compressed_tensors(state_dict, key) and layer.compact:
                 make_dense(root, pruner, {layer.name})

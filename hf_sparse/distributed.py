@@ -202,8 +202,8 @@ class KeptGradientAllReduce:
 
     def _kept_index(self, bucket) -> Tensor | None:
         buffer = bucket.buffer()
-        masks = self.pruner.masks
-        key = (buffer.data_ptr(), buffer.numel(), tuple(id(m) for m in masks.values()))
+        masks = self.pruner.dense_masks()  # a compact layer's gradient is all-reduced whole
+        key = (buffer.data_ptr(), buffer.numel(), tuple((name, id(m)) for name, m in masks.items()))
         cached = self._cache.get(bucket.index())
         if cached is not None and cached[0] == key:
             return cached[1]

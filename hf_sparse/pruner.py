@@ -1,4 +1,5 @@
 """The pruner: owns the targeted layers and their masks, updates them on schedule, keeps pruned weights at zero.
+Once a layer is compact (:mod:`hf_sparse.compaction`) its positions are its mask, and the pruner keeps no copy.
 
 It knows nothing of ``Trainer``: :mod:`hf_sparse.callback` drives it. What it guarantees:
 
@@ -26,6 +27,7 @@ import json
 import logging
 import warnings
 from ast import literal_eval
+from collections.abc import Iterator, MutableMapping
 from typing import Any
 
 import torch
@@ -62,6 +64,36 @@ _ELEMENTWISE_OPTIMIZERS = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
 _RESUME_FIELDS = ("pattern", "targets", "ignore")
 
 
+class LayerMasks(MutableMapping):
+    """A pruner's masks by layer name (``None``: no mask yet). A dense layer's mask is the pruner's; a compact layer's
+    is its positions, which the layer owns: reading it decodes them (a new bool tensor each time), and it cannot be
+    assigned. So a model whose layers turned compact holds no bool mask beside its positions."""
+
+    def __init__(self, pruner: Pruner) -> None:
+        self._pruner = pruner
+
+    def __getitem__(self, name: str) -> Tensor | None:
+        layer = self._pruner.layer_named(name)
+        return layer.module.mask() if layer.compact else self._pruner._masks[name]
+
+    def __setitem__(self, name: str, mask: Tensor | None) -> None:
+        if self._pruner.layer_named(name).compact:
+            raise ValueError(
+                f"Pruner: {name} is compact, so its mask is its positions and cannot be set; make it dense first "
+                "(hf_sparse.compaction.make_dense)"
+            )
+        self._pruner._masks[name] = mask
+
+    def __delitem__(self, name: str) -> None:
+        raise TypeError("Pruner masks cannot be deleted: assign None for a layer without a mask")
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._pruner._masks)
+
+    def __len__(self) -> int:
+        return len(self._pruner._masks)
+
+
 class Pruner:
     """Masks for the layers of ``model`` that ``config`` targets.
 
@@ -72,7 +104,8 @@ class Pruner:
         self.config = config
         self.pattern: Pattern = config.parsed_pattern
         self.layers: list[TargetLayer] = find_target_layers(model, config, self.pattern)
-        self.masks: dict[str, Tensor | None] = {layer.name: None for layer in self.layers}
+        #: the masks of the dense layers (a compact layer's entry is unused: its positions are its mask)
+        self._masks: dict[str, Tensor | None] = {layer.name: None for layer in self.layers}
         self.scorer = get_score(config.score, config)
         self.model = unwrap_model(model)
         self.calibration: CalibrationSource | None = None
@@ -202,10 +235,10 @@ class Pruner:
 
     def _drop_masks(self, step: int) -> bool:
         """Enter the dense phase: forget the masks, restore the layers' dense forward. Returns whether it changed."""
-        if self.level is None and all(mask is None for mask in self.masks.values()):
+        if self.level is None and all(mask is None for mask in self._masks.values()):
             return False
-        for layer in self.layers:
-            self.masks[layer.name] = None
+        for layer in self.dense_layers:
+            self._masks[layer.name] = None
             remove_masked_forward(layer.module)
         self.level = None
         self.last_update_step = step
@@ -238,8 +271,8 @@ class Pruner:
                     self.scorer.observe_gradient(layer.name, layer.weight, grad.T if layer.transposed else grad)
         decay = self.config.masked_decay
         if decay and self.config.dynamic:
-            for layer in self.layers:
-                grad, mask = layer.module.weight.grad, self.masks[layer.name]
+            for layer in self.dense_layers:
+                grad, mask = layer.module.weight.grad, self._masks[layer.name]
                 if grad is not None and mask is not None:
                     local_grad, local_mask = local_part(grad, mask, layer.transposed)
                     local_weight, _ = local_part(layer.module.weight, mask, layer.transposed)
@@ -247,8 +280,8 @@ class Pruner:
 
     def _sync_forward_masks(self) -> None:
         """Dynamic mode: the layers compute with the current masks (dense where there is none yet)."""
-        for layer in self.layers:
-            mask = self.masks[layer.name]
+        for layer in self.dense_layers:
+            mask = self._masks[layer.name]
             if mask is None:
                 remove_masked_forward(layer.module)
             else:
@@ -406,7 +439,7 @@ class Pruner:
         apply_masks(  # one fused launch on CUDA where it can (masks.apply_masks)
             local_part(layer.module.weight, mask, layer.transposed)
             for layer in self.dense_layers
-            if (mask := self.masks[layer.name]) is not None and layer.name not in settled
+            if (mask := self._masks[layer.name]) is not None and layer.name not in settled
         )
         self._refresh_sharded_zeros()
 
@@ -419,7 +452,7 @@ class Pruner:
             return set()
         settled, state_pairs = set(), []
         for layer in self.dense_layers:
-            mask, param = self.masks[layer.name], layer.module.weight
+            mask, param = self._masks[layer.name], layer.module.weight
             state = opt.state.get(param)
             if mask is None or not state:  # no state yet: the optimizer has not stepped this weight
                 continue
@@ -442,16 +475,34 @@ class Pruner:
         self._hooked_params = [layer.module.weight for layer in dense]
 
     @property
+    def masks(self) -> LayerMasks:
+        """The masks by layer name (see :class:`LayerMasks`)."""
+        return LayerMasks(self)
+
+    def dense_masks(self) -> dict[str, Tensor | None]:
+        """The masks of the layers that are still dense (the ones the pruner masks), by name."""
+        return {layer.name: self._masks[layer.name] for layer in self.dense_layers}
+
+    def layer_named(self, name: str) -> TargetLayer:
+        layer = next((layer for layer in self.layers if layer.name == name), None)
+        if layer is None:
+            raise KeyError(f"Pruner: no targeted layer {name!r}")
+        return layer
+
+    @property
     def dense_layers(self) -> list[TargetLayer]:
         """The targeted layers that still hold a dense weight (the pruner masks them); the others are compact."""
         return [layer for layer in self.layers if not layer.compact]
 
     def replace_module(self, name: str, module: nn.Module, *, compact: bool) -> None:
         """Record that layer ``name`` is now ``module``: compact (its ``weight`` holds the kept values of its mask, in
-        the order of the mask's ``True`` entries; the pruner no longer masks it) or dense again. Its mask stays."""
-        layer = next((layer for layer in self.layers if layer.name == name), None)
-        if layer is None:
-            raise KeyError(f"Pruner: no targeted layer {name!r}")
+        the order of the mask's ``True`` entries; its positions are its mask from now on, and the pruner drops its
+        own copy and no longer masks it) or dense again (the pruner masks it with the positions it had)."""
+        layer = self.layer_named(name)
+        if compact:
+            self._masks[name] = None
+        elif layer.compact:
+            self._masks[name] = layer.module.mask().to(module.weight.device)
         layer.module, layer.compact = module, compact
         self._zeroed_state.pop(name, None)
         self.remove_hooks()
@@ -464,7 +515,7 @@ class Pruner:
         def hook(param: nn.Parameter) -> None:
             if param.grad is None:
                 return
-            mask = self.masks[name]
+            mask = self._masks[name]
             if mask is not None and not self.config.dynamic:  # dynamic: straight-through, all weights learn
                 apply_mask(*local_part(param.grad, mask, transposed))
 
@@ -612,14 +663,16 @@ class Pruner:
             )
         for layer in self.layers:
             key = f"mask.{layer.name}"
+            if layer.compact:  # its positions came with the model's weights, which a resume loads first
+                continue
             if key not in tensors:
-                self.masks[layer.name] = None
+                self._masks[layer.name] = None
                 continue
             rows, cols = layer.shape
             packed = tensors[key]
             if packed.shape[0] != rows:
                 raise ValueError(f"pruner state: {key} has {packed.shape[0]} rows, layer {layer.name} has {rows}")
-            self.masks[layer.name] = unpack_bits(packed, 1, cols).bool().to(layer.module.weight.device)
+            self._masks[layer.name] = unpack_bits(packed, 1, cols).bool().to(layer.module.weight.device)
         self.level = literal_eval(meta["level"])
         self.last_update_step = literal_eval(meta["last_update_step"])
         self.flip_rate = literal_eval(meta["flip_rate"])

@@ -242,6 +242,53 @@ def test_save_from_compact_equals_save_from_masked_dense(tmp_path):
         assert b'"format_version": 1' in (tmp_path / f"compact-{pattern}" / "config.json").read_bytes()
 
 
+def _bool_tensors(value, seen=None) -> list[torch.Tensor]:
+    """Every bool tensor reachable from ``value`` through dicts, lists, tuples and plain objects' attributes (modules,
+    whose tensors are the layers' own, are not entered)."""
+    seen = set() if seen is None else seen
+    if id(value) in seen or isinstance(value, torch.nn.Module):
+        return []
+    seen.add(id(value))
+    if isinstance(value, torch.Tensor):
+        return [value] if value.dtype == torch.bool else []
+    if isinstance(value, dict):
+        items = list(value.values())
+    elif isinstance(value, (list, tuple, set)):
+        items = list(value)
+    elif hasattr(value, "__dict__") and not isinstance(value, type):
+        items = list(vars(value).values())
+    else:
+        return []
+    return [t for item in items for t in _bool_tensors(item, seen)]
+
+
+def test_compact_layers_own_their_masks(tmp_path):
+    """Once a layer is compact its positions are its mask: the pruner keeps no bool copy (a GPU run would hold one
+    byte per weight for nothing), reads decode the positions, and ``make_dense`` gives the pruner the same mask back."""
+    from hf_sparse.compaction import make_dense
+
+    model = _model("gpt2")  # Conv1D layers: the mask is in the logical (out, in) orientation whatever the storage
+    pruner = prune_now(model, "2:4", transposable=True)
+    before = {name: mask.clone() for name, mask in pruner.masks.items()}
+    assert len(_bool_tensors(pruner)) >= len(before) > 0  # the dense layers' masks are the pruner's
+    make_compact(model, pruner)
+    assert all(layer.compact for layer in pruner.layers)
+    assert _bool_tensors(pruner) == []
+    first = pruner.layers[0].name
+    assert pruner.masks[first] is not pruner.masks[first]  # decoded on each read, not stored
+    for name, mask in before.items():
+        assert torch.equal(pruner.masks[name], mask), name
+    with pytest.raises(ValueError, match="make it dense first"):
+        pruner.masks[first] = before[first]
+    make_dense(model, pruner, {first})
+    assert torch.equal(pruner.masks[first], before[first])
+    layer = pruner.layers[0]
+    with torch.no_grad():
+        layer.module.weight.add_(1.0)  # every stored weight moves, pruned ones included
+    pruner.apply()
+    assert torch.equal(layer.weight.detach() != 0, before[first])  # the pruner masks it again
+
+
 def test_load_best_model_from_before_the_switch(tmp_path):
     """The best checkpoint predates the switch: the compact layers go back to dense, with that checkpoint's masks."""
 

@@ -251,7 +251,7 @@ def _ddp_scenario(rank: int, out: Path) -> None:
     trainer.save_model(str(out / f"saved_rank{rank}"))  # one folder per rank: only rank 0's may appear
     resumed, resumed_probe = _train(out / "resumed", PER_DEVICE, resume=str(out / "run" / "checkpoint-3"))
     torch.save(
-        {"final": _weights(trainer.model), "resumed": _weights(resumed.model), "masks": trainer.pruner.masks},
+        {"final": _weights(trainer.model), "resumed": _weights(resumed.model), "masks": dict(trainer.pruner.masks)},
         out / f"state_rank{rank}.pt",
     )
     record = {
@@ -474,7 +474,7 @@ def _fsdp_scenario(rank: int, out: Path) -> None:
     save_pretrained(model, out / f"fsdp_saved_rank{rank}", callback.pruner)  # every rank joins the gather
     full = gather_full_state_dict(model)
     if rank == 0:
-        torch.save({"final": full, "masks": callback.pruner.masks}, out / "fsdp_state.pt")
+        torch.save({"final": full, "masks": dict(callback.pruner.masks)}, out / "fsdp_state.pt")
     seen["gpt2"] = _gpt2_conv1d_check()
     seen["broadcast"] = _broadcast_check(rank)
     seen["sparsegpt_refused"] = _sparsegpt_refused_on_shards(model)
