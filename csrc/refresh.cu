@@ -177,10 +177,12 @@ __global__ void __launch_bounds__(kThreads) scatter_kept_kernel(const void* src,
 // warp write 128 consecutive bytes); the 8 lanes that share a metadata word (its 2 rows x 4 groups) combine their
 // selectors by shuffles and the first of them writes it. blockIdx.y is the 16-row tile, the threads of x run over
 // its steps4 * 128 pairs (a multiple of 128, so every warp is whole); indices are 32-bit and m a power of two
-// (log2_m), so no thread divides.
+// (log2_m), so no thread divides. The three reads a pair needs (the source's metadata word, its block's four
+// column bytes as one word, the source value pair) do not depend on each other, so each thread issues them together
+// and waits for memory once.
 __global__ void __launch_bounds__(kThreads)
     view24_kernel(const uint32_t* __restrict__ values, const int32_t* __restrict__ meta,
-                  const uint8_t* __restrict__ columns, int32_t rows, int32_t groups4, int32_t log2_m, int32_t steps,
+                  const uint32_t* __restrict__ columns, int32_t rows, int32_t groups4, int32_t log2_m, int32_t steps,
                   int32_t steps4, uint32_t* __restrict__ out_values, int32_t* __restrict__ out_meta) {
   const int32_t p = blockIdx.x * kThreads + threadIdx.x;  // pair within the tile
   if (p >= steps4 * 128) return;
@@ -193,22 +195,23 @@ __global__ void __launch_bounds__(kThreads)
     const int32_t h = (4 * g4) >> log2_m;  // the V:2:M group holding these 4 columns
     const int32_t src_step = h >> 3, src_ch = (h >> 2) & 1, src_t = h & 3;
     const int64_t src_tile_step = (int64_t)tile * steps + src_step;
-    const uint32_t nib = ((uint32_t)meta[src_tile_step * 16 + g8 * 2 + src_ch] >> (16 * rh + 4 * src_t)) & 0xF;
-    const uint8_t* block = columns + ((int64_t)(row >> 6) * steps * 8 + h) * 4;
-    const int32_t c0 = (h << log2_m) + block[nib & 3], c1 = (h << log2_m) + block[nib >> 2];  // c0 < c1
-    const bool in0 = (c0 >> 2) == g4, in1 = (c1 >> 2) == g4;
-    if (in0 || in1) {
-      const uint32_t source = values[(src_tile_step * 256 + g8 * 32 + src_t * 8 + src_ch * 4 + rh * 2) >> 1];
-      if (in0 && in1) {
-        pair = source, sel0 = (uint32_t)(c0 & 3), sel1 = (uint32_t)(c1 & 3);
+    const int64_t meta_at = src_tile_step * 16 + g8 * 2 + src_ch;
+    const uint32_t meta_word = __ldg(reinterpret_cast<const unsigned int*>(meta) + meta_at);
+    const uint32_t block = __ldg(columns + (int64_t)(row >> 6) * steps * 8 + h);
+    const uint32_t source = __ldg(values + ((src_tile_step * 256 + g8 * 32 + src_t * 8 + src_ch * 4 + rh * 2) >> 1));
+    const uint32_t nib = (meta_word >> (16 * rh + 4 * src_t)) & 0xF;
+    const int32_t base = h << log2_m;
+    const int32_t c0 = base + ((block >> (8 * (nib & 3))) & 0xFF), c1 = base + ((block >> (8 * (nib >> 2))) & 0xFF);
+    const bool in0 = (c0 >> 2) == g4, in1 = (c1 >> 2) == g4;  // c0 < c1
+    if (in0 && in1) {
+      pair = source, sel0 = (uint32_t)(c0 & 3), sel1 = (uint32_t)(c1 & 3);
+    } else if (in0 || in1) {
+      const uint32_t v = in0 ? source & 0xFFFF : source >> 16;
+      const uint32_t offset = (uint32_t)((in0 ? c0 : c1) & 3);
+      if (lone_slot((int)offset) == 0) {
+        pair = v;  // padding at offset 1
       } else {
-        const uint32_t v = in0 ? source & 0xFFFF : source >> 16;
-        const uint32_t offset = (uint32_t)((in0 ? c0 : c1) & 3);
-        if (lone_slot((int)offset) == 0) {
-          pair = v;  // padding at offset 1
-        } else {
-          pair = v << 16, sel1 = offset;  // padding at offset 0
-        }
+        pair = v << 16, sel1 = offset;  // padding at offset 0
       }
     }
   }
@@ -253,9 +256,11 @@ cudaError_t view24_from_pack(const uint16_t* values, const int32_t* meta, const 
   int32_t log2_m = 0;
   while ((1 << log2_m) < m) ++log2_m;
   if ((1 << log2_m) != m || tiles > 65535 || steps4 * 128 >= (1LL << 31)) return cudaErrorInvalidValue;
+  if (reinterpret_cast<uintptr_t>(columns) % 4 != 0) return cudaErrorMisalignedAddress;  // read as words
   if (tiles == 0 || steps4 == 0) return cudaSuccess;
   const dim3 grid((unsigned)((steps4 * 128 + kThreads - 1) / kThreads), (unsigned)tiles);
-  view24_kernel<<<grid, kThreads, 0, stream>>>(reinterpret_cast<const uint32_t*>(values), meta, columns, (int32_t)rows,
+  view24_kernel<<<grid, kThreads, 0, stream>>>(reinterpret_cast<const uint32_t*>(values), meta,
+                                               reinterpret_cast<const uint32_t*>(columns), (int32_t)rows,
                                                (int32_t)(cols / 4), log2_m, (int32_t)steps, (int32_t)steps4,
                                                reinterpret_cast<uint32_t*>(out_values), out_meta);
   return cudaGetLastError();
