@@ -45,7 +45,7 @@ __device__ __forceinline__ int64_t kept_column_at(const uint8_t* sel, int64_t ro
                                                   int64_t v, int64_t groups, int64_t m, int64_t r, int64_t k) {
   const int code = (sel[r * row_bytes + (k >> 2)] >> (2 * (k & 3))) & 3;
   const int64_t g = k >> 1;
-  const int offset = columns == nullptr ? code : columns[((r / v) * groups + g) * 4 + code];
+  const int offset = columns == nullptr ? code : columns[((int64_t)((int32_t)r / (int32_t)v) * groups + g) * 4 + code];
   return g * m + offset;
 }
 
@@ -62,34 +62,35 @@ __device__ __forceinline__ int64_t slot_source(int64_t first, int first_offset, 
   return k == lone_slot(first_offset) ? first : -1;
 }
 
-// kRefreshTransposed: the source of slot k of (column c of W, its rows 4 g .. 4 g + 3), among those rows that keep
-// column c (one of their two kept values in the column's group of 4 is at c).
-__device__ __forceinline__ int64_t transposed_source(const RefreshEntry& e, int64_t c, int64_t g, int64_t k) {
-  const int64_t kk = 2 * (c >> 2);
+// kRefreshTransposed: the sources of both slots of (column c of W, its rows 4 g .. 4 g + 3), among those rows that
+// keep column c (one of their two kept values in the column's group of 4 is at c). A row's two codes in that group
+// share one byte of `sel`, so the four rows cost four independent byte loads.
+__device__ __forceinline__ void transposed_sources(const RefreshEntry& e, int32_t c, int32_t g, int64_t* s) {
+  const int32_t kk = 2 * (c >> 2), want = c & 3;
   int64_t first = -1, second = -1;
   int first_offset = 0;
+  int codes[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) codes[i] = e.sel[(int64_t)(4 * g + i) * e.sel_row_bytes + (kk >> 2)] >> (2 * (kk & 3));
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    const int64_t r = 4 * g + i;
-    const auto column = [&](int64_t kept) {
-      return kept_column_at(e.sel, e.sel_row_bytes, nullptr, 1, e.src_groups, 4, r, kept);
-    };
-    const int hit = column(kk) == c ? 0 : column(kk + 1) == c ? 1 : -1;
+    const int hit = (codes[i] & 3) == want ? 0 : ((codes[i] >> 2) & 3) == want ? 1 : -1;
     if (hit < 0) continue;
-    const int64_t source = r * 2 * e.src_groups + kk + hit;
+    const int64_t source = (int64_t)(4 * g + i) * 2 * e.src_groups + kk + hit;
     if (first < 0) {
       first = source, first_offset = i;
     } else {
       second = source;
     }
   }
-  return slot_source(first, first_offset, second, k);
+  s[0] = slot_source(first, first_offset, second, 0);
+  s[1] = slot_source(first, first_offset, second, 1);
 }
 
-// kRefreshView24: the source of slot k of (row r, columns 4 g .. 4 g + 3) of a V:2:M weight, among the row's two
+// kRefreshView24: the sources of both slots of (row r, columns 4 g .. 4 g + 3) of a V:2:M weight, among the row's two
 // kept values of the group of m that holds those columns.
-__device__ __forceinline__ int64_t view24_source(const RefreshEntry& e, int64_t r, int64_t g, int64_t k) {
-  const int64_t kk = 2 * (4 * g / e.m);
+__device__ __forceinline__ void view24_sources(const RefreshEntry& e, int32_t r, int32_t g, int64_t* s) {
+  const int64_t kk = 2 * ((4 * g) / e.m);
   int64_t c0 = kept_column_at(e.sel, e.sel_row_bytes, e.columns, e.v, e.src_groups, e.m, r, kk);
   int64_t c1 = kept_column_at(e.sel, e.sel_row_bytes, e.columns, e.v, e.src_groups, e.m, r, kk + 1);
   int64_t k0 = kk, k1 = kk + 1;
@@ -98,37 +99,64 @@ __device__ __forceinline__ int64_t view24_source(const RefreshEntry& e, int64_t 
     c0 = c1, k0 = k1, c1 = c, k1 = kt;
   }
   const bool in0 = (c0 >> 2) == g, in1 = (c1 >> 2) == g;
-  const int64_t base = r * 2 * e.src_groups;
-  if (in0 && in1) return slot_source(base + k0, (int)(c0 & 3), base + k1, k);
-  if (in0 || in1) return slot_source(base + (in0 ? k0 : k1), (int)((in0 ? c0 : c1) & 3), -1, k);
-  return -1;
+  const int64_t base = (int64_t)r * 2 * e.src_groups;
+  const int64_t first = in0 ? base + k0 : in1 ? base + k1 : -1, second = in0 && in1 ? base + k1 : -1;
+  const int first_offset = (int)((in0 ? c0 : c1) & 3);
+  s[0] = slot_source(first, first_offset, second, 0);
+  s[1] = slot_source(first, first_offset, second, 1);
 }
 
-// The source position of destination slot j, or -1 for a slot that reads zero.
-__device__ __forceinline__ int64_t source_of(const RefreshEntry& e, int64_t j) {
-  if (e.kind == kRefreshCopy) return j;
+// The sources of destination slots 2 q and 2 q + 1 (the two slots of one row and group of a 2:4 or V:2:M pack), -1
+// for a slot that reads zero.
+__device__ __forceinline__ void pair_sources(const RefreshEntry& e, int64_t q, int64_t* s) {
   // values (tiles, steps, 32, 8) seen as (tile, step, g8, t, ch, rh, k): row 16 tile + 8 rh + g8, group 8 step +
-  // 4 ch + t, kept value k of the group
-  const int64_t k = j & 1, rh = (j >> 1) & 1, ch = (j >> 2) & 1, t = (j >> 3) & 3, g8 = (j >> 5) & 7;
-  const int64_t tile_step = j >> 8;
-  const int64_t row = 16 * (tile_step / e.steps) + 8 * rh + g8;
-  const int64_t group = 8 * (tile_step % e.steps) + 4 * ch + t;
-  if (row >= e.rows || group >= e.groups) return -1;
+  // 4 ch + t, kept value k of the group. A pack's tile_step = q >> 7 is below 2^32 (its numel below 2^40).
+  const int32_t rh = q & 1, ch = (q >> 1) & 1, t = (q >> 2) & 3, g8 = (q >> 4) & 7;
+  const uint32_t tile_step = (uint32_t)(q >> 7), steps = (uint32_t)e.steps;
+  const uint32_t tile = tile_step / steps, step = tile_step - tile * steps;
+  const int32_t row = 16 * (int32_t)tile + 8 * rh + g8, group = 8 * (int32_t)step + 4 * ch + t;
+  s[0] = s[1] = -1;
+  if (row >= e.rows || group >= e.groups) return;
   switch (e.kind) {
-    case kRefreshPack: return (row * e.groups + group) * 2 + k;  // src is (rows, 2 * groups) row-major
-    case kRefreshTransposed: return transposed_source(e, row, group, k);
-    default: return view24_source(e, row, group, k);
+    case kRefreshPack:  // src is (rows, 2 * groups) row-major
+      s[0] = ((int64_t)row * e.groups + group) * 2, s[1] = s[0] + 1;
+      return;
+    case kRefreshTransposed: transposed_sources(e, row, group, s); return;
+    default: view24_sources(e, row, group, s); return;
   }
 }
 
+// Each thread: kPerThread / 2 slot pairs of a pack entry (a block covers kPerBlock slots of it, as refresh_blocks
+// counts), or kPerThread elements of a copy.
 __device__ __forceinline__ void run_entry(const RefreshEntry& e, int64_t block) {
-  const int64_t begin = block * kPerBlock;
+  if (e.kind == kRefreshCopy) {
 #pragma unroll
-  for (int i = 0; i < kPerThread; ++i) {
-    const int64_t j = begin + (int64_t)i * kThreads + threadIdx.x;
-    if (j >= e.numel) return;
-    const int64_t s = source_of(e, j);
-    store_float(e.dst, j, e.dst_dtype, s < 0 ? 0.0f : load_as_float(e.src, s, e.src_dtype));
+    for (int i = 0; i < kPerThread; ++i) {
+      const int64_t j = block * kPerBlock + (int64_t)i * kThreads + threadIdx.x;
+      if (j >= e.numel) return;
+      store_float(e.dst, j, e.dst_dtype, load_as_float(e.src, j, e.src_dtype));
+    }
+    return;
+  }
+  int64_t s[kPerThread];
+#pragma unroll
+  for (int i = 0; i < kPerThread / 2; ++i) {
+    const int64_t q = block * (kPerBlock / 2) + (int64_t)i * kThreads + threadIdx.x;
+    if (2 * q < e.numel) {
+      pair_sources(e, q, s + 2 * i);
+    } else {
+      s[2 * i] = s[2 * i + 1] = -1;
+    }
+  }
+  float v[kPerThread];
+#pragma unroll
+  for (int i = 0; i < kPerThread; ++i) v[i] = s[i] < 0 ? 0.0f : load_as_float(e.src, s[i], e.src_dtype);
+#pragma unroll
+  for (int i = 0; i < kPerThread / 2; ++i) {
+    const int64_t q = block * (kPerBlock / 2) + (int64_t)i * kThreads + threadIdx.x;
+    if (2 * q >= e.numel) return;
+    store_float(e.dst, 2 * q, e.dst_dtype, v[2 * i]);
+    store_float(e.dst, 2 * q + 1, e.dst_dtype, v[2 * i + 1]);
   }
 }
 
