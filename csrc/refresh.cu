@@ -201,81 +201,55 @@ __global__ void __launch_bounds__(kThreads) scatter_kept_kernel(const void* src,
   store_float(dst, j, dst_dtype, v);
 }
 
-// The 2:4 view, kViewPairs value pairs per thread. A pair is the two slots of one row and group of 4 columns (4 bytes,
-// so the lanes of a warp write 128 consecutive bytes); the 8 lanes that share a metadata word (its 2 rows x 4 groups)
-// combine their selectors by shuffles and the first of them writes it. blockIdx.y is the 16-row tile; x runs over its
-// steps4 * 128 pairs (a multiple of 128, so a warp's pairs are all in range or all out). Each pair needs three reads
-// that do not depend on each other (the source's metadata word, its block's four column bytes as one word, the
-// source value pair): a thread issues them for all its pairs before it uses any, so that enough bytes are in flight
-// to keep memory busy. Indices are 32-bit and m a power of two (log2_m), so no thread divides.
-constexpr int kViewPairs = 4;
-
-struct ViewPair {
-  int32_t within, step4, g8, t, ch, rh, row, g4;
-};
-
-__device__ __forceinline__ ViewPair view_pair(int32_t p) {
-  ViewPair v;
-  v.step4 = p >> 7, v.within = p & 127;
-  // element 2p of the tile's (steps4, 32, 8) values is (step4, g8, t, ch, rh, k = 0)
-  v.g8 = v.within >> 4, v.t = (v.within >> 2) & 3, v.ch = (v.within >> 1) & 1, v.rh = v.within & 1;
-  v.row = 16 * blockIdx.y + 8 * v.rh + v.g8, v.g4 = 8 * v.step4 + 4 * v.ch + v.t;
-  return v;
-}
-
+// One thread per value pair of the view (the two slots of one row and group of 4 columns: 4 bytes, so the lanes of a
+// warp write 128 consecutive bytes); the 8 lanes that share a metadata word (its 2 rows x 4 groups) combine their
+// selectors by shuffles and the first of them writes it. blockIdx.y is the 16-row tile, the threads of x run over
+// its steps4 * 128 pairs (a multiple of 128, so every warp is whole); indices are 32-bit and m a power of two
+// (log2_m), so no thread divides. The three reads a pair needs (the source's metadata word, its block's four
+// column bytes as one word, the source value pair) do not depend on each other, so each thread issues them together
+// and waits for memory once.
 __global__ void __launch_bounds__(kThreads)
     view24_kernel(const uint32_t* __restrict__ values, const int32_t* __restrict__ meta,
                   const uint32_t* __restrict__ columns, int32_t rows, int32_t groups4, int32_t log2_m, int32_t steps,
                   int32_t steps4, uint32_t* __restrict__ out_values, int32_t* __restrict__ out_meta) {
-  const int32_t tile = blockIdx.y, total = steps4 * 128;
-  uint32_t meta_word[kViewPairs], block[kViewPairs], source[kViewPairs];
-#pragma unroll
-  for (int i = 0; i < kViewPairs; ++i) {
-    const int32_t p = (blockIdx.x * kViewPairs + i) * kThreads + threadIdx.x;
-    const ViewPair v = view_pair(p);
-    meta_word[i] = block[i] = source[i] = 0;
-    if (p < total && v.row < rows && v.g4 < groups4) {
-      const int32_t h = (4 * v.g4) >> log2_m;  // the V:2:M group holding these 4 columns
-      const int32_t src_step = h >> 3, src_ch = (h >> 2) & 1, src_t = h & 3;
-      const int64_t src_tile_step = (int64_t)tile * steps + src_step;
-      meta_word[i] = __ldg(reinterpret_cast<const unsigned int*>(meta) + src_tile_step * 16 + v.g8 * 2 + src_ch);
-      block[i] = __ldg(columns + (int64_t)(v.row >> 6) * steps * 8 + h);
-      source[i] = __ldg(values + ((src_tile_step * 256 + v.g8 * 32 + src_t * 8 + src_ch * 4 + v.rh * 2) >> 1));
-    }
-  }
-#pragma unroll
-  for (int i = 0; i < kViewPairs; ++i) {
-    const int32_t p = (blockIdx.x * kViewPairs + i) * kThreads + threadIdx.x;
-    if (p >= total) return;  // the same for the whole warp
-    const ViewPair v = view_pair(p);
-    uint32_t pair = 0, sel0 = 0, sel1 = 1;
-    if (v.row < rows && v.g4 < groups4) {
-      const int32_t h = (4 * v.g4) >> log2_m;
-      const uint32_t nib = (meta_word[i] >> (16 * v.rh + 4 * (h & 3))) & 0xF;
-      const int32_t base = h << log2_m;
-      const int32_t c0 = base + ((block[i] >> (8 * (nib & 3))) & 0xFF);
-      const int32_t c1 = base + ((block[i] >> (8 * (nib >> 2))) & 0xFF);  // c0 < c1
-      const bool in0 = (c0 >> 2) == v.g4, in1 = (c1 >> 2) == v.g4;
-      if (in0 && in1) {
-        pair = source[i], sel0 = (uint32_t)(c0 & 3), sel1 = (uint32_t)(c1 & 3);
-      } else if (in0 || in1) {
-        const uint32_t value = in0 ? source[i] & 0xFFFF : source[i] >> 16;
-        const uint32_t offset = (uint32_t)((in0 ? c0 : c1) & 3);
-        if (lone_slot((int)offset) == 0) {
-          pair = value;  // padding at offset 1
-        } else {
-          pair = value << 16, sel1 = offset;  // padding at offset 0
-        }
+  const int32_t p = blockIdx.x * kThreads + threadIdx.x;  // pair within the tile
+  if (p >= steps4 * 128) return;
+  const int32_t tile = blockIdx.y, step4 = p >> 7, within = p & 127;
+  // element 2p of the tile's (steps4, 32, 8) values is (step4, g8, t, ch, rh, k = 0)
+  const int32_t g8 = within >> 4, t = (within >> 2) & 3, ch = (within >> 1) & 1, rh = within & 1;
+  const int32_t row = 16 * tile + 8 * rh + g8, g4 = 8 * step4 + 4 * ch + t;
+  uint32_t pair = 0, sel0 = 0, sel1 = 1;
+  if (row < rows && g4 < groups4) {
+    const int32_t h = (4 * g4) >> log2_m;  // the V:2:M group holding these 4 columns
+    const int32_t src_step = h >> 3, src_ch = (h >> 2) & 1, src_t = h & 3;
+    const int64_t src_tile_step = (int64_t)tile * steps + src_step;
+    const int64_t meta_at = src_tile_step * 16 + g8 * 2 + src_ch;
+    const uint32_t meta_word = __ldg(reinterpret_cast<const unsigned int*>(meta) + meta_at);
+    const uint32_t block = __ldg(columns + (int64_t)(row >> 6) * steps * 8 + h);
+    const uint32_t source = __ldg(values + ((src_tile_step * 256 + g8 * 32 + src_t * 8 + src_ch * 4 + rh * 2) >> 1));
+    const uint32_t nib = (meta_word >> (16 * rh + 4 * src_t)) & 0xF;
+    const int32_t base = h << log2_m;
+    const int32_t c0 = base + ((block >> (8 * (nib & 3))) & 0xFF), c1 = base + ((block >> (8 * (nib >> 2))) & 0xFF);
+    const bool in0 = (c0 >> 2) == g4, in1 = (c1 >> 2) == g4;  // c0 < c1
+    if (in0 && in1) {
+      pair = source, sel0 = (uint32_t)(c0 & 3), sel1 = (uint32_t)(c1 & 3);
+    } else if (in0 || in1) {
+      const uint32_t v = in0 ? source & 0xFFFF : source >> 16;
+      const uint32_t offset = (uint32_t)((in0 ? c0 : c1) & 3);
+      if (lone_slot((int)offset) == 0) {
+        pair = v;  // padding at offset 1
+      } else {
+        pair = v << 16, sel1 = offset;  // padding at offset 0
       }
     }
-    const int64_t tile_step = (int64_t)tile * steps4 + v.step4;
-    out_values[tile_step * 128 + v.within] = pair;
-    uint32_t word = (sel0 | sel1 << 2) << (16 * v.rh + 4 * v.t);
-    word |= __shfl_xor_sync(0xffffffffu, word, 1);  // the other row half
-    word |= __shfl_xor_sync(0xffffffffu, word, 4);  // the other groups of the word
-    word |= __shfl_xor_sync(0xffffffffu, word, 8);
-    if ((v.within & 0xD) == 0) out_meta[tile_step * 16 + v.g8 * 2 + v.ch] = (int32_t)word;
   }
+  const int64_t tile_step = (int64_t)tile * steps4 + step4;
+  out_values[tile_step * 128 + (within)] = pair;
+  uint32_t word = (sel0 | sel1 << 2) << (16 * rh + 4 * t);
+  word |= __shfl_xor_sync(0xffffffffu, word, 1);  // the other row half
+  word |= __shfl_xor_sync(0xffffffffu, word, 4);  // the other groups of the word
+  word |= __shfl_xor_sync(0xffffffffu, word, 8);
+  if ((within & 0xD) == 0) out_meta[tile_step * 16 + g8 * 2 + ch] = (int32_t)word;
 }
 
 cudaError_t launch_over(int64_t n, int64_t* blocks) {
@@ -312,8 +286,7 @@ cudaError_t view24_from_pack(const uint16_t* values, const int32_t* meta, const 
   if ((1 << log2_m) != m || tiles > 65535 || steps4 * 128 >= (1LL << 31)) return cudaErrorInvalidValue;
   if (reinterpret_cast<uintptr_t>(columns) % 4 != 0) return cudaErrorMisalignedAddress;  // read as words
   if (tiles == 0 || steps4 == 0) return cudaSuccess;
-  const int64_t per_block = (int64_t)kThreads * kViewPairs;
-  const dim3 grid((unsigned)((steps4 * 128 + per_block - 1) / per_block), (unsigned)tiles);
+  const dim3 grid((unsigned)((steps4 * 128 + kThreads - 1) / kThreads), (unsigned)tiles);
   view24_kernel<<<grid, kThreads, 0, stream>>>(reinterpret_cast<const uint32_t*>(values), meta,
                                                reinterpret_cast<const uint32_t*>(columns), (int32_t)rows,
                                                (int32_t)(cols / 4), log2_m, (int32_t)steps, (int32_t)steps4,
