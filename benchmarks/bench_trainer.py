@@ -4,7 +4,7 @@ warm-up against the dense model with the same weights.
 
     python benchmarks/bench_trainer.py [--models bert-large llama] [--configs dense 2:4T 2:4 64:2:8]
                                        [--compile eager compiled] [--steps 50] [--warmup 30] [--no-load]
-                                       [--compact-fallback auto|never]
+                                       [--compact-fallback auto|never] [--rounds 1]
                                        [--worker-timeout S]
 
 Models (built from their configs, no download):
@@ -29,7 +29,9 @@ of the first token of each sequence (batch-size tokens through every linear laye
 
 Every worker prints one JSON line; the driver prints markdown tables with ratios against dense of the same model
 and mode, measured in the same run. Each training worker also reports how fast its host issues a small CUDA op
-(``host_launch_us``): the lent machines' hosts differ, and a host-bound step's ratio moves with them.
+(``host_launch_us``): the lent machines' hosts differ, and a host-bound step's ratio moves with them. With
+``--rounds N`` every configuration trains N times (each round in a rotated order, the checkpoints of round 0 loaded)
+and a last table gives each configuration's median ratio against the dense run of its round, with the extremes.
 """
 
 from __future__ import annotations
@@ -317,6 +319,18 @@ def run_worker(argv: list[str]) -> dict | None:
     return res
 
 
+def dense_of(rows: list[dict], r: dict) -> dict | None:
+    """The dense training run of ``r``'s model, mode and round."""
+    return next(
+        (
+            d
+            for d in rows
+            if (d["model"], d["mode"], d["round"], d["config"]) == (r["model"], r["mode"], r["round"], "dense")
+        ),
+        None,
+    )
+
+
 def driver(args) -> int:
     import torch
 
@@ -328,18 +342,20 @@ def driver(args) -> int:
     train_rows, load_rows = [], []
     for model in args.models:
         for mode in args.compile:
-            for config in args.configs:
-                save = (
-                    os.path.join(root, f"{model}-{config.replace(':', '_')}")
-                    if not args.no_load and mode == "eager" and config != "dense"
-                    else ""
-                )
-                argv = ["--worker", "train", "--model", model, "--config", config, "--mode", mode]
-                argv += ["--steps", str(args.steps), "--warmup", str(args.warmup), "--save-dir", save]
-                argv += ["--compact-fallback", args.compact_fallback]
-                res = run_worker(argv)
-                if res is not None:
-                    train_rows.append(res)
+            for rnd in range(args.rounds):  # each round starts one configuration later: no config always runs first
+                shift = rnd % len(args.configs)
+                for config in args.configs[shift:] + args.configs[:shift]:
+                    save = (
+                        os.path.join(root, f"{model}-{config.replace(':', '_')}")
+                        if not args.no_load and mode == "eager" and config != "dense" and rnd == 0
+                        else ""
+                    )
+                    argv = ["--worker", "train", "--model", model, "--config", config, "--mode", mode]
+                    argv += ["--steps", str(args.steps), "--warmup", str(args.warmup), "--save-dir", save]
+                    argv += ["--compact-fallback", args.compact_fallback]
+                    res = run_worker(argv)
+                    if res is not None:
+                        train_rows.append({**res, "round": rnd})
         if args.no_load:
             continue
         dense_dir = ""
@@ -357,21 +373,32 @@ def driver(args) -> int:
 
     print("## Training through Trainer.train()\n")
     print(
-        "| model | mode | config | ms/step | tokens/s | vs dense | peak GiB | vs dense | steady peak GiB | vs dense |"
+        "| model | mode | round | config | ms/step | tokens/s | vs dense | peak GiB | vs dense | steady peak GiB "
+        "| vs dense |"
     )
-    print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| --- | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in train_rows:
-        dense = next(
-            (d for d in train_rows if d["model"] == r["model"] and d["mode"] == r["mode"] and d["config"] == "dense"),
-            None,
-        )
+        dense = dense_of(train_rows, r)
         speed = f"{dense['ms_per_step'] / r['ms_per_step']:.3f}x" if dense else "-"
         mem = f"{r['peak_gib'] / dense['peak_gib']:.3f}x" if dense else "-"
         steady = f"{r['steady_peak_gib'] / dense['steady_peak_gib']:.3f}x" if dense else "-"
         print(
-            f"| {r['model']} | {r['mode']} | {r['config']} | {r['ms_per_step']:.1f} | {r['tokens_per_s']:.0f} | "
-            f"{speed} | {r['peak_gib']:.2f} | {mem} | {r['steady_peak_gib']:.2f} | {steady} |"
+            f"| {r['model']} | {r['mode']} | {r['round']} | {r['config']} | {r['ms_per_step']:.1f} | "
+            f"{r['tokens_per_s']:.0f} | {speed} | {r['peak_gib']:.2f} | {mem} | {r['steady_peak_gib']:.2f} | {steady} |"
         )
+    if args.rounds > 1:
+        print(f"\n### Over {args.rounds} rounds (speed against the dense run of the same round)\n")
+        print("| model | mode | config | median ms/step | median vs dense | lowest | highest |")
+        print("| --- | --- | --- | ---: | ---: | ---: | ---: |")
+        for key in dict.fromkeys((r["model"], r["mode"], r["config"]) for r in train_rows):
+            rows = [r for r in train_rows if (r["model"], r["mode"], r["config"]) == key]
+            ratios = [d["ms_per_step"] / r["ms_per_step"] for r in rows if (d := dense_of(train_rows, r))]
+            spread = (
+                f"{statistics.median(ratios):.3f}x | {min(ratios):.3f}x | {max(ratios):.3f}x"
+                if ratios
+                else "- | - | -"
+            )
+            print(f"| {' | '.join(key)} | {statistics.median(r['ms_per_step'] for r in rows):.1f} | {spread} |")
     launches = [f"{r['config']} ({r['mode']}) {r['host_launch_us']:.1f}" for r in train_rows if "host_launch_us" in r]
     launches += [f"{r['config']} (loaded) {r['host_launch_us']:.1f}" for r in load_rows if "host_launch_us" in r]
     if launches:
@@ -405,6 +432,9 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=30, help="untimed steps (the compact fallback decides by step 26)")
     ap.add_argument("--compact-fallback", default="auto", choices=["auto", "never"])
     ap.add_argument("--no-load", action="store_true", help="skip the from_pretrained section")
+    ap.add_argument(
+        "--rounds", type=int, default=1, help="train every configuration this many times, rotating the order"
+    )
     ap.add_argument("--worker-timeout", type=float, help="seconds a configuration may take (its output is printed)")
     # worker arguments (one configuration per process)
     ap.add_argument("--worker", choices=["train", "load"], help=argparse.SUPPRESS)
@@ -419,6 +449,8 @@ def main() -> int:
     WORKER_TIMEOUT_S = args.worker_timeout
     if args.warmup >= args.steps:
         ap.error(f"--warmup ({args.warmup}) must be below --steps ({args.steps})")
+    if args.rounds < 1:
+        ap.error(f"--rounds ({args.rounds}) must be at least 1")
     if args.worker == "train":
         print(json.dumps(train_worker(args)))
         return 0
