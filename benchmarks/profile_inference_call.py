@@ -6,7 +6,7 @@
 For each layer, under ``torch.inference_mode()`` on bf16 inputs (the plan already measured): the wall time per call of
 1000 back-to-back calls while the GPU is kept busy by a spin kernel queued first (so the figure is the host's time to
 issue the call, not the GPU's), for ``nn.Linear``, the layer's ``__call__``, and the extension call it ends in with
-its arguments bound (``CompactKernel.resident_call``; ``forward_compute`` where the layer is not resident); then the
+its arguments bound (``CompactKernel.resident_calls``; ``forward_compute`` where the layer is not resident); then the
 top functions of a cProfile of the layer calls.
 """
 # ruff: noqa: B023  (every timed lambda is called at once, inside its own loop iteration)
@@ -57,9 +57,10 @@ def main() -> int:
             plan = k.plans[next(iter(k.plans))]
             print(f"{pattern}: plans {k.plans}, resident {layer._resident is k}")
             print(f"{pattern}: layer(x) {host_us(lambda: layer(x)):.1f} us per call")
-            if k.resident_call is not None:  # the extension function resident_forward calls, its arguments bound
-                fn, values, meta, columns, rows, cols, m, code = k.resident_call
-                alone = host_us(lambda: fn(x, values, meta, columns, layer.bias, rows, cols, m, code))
+            call = k.resident_calls.get(next(iter(k.plans))[0])
+            if call is not None:  # the extension function resident_forward calls, its arguments bound
+                fn, before, after = call
+                alone = host_us(lambda: fn(x, *before, layer.bias, *after))
                 print(f"{pattern}: the extension call alone {alone:.1f} us per call")
             else:
                 alone = host_us(lambda: k.forward_compute(layer, x, plan, fuse=True))

@@ -435,6 +435,29 @@ std::vector<at::Tensor> view24(const at::Tensor& values, const at::Tensor& meta,
   return {out_values, out_meta};
 }
 
+// Y = X W^T (+bias) of a V:2:M weight on its 2:4 view, the view made from the pack (view24) for this call only and
+// freed after it: a loaded V:2:M layer's inference holds one copy of its values and pays one launch and one host
+// call for the view, not a second Python round trip. `columns24` is the view's block columns (0, 1, 2, 3 in every
+// block: a constant the caller keeps).
+at::Tensor spmm_view24_impl(const char* op, bool wgmma, const at::Tensor& x, const at::Tensor& values,
+                            const at::Tensor& meta, const at::Tensor& columns, const at::Tensor& columns24,
+                            const c10::optional<at::Tensor>& bias, int64_t rows, int64_t k, int64_t m, int64_t act) {
+  const auto view = view24(values, meta, columns, rows, k, m);
+  return spmm_impl(op, wgmma, x, view[0], view[1], columns24, bias, rows, k, 4, act);
+}
+
+at::Tensor spmm_view24(const at::Tensor& x, const at::Tensor& values, const at::Tensor& meta,
+                       const at::Tensor& columns, const at::Tensor& columns24, const c10::optional<at::Tensor>& bias,
+                       int64_t rows, int64_t k, int64_t m, int64_t act) {
+  return spmm_view24_impl("spmm_view24", false, x, values, meta, columns, columns24, bias, rows, k, m, act);
+}
+
+at::Tensor spmm_wgmma_view24(const at::Tensor& x, const at::Tensor& values, const at::Tensor& meta,
+                             const at::Tensor& columns, const at::Tensor& columns24,
+                             const c10::optional<at::Tensor>& bias, int64_t rows, int64_t k, int64_t m, int64_t act) {
+  return spmm_view24_impl("spmm_view24(wgmma)", true, x, values, meta, columns, columns24, bias, rows, k, m, act);
+}
+
 // A compact layer's kept positions as the kernels read them (KeptPositions, kernels.h): `sel` the on-disk 2-bit codes
 // (2:4: weight_indices; V:2:M: weight_selectors), `columns` the on-disk block columns (V:2:M: weight_columns, else
 // absent), `v` the pattern's V, `m` its group size.
@@ -755,6 +778,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("refresh_packs", &refresh_packs, "rewrite many packs from their layers' values in one launch (a table)");
   mod.def("refresh_block_count", &refresh_block_count, "blocks refresh_packs runs for an entry of numel elements");
   mod.def("view24", &view24, "the 2:4 view (values, meta) of a V:2:M pack, made from the pack in one pass");
+  mod.def("spmm_view24", &spmm_view24, "as spmm on the 2:4 view of a V:2:M pack, the view made for this call");
+  mod.def("spmm_wgmma_view24", &spmm_wgmma_view24, "as spmm_view24, with sparse wgmma (sm_90a)");
   mod.def("gather_kept", &gather_kept, "a layer's kept values out of a dense matrix, at their on-disk positions");
   mod.def("scatter_kept", &scatter_kept, "the dense matrix whose kept positions hold the values, zero elsewhere");
   mod.def("apply_masks_", &apply_masks_, "zero, in place, the entries of each tensor where its bool mask is false");

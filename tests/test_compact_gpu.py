@@ -238,11 +238,12 @@ REFRESH_LAYERS = [
 
 
 @pytest.mark.parametrize("bias", [True, False])
-@pytest.mark.parametrize("spec", ["2:4", "64:2:8"])
-def test_resident_inference_is_one_extension_call_with_the_general_paths_result(spec, bias):
+@pytest.mark.parametrize(("spec", "forward"), [("2:4", "sparse"), ("64:2:8", "sparse"), ("64:2:8", "sparse24")])
+def test_resident_inference_is_one_extension_call_with_the_general_paths_result(spec, forward, bias):
     """A resident layer (its pack holds its values) in a measured token bucket runs ``resident_forward``: the same
-    kernel on the same pack as the general path, so bit-identical output; it leaves every other call (grad mode,
-    autocast, another dtype, a new bucket) to the general path, and still refuses a weight written in place."""
+    kernel on the same pack as the general path (``"sparse24"``: on the 2:4 view made in the same call), so
+    bit-identical output; it leaves every other call (grad mode, autocast, another dtype, a new bucket) to the
+    general path, and still refuses a weight written in place."""
     torch.manual_seed(0)
     rows, cols = 1024, 2048
     x = torch.randn(3, 40, cols, device="cuda", dtype=torch.bfloat16)
@@ -252,10 +253,11 @@ def test_resident_inference_is_one_extension_call_with_the_general_paths_result(
     b = dense.bias.detach() if bias else None
     expected = torch.nn.functional.linear(x, torch.where(mask, dense.weight.detach(), 0.0), b)
     k = layer.kernel_state(torch.bfloat16)
-    k.plans[(128, False)] = ("sparse", "dense", "gemm")  # its own pack (a measurement may pick the 2:4 view)
+    k.plans[(128, False)] = (forward, "dense", "gemm")  # set, not measured (a measurement may pick either)
     with torch.inference_mode():
         general = k(layer, x)  # adopts the pack
-        assert layer._resident is k and k.resident_buckets == {128}
+        assert layer._resident is k and set(k.resident_calls) == {128}
+        assert k.packed24 is None  # a V:2:M layer holds no view between calls
         short = k.resident_forward(layer, x)
         assert short is not None and torch.equal(short, general)
         assert torch.equal(layer(x), general)

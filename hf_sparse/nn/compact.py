@@ -281,13 +281,19 @@ class CompactKernel:
         self.native = getattr(ext, "compact_linear", None)  # forward and backward in C++, one autograd node
         self.native_forward = getattr(ext, "compact_forward", None)  # the same computations without autograd
         self.view24 = getattr(ext, "view24", None) if m != 4 else None  # a V:2:M pack's 2:4 view, made per call
+        # the 2:4 SpMMs, by name, as one call that makes the view first (resident inference: _resident_call)
+        self.spmm_view24 = {
+            name: getattr(ext, f"{name}_view24")
+            for name in ("spmm", "spmm_wgmma")
+            if m != 4 and hasattr(ext, f"{name}_view24")
+        }
         self.native_backward = getattr(ext, "compact_backward", None)
         self.refresher = ext if hasattr(ext, "refresh_packs") else None  # the batched refresh: see refresh_stale
         self.layer = weakref.ref(layer)
         self.resident_version = -1  # the weight's version when adopt made the pack its storage
-        # while resident: the extension function and its arguments for the measured inference buckets (resident_forward)
-        self.resident_call: tuple | None = None
-        self.resident_buckets: frozenset[int] = frozenset()
+        # while resident: per measured inference bucket, the extension function and its arguments before the bias
+        # (resident_forward)
+        self.resident_calls: dict[int, tuple] = {}
         _kernels.add(self)
         self._set_kernel_bits()
         watch_optimizer_steps()
@@ -349,13 +355,23 @@ class CompactKernel:
         self.entries = None
         self.stamp = _stamp(weight, layer.bias)
         self.resident_version = weight._version
-        if self.fns[0] is not None and self.after is None:  # one extension call, the activation fused if any
-            q = self.packed
-            self.resident_call = (self.fns[0], q.values, q.meta, q.columns, self.rows, self.cols, self.m, self.code)
-            self.resident_buckets = frozenset(
-                bucket for (bucket, trains), p in self.plans.items() if not trains and p[0] == "sparse"
-            )
+        self.resident_calls = {
+            bucket: call
+            for (bucket, trains), p in self.plans.items()
+            if not trains and (call := self._resident_call(p[0])) is not None
+        }
         return True
+
+    def _resident_call(self, forward: str) -> tuple | None:
+        """``(fn, arguments before the bias, arguments after it)``: the one extension call of a resident forward by
+        ``forward`` (the activation fused), or None where that needs more than one call."""
+        q = self.packed
+        if forward == "sparse" and self.fns[0] is not None and self.after is None:
+            return self.fns[0], (q.values, q.meta, q.columns), (self.rows, self.cols, self.m, self.code)
+        fn = self.spmm_view24.get(getattr(self.fn24, "__name__", None))
+        if forward == "sparse24" and fn is not None and self.after24 is None:
+            return fn, (q.values, q.meta, q.columns, self._columns24()), (self.rows, self.cols, self.m, self.code24)
+        return None
 
     def resident_forward(self, layer: SparseLinear, x: Tensor) -> Tensor | None:
         """The forward of a resident layer (:meth:`adopt`) in a token bucket it has measured, as one call into the
@@ -371,16 +387,18 @@ class CompactKernel:
             or torch.is_autocast_enabled("cuda")
         ):
             return None
-        fn, values, meta, columns, rows, cols, m, code = self.resident_call
+        cols = self.cols
         n = x.numel() // cols
-        if token_bucket(n) not in self.resident_buckets:
+        call = self.resident_calls.get(token_bucket(n))
+        if call is None:
             return None
         x2 = x.reshape(n, cols)
         if not x2.is_contiguous() or x2.data_ptr() % 16:
             return None
         if layer.weight._version != self.resident_version:
             self.check_resident(layer)  # raises: the weight was written while it held the pack
-        return fn(x2, values, meta, columns, layer.bias, rows, cols, m, code).view(*x.shape[:-1], rows)
+        fn, before, after = call
+        return fn(x2, *before, layer.bias, *after).view(*x.shape[:-1], self.rows)
 
     def check_resident(self, layer: SparseLinear) -> None:
         """Raise if ``layer.weight`` was written in place while it held the pack's values: such a write assumed the
@@ -397,7 +415,7 @@ class CompactKernel:
         """The inverse of :meth:`adopt`: new on-disk ``weight`` values and position buffers made from the pack (which
         stays, as a copy of the values, until the plans drop it)."""
         self.check_resident(layer)
-        self.resident_call, self.resident_buckets = None, frozenset()
+        self.resident_calls = {}
         with torch.no_grad(), torch.inference_mode(False):
             values, columns, selectors = logical_from_packed(self.packed)
             layer.weight.data = values  # a new tensor: the pack keeps its storage
@@ -510,9 +528,13 @@ class CompactKernel:
             return self.packed24
         q = self.packed
         values, meta = self.view24(q.values, q.meta, q.columns, self.rows, self.cols, self.m)
-        columns = _identity_columns(values.shape[0] // 4, values.shape[1] * 8, self.device)
         valid = q.valid.as_strided((self.rows, self.cols // 2), (0, 0))  # every slot (a view: no launch)
-        return q._replace(values=values, meta=meta, columns=columns, valid=valid, v=64, m=4)
+        return q._replace(values=values, meta=meta, columns=self._columns24(), valid=valid, v=64, m=4)
+
+    def _columns24(self) -> Tensor:
+        """The block columns of the 2:4 view made per call (its tiles are the pack's, its groups of 4 padded to
+        whole steps of 8)."""
+        return _identity_columns(self.packed.values.shape[0] // 4, -(-self.cols // 32) * 8, self.device)
 
     def drop_transposed(self) -> None:
         """Free ``packed_t`` (no measured plan runs the input gradient on it)."""
@@ -604,6 +626,11 @@ class CompactKernel:
         rows, cols, dtype = self.rows, self.cols, self.dtype
         bias_c = self.bias_lp if self.bias_lp is not None else layer.bias
         act = self.activation if fuse else None
+        if fuse and plan[0] == "sparse24" and self.packed24 is None:  # the view made and used in one extension call
+            call = self._resident_call("sparse24")
+            if call is not None and x2.is_contiguous() and x2.data_ptr() % 16 == 0:
+                fn, before, after = call
+                return fn(x2, *before, bias_c, *after)
         if self.native_forward is not None and act is None:  # one call into the extension
             view = plan[0] == "sparse24"
             q = self._view() if view else self.packed

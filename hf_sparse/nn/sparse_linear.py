@@ -256,7 +256,7 @@ class SparseLinear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if not torch.compiler.is_compiling():  # (torch.compile traces compact_linear, which builds the kernel state)
             kernel = self._kernel
-            if kernel is not None and self._resident is kernel and kernel.resident_call is not None:
+            if kernel is not None and self._resident is kernel and kernel.resident_calls:
                 y = kernel.resident_forward(self, x)  # inference on the pack that holds the values: the short path
                 if y is not None:
                     return y
