@@ -11,7 +11,7 @@ real training steps, counted from the first step with compact layers ``s``, ``W`
     after step s+2W+2T-1: the faster path (choose_path); back to compact (compaction.make_compact) unless dense won
 
 The masked dense half runs only where the compact layers' own measurements leave the outcome open. Each compact
-layer measured its plan against the dense choices when it made it (GPU time plus extra host time,
+layer measured its plan against the masked dense layer it replaced when it made it (GPU time plus extra host time,
 :func:`hf_sparse.compaction.measured_saving_ms`); where those savings add up, per optimizer step, to more than
 :data:`NOISE_MARGIN` of the compact step's measured time, the masked dense step cannot be faster by the margin
 unless the layers' measurements were wrong by more than that, so the run decides for the compact layers after

@@ -611,13 +611,34 @@ class CompactKernel:
                     dispatch.costs({"gemm": backward(None, "gemm"), "sddmm": backward(None, "sddmm")}, host_too=True)
                 )
         plan = tuple(min(part, key=part.get) for part in parts) + DEFAULT_PLAN[len(parts) :]
-        if trains:  # what the plan saves, per call, against the dense choices (as a masked dense layer computes)
-            dense = ("dense", "dense", "gemm")
-            if all(d in part for d, part in zip(dense, parts, strict=True)):
-                self.savings[(token_bucket(x2.shape[0]), trains)] = sum(
-                    part[d] - part[c] for d, c, part in zip(dense, plan, parts, strict=True)
-                )
+        if trains:
+            self.savings[(token_bucket(x2.shape[0]), trains)] = self._saving_over_masked_dense(layer, plan, x2, dy2)
         return plan
+
+    def _saving_over_masked_dense(self, layer: SparseLinear, plan: tuple, x2: Tensor, dy2: Tensor) -> float:
+        """What one training call by ``plan`` saves against the masked dense layer it replaced, in ms (GPU time plus
+        extra host time, one :func:`hf_sparse.ops.dispatch.costs` over both): that layer casts its fp32 weight for
+        autocast, runs the forward and both gradient GEMMs on the cast, casts the weight gradient back to fp32 and
+        has the pruner mask it. The compact layer's own dense choices are no stand-in: they rebuild the weight from
+        the kept values, a launch the masked dense layer does not pay. The bias gradient and the input's cast are the
+        same for both and left out."""
+        rows, cols, dtype = self.rows, self.cols, self.dtype
+        bias_c = self.bias_lp if self.bias_lp is not None else layer.bias
+        master = dense_at_index(layer.weight.detach(), layer._kept(), rows, cols, torch.float32)
+        pruned = ~layer.mask()
+
+        def masked_dense():
+            w = master.to(dtype)
+            F.linear(x2, w, bias_c)
+            torch.mm(dy2, w)
+            torch.mm(dy2.t(), x2).float().masked_fill_(pruned, 0.0)
+
+        def compact():
+            self.forward_compute(layer, x2, plan, False)
+            self.backward_compute(layer, dy2, x2, plan, True, True, False)
+
+        measured = dispatch.costs({"masked dense": masked_dense, "compact": compact}, host_too=True)
+        return measured["masked dense"] - measured["compact"]
 
     # ------------------------------------------------------------------ compute
     def forward_compute(self, layer: SparseLinear, x2: Tensor, plan: tuple, fuse: bool) -> Tensor:
@@ -722,10 +743,9 @@ class CompactKernel:
         )
 
     def training_saving_ms(self) -> float | None:
-        """What one training call of this layer saves, as measured when its plans were made: the cost (GPU time
-        plus extra host time, :func:`hf_sparse.ops.dispatch.costs`) of the dense choices (a dense forward and input
-        gradient, a GEMM weight gradient: the work of a masked dense layer) less that of the plan, in ms, averaged
-        over the token buckets measured; None where no training plan was measured (CPU, CUDA-graph capture)."""
+        """What one training call of this layer saves against the masked dense layer it replaced, as measured when
+        its plans were made (:meth:`_saving_over_masked_dense`), in ms, averaged over the token buckets measured;
+        None where no training plan was measured (CPU, CUDA-graph capture)."""
         saved = [value for (_, trains), value in self.savings.items() if trains]
         return sum(saved) / len(saved) if saved else None
 
