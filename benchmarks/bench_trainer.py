@@ -246,6 +246,20 @@ def checkpoint_tensor_bytes(folder: str) -> int:
     return total
 
 
+def forward_ms(model, input_ids, count: int) -> list[float]:
+    """Wall ms of ``count`` forwards of ``model`` on ``input_ids``, the device synchronized around each."""
+    import torch
+
+    times = []
+    for _ in range(count):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        model(input_ids=input_ids)
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t) * 1e3)
+    return times
+
+
 def load_worker(args) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
@@ -261,23 +275,13 @@ def load_worker(args) -> dict:
     g = torch.Generator().manual_seed(2)
     ids = torch.randint(0, model.config.vocab_size, (shape["batch"], shape["seq"]), generator=g).to(DEVICE)
 
-    def forward_ms(inputs, count: int) -> list[float]:
-        times = []
-        for _ in range(count):
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            model(input_ids=inputs)
-            torch.cuda.synchronize()
-            times.append((time.perf_counter() - t) * 1e3)
-        return times
-
     with torch.inference_mode():
-        forward_ms(ids, 5)  # warm-up: plans measured, packs built
+        forward_ms(model, ids, 5)  # warm-up: plans measured, packs built
         after = torch.cuda.memory_allocated() - base
-        prefill = statistics.median(forward_ms(ids, 20))
+        prefill = statistics.median(forward_ms(model, ids, 20))
         first = ids[:, :1]  # one token per sequence: the linear layers at batch-size tokens
-        forward_ms(first, 5)
-        one_token = statistics.median(forward_ms(first, 20))
+        forward_ms(model, first, 5)
+        one_token = statistics.median(forward_ms(model, first, 20))
     result = {
         "model": args.model,
         "config": args.config,

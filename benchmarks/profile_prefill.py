@@ -16,25 +16,11 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 from collections import defaultdict
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import bench_trainer  # noqa: E402
-
-
-def wall_ms(model, ids, count: int) -> float:
-    import torch
-
-    times = []
-    for _ in range(count):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        model(input_ids=ids)
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(times)
 
 
 def kernel_ms(model, ids, calls: int) -> dict[str, float]:
@@ -83,8 +69,8 @@ def main() -> int:
         with torch.inference_mode():
             for name in (config, "dense"):
                 model = loaded if name == config else hf_sparse.to_dense(loaded)  # in place, after the sparse run
-                wall_ms(model, ids, 5)
-                wall = wall_ms(model, ids, 10)
+                bench_trainer.forward_ms(model, ids, 5)
+                wall = statistics.median(bench_trainer.forward_ms(model, ids, 10))
                 kernels = kernel_ms(model, ids, args.calls)
                 rows[name] = (wall, kernels)
                 if name == config:
