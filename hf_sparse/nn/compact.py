@@ -612,17 +612,26 @@ class CompactKernel:
                 )
         plan = tuple(min(part, key=part.get) for part in parts) + DEFAULT_PLAN[len(parts) :]
         if trains:
-            self.savings[(token_bucket(x2.shape[0]), trains)] = self._saving_over_masked_dense(layer, plan, x2, dy2)
+            saving = self._saving_over_masked_dense(layer, plan, x2, dy2)
+            if saving is not None:
+                self.savings[(token_bucket(x2.shape[0]), trains)] = saving
         return plan
 
-    def _saving_over_masked_dense(self, layer: SparseLinear, plan: tuple, x2: Tensor, dy2: Tensor) -> float:
+    def _saving_over_masked_dense(self, layer: SparseLinear, plan: tuple, x2: Tensor, dy2: Tensor) -> float | None:
         """What one training call by ``plan`` saves against the masked dense layer it replaced, in ms (GPU time plus
         extra host time, one :func:`hf_sparse.ops.dispatch.costs` over both): that layer casts its fp32 weight for
         autocast, runs the forward and both gradient GEMMs on the cast, casts the weight gradient back to fp32 and
         has the pruner mask it. The compact layer's own dense choices are no stand-in: they rebuild the weight from
         the kept values, a launch the masked dense layer does not pay. The bias gradient and the input's cast are the
-        same for both and left out."""
+        same for both and left out. None, unmeasured, where the measurement's transients (16 bytes per weight: the
+        fp32 weight and gradient, their bf16 forms, the mask, the kept index) would not fit in the memory the device
+        and the caching allocator have free: a run near its memory limit must not fail in its first step for a
+        measurement (the compact fallback then decides by timing, where the dense state fits)."""
         rows, cols, dtype = self.rows, self.cols, self.dtype
+        free, _ = torch.cuda.mem_get_info(self.device)
+        cached = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+        if free + cached < 16 * rows * cols:
+            return None
         bias_c = self.bias_lp if self.bias_lp is not None else layer.bias
         master = dense_at_index(layer.weight.detach(), layer._kept(), rows, cols, torch.float32)
         pruned = ~layer.mask()
