@@ -3,14 +3,14 @@ call (the extension's ``view24``) against the 2:4 SpMM that runs on the view, at
 
     python benchmarks/bench_view24.py [--pattern 64:2:8] [--tokens 8192] [--repeats 50]
 
-bf16, fresh random weights pruned by magnitude; CUDA-event medians over ``--repeats`` calls (GPU time: a diagnostic,
-the user-visible figure is ``bench_trainer.py``'s prefill).
+bf16, fresh random weights pruned by magnitude; the median GPU time of ``--repeats`` calls of each, by
+:func:`hf_sparse.ops.dispatch.costs` (each call queued behind a spin kernel, so the host's time to issue it is not
+counted; a diagnostic, the user-visible figure is ``bench_trainer.py``'s prefill).
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 
 import torch
@@ -18,24 +18,10 @@ import torch
 SHAPES = [(4096, 4096), (11008, 4096), (4096, 11008)]  # (out, in) of the Llama-style projections
 
 
-def gpu_ms(fn, repeats: int) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
 def measure(ext, pattern, rows: int, cols: int, tokens: int, repeats: int) -> tuple[float, float]:
     """(view24 ms, 2:4 SpMM on the view ms) for one ``(rows, cols)`` weight at ``tokens`` tokens."""
     from hf_sparse.masks import compute_mask
-    from hf_sparse.ops import pack
+    from hf_sparse.ops import dispatch, pack
     from hf_sparse.ops.spmm import spmm_function
 
     w = torch.randn(rows, cols, device="cuda")
@@ -44,9 +30,14 @@ def measure(ext, pattern, rows: int, cols: int, tokens: int, repeats: int) -> tu
     view = pack(w, mask, 64, 4, torch.bfloat16)
     x = torch.randn(tokens, cols, device="cuda", dtype=torch.bfloat16)
     fn = spmm_function(4, x.device)
-    make = gpu_ms(lambda: ext.view24(vnm.values, vnm.meta, vnm.columns, rows, cols, pattern.m), repeats)
-    run = gpu_ms(lambda: fn(x, view.values, view.meta, view.columns, None, rows, cols, 4, 0), repeats)
-    return make, run
+    times = dispatch.costs(
+        {
+            "view24": lambda: ext.view24(vnm.values, vnm.meta, vnm.columns, rows, cols, pattern.m),
+            "spmm": lambda: fn(x, view.values, view.meta, view.columns, None, rows, cols, 4, 0),
+        },
+        rounds=repeats,
+    )
+    return times["view24"], times["spmm"]
 
 
 def main() -> int:
