@@ -472,7 +472,7 @@ class CompactKernel:
             self.m, v,
         )  # fmt: skip
 
-    def _write(self, layer: SparseLinear, entry: RefreshEntry) -> None:
+    def _write(self, entry: RefreshEntry) -> None:
         """Write one pack's values from the current values (as a refresh would)."""
         with torch.no_grad():
             if self.refresher is not None:
@@ -480,12 +480,6 @@ class CompactKernel:
             else:
                 run_refresh_entries((entry,))
         self.entries = None
-
-    def _mask(self, layer: SparseLinear) -> Tensor:
-        """The layer's ``(R, K)`` mask (transient: made for building a 2:4 pack's metadata)."""
-        mask = torch.zeros(self.rows * self.cols, dtype=torch.bool, device=self.device)
-        mask[layer._kept().long()] = True
-        return mask.view(self.rows, self.cols)
 
     @torch.compiler.disable  # once per layer, on its first call that trains
     def _ensure_transposed(self, layer: SparseLinear) -> None:
@@ -497,11 +491,11 @@ class CompactKernel:
         if self.m != 4:
             return
         with torch.no_grad():
-            mask_t = self._mask(layer).t()
+            mask_t = layer.mask().t()
             if not bool((mask_t.reshape(self.cols, self.rows // 4, 4).sum(-1) <= 2).all()):
                 return
             self.packed_t = _pack24(mask_t, self.dtype)
-        self._write(layer, self._entry24(layer, TRANSPOSED, self.packed_t))
+        self._write(self._entry24(layer, TRANSPOSED, self.packed_t))
         if self.fns[0] is not None:
             self.fns = (self.fns[0], spmm_function(4, self.device), self.fns[2])
             self._set_kernel_bits()
@@ -511,8 +505,8 @@ class CompactKernel:
         """Build the 2:4 view (a V:2:M layer's ``"sparse24"`` candidate) if it is not there."""
         if self.packed24 is None:
             with torch.no_grad():
-                self.packed24 = _pack24(self._mask(layer), self.dtype)
-            self._write(layer, self._entry24(layer, VIEW24, self.packed24))
+                self.packed24 = _pack24(layer.mask(), self.dtype)
+            self._write(self._entry24(layer, VIEW24, self.packed24))
 
     def _view_per_call(self) -> bool:
         """Whether a ``"sparse24"`` forward makes the 2:4 view from the layer's own pack on each call instead of
@@ -555,7 +549,7 @@ class CompactKernel:
             self.packed = self.packed._replace(values=self._absent())
         self.entries = None
         if not self.uses_index():
-            layer._index = None  # built for the measurement or the 2:4 packs' metadata only
+            layer._index = None  # built for the measurement only
 
     # ------------------------------------------------------------------ plans
     def _default(self) -> tuple[str, str, str]:

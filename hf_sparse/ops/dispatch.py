@@ -1,9 +1,9 @@
 """The measurement harness behind every backend choice: time candidate calls on the GPU and name the fastest.
 
 It holds no state. Whoever measures keeps what it measured: a compact layer
-(:class:`hf_sparse.nn.compact.CompactKernel`) keeps one plan per token bucket and asks :func:`fastest` once per
-bucket, on the call's own tensors, and only when :func:`can_measure` says a measurement may run now; it keeps the
-costs :func:`costs` measured too, for what its plan saves against dense layers.
+(:class:`hf_sparse.nn.compact.CompactKernel`) keeps one plan per token bucket, the cheapest of what :func:`costs`
+measured once per bucket on the call's own tensors, and only when :func:`can_measure` says a measurement may run now;
+in training it keeps what that plan saves against the masked dense layer, measured the same way.
 """
 
 from __future__ import annotations
