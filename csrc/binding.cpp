@@ -395,8 +395,8 @@ int32_t refresh_dtype(at::ScalarType t, const char* op, const char* name) {
   return 0;
 }
 
-// Runs the `table` (int64, (count, kRefreshWords), on the device of the tensors it points to: one RefreshEntry per row) in
-// one launch; `blocks`: the sum of refresh_block_count(numel) over the entries.
+// Runs the `table` (int64, (count, kRefreshWords), on the device of the tensors it points to: one RefreshEntry per
+// row) in one launch; `blocks`: the sum of refresh_block_count(numel) over the entries.
 void refresh_packs(const at::Tensor& table, int64_t blocks) {
   const char* op = "refresh_packs";
   HF_CHECK(table.is_cuda() && table.scalar_type() == at::kLong && table.dim() == 2 &&

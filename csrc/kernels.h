@@ -137,6 +137,8 @@ struct KeptPositions {
 cudaError_t gather_kept(const void* src, int32_t src_dtype, void* dst, int32_t dst_dtype, const KeptPositions& pos,
                         cudaStream_t stream);
 // dst (rows, m groups) = the kept values src (rows, 2 groups) at their positions, zero elsewhere (a dense weight).
+cudaError_t scatter_kept(const void* src, int32_t src_dtype, void* dst, int32_t dst_dtype, const KeptPositions& pos,
+                         cudaStream_t stream);
 // The 2:4 view of a V:2:M pack (m >= 8), made from the pack itself: `values` (rows_padded/16, steps, 32, 8) 16-bit,
 // `meta` (rows_padded/16, steps, 16), `columns` (rows_padded/64, 8 steps, 4) as hf_sparse.ops._layout writes them, for
 // a (rows, cols) weight; out_values (rows_padded/16, steps4, 32, 8) and out_meta (rows_padded/16, steps4, 16) the 2:4
@@ -145,7 +147,5 @@ cudaError_t gather_kept(const void* src, int32_t src_dtype, void* dst, int32_t d
 cudaError_t view24_from_pack(const uint16_t* values, const int32_t* meta, const uint8_t* columns, int64_t rows_padded,
                              int64_t rows, int64_t cols, int32_t m, int64_t steps, uint16_t* out_values,
                              int32_t* out_meta, cudaStream_t stream);
-cudaError_t scatter_kept(const void* src, int32_t src_dtype, void* dst, int32_t dst_dtype, const KeptPositions& pos,
-                         cudaStream_t stream);
 
 }  // namespace hf_sparse

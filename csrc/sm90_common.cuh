@@ -77,8 +77,9 @@ __device__ __forceinline__ uint64_t desc_k128(uint32_t smem_addr) {
 
 // Split-K at the end of a CTA of a split tile (gridDim.z splits; tile_config.h sm90_split_k): its partial sums go
 // to the tile's scratch in split_ws, THREADS x FLOATS floats per CTA (FLOATS accumulators per thread, each array at
-// its offset among them), coalesced; the last CTA of the tile to arrive (its counter) reads all of them back in split order, its own included,
-// so the sum does not depend on the arrival order. Use: store() every array, then if last(), sum() every array.
+// its offset among them), coalesced; the last CTA of the tile to arrive (its counter) reads all of them back in split
+// order, its own included, so the sum does not depend on the arrival order. Use: store() every array, then if last(),
+// sum() every array.
 template <int FLOATS, int THREADS>
 struct SplitK {
   static constexpr int PER_CTA = FLOATS * THREADS;

@@ -86,8 +86,8 @@ inline int sm90_large_config(long long rows_padded, long long n_tokens, int sms)
 // the large configurations' one 256-token tile per row block would leave half the SMs idle or more.
 // Where the tiles cannot fill every CTA slot (SMs x CTAs per SM), each tile's k-tiles are split over sm90_split_k
 // CTAs, each k range at least kSplitKMinKTiles k-tiles (64 columns each) long; the last CTA of a tile to finish adds
-// every CTA's fp32 partial sums, in split order, and stores it. kSplitKCounters bounds the tiles of a split launch (one arrival counter
-// each, kept zero between launches by the last CTA).
+// every CTA's fp32 partial sums, in split order, and stores it. kSplitKCounters bounds the tiles of a split launch
+// (one arrival counter each, kept zero between launches by the last CTA).
 constexpr int kSplitKMax = 16, kSplitKMinKTiles = 4, kSplitKCounters = 4096;
 inline int sm90_small_bn(long long n_tokens) { return n_tokens <= 16 ? 16 : n_tokens <= 64 ? 64 : 128; }
 inline bool sm90_small_tiles(long long rows_padded, long long n_tokens, int sms) {
