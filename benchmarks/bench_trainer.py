@@ -214,18 +214,24 @@ def train_worker(args) -> dict:
         "steady_peak_gib": torch.cuda.max_memory_allocated() / 2**30,
         "host_launch_us": launch_us,
     }
-    plans = {}  # the compact layers' measured training plans: (forward, input gradient, weight gradient) -> layers
-    for module in trainer.model.modules():
-        kernel = getattr(module, "_kernel", None)
-        for (_, trains), plan in getattr(kernel, "plans", {}).items():
-            if trains:
-                plans["/".join(plan)] = plans.get("/".join(plan), 0) + 1
+    plans = training_plans(trainer.model)
     if plans:
         result["plans"] = plans
     if args.save_dir:
         trainer.save_model(args.save_dir)
         result["saved"] = args.save_dir
     return result
+
+
+def training_plans(model) -> dict[str, int]:
+    """The compact layers' measured training plans, "forward/input gradient/weight gradient" -> layers."""
+    plans: dict[str, int] = {}
+    for module in model.modules():
+        kernel = getattr(module, "_kernel", None)
+        for (_, trains), plan in getattr(kernel, "plans", {}).items():
+            if trains:
+                plans["/".join(plan)] = plans.get("/".join(plan), 0) + 1
+    return plans
 
 
 def checkpoint_tensor_bytes(folder: str) -> int:

@@ -12,18 +12,24 @@ and gradient clipping), ``on_optimizer_step``, ``on_step_end``.
 Printed per phase (means over the timed steps): the host's time in the phase, the GPU's (event to event) and the
 GPU's lag behind the host at the phase's end (event time minus host time). A lag near zero means the GPU waited for
 the host there; a phase whose host time is large while the lag at its start was large and at its end near zero is the
-host waiting in a synchronisation. A diagnostic, not the benchmark: ``bench_trainer.py`` times what a user sees.
+host waiting in a synchronisation. ``--cprofile`` adds the host's Python functions by own time over the timed steps
+(``cProfile`` slows the host, so the phase table is then not comparable); ``--sync-debug`` prints each call site
+that synchronises with the GPU during the first timed step (``torch.cuda.set_sync_debug_mode``). A diagnostic, not the benchmark: ``bench_trainer.py`` times what a user sees.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
+import pstats
 import tempfile
 import time
+import traceback
+import warnings
 
 import torch
-from bench_trainer import MODELS, build_trainer, host_launch_us
+from bench_trainer import MODELS, build_trainer, host_launch_us, training_plans
 from transformers import TrainerCallback
 
 
@@ -64,6 +70,36 @@ class PhaseClock(TrainerCallback):
         self.mark("step_end")
 
 
+class HostDiagnostics(TrainerCallback):
+    """``cProfile`` over the timed steps and the synchronising call sites of the first one."""
+
+    def __init__(self, warmup: int, steps: int, rows: int, sync_debug: bool) -> None:
+        self.warmup, self.steps, self.rows, self.sync_debug = warmup, steps, rows, sync_debug
+        self.profile = cProfile.Profile() if rows else None
+        self.sites: dict[str, int] = {}
+
+    def on_step_end(self, args, state, control, **kw):
+        if state.global_step == self.warmup:
+            if self.sync_debug:
+                torch.cuda.set_sync_debug_mode("warn")
+                warnings.simplefilter("always")
+                warnings.showwarning = self.record_site
+            if self.profile is not None:
+                self.profile.enable()
+        if state.global_step == self.warmup + 1 and self.sync_debug:
+            torch.cuda.set_sync_debug_mode(0)
+            for site, count in self.sites.items():
+                print(f"synchronising call, {count}x:\n{site}")
+        if state.global_step == self.steps and self.profile is not None:
+            self.profile.disable()
+            stats = pstats.Stats(self.profile)
+            stats.sort_stats("tottime").print_stats(self.rows)
+
+    def record_site(self, message, category, filename, lineno, file=None, line=None):
+        site = "".join(traceback.format_stack(limit=9)[:-2])
+        self.sites[site] = self.sites.get(site, 0) + 1
+
+
 def instrument(trainer, clock: PhaseClock) -> None:
     """Marks ``training_step``'s entry and return and the model's forward return."""
     step = trainer.training_step
@@ -99,6 +135,8 @@ def main() -> None:
     ap.add_argument("--mode", default="eager", choices=["eager", "compiled"])
     ap.add_argument("--steps", type=int, default=45)
     ap.add_argument("--warmup", type=int, default=30)
+    ap.add_argument("--cprofile", type=int, default=0, help="print this many functions by own host time")
+    ap.add_argument("--sync-debug", action="store_true")
     args = ap.parse_args()
 
     launch_us = host_launch_us()
@@ -107,6 +145,8 @@ def main() -> None:
         args.model, args.config, args.mode, args.steps, tempfile.mkdtemp(prefix="trace_phases_"), [clock], "auto"
     )
     instrument(trainer, clock)
+    if args.cprofile or args.sync_debug:
+        trainer.add_callback(HostDiagnostics(args.warmup, args.steps, args.cprofile, args.sync_debug))
     trainer.train()
     torch.cuda.synchronize()
     table = summarise(clock)
@@ -118,7 +158,10 @@ def main() -> None:
     print("| --- | ---: | ---: | ---: |")
     for name, row in table.items():
         print(f"| {name} | {row['host_ms']:.2f} | {row['gpu_ms']:.2f} | {row['lag_ms']:.2f} |")
-    print(json.dumps({"model": args.model, "config": args.config, "ms_per_step": wall, "phases": table}))
+    plans = training_plans(trainer.model)
+    print(
+        json.dumps({"model": args.model, "config": args.config, "ms_per_step": wall, "phases": table, "plans": plans})
+    )
 
 
 if __name__ == "__main__":
