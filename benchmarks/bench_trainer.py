@@ -214,6 +214,14 @@ def train_worker(args) -> dict:
         "steady_peak_gib": torch.cuda.max_memory_allocated() / 2**30,
         "host_launch_us": launch_us,
     }
+    callback = getattr(trainer, "sparsity_callback", None)
+    if callback is not None and callback.pruner is not None:  # what the compact fallback decided, and on what
+        from hf_sparse.compaction import measured_saving_ms
+
+        fallback = callback.fallback
+        result["fallback"] = fallback.choice or fallback.declined
+        result["timed_ms"] = {path: t.ms_per_step for path, t in fallback.timings.items()}
+        result["sure_saving_ms"] = measured_saving_ms(callback.pruner)
     plans = training_plans(trainer.model)
     if plans:
         result["plans"] = plans
@@ -409,6 +417,16 @@ def driver(args) -> int:
                 else "- | - | -"
             )
             print(f"| {' | '.join(key)} | {statistics.median(r['ms_per_step'] for r in rows):.1f} | {spread} |")
+    decisions = [
+        f"{r['model']} {r['config']} ({r['mode']}, round {r['round']}): {r['fallback']}, sure saving "
+        f"{'-' if r['sure_saving_ms'] is None else format(r['sure_saving_ms'], '.2f')} ms/step, timed "
+        + ", ".join(f"{path} {'-' if ms is None else format(ms, '.1f')}" for path, ms in r["timed_ms"].items())
+        for r in train_rows
+        if "fallback" in r
+    ]
+    if decisions:
+        print("\ncompact fallback (choice, the layers' sure saving, ms/step timed on each path):")
+        print("\n".join(f"- {line}" for line in decisions))
     launches = [f"{r['config']} ({r['mode']}) {r['host_launch_us']:.1f}" for r in train_rows if "host_launch_us" in r]
     launches += [f"{r['config']} (loaded) {r['host_launch_us']:.1f}" for r in load_rows if "host_launch_us" in r]
     if launches:

@@ -11,8 +11,9 @@ real training steps, counted from the first step with compact layers ``s``, ``W`
     after step s+2W+2T-1: the faster path (choose_path); back to compact (compaction.make_compact) unless dense won
 
 The masked dense half runs only where the compact layers' own measurements leave the outcome open. Each compact
-layer measured its plan against the masked dense layer it replaced when it made it (GPU time plus extra host time,
-:func:`hf_sparse.compaction.measured_saving_ms`); where those savings add up, per optimizer step, to more than
+layer measured its plan against the masked dense layer it replaced when it made it (the GPU time it saves less any
+host time it adds, :func:`hf_sparse.nn.compact.sure_saving_ms`; host time it saves is not counted, since a step that
+waits for the GPU in its backward gains nothing from it: :func:`hf_sparse.compaction.measured_saving_ms`); where those savings add up, per optimizer step, to more than
 :data:`NOISE_MARGIN` of the compact step's measured time, the masked dense step cannot be faster by the margin
 unless the layers' measurements were wrong by more than that, so the run decides for the compact layers after
 their timed window, logs one line saying why, and never holds the dense layers' state (a dense phase would put the

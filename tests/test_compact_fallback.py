@@ -17,6 +17,7 @@ from transformers.pytorch_utils import Conv1D
 from hf_sparse import SparseLinear, SparsityConfig, compaction
 from hf_sparse.compact_fallback import CompactFallback, choose_path
 from hf_sparse.compaction import make_compact, make_dense
+from hf_sparse.nn.compact import sure_saving_ms
 
 
 @pytest.mark.parametrize(
@@ -172,6 +173,21 @@ def test_measured_saving_is_the_layers_training_savings_or_none():
     assert compaction.measured_saving_ms(pruner) == pytest.approx(0.25 * count)
     _, unmeasured, _ = _compact_bert_with_measured_savings(None)
     assert compaction.measured_saving_ms(unmeasured) is None
+
+
+@pytest.mark.parametrize(
+    ("dense", "compact", "sure"),
+    [
+        ((1.00, 0.30), (0.80, 0.10), 0.20),  # less GPU time and less host work: only the GPU time counts
+        ((1.00, 0.10), (0.80, 0.25), 0.05),  # more host work is paid in full
+        ((1.00, 0.30), (1.10, 0.05), -0.10),  # more GPU time is a loss, whatever host work it spares
+    ],
+)
+def test_a_layer_surely_saves_its_gpu_time_less_any_host_time_it_adds(dense, compact, sure):
+    """A training step waits for the GPU in its backward (and at Trainer's synchronisation after it), so the host
+    time a compact layer spares may buy nothing: the saving the fallback trusts to skip the dense phase is GPU time
+    saved, less any host time added."""
+    assert sure_saving_ms(dense, compact) == pytest.approx(sure)
 
 
 @pytest.mark.parametrize(("ms_per_layer", "passes", "skips"), [(50.0, 1, True), (0.0, 1, False), (None, 4, False)])

@@ -3,7 +3,8 @@
 It holds no state. Whoever measures keeps what it measured: a compact layer
 (:class:`hf_sparse.nn.compact.CompactKernel`) keeps one plan per token bucket, the cheapest of what :func:`costs`
 measured once per bucket on the call's own tensors, and only when :func:`can_measure` says a measurement may run now;
-in training it keeps what that plan saves against the masked dense layer, measured the same way.
+in training it keeps what that plan surely saves against the masked dense layer (:func:`measure`: GPU and host time
+apart).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["can_measure", "costs", "fastest"]
+__all__ = ["can_measure", "costs", "fastest", "measure"]
 
 _BUSY_CYCLES = 2_000_000  # ~1 ms of GPU spin ahead of each timed call (longer than any candidate's host work)
 
@@ -34,20 +35,17 @@ def fastest(candidates: dict[str, Callable[[], object]], rounds: int = 7, host_t
     return min(measured, key=measured.get)
 
 
-def costs(candidates: dict[str, Callable[[], object]], rounds: int = 7, host_too: bool = False) -> dict[str, float]:
-    """Each candidate's cost in ms: its median GPU time, measured in interleaved rounds.
+def measure(candidates: dict[str, Callable[[], object]], rounds: int = 7) -> dict[str, tuple[float, float]]:
+    """Each candidate's ``(GPU ms, host ms)``: the medians of its GPU time and of the host's time to issue it,
+    measured in interleaved rounds.
 
     Each timed call is enqueued behind a ~1 ms spin kernel, so its CUDA events time the GPU's work alone: timed from
     an idle GPU, a call would also carry the host's time to issue it, and the backend with more Python would lose
-    for that reason only. Rounds visit every candidate in turn, so clock ramps and other drifts during the
-    measurement (it runs inside the first training step) fall on all of them alike. A candidate that raises a
-    ``RuntimeError`` (e.g. a kernel refusing a shape) is dropped.
-
-    ``host_too``: rank by the median GPU time plus the median host time to issue the call (timed while the GPU is
-    still busy with the spin, so it is the host's own time) above that of the candidate with the least: a candidate
-    with a heavier host side must save that much GPU time to win, which is what it costs where the host is the limit
-    (inference, training steps of small layers), while candidates with the same host work are still ranked by GPU
-    time alone. The candidates that ran, in their order."""
+    for that reason only. For the same reason the host time is the host's own (the GPU is still busy with the spin);
+    without the spin kernel (a torch without ``torch.cuda._sleep``) it is 0. Rounds visit every candidate in turn,
+    so clock ramps and other drifts during the measurement (it runs inside the first training step) fall on all of
+    them alike. A candidate that raises a ``RuntimeError`` (e.g. a kernel refusing a shape) is dropped; the
+    candidates that ran, in their order."""
     live, failures = {}, {}
     for name, fn in candidates.items():
         try:
@@ -73,12 +71,19 @@ def costs(candidates: dict[str, Callable[[], object]], rounds: int = 7, host_too
             end.record()
             end.synchronize()
             times[name].append(start.elapsed_time(end))
+    return {
+        name: (statistics.median(times[name]), statistics.median(hosts[name]) if spin is not None else 0.0)
+        for name in live
+    }
 
-    host = {name: statistics.median(hosts[name]) for name in live}
-    least_host = min(host.values())
 
-    def cost(name: str) -> float:
-        gpu = statistics.median(times[name])
-        return gpu + (host[name] - least_host) if host_too and spin is not None else gpu
+def costs(candidates: dict[str, Callable[[], object]], rounds: int = 7, host_too: bool = False) -> dict[str, float]:
+    """Each candidate's cost in ms: its median GPU time (:func:`measure`).
 
-    return {name: cost(name) for name in live}
+    ``host_too``: rank by the median GPU time plus the median host time to issue the call above that of the
+    candidate with the least: a candidate with a heavier host side must save that much GPU time to win, which is
+    what it costs where the host is the limit (inference, training steps of small layers), while candidates with the
+    same host work are still ranked by GPU time alone. The candidates that ran, in their order."""
+    measured = measure(candidates, rounds)
+    least_host = min(host for _, host in measured.values())
+    return {name: gpu + (host - least_host if host_too else 0.0) for name, (gpu, host) in measured.items()}

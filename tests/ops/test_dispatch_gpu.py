@@ -60,3 +60,7 @@ def test_measurement_picks_by_gpu_time_and_drops_candidates_that_raise():
     measured = dispatch.costs({"two": two_gemms, "one": one_gemm, "refuses": refuses})
     assert list(measured) == ["two", "one"]
     assert 1.5 < measured["two"] / measured["one"] < 2.5, measured
+    # GPU and host time apart: the sleeping candidate's host time is its 0.5 ms, its GPU time a small kernel's
+    split = dispatch.measure({"one": one_gemm, "python": python_heavy})
+    assert split["python"][1] > 0.45 > split["one"][1], split
+    assert split["python"][0] < split["one"][0], split
