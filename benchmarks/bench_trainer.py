@@ -216,12 +216,10 @@ def train_worker(args) -> dict:
     }
     callback = getattr(trainer, "sparsity_callback", None)
     if callback is not None and callback.pruner is not None:  # what the compact fallback decided, and on what
-        from hf_sparse.compaction import measured_saving_ms
-
         fallback = callback.fallback
         result["fallback"] = fallback.choice or fallback.declined
         result["timed_ms"] = {path: t.ms_per_step for path, t in fallback.timings.items()}
-        result["sure_saving_ms"] = measured_saving_ms(callback.pruner)
+        result["sure_saving_ms"] = fallback.saving_ms
     plans = training_plans(trainer.model)
     if plans:
         result["plans"] = plans

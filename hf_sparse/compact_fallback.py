@@ -11,13 +11,15 @@ real training steps, counted from the first step with compact layers ``s``, ``W`
     after step s+2W+2T-1: the faster path (choose_path); back to compact (compaction.make_compact) unless dense won
 
 The masked dense half runs only where the compact layers' own measurements leave the outcome open. Each compact
-layer measured its plan against the masked dense layer it replaced when it made it (the GPU time it saves less any
-host time it adds, :func:`hf_sparse.nn.compact.sure_saving_ms`; host time it saves is not counted, since a step that
-waits for the GPU in its backward gains nothing from it: :func:`hf_sparse.compaction.measured_saving_ms`); where those savings add up, per optimizer step, to more than
-:data:`NOISE_MARGIN` of the compact step's measured time, the masked dense step cannot be faster by the margin
-unless the layers' measurements were wrong by more than that, so the run decides for the compact layers after
-their timed window, logs one line saying why, and never holds the dense layers' state (a dense phase would put the
-run's peak memory at the masked dense one's).
+layer measured its plan against the masked dense layer it replaced when it made it, and the optimizer step is
+measured on each layer size at the end of the compact window (:func:`hf_sparse.compaction.measured_saving_ms`,
+:func:`hf_sparse.compaction.optimizer_saving_ms`); each counts the GPU time saved less any host time added
+(:func:`hf_sparse.nn.compact.sure_saving_ms`), never host time saved, which a step waiting for the GPU in its
+backward does not gain. Where those savings add up, per optimizer step, to more than :data:`NOISE_MARGIN` of the
+compact step's measured time, the masked dense step cannot be faster by the margin unless the measurements were
+wrong by more than that, so the run decides for the compact layers after their timed window, logs one line saying
+why, and never holds the dense layers' state (a dense phase would put the run's peak memory at the masked dense
+one's).
 
 The comparison is skipped (one log line says why) under DDP/FSDP2 wrappers, under torch.compile (a switch would
 recompile the model), and where the dense layers' state would not fit in the free device memory. Its dense phase
@@ -43,7 +45,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from .compaction import make_compact, make_dense, measured_saving_ms, why_not_compact_now
+from .compaction import make_compact, make_dense, measured_saving_ms, optimizer_saving_ms, why_not_compact_now
 from .pruner import Pruner
 
 __all__ = ["NOISE_MARGIN", "WARMUP_STEPS", "CompactFallback", "choose_path"]
@@ -103,6 +105,7 @@ class CompactFallback:
         self._device: torch.device | None = None
         self._skip_next = False  # the first step after a resume is a warm-up
         self.passes = 1  # forward and backward passes per optimizer step (gradient accumulation)
+        self.saving_ms: float | None = None  # what the compact layers surely save per optimizer step, once measured
 
     # ------------------------------------------------------------------ schedule
     def timed_steps(self, path: PathName) -> range:
@@ -161,7 +164,7 @@ class CompactFallback:
         if self.choice is not None or self.start is None:
             return
         if step == self.timed_steps("compact")[-1]:
-            if not self._layers_decide(pruner):
+            if not self._layers_decide(pruner, optimizer):
                 make_dense(model, pruner, optimizer=optimizer)
         elif step == self.timed_steps("dense")[-1]:
             self._decide(model, pruner, optimizer)
@@ -215,20 +218,27 @@ class CompactFallback:
         timing.steps += count
         self._open = None
 
-    def _layers_decide(self, pruner: Pruner) -> bool:
-        """After the compact window: decide for the compact layers without timing masked dense ones where the layers'
-        own measurements save more than the noise margin per step (see the module docstring)."""
+    def _layers_decide(self, pruner: Pruner, optimizer) -> bool:
+        """After the compact window: decide for the compact layers without timing masked dense ones where what they
+        surely save per optimizer step (their own measurements, per forward and backward pass, plus the optimizer
+        step's, once) exceeds the noise margin of the compact step (see the module docstring)."""
         compact_ms = self.timings["compact"].ms_per_step
-        saved = measured_saving_ms(pruner)
-        if compact_ms is None or saved is None or saved * self.passes < NOISE_MARGIN * compact_ms:
+        layers = measured_saving_ms(pruner)
+        if compact_ms is None or layers is None:
+            return False
+        step = optimizer_saving_ms(pruner, optimizer) or 0.0
+        self.saving_ms = layers * self.passes + step
+        if self.saving_ms < NOISE_MARGIN * compact_ms:
             return False
         self.choice = "compact"
         logger.info(
-            "hf_sparse: compact layers %s ms/step; their kernel plans measured %.2f ms/step less than the masked "
-            "dense layers' work (more than %.0f%% of the step), so the masked dense layers are not timed: training "
-            "goes on with the compact layers",
+            "hf_sparse: compact layers %s ms/step; they surely save %.2f ms/step against the masked dense layers (their "
+            "kernel plans %.2f, the optimizer step %.2f: more than %.0f%% of the step), so the masked dense layers are "
+            "not timed: training goes on with the compact layers",
             _ms(compact_ms),
-            saved * self.passes,
+            self.saving_ms,
+            layers * self.passes,
+            step,
             100 * NOISE_MARGIN,
         )
         return True

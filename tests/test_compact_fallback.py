@@ -175,6 +175,15 @@ def test_measured_saving_is_the_layers_training_savings_or_none():
     assert compaction.measured_saving_ms(unmeasured) is None
 
 
+def test_the_optimizer_steps_saving_is_not_measured_off_cuda():
+    """The optimizer step's saving is measured on the GPU the layers train on; on the CPU (or without an optimizer)
+    there is nothing to measure, and the fallback counts the layers' own savings alone."""
+    model, pruner, _ = _compact_bert_with_measured_savings(0.25)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    assert compaction.optimizer_saving_ms(pruner, optimizer) is None
+    assert compaction.optimizer_saving_ms(pruner, None) is None
+
+
 @pytest.mark.parametrize(
     ("dense", "compact", "sure"),
     [
@@ -203,6 +212,8 @@ def test_layers_that_measured_a_clear_saving_decide_without_the_dense_phase(capl
             time.sleep(0.01)  # a step: 10 ms, so a 50 ms saving per layer is far beyond 3 % of it, and 0 ms is not
             fallback.end_step(step + 1, False, model, pruner, optimizer=None)
     assert fallback.timings["compact"].steps == 2
+    if ms_per_layer is not None:  # what the decision counted: the layers' savings, once per pass
+        assert fallback.saving_ms == pytest.approx(ms_per_layer * passes * len(pruner.layers))
     compact_now = all(layer.compact for layer in pruner.layers)
     assert (fallback.choice == "compact") == skips and compact_now == skips
     assert [fallback.holds_dense(step) for step in range(3, 6)] == [not skips] * 3
