@@ -219,7 +219,7 @@ def train_worker(args) -> dict:
         fallback = callback.fallback
         result["fallback"] = fallback.choice or fallback.declined
         result["timed_ms"] = {path: t.ms_per_step for path, t in fallback.timings.items()}
-        result["sure_saving_ms"] = fallback.saving_ms
+        result["savings_ms"] = fallback.savings_ms
     plans = training_plans(trainer.model)
     if plans:
         result["plans"] = plans
@@ -416,8 +416,9 @@ def driver(args) -> int:
             )
             print(f"| {' | '.join(key)} | {statistics.median(r['ms_per_step'] for r in rows):.1f} | {spread} |")
     decisions = [
-        f"{r['model']} {r['config']} ({r['mode']}, round {r['round']}): {r['fallback']}, sure saving "
-        f"{'-' if r['sure_saving_ms'] is None else format(r['sure_saving_ms'], '.2f')} ms/step, timed "
+        f"{r['model']} {r['config']} ({r['mode']}, round {r['round']}): {r['fallback']}; sure savings, ms/step: "
+        + (", ".join(f"{part} {ms:.2f}" for part, ms in r["savings_ms"].items()) if r["savings_ms"] else "-")
+        + "; timed ms/step: "
         + ", ".join(f"{path} {'-' if ms is None else format(ms, '.1f')}" for path, ms in r["timed_ms"].items())
         for r in train_rows
         if "fallback" in r

@@ -11,15 +11,15 @@ real training steps, counted from the first step with compact layers ``s``, ``W`
     after step s+2W+2T-1: the faster path (choose_path); back to compact (compaction.make_compact) unless dense won
 
 The masked dense half runs only where the compact layers' own measurements leave the outcome open. Each compact
-layer measured its plan against the masked dense layer it replaced when it made it, and the optimizer step is
-measured on each layer size at the end of the compact window (:func:`hf_sparse.compaction.measured_saving_ms`,
-:func:`hf_sparse.compaction.optimizer_saving_ms`); each counts the GPU time saved less any host time added
-(:func:`hf_sparse.nn.compact.sure_saving_ms`), never host time saved, which a step waiting for the GPU in its
-backward does not gain. Where those savings add up, per optimizer step, to more than :data:`NOISE_MARGIN` of the
-compact step's measured time, the masked dense step cannot be faster by the margin unless the measurements were
-wrong by more than that, so the run decides for the compact layers after their timed window, logs one line saying
-why, and never holds the dense layers' state (a dense phase would put the run's peak memory at the masked dense
-one's).
+layer measured its plan against the masked dense layer it replaced when it made it, counting the GPU time it saves
+less any host time it adds, never host time saved, which a step waiting for the GPU in its backward does not gain
+(:func:`hf_sparse.nn.compact.sure_saving_ms`, :func:`hf_sparse.compaction.measured_saving_ms`); the optimizer step's
+GPU time on the kept values against the whole weights is measured on each layer size at the end of the compact
+window (:func:`hf_sparse.compaction.optimizer_saving_ms`). Where those savings add up, per optimizer step, to more
+than :data:`NOISE_MARGIN` of the compact step's measured time, the masked dense step cannot be faster by the margin
+unless the measurements were wrong by more than that, so the run decides for the compact layers after their timed
+window, logs one line saying why, and never holds the dense layers' state (a dense phase would put the run's peak
+memory at the masked dense one's).
 
 The comparison is skipped (one log line says why) under DDP/FSDP2 wrappers, under torch.compile (a switch would
 recompile the model), and where the dense layers' state would not fit in the free device memory. Its dense phase
@@ -105,7 +105,7 @@ class CompactFallback:
         self._device: torch.device | None = None
         self._skip_next = False  # the first step after a resume is a warm-up
         self.passes = 1  # forward and backward passes per optimizer step (gradient accumulation)
-        self.saving_ms: float | None = None  # what the compact layers surely save per optimizer step, once measured
+        self.savings_ms: dict[str, float] | None = None  # what the decision counted: the layers', the optimizer step's
 
     # ------------------------------------------------------------------ schedule
     def timed_steps(self, path: PathName) -> range:
@@ -227,8 +227,8 @@ class CompactFallback:
         if compact_ms is None or layers is None:
             return False
         step = optimizer_saving_ms(pruner, optimizer) or 0.0
-        self.saving_ms = layers * self.passes + step
-        if self.saving_ms < NOISE_MARGIN * compact_ms:
+        self.savings_ms = {"layers": layers * self.passes, "optimizer step": step}
+        if layers * self.passes + step < NOISE_MARGIN * compact_ms:
             return False
         self.choice = "compact"
         logger.info(
@@ -236,7 +236,7 @@ class CompactFallback:
             "kernel plans %.2f, the optimizer step %.2f: more than %.0f%% of the step), so the masked dense layers are "
             "not timed: training goes on with the compact layers",
             _ms(compact_ms),
-            self.saving_ms,
+            layers * self.passes + step,
             layers * self.passes,
             step,
             100 * NOISE_MARGIN,

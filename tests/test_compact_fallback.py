@@ -213,7 +213,7 @@ def test_layers_that_measured_a_clear_saving_decide_without_the_dense_phase(capl
             fallback.end_step(step + 1, False, model, pruner, optimizer=None)
     assert fallback.timings["compact"].steps == 2
     if ms_per_layer is not None:  # what the decision counted: the layers' savings, once per pass
-        assert fallback.saving_ms == pytest.approx(ms_per_layer * passes * len(pruner.layers))
+        assert fallback.savings_ms["layers"] == pytest.approx(ms_per_layer * passes * len(pruner.layers))
     compact_now = all(layer.compact for layer in pruner.layers)
     assert (fallback.choice == "compact") == skips and compact_now == skips
     assert [fallback.holds_dense(step) for step in range(3, 6)] == [not skips] * 3
