@@ -13,9 +13,9 @@ real training steps, counted from the first step with compact layers ``s``, ``W`
 The masked dense half runs only where the compact layers' own measurements leave the outcome open. Each compact
 layer measured its plan against the masked dense layer it replaced when it made it, counting the GPU time it saves
 less any host time it adds, never host time saved, which a step waiting for the GPU in its backward does not gain
-(:func:`hf_sparse.nn.compact.sure_saving_ms`, :func:`hf_sparse.compaction.measured_saving_ms`); the optimizer step's
-GPU time on the kept values against the whole weights is measured on each layer size at the end of the compact
-window (:func:`hf_sparse.compaction.optimizer_saving_ms`). Where those savings add up, per optimizer step, to more
+(:func:`hf_sparse.nn.compact.sure_saving_ms`, :func:`hf_sparse.compaction.measured_saving_ms`); the GPU time
+the optimizer step saves on the elements the compact layers do not hold is measured per element at the end of the
+compact window (:func:`hf_sparse.compaction.optimizer_saving_ms`). Where those savings add up, per optimizer step, to more
 than :data:`NOISE_MARGIN` of the compact step's measured time, the masked dense step cannot be faster by the margin
 unless the measurements were wrong by more than that, so the run decides for the compact layers after their timed
 window, logs one line saying why, and never holds the dense layers' state (a dense phase would put the run's peak

@@ -27,7 +27,6 @@ form.
 from __future__ import annotations
 
 import logging
-from collections import Counter
 from collections.abc import Callable
 from functools import partial
 
@@ -41,6 +40,7 @@ from .ops import dispatch
 from .pruner import Pruner
 
 __all__ = [
+    "OPTIMIZER_SCRATCH_ELEMENTS",
     "gather_kept",
     "install_load_hook",
     "make_compact",
@@ -158,19 +158,25 @@ def measured_saving_ms(pruner: Pruner) -> float | None:
     return total if layers else None
 
 
-def optimizer_saving_ms(pruner: Pruner, optimizer) -> float | None:
-    """What one step of ``optimizer`` saves on the compact layers of ``pruner``, which hold their kept values only,
-    against the masked dense layers, whose whole weights it updates: the work the layers' own measurements
-    (:func:`measured_saving_ms`) leave out, and what makes a pattern whose layers compute no faster than masked dense
-    ones (64:2:8 on a Llama-style model) train faster than them.
+#: Elements of the scratch parameter on which :func:`optimizer_saving_ms` times the optimizer (at most; 24 bytes each):
+#: enough for a step of ~0.5 ms, far above the timing's jitter.
+OPTIMIZER_SCRATCH_ELEMENTS = 1 << 26
 
-    Measured once, on scratch tensors: for each distinct (weight size, kept values) of the compact layers, a fresh
-    optimizer of the same class and hyperparameters as the param group of the first compact weight steps a tensor of
-    each size (:func:`hf_sparse.ops.dispatch.measure`); the saving is the GPU time saved, times the layers of that
-    size, in ms. GPU time only: the real step updates every parameter in one call, whose host work does not grow with
-    the layers' sizes, while a scratch step's host time would be counted once per layer. None where it cannot be
-    measured: no optimizer or compact layer, not on CUDA, an optimizer that cannot be rebuilt so, or scratch tensors
-    (24 bytes per weight) that would not fit in the memory the device and the caching allocator have free."""
+
+def optimizer_saving_ms(pruner: Pruner, optimizer) -> float | None:
+    """The GPU time one step of ``optimizer`` saves on the compact layers of ``pruner``, which hold their kept values
+    only, against the masked dense layers, whose whole weights it updates, in ms: the work the layers' own
+    measurements (:func:`measured_saving_ms`) leave out, and what makes a pattern whose layers compute no faster than
+    masked dense ones (64:2:8 on a Llama-style model) train faster than them.
+
+    An elementwise optimizer's step costs GPU time in proportion to the elements it updates (a fused or multi-tensor
+    step updates every parameter in a few launches), so this measures that cost per element once: a fresh optimizer
+    of the same class and hyperparameters as the param group of the first compact weight steps a scratch parameter
+    of ``n`` and of ``n / 2`` elements (:func:`hf_sparse.ops.dispatch.measure`, GPU time), and the difference over
+    ``n / 2`` elements, times the elements the compact layers do not hold, is the saving. Timing each layer's size
+    instead would count a small step's fixed cost and jitter once per layer. None where it cannot be measured: no
+    optimizer or compact layer, not on CUDA, an optimizer that cannot be rebuilt so, or too little free memory for a
+    scratch parameter of a million elements."""
     opt = _torch_optimizer(optimizer)
     layers = [layer for layer in pruner.layers if layer.compact]
     if opt is None or not layers:
@@ -186,25 +192,24 @@ def optimizer_saving_ms(pruner: Pruner, optimizer) -> float | None:
     free = (
         torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
     )
+    skipped = sum(layer.shape[0] * layer.shape[1] - layer.module.weight.numel() for layer in layers)
+    n = min(OPTIMIZER_SCRATCH_ELEMENTS, int(free // 48)) // 2 * 2  # both scratch steps: 24 bytes per element of n
+    if n < 1 << 20:
+        return None
 
     def stepper(numel: int) -> Callable[[], object]:
         param = nn.Parameter(torch.zeros(numel, dtype=weight.dtype, device=device))
         param.grad = torch.randn_like(param)
         return type(opt)([{"params": [param], **hyper}]).step
 
-    total = 0.0
-    sizes = Counter((layer.shape[0] * layer.shape[1], layer.module.weight.numel()) for layer in layers)
-    for (dense, kept), count in sizes.items():
-        if 24 * dense > free:
-            return None
-        try:
-            measured = dispatch.measure({"dense": stepper(dense), "compact": stepper(kept)})
-        except (TypeError, ValueError, RuntimeError):  # an optimizer that takes its arguments otherwise
-            return None
-        if len(measured) < 2:
-            return None
-        total += count * (measured["dense"][0] - measured["compact"][0])
-    return total
+    try:
+        measured = dispatch.measure({"whole": stepper(n), "half": stepper(n // 2)})
+    except (TypeError, ValueError, RuntimeError):  # an optimizer that takes its arguments otherwise
+        return None
+    if len(measured) < 2:
+        return None
+    per_element = max(0.0, measured["whole"][0] - measured["half"][0]) / (n // 2)
+    return per_element * skipped
 
 
 def make_dense(model: nn.Module, pruner: Pruner, names=None, optimizer=None) -> list[str]:

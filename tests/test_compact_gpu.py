@@ -436,11 +436,10 @@ def test_view24_of_a_vnm_pack_is_the_2to4_pack_of_the_same_weight(spec, rows, co
 
 
 @pytest.mark.parametrize("spec", ["2:4", "64:2:8"])
-def test_the_optimizer_step_saves_in_proportion_to_the_kept_values(spec):
-    """``compaction.optimizer_saving_ms``: a fresh fused AdamW steps scratch tensors of each layer size, whole and
-    kept only. Four 4096 x 8192 layers keep half (2:4) or a quarter (64:2:8) of their weights: a step over their
-    kept values saves GPU time, at least a quarter of the pruned share of the whole weights' step and less than the
-    whole step."""
+def test_the_optimizer_step_saves_in_proportion_to_the_elements_not_held(spec):
+    """``compaction.optimizer_saving_ms``: the fused AdamW step's GPU time per element, times the elements that four
+    compact 4096 x 8192 layers do not hold (half at 2:4, three quarters at 64:2:8), against the step over one such
+    whole weight timed here: at least half and at most twice the share it predicts."""
     from hf_sparse import compaction
     from hf_sparse.ops import dispatch
 
@@ -453,6 +452,6 @@ def test_the_optimizer_step_saves_in_proportion_to_the_kept_values(spec):
     param = torch.nn.Parameter(torch.zeros(4096 * 8192, device="cuda"))
     param.grad = torch.randn_like(param)
     whole = dispatch.measure({"whole": torch.optim.AdamW([param], lr=1e-3, fused=True).step})["whole"][0]
-    pruned = 0.5 if spec == "2:4" else 0.75
+    expected = 4 * whole * (0.5 if spec == "2:4" else 0.75)
     assert saving is not None
-    assert 0.25 * pruned * 4 * whole < saving < 4 * whole, (saving, whole)
+    assert 0.5 * expected < saving < 2 * expected, (saving, expected)
