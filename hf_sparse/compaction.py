@@ -204,7 +204,7 @@ def optimizer_saving_ms(pruner: Pruner, optimizer) -> float | None:
 
     try:
         measured = dispatch.measure({"whole": stepper(n), "half": stepper(n // 2)})
-    except (TypeError, ValueError, RuntimeError):  # an optimizer that takes its arguments otherwise
+    except Exception:  # noqa: BLE001 - any optimizer the Trainer was given: a measurement must not end the run
         return None
     if len(measured) < 2:
         return None
