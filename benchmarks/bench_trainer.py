@@ -139,6 +139,15 @@ def oneshot_config(spec: str, **extra):
     )
 
 
+def add_configuration_arguments(ap: argparse.ArgumentParser, mode: str, steps: int) -> None:
+    """``--model``, ``--config``, ``--mode``, ``--steps``: one configuration of this benchmark, for the diagnostics
+    that run one in their own process (``profile_trainer_step.py``, ``trace_trainer_phases.py``)."""
+    ap.add_argument("--model", default="bert-large", choices=list(MODELS))
+    ap.add_argument("--config", default="2:4T")
+    ap.add_argument("--mode", default=mode, choices=["eager", "compiled"])
+    ap.add_argument("--steps", type=int, default=steps)
+
+
 def build_trainer(model_name: str, config: str, mode: str, steps: int, output_dir: str, callbacks: list,
                   compact_fallback: str):  # fmt: skip
     """The trainer of one configuration: ``model_name`` built from its config, ``steps`` steps on random tokens, bf16

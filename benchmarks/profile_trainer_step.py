@@ -18,7 +18,7 @@ import re
 import time
 
 import torch
-from bench_trainer import MODELS, build_trainer
+from bench_trainer import add_configuration_arguments, build_trainer
 from transformers import TrainerCallback
 
 
@@ -44,10 +44,7 @@ class Profile(TrainerCallback):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="bert-large", choices=list(MODELS))
-    ap.add_argument("--config", default="2:4T")
-    ap.add_argument("--mode", default="compiled", choices=["eager", "compiled"])
-    ap.add_argument("--steps", type=int, default=30)
+    add_configuration_arguments(ap, mode="compiled", steps=30)
     ap.add_argument("--profile-steps", type=int, default=3)
     ap.add_argument("--rows", type=int, default=25)
     ap.add_argument(

@@ -29,7 +29,7 @@ import traceback
 import warnings
 
 import torch
-from bench_trainer import MODELS, build_trainer, host_launch_us, training_plans
+from bench_trainer import add_configuration_arguments, build_trainer, host_launch_us, training_plans
 from transformers import TrainerCallback
 
 
@@ -130,10 +130,7 @@ def summarise(clock: PhaseClock) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="bert-large", choices=list(MODELS))
-    ap.add_argument("--config", default="2:4T")
-    ap.add_argument("--mode", default="eager", choices=["eager", "compiled"])
-    ap.add_argument("--steps", type=int, default=45)
+    add_configuration_arguments(ap, mode="eager", steps=45)
     ap.add_argument("--warmup", type=int, default=30)
     ap.add_argument("--cprofile", type=int, default=0, help="print this many functions by own host time")
     ap.add_argument("--sync-debug", action="store_true")
