@@ -174,7 +174,7 @@ class CompactFallback:
         if self.mode == "never":
             self.declined = "SparsityConfig.compact_fallback='never'"
             return
-        compact = next((layer for layer in pruner.layers if layer.compact), None)
+        compact = next(iter(pruner.compact_layers), None)
         if compact is None:
             return  # the schedule starts at the first step with compact layers
         self._device = compact.module.weight.device
@@ -226,9 +226,12 @@ class CompactFallback:
         layers = measured_saving_ms(pruner)
         if compact_ms is None or layers is None:
             return False
-        step = optimizer_saving_ms(pruner, optimizer) or 0.0
-        self.savings_ms = {"layers": layers * self.passes, "optimizer step": step}
-        if layers * self.passes + step < NOISE_MARGIN * compact_ms:
+        self.savings_ms = {
+            "layers": layers * self.passes,
+            "optimizer step": optimizer_saving_ms(pruner, optimizer) or 0.0,
+        }
+        saved = sum(self.savings_ms.values())
+        if saved < NOISE_MARGIN * compact_ms:
             return False
         self.choice = "compact"
         logger.info(
@@ -236,9 +239,9 @@ class CompactFallback:
             "kernel plans %.2f, the optimizer step %.2f: more than %.0f%% of the step), so the masked dense layers are "
             "not timed: training goes on with the compact layers",
             _ms(compact_ms),
-            layers * self.passes + step,
-            layers * self.passes,
-            step,
+            saved,
+            self.savings_ms["layers"],
+            self.savings_ms["optimizer step"],
             100 * NOISE_MARGIN,
         )
         return True
@@ -280,7 +283,7 @@ def _dense_state_does_not_fit(pruner: Pruner, device: torch.device) -> str | Non
     """Why the masked dense phase should not run: the dense weights, gradients and Adam moments of the compact layers
     (16 bytes per dense entry) would not fit in 80% of the free device memory. A run that chose sparse layers to fit
     must not run out of memory while timing dense ones."""
-    layers = [layer for layer in pruner.layers if layer.compact]
+    layers = pruner.compact_layers
     need = sum(16 * layer.shape[0] * layer.shape[1] for layer in layers)
     free = torch.cuda.mem_get_info(device)[0]
     if need <= 0.8 * free:

@@ -148,7 +148,7 @@ def measured_saving_ms(pruner: Pruner) -> float | None:
     """What the compact layers of ``pruner`` save per forward and backward pass against masked dense layers, as their
     kernel plans measured it (:meth:`hf_sparse.nn.compact.CompactKernel.training_saving_ms`), in ms; None unless
     every compact layer has measured a training plan."""
-    total, layers = 0.0, [layer for layer in pruner.layers if layer.compact]
+    total, layers = 0.0, pruner.compact_layers
     for layer in layers:
         kernel = getattr(layer.module, "_kernel", None)
         saved = None if kernel is None else kernel.training_saving_ms()
@@ -178,7 +178,7 @@ def optimizer_saving_ms(pruner: Pruner, optimizer) -> float | None:
     optimizer or compact layer, not on CUDA, an optimizer that cannot be rebuilt so, or too little free memory for a
     scratch parameter of a million elements."""
     opt = _torch_optimizer(optimizer)
-    layers = [layer for layer in pruner.layers if layer.compact]
+    layers = pruner.compact_layers
     if opt is None or not layers:
         return None
     weight = layers[0].module.weight
@@ -189,11 +189,10 @@ def optimizer_saving_ms(pruner: Pruner, optimizer) -> float | None:
         return None
     hyper = {key: value for key, value in group.items() if key != "params"}
     device = weight.device
-    free = (
-        torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    )
     skipped = sum(layer.shape[0] * layer.shape[1] - layer.module.weight.numel() for layer in layers)
-    n = min(OPTIMIZER_SCRATCH_ELEMENTS, int(free // 48)) // 2 * 2  # both scratch steps: 24 bytes per element of n
+    n = (
+        min(OPTIMIZER_SCRATCH_ELEMENTS, dispatch.spare_bytes(device) // 48) // 2 * 2
+    )  # both scratch steps: 24 bytes per element of n
     if n < 1 << 20:
         return None
 

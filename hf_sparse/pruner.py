@@ -484,6 +484,7 @@ class Pruner:
         return {layer.name: self._masks[layer.name] for layer in self.dense_layers}
 
     def layer_named(self, name: str) -> TargetLayer:
+        """The targeted layer called ``name`` (KeyError if there is none)."""
         layer = next((layer for layer in self.layers if layer.name == name), None)
         if layer is None:
             raise KeyError(f"Pruner: no targeted layer {name!r}")
@@ -493,6 +494,11 @@ class Pruner:
     def dense_layers(self) -> list[TargetLayer]:
         """The targeted layers that still hold a dense weight (the pruner masks them); the others are compact."""
         return [layer for layer in self.layers if not layer.compact]
+
+    @property
+    def compact_layers(self) -> list[TargetLayer]:
+        """The targeted layers that are compact: their weight holds the kept values, their positions are their mask."""
+        return [layer for layer in self.layers if layer.compact]
 
     def replace_module(self, name: str, module: nn.Module, *, compact: bool) -> None:
         """Record that layer ``name`` is now ``module``: compact (its ``weight`` holds the kept values of its mask, in
@@ -632,7 +638,7 @@ class Pruner:
             "level": repr(self.level),
             "last_update_step": repr(self.last_update_step),
             "flip_rate": repr(self.flip_rate),
-            "compact": json.dumps([layer.name for layer in self.layers if layer.compact]),
+            "compact": json.dumps([layer.name for layer in self.compact_layers]),
         }
         return tensors, meta
 

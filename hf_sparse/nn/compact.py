@@ -622,9 +622,7 @@ class CompactKernel:
         the device and the caching allocator have free: a run near its memory limit must not fail in its first step
         for a measurement (the compact fallback then decides by timing, where the dense state fits)."""
         rows, cols, dtype = self.rows, self.cols, self.dtype
-        free, _ = torch.cuda.mem_get_info(self.device)
-        cached = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
-        if free + cached < 16 * rows * cols:
+        if dispatch.spare_bytes(self.device) < 16 * rows * cols:
             return None
         bias_c = self.bias_lp if self.bias_lp is not None else layer.bias
         master = dense_at_index(layer.weight.detach(), layer._kept(), rows, cols, torch.float32)

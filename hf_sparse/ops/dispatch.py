@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["can_measure", "costs", "fastest", "measure"]
+__all__ = ["can_measure", "costs", "fastest", "measure", "spare_bytes"]
 
 _BUSY_CYCLES = 2_000_000  # ~1 ms of GPU spin ahead of each timed call (longer than any candidate's host work)
 
@@ -27,6 +27,13 @@ def can_measure(while_tracing: bool = False) -> bool:
     if torch.compiler.is_compiling() and not while_tracing:
         return False
     return not torch.cuda.is_current_stream_capturing()
+
+
+def spare_bytes(device: torch.device) -> int:
+    """Bytes a measurement's transients may take on ``device`` without growing the process's memory: what the device
+    has free plus what the caching allocator holds unused."""
+    free, _ = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
 
 
 def fastest(candidates: dict[str, Callable[[], object]], rounds: int = 7, host_too: bool = False) -> str:

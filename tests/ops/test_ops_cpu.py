@@ -61,7 +61,7 @@ def test_dispatch_is_a_stateless_harness():
     """Compact layers keep their own plans: the dispatcher holds no module-level caches or measured choices."""
     from hf_sparse.ops import dispatch
 
-    assert dispatch.__all__ == ["can_measure", "costs", "fastest", "measure"]
+    assert dispatch.__all__ == ["can_measure", "costs", "fastest", "measure", "spare_bytes"]
     state = [n for n, v in vars(dispatch).items() if isinstance(v, (dict, list, set)) and not n.startswith("__")]
     assert state == [], state
 
