@@ -536,9 +536,11 @@ at::Tensor scatter_kept(const at::Tensor& values, const c10::optional<at::Tensor
 // gradient by SDDMM (else dY^T X by cuBLAS, then a gather at the kept positions). ``kernels`` bits pick the
 // sparse-wgmma variant of those three kernels in the same order. ``bias_c`` is the bias in the compute dtype (the
 // bias itself where it already is); ``sel`` / ``sel_columns`` / ``v_g`` the layer's kept positions in their on-disk
-// form (Positions; read by the dense choices only). The forward SpMM runs on ``values, meta, columns`` with group
-// size ``m`` (the layer's own pack, or the 2:4 view of a V:2:M layer: m = 4); the SDDMM on the layer's own pack
-// metadata ``meta_g, columns_g`` with its group size ``m_g``.
+// form (Positions; read by the dense choices, the 2:4 view and the transposed pack made in the call). The forward
+// SpMM runs on ``values, meta, columns`` with group size ``m`` (the layer's own pack, or the 2:4 view of a V:2:M
+// layer: m = 4); the SDDMM on the layer's own pack metadata ``meta_g, columns_g`` with its group size ``m_g``.
+// ``values`` / ``values_t`` with no elements (what a training call passes) are made inside the call from the kept
+// values by pack_in_call, in the compute dtype, and freed when it returns.
 
 at::Tensor aligned_2d(const at::Tensor& t, int64_t features, at::ScalarType dtype) {
   auto t2 = t.reshape({-1, features});
@@ -582,6 +584,49 @@ at::Tensor dense_weight(const at::Tensor& weight, const Positions& pos, int64_t 
   return scatter_kept(weight.contiguous(), pos.sel, pos.columns, rows, cols, pos.v, pos.m, dtype);
 }
 
+// A pack's values made now from the layer's kept values `weight` ((rows, cols) logical, (rows, 2 cols / pos.m) kept,
+// any of fp32 / bf16 / fp16), cast to `dtype` as they are written, for the pack whose metadata is `meta`
+// ((tiles, steps, 16) int32): `kind` kRefreshPack (the layer's own pack), kRefreshView24 (a V:2:M layer's 2:4 view)
+// or kRefreshTransposed (the 2:4 pack of W^T); the last two find each slot's source from the kept positions `pos`.
+// A call that trains computes on packs made so and frees them when it returns: between calls a layer holds its
+// values and the packs' metadata only. A pack argument with no elements asks for this.
+at::Tensor pack_in_call(int32_t kind, const at::Tensor& weight, const at::Tensor& meta, const Positions& pos,
+                        int64_t rows, int64_t cols, at::ScalarType dtype, const char* op) {
+  HF_CHECK(weight.is_cuda() && weight.numel() == rows * (2 * cols / pos.m), "hf_sparse.", op,
+           ": the kept values must be a CUDA tensor of ", rows, " x ", 2 * cols / pos.m, " elements");
+  HF_CHECK(meta.device() == weight.device() && meta.scalar_type() == at::kInt && meta.dim() == 3 && meta.size(2) == 16,
+           "hf_sparse.", op, ": a pack's metadata must be a (tiles, steps, 16) int32 tensor on the layer's device");
+  const bool transposed = kind == hf_sparse::kRefreshTransposed;
+  const int64_t pack_rows = transposed ? cols : rows, groups = (transposed ? rows : cols) / (kind == hf_sparse::kRefreshPack ? pos.m : 4);
+  HF_CHECK(meta.size(0) * 16 >= pack_rows && meta.size(1) * 8 >= groups, "hf_sparse.", op, ": metadata of shape ",
+           meta.sizes(), " cannot hold a pack of ", pack_rows, " rows and ", groups, " groups");
+  hf_sparse::RefreshEntry e{};
+  if (kind != hf_sparse::kRefreshPack) {
+    const auto k = kept_positions(op, pos, rows, cols, weight.device());
+    e.sel = k.sel;
+    e.columns = k.columns;
+    e.sel_row_bytes = k.sel_row_bytes;
+    e.v = k.v;
+  }
+  const auto src = weight.contiguous();
+  auto values = at::empty({meta.size(0), meta.size(1), 32, 8}, weight.options().dtype(dtype));
+  e.src = src.data_ptr();
+  e.dst = values.data_ptr();
+  e.numel = values.numel();
+  e.src_numel = src.numel();
+  e.rows = pack_rows;
+  e.groups = groups;
+  e.steps = meta.size(1);
+  e.src_groups = cols / pos.m;
+  e.kind = kind;
+  e.src_dtype = refresh_dtype(src.scalar_type(), op, "weight");
+  e.dst_dtype = refresh_dtype(dtype, op, "dtype");
+  e.m = (int32_t)pos.m;
+  c10::cuda::CUDAGuard guard(weight.device());
+  check_cuda(hf_sparse::refresh_one(e, c10::cuda::getCurrentCUDAStream().stream()), op);
+  return values;
+}
+
 c10::optional<at::Tensor> optional_of(const at::Tensor& t) {
   return t.defined() ? c10::optional<at::Tensor>(t) : c10::nullopt;
 }
@@ -594,9 +639,14 @@ at::Tensor compact_forward(const at::Tensor& x2, const at::Tensor& weight, const
                            int64_t rows, int64_t cols, int64_t m, int64_t v_g, int64_t m_g, int64_t plan,
                            int64_t kernels) {
   const auto xa = aligned_2d(x2, cols, x2.scalar_type());
-  if (plan & 1) return spmm_impl("compact_linear", kernels & 1, xa, values, meta, columns, bias_c, rows, cols, m, 0);
-  return at::linear(xa, dense_weight(weight, Positions{sel, sel_columns, v_g, m_g}, rows, cols, xa.scalar_type()),
-                    bias_c);
+  const Positions pos{sel, sel_columns, v_g, m_g};
+  if (plan & 1) {
+    const auto made = values.numel() > 0 ? values
+                                         : pack_in_call(m == m_g ? hf_sparse::kRefreshPack : hf_sparse::kRefreshView24,
+                                                        weight, meta, pos, rows, cols, xa.scalar_type(), "compact_linear");
+    return spmm_impl("compact_linear", kernels & 1, xa, made, meta, columns, bias_c, rows, cols, m, 0);
+  }
+  return at::linear(xa, dense_weight(weight, pos, rows, cols, xa.scalar_type()), bias_c);
 }
 
 // The gradients of a compact layer (no autograd) for the output gradient dy2 (2-D, the compute dtype): dx2 (the
@@ -620,10 +670,14 @@ std::vector<at::Tensor> compact_backward(const at::Tensor& dy, const at::Tensor&
   const auto dy2 = aligned_2d(dy, rows, dtype);
   const auto xa = aligned_2d(x2, cols, dtype);
   at::Tensor dx, dw, db;
-  if (need_dx) {
-    dx = (plan & 2) ? spmm_impl("compact_linear(input gradient)", kernels & 2, dy2, *values_t, *meta_t, *columns_t,
-                                c10::nullopt, cols, rows, 4, 0)
-                    : at::mm(dy2, dense_weight(weight, pos, rows, cols, dtype));
+  if (need_dx && (plan & 2)) {
+    const auto made = values_t->numel() > 0 ? *values_t
+                                            : pack_in_call(hf_sparse::kRefreshTransposed, weight, *meta_t, pos, rows,
+                                                           cols, dtype, "compact_linear(input gradient)");
+    dx = spmm_impl("compact_linear(input gradient)", kernels & 2, dy2, made, *meta_t, *columns_t, c10::nullopt, cols,
+                   rows, 4, 0);
+  } else if (need_dx) {
+    dx = at::mm(dy2, dense_weight(weight, pos, rows, cols, dtype));
   }
   if (need_dw) {
     dw = (plan & 4) ? sddmm_impl("compact_linear(weight gradient)", kernels & 4, dy2, xa, meta_g, columns_g, rows,

@@ -121,6 +121,8 @@ constexpr int kRefreshWords = 15;
 static_assert(sizeof(RefreshEntry) == 8 * kRefreshWords, "RefreshEntry is read from an int64 table of 15 words");
 int64_t refresh_blocks(int64_t numel);
 cudaError_t refresh_packs(const RefreshEntry* table, int count, int64_t blocks, cudaStream_t stream);
+// One entry, passed by value (no table in device memory): a pack made inside a compact layer's training call.
+cudaError_t refresh_one(const RefreshEntry& entry, cudaStream_t stream);
 
 // A compact layer's kept positions in their on-disk form (docs/format.md), read in place: `sel` (rows, sel_row_bytes)
 // uint8 holds each kept value's 2-bit code, packed LSB first (2:4: its offset in the group of 4; V:2:M: its position

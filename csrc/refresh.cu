@@ -171,6 +171,8 @@ __global__ void __launch_bounds__(kThreads) refresh_many_kernel(const RefreshEnt
   run_entry(e, (int64_t)blockIdx.x - e.first_block);
 }
 
+__global__ void __launch_bounds__(kThreads) refresh_one_kernel(const RefreshEntry e) { run_entry(e, blockIdx.x); }
+
 __device__ __forceinline__ int64_t kept_column(const KeptPositions& p, int64_t r, int64_t k) {
   return kept_column_at(p.sel, p.sel_row_bytes, p.columns, p.v, p.groups, p.m, r, k);
 }
@@ -300,6 +302,14 @@ cudaError_t refresh_packs(const RefreshEntry* table, int count, int64_t blocks, 
   if (count <= 0 || blocks <= 0) return cudaSuccess;
   if (blocks >= (1LL << 31)) return cudaErrorInvalidValue;
   refresh_many_kernel<<<(unsigned)blocks, kThreads, 0, stream>>>(table, count);
+  return cudaGetLastError();
+}
+
+cudaError_t refresh_one(const RefreshEntry& entry, cudaStream_t stream) {
+  const int64_t blocks = refresh_blocks(entry.numel);
+  if (blocks <= 0) return cudaSuccess;
+  if (blocks >= (1LL << 31)) return cudaErrorInvalidValue;
+  refresh_one_kernel<<<(unsigned)blocks, kThreads, 0, stream>>>(entry);
   return cudaGetLastError();
 }
 

@@ -97,8 +97,10 @@ def test_training_step_matches_masked_dense(spec, transposable, plan):
     if plan is None:  # measured: what the plan saves against the masked dense layer (either sign at 37 tokens)
         saving = k.training_saving_ms()
         assert saving is not None and math.isfinite(saving)
-    if plan is not None and plan[0] == "sparse24":  # the native call ran on the view: it is kept, refreshed
+    if plan is not None and plan[0] == "sparse24":  # the native call ran on the view: its metadata is kept
         assert k.packed24 is not None
+    # the packs were made inside each call from the values (the changed ones above included): none is held
+    assert k.buf is None and all(q is None or q.values.numel() == 0 for q in (k.packed_t, k.packed24))
 
 
 @pytest.mark.parametrize("plan", [("sparse24", "dense", "gemm"), ("sparse", "dense", "gemm")])
@@ -280,12 +282,13 @@ def test_resident_inference_is_one_extension_call_with_the_general_paths_result(
 
 
 def test_one_launch_refreshes_every_stale_layer_like_the_torch_ops():
-    """``refresh_stale`` writes every stale layer's packs (own, transposed, 2:4 view, bias cast) in one launch of the
-    extension: the same bytes as the torch ops of ``run_refresh_entries``, the layout's padding included (the packs
-    are poisoned with NaN first), and layers whose values did not change are not touched. The transposed packs and
-    2:4 views find their sources from the kept positions (odd shapes, M = 8 and 16)."""
+    """``refresh_stale`` writes the packs inference holds (own pack, bias cast) of every stale layer in one launch of
+    the extension: the same bytes as the torch ops of ``run_refresh_entries``, the layout's padding included (the
+    packs are poisoned with NaN first), and layers whose values did not change are not touched. The entries a
+    training call makes its packs with (``TRANSPOSED``, ``VIEW24``: sources found from the kept positions; odd
+    shapes, M = 8 and 16) run through the same kernel and are checked the same way."""
     from hf_sparse.nn.compact import refresh_stale
-    from hf_sparse.nn.refresh import COPY, PACK, TRANSPOSED, VIEW24, run_refresh_entries
+    from hf_sparse.nn.refresh import COPY, PACK, TRANSPOSED, VIEW24, launch_refresh, run_refresh_entries
 
     layers = []
     for i, (spec, transposable, rows, cols) in enumerate(REFRESH_LAYERS):
@@ -293,7 +296,7 @@ def test_one_launch_refreshes_every_stale_layer_like_the_torch_ops():
         k = layer.kernel_state(torch.bfloat16)
         if k.refresher is None:
             pytest.skip("the loaded extension has no refresh_packs")
-        k._ensure_transposed(layer)  # as on the first call that trains: the transposed pack where transposable
+        k._ensure_transposed(layer)  # as on the first call that trains: the transposed pack's metadata
         if spec != "2:4":
             k._ensure_view24(layer)
         layers.append((layer, k))
@@ -302,10 +305,14 @@ def test_one_launch_refreshes_every_stale_layer_like_the_torch_ops():
         with torch.no_grad():
             layer.weight.copy_(torch.randn_like(layer.weight))
             layer.bias.copy_(torch.randn_like(layer.bias))
-    expected = []
+    expected, made = [], []
     for layer, k in layers[:-1]:
         entries = k.refresh_entries(layer)
-        assert {e.kind for e in entries} >= {PACK, COPY}
+        assert {e.kind for e in entries} == {PACK, COPY}
+        for kind, packed in ((TRANSPOSED, k.packed_t), (VIEW24, k.packed24)):
+            if packed is not None:
+                shape = (*packed.meta.shape[:2], 32, 8)
+                made.append(k.pack_entry(layer, kind, torch.full(shape, float("nan"), dtype=torch.bfloat16).cuda()))
         copies = [e._replace(dst=torch.empty_like(e.dst)) for e in entries]
         for e in copies:
             e.dst.fill_(float("nan"))
@@ -315,14 +322,18 @@ def test_one_launch_refreshes_every_stale_layer_like_the_torch_ops():
         expected.append((entries, copies))
         for e in entries:
             e.dst.fill_(float("nan"))
-    before = [t.clone() for t in (k_untouched.buf, k_untouched.packed_t.values)]
+    before = k_untouched.buf.clone()
     refresh_stale(torch.device("cuda", torch.cuda.current_device()))
     for entries, copies in expected:
         for e, c in zip(entries, copies, strict=True):
             assert torch.equal(e.dst, c.dst), e.kind
-    assert torch.equal(k_untouched.buf, before[0]) and torch.equal(k_untouched.packed_t.values, before[1])
-    kinds = {e.kind for entries, _ in expected for e in entries}
-    assert kinds == {PACK, TRANSPOSED, VIEW24, COPY}, kinds
+    assert torch.equal(k_untouched.buf, before)
+    assert {e.kind for e in made} == {TRANSPOSED, VIEW24}
+    references = [e._replace(dst=torch.full_like(e.dst, float("nan"))) for e in made]
+    run_refresh_entries(references)
+    launch_refresh(k_untouched.refresher, [(("made",), tuple(made))], made[0].dst.device)
+    for e, r in zip(made, references, strict=True):
+        assert torch.equal(e.dst, r.dst), e.kind
     for layer, k in layers:  # and the refreshed packs compute the new layer (the format's own reference SpMM)
         x = torch.randn(24, layer.in_features, device="cuda")
         w = layer.dense_weight().detach().bfloat16().float()
@@ -331,10 +342,10 @@ def test_one_launch_refreshes_every_stale_layer_like_the_torch_ops():
             _close(layer(x), ref)
         xb = x.bfloat16()
         if k.packed24 is not None:
-            _close(spmm_reference(xb, k.packed24).float(), xb.float() @ w.t(), 1e-2)
+            _close(spmm_reference(xb, k._made(layer, VIEW24)).float(), xb.float() @ w.t(), 1e-2)
         if k.packed_t is not None:
             dy = torch.randn(24, layer.out_features, device="cuda").bfloat16()
-            _close(spmm_reference(dy, k.packed_t).float(), dy.float() @ w, 1e-2)
+            _close(spmm_reference(dy, k._made(layer, TRANSPOSED)).float(), dy.float() @ w, 1e-2)
 
 
 @pytest.mark.parametrize(("spec", "rows", "cols"), [("2:4", 40, 72), ("64:2:8", 128, 200), ("128:2:16", 256, 96)])

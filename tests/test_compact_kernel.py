@@ -12,7 +12,7 @@ from hf_sparse.masks import compute_mask
 from hf_sparse.nn import SparseLinear
 from hf_sparse.nn.compact import kernel_pattern, positions
 from hf_sparse.nn.compiled import compact_linear
-from hf_sparse.nn.refresh import kept_index_of
+from hf_sparse.nn.refresh import PACK, TRANSPOSED, VIEW24, kept_index_of
 from hf_sparse.ops import pack, spmm_reference
 from hf_sparse.ops._layout import dense_from_packed, values_to_kernel
 from hf_sparse.patterns import parse_pattern
@@ -40,12 +40,34 @@ def test_pack_is_the_kernel_layout_of_the_values(spec, rows, cols, dtype):
     assert torch.equal(k.packed.values, values_to_kernel(layer.weight.detach(), dtype))
     assert torch.equal(dense_from_packed(k.packed, torch.float32), dense.to(dtype).float())
     assert k.buf.numel() == k.packed.values.numel() and layer.kernel_state(dtype) is k
-    with torch.no_grad():  # new values: the next call refreshes the same pack in place
+    held = k.buf.data_ptr()
+    with torch.no_grad():  # new values: the next inference call refreshes the same pack in place
         layer.weight.mul_(-2.0)
-    layer(torch.randn(2, cols))  # the CPU reference path does not refresh the kernel state
-    k(layer, torch.randn(2, cols))
+        layer(torch.randn(2, cols))  # the CPU reference path does not refresh the kernel state
+        k(layer, torch.randn(2, cols))
+    assert k.buf.data_ptr() == held
     assert torch.equal(k.packed.values, values_to_kernel(layer.weight.detach(), dtype))
     assert torch.equal(dense_from_packed(k.packed, torch.float32), (-2 * dense).to(dtype).float())
+
+
+@pytest.mark.parametrize(("spec", "rows", "cols"), SHAPES)
+def test_a_call_that_trains_holds_no_pack_and_inference_makes_it_again(spec, rows, cols):
+    """Training computes on packs made in the call from the values: the layer keeps no pack values between its
+    training calls (an evaluation's pack is freed by the next training call), and an inference call after training
+    makes the pack from the values as they are then."""
+    layer, dense, _ = _layer(spec, rows, cols, seed=5)
+    k = layer.kernel_state(torch.bfloat16)
+    x = torch.randn(3, cols, requires_grad=True)
+    k(layer, x).sum().backward()
+    assert k.buf is None and k.packed.values.untyped_storage().nbytes() <= 2
+    assert all(q is None or q.values.numel() == 0 for q in (k.packed_t, k.packed24))
+    with torch.no_grad():
+        layer.weight.mul_(3.0)
+        k(layer, x)
+    assert torch.equal(k.packed.values, values_to_kernel(layer.weight.detach(), torch.bfloat16))
+    assert torch.equal(dense_from_packed(k.packed, torch.float32), (3 * dense).bfloat16().float())
+    k(layer, x)
+    assert k.buf is None
 
 
 @pytest.mark.parametrize(("rows", "cols"), [(40, 72), (192, 320)])
@@ -53,23 +75,22 @@ def test_transposed_pack_of_a_transposable_mask(rows, cols):
     layer, dense, mask = _layer("2:4", rows, cols, transposable=True, seed=1)
     k = layer.kernel_state(torch.bfloat16)
     x = torch.randn(3, cols, requires_grad=True)
-    k(layer, x)  # the first call that trains builds the transposed pack
-    assert k.transposable
+    k(layer, x)  # the first call that trains makes the transposed pack's metadata; its values are made per call
+    assert k.transposable and k.packed_t.values.numel() == 0
     expected = pack(dense.t().contiguous(), mask.t().contiguous(), 64, 4, torch.bfloat16)
-    assert torch.equal(k.packed_t.values, expected.values)
+    assert torch.equal(k._made(layer, TRANSPOSED).values, expected.values)
     assert torch.equal(k.packed_t.meta, expected.meta)
     with torch.no_grad():
         layer.weight.add_(1.0)
-    k(layer, x)
-    assert torch.equal(
-        k.packed_t.values, pack((dense + mask).t().contiguous(), mask.t(), 64, 4, torch.bfloat16).values
-    )
+    made = k._made(layer, TRANSPOSED)
+    assert torch.equal(made.values, pack((dense + mask).t().contiguous(), mask.t(), 64, 4, torch.bfloat16).values)
     # the SpMM reference on the packs gives the forward and the input-gradient products
     w = torch.where(mask, dense + 1.0, 0.0).bfloat16().float()
     xb = torch.randn(5, cols).bfloat16()
     dy = torch.randn(5, rows).bfloat16()
-    torch.testing.assert_close(spmm_reference(xb, k.packed).float(), (xb.float() @ w.t()).bfloat16().float())
-    torch.testing.assert_close(spmm_reference(dy, k.packed_t).float(), (dy.float() @ w).bfloat16().float())
+    own = k._made(layer, PACK)
+    torch.testing.assert_close(spmm_reference(xb, own).float(), (xb.float() @ w.t()).bfloat16().float())
+    torch.testing.assert_close(spmm_reference(dy, made).float(), (dy.float() @ w).bfloat16().float())
 
 
 def test_plain_2to4_mask_is_not_transposed():
@@ -82,22 +103,27 @@ def test_plain_2to4_mask_is_not_transposed():
 @pytest.mark.parametrize(("spec", "rows", "cols"), [("64:2:8", 128, 200), ("128:2:16", 128, 96), ("64:2:8", 192, 320)])
 def test_view24_is_the_2to4_pack_of_the_vnm_weight(spec, rows, cols):
     """A V:2:M weight keeps at most 2 of every 4 aligned columns: its 2:4 view is ``pack`` of the dense weight as
-    2:4 (padding where a chunk keeps fewer), refreshed from the kept positions when the values change."""
+    2:4 (padding where a chunk keeps fewer), made from the kept positions and the values as they are."""
     layer, dense, mask = _layer(spec, rows, cols, seed=3)
     k = layer.kernel_state(torch.bfloat16)
     k._ensure_view24(layer)
     expected = pack(dense, mask, 64, 4, torch.bfloat16)
-    assert torch.equal(k.packed24.values, expected.values) and torch.equal(k.packed24.meta, expected.meta)
+    assert k.packed24.values.numel() == 0  # only the metadata is held
+    assert torch.equal(k._made(layer, VIEW24).values, expected.values) and torch.equal(k.packed24.meta, expected.meta)
     assert k.packed24.m == 4
     with torch.no_grad():
         layer.weight.add_(1.0)
-    k.plans[(4, False)] = ("sparse24", "dense", "gemm")
-    k(layer, torch.randn(3, cols))
     w = torch.where(mask, dense + 1.0, 0.0)
-    assert torch.equal(k.packed24.values, pack(w, mask, 64, 4, torch.bfloat16).values)
+    view = k._made(layer, VIEW24)
+    assert torch.equal(view.values, pack(w, mask, 64, 4, torch.bfloat16).values)
     xb = torch.randn(5, cols).bfloat16()
     ref = (xb.float() @ w.bfloat16().float().t()).bfloat16().float()
-    torch.testing.assert_close(spmm_reference(xb, k.packed24).float(), ref)
+    torch.testing.assert_close(spmm_reference(xb, view).float(), ref)
+    k.plans[(8, False)] = ("sparse24", "dense", "gemm")  # an inference call on the view made from the values
+    with torch.no_grad():
+        y = k(layer, xb.float()[:5])
+    ref_b = F.linear(xb.float(), w.bfloat16().float(), layer.bias.detach().bfloat16().float())
+    assert float((y.float() - ref_b).abs().max()) <= 2e-2 * float(ref_b.abs().max())
 
 
 def test_inference_on_the_view_frees_the_vnm_values():

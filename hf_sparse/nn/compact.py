@@ -7,22 +7,18 @@ through one :class:`CompactKernel`, built once from the layer's position buffers
 
 * ``packed``: the values in the kernels' fragment order (:mod:`hf_sparse.ops._layout`), with the metadata and block
   columns made once from the positions. The fragment order is a permutation of the dimensions of the zero-padded
-  logical values (:mod:`.refresh` writes it). The pack's values live in ``buf``; the metadata and columns are kept
-  for good (the SDDMM weight gradient reads them), the values only while a measured plan runs the forward on them.
+  logical values (:mod:`.refresh` writes it). The metadata and columns are kept for good (the SDDMM weight gradient
+  reads them); the values live in ``buf`` only while an inference plan reads them between calls.
 * ``packed_t`` (2:4 layers whose transposed mask is 2:4 too: every 4 consecutive rows of a column keep at most 2, as
-  in a transposable mask): ``W^T`` packed as 2:4, for the input gradient ``dX = dY W`` as an SpMM. Built on the
-  first call that trains; dropped again if the measured plans never use it.
-* ``packed24`` (V:2:M layers, M >= 8): the 2:4 view. A V:2:M weight keeps at most 2 of every M columns of a row, so
-  at most 2 of every 4 aligned ones: it is a 2:4 weight too, and the 2:4 kernel runs it at 2:4 speed (with more
-  zeros than 2:4 needs), which on the H200 beats the V:2:M kernels at M = 8 and 16 from a few hundred tokens. In
-  training it is kept, built for the first measurement and refreshed with the values (half the bytes of the dense
-  weight in the compute dtype, beside the layer's own values); dropped if no measured plan runs the forward on it.
-  In eager inference it is not kept: a ``"sparse24"`` forward makes it from the layer's own pack in one launch of
-  the extension's ``view24`` (:meth:`CompactKernel._view_per_call`), so the layer holds one copy of its values.
+  in a transposable mask): ``W^T`` packed as 2:4, for the input gradient ``dX = dY W`` as an SpMM. Its metadata is
+  made on the first call that trains and dropped again if the measured plans never use it.
+* ``packed24`` (V:2:M layers, M >= 8): the 2:4 view's metadata. A V:2:M weight keeps at most 2 of every M columns of
+  a row, so at most 2 of every 4 aligned ones: it is a 2:4 weight too, and the 2:4 kernel runs it at 2:4 speed (with
+  more zeros than 2:4 needs), which on the H200 beats the V:2:M kernels at M = 8 and 16 from a few hundred tokens.
+  In eager inference the layer holds no view at all: a ``"sparse24"`` forward makes values and metadata from the
+  layer's own pack in one launch of the extension's ``view24`` (:meth:`CompactKernel._view_from_pack`), so the layer
+  holds one copy of its values.
 
-  Both 2:4 packs of the layer's values (``packed_t``, ``packed24``) have their metadata made once from the mask
-  (:func:`_pack24`); their values are refreshed like the layer's own pack, each slot finding its source from the
-  kept positions in their on-disk form (:mod:`.refresh`: ``TRANSPOSED``, ``VIEW24``), so no permutation is held.
 * the plans, per (token bucket, whether the call trains): the forward (``"sparse"``: SpMM on ``packed``;
   ``"sparse24"``: SpMM on the 2:4 view; ``"dense"``: cuBLAS on a transient dense weight made by one scatter to the
   kept positions), the input gradient (``"sparse"`` on ``packed_t``, else ``"dense"``), the weight gradient
@@ -34,20 +30,29 @@ through one :class:`CompactKernel`, built once from the layer's position buffers
   a stand-in of the bucket's size, while tracing); where nothing can be measured (CPU, CUDA-graph capture) the plan
   is :data:`DEFAULT_PLAN`.
 
+**A call that trains makes the packs it computes on, inside the call, from the fp32 values** (the forward's pack or
+2:4 view, and in the backward the transposed pack), cast to the compute dtype as they are written, and frees them
+when it returns: the extension's ``pack_in_call`` (one launch each, in C++), or :meth:`CompactKernel._made` by torch
+ops where the extension does not run. Between training calls a layer holds its values, their optimizer state and
+the packs' metadata only; there is no second copy of the weights in the compute dtype to keep in step with the
+optimizer. A pack argument whose values have no elements (``per_call``) is how the calls ask for this. Each slot
+of a transposed pack or a view finds its source from the kept positions in their on-disk form (:mod:`.refresh`:
+``TRANSPOSED``, ``VIEW24``), so no permutation is held.
+
 Under ``torch.inference_mode()`` (no call has trained, every measured forward runs on ``packed`` or on a view made
-from it per call, the values already in the compute dtype, no layout padding) the pack is the only copy of the weights: :meth:`CompactKernel.adopt` makes
-``layer.weight`` the pack's values (the same elements in the fragment order) and empties the position buffers (the
-metadata and block columns hold them), so a loaded model takes the bytes of its checkpoint tensors. Whatever reads the
-on-disk form (``state_dict``, ``compressed_tensors``, ``.to()``, a call that trains, a new measurement) calls
+from it per call, the values already in the compute dtype, no layout padding) the pack is the only copy of the
+weights: :meth:`CompactKernel.adopt` makes ``layer.weight`` the pack's values (the same elements in the fragment
+order) and empties the position buffers (the metadata and block columns hold them), so a loaded model takes the bytes
+of its checkpoint tensors. Whatever reads the on-disk form (``state_dict``, ``compressed_tensors``, ``.to()``, a call that trains, a new measurement) calls
 :meth:`SparseLinear.on_disk_form` first, which makes it again from the pack (:meth:`CompactKernel.release`).
 
-The packs are refreshed after each optimizer step and on the first call after the weight changed otherwise: when its
-version counter, its address, the bias's version or the count of optimizer steps (:mod:`.optimizer_steps`: fused
-optimizers do not bump versions) differ from the last refresh. Where the extension runs, a refresh covers every stale
-compact layer on the device in one launch (:func:`refresh_stale`; the entries of each layer come from
-:meth:`CompactKernel.refresh_entries`), so after an optimizer step the whole model costs the host one launch;
-elsewhere each layer runs the same entries with torch ops. The optimizer-step refresh (:func:`refresh_all`, run by the
-hook of :mod:`.optimizer_steps`) is what compiled code relies on: it does not check the weights on each call.
+The pack inference holds (and the bias in the compute dtype, where it differs) is refreshed after each optimizer step
+and on the first call after the weight changed otherwise: when its version counter, its address, the bias's version
+or the count of optimizer steps (:mod:`.optimizer_steps`: fused optimizers do not bump versions) differ from the last
+refresh. Where the extension runs, a refresh covers every stale compact layer on the device in one launch
+(:func:`refresh_stale`; the entries of each layer come from :meth:`CompactKernel.refresh_entries`); elsewhere each
+layer runs the same entries with torch ops. The optimizer-step refresh (:func:`refresh_all`, run by the hook of
+:mod:`.optimizer_steps`) is what compiled code relies on: it does not check the weights on each call.
 
 Per call, eager: one tuple compare (the refresh check), one plan lookup, a 2-D reshape of the input each way and the
 kernel call; backward runs in :class:`_CompactLinearFn` (or the extension's C++ node) on the saved tensors with no
@@ -259,6 +264,8 @@ class CompactKernel:
         valid = torch.ones((), dtype=torch.bool, device=device).expand(rows, 2 * self.groups)  # every slot is kept
         self.packed = base._replace(values=self._absent(), valid=valid)
         self.buf: Tensor | None = None  # the pack's values (flat); None while freed: see _ensure_pack
+        # a pack's values with no elements: "made inside the call from the values" (the extension's pack_in_call)
+        self.per_call = torch.empty(0, dtype=dtype, device=device)
         self.entries: tuple | None = None  # (storage key, the refresh's entries): see refresh_entries
         self.pieces = _pieces(rows, self.groups)
         self.transposable: bool | None = None  # decided on the first call that trains
@@ -339,7 +346,7 @@ class CompactKernel:
             or not isinstance(weight, torch.nn.Parameter)  # a DataParallel replica's broadcast copy
             or getattr(layer, "_is_replica", False)
             or any(
-                p[0] != "sparse" and not (p[0] == "sparse24" and self._view_per_call()) for p in self.plans.values()
+                p[0] != "sparse" and not (p[0] == "sparse24" and self._view_from_pack()) for p in self.plans.values()
             )
             or (torch.distributed.is_available() and torch.distributed.is_initialized())
         ):
@@ -453,33 +460,33 @@ class CompactKernel:
         out = []
         if self.buf is not None:
             out.append(RefreshEntry(PACK, w, self.buf, self.rows, self.groups, self.shape[1]))
-        if self.packed_t is not None:
-            out.append(self._entry24(layer, TRANSPOSED, self.packed_t))
-        if self.packed24 is not None:
-            out.append(self._entry24(layer, VIEW24, self.packed24))
         if self.bias_lp is not None:
             out.append(RefreshEntry(COPY, bias.detach(), self.bias_lp))
         entries = tuple(out)
         self.entries = (key, entries, tuple(tuple(e.words(0)) for e in entries))
         return entries
 
-    def _entry24(self, layer: SparseLinear, kind: int, packed: PackedWeight) -> RefreshEntry:
-        """The refresh of ``packed_t`` (``TRANSPOSED``) or of the 2:4 view (``VIEW24``) from the values."""
+    def pack_entry(self, layer: SparseLinear, kind: int, values: Tensor) -> RefreshEntry:
+        """The entry that writes ``values`` (of the pack's shape) from the layer's values: the pack of ``kind``
+        (``PACK``: the layer's own; ``TRANSPOSED``: ``packed_t``; ``VIEW24``: the 2:4 view), as the extension's
+        ``pack_in_call`` writes it inside a training call."""
+        w = layer.weight.detach()
+        steps = values.shape[1]
+        if kind == PACK:
+            return RefreshEntry(PACK, w, values, self.rows, self.groups, steps)
         rows, cols = (self.cols, self.rows) if kind == TRANSPOSED else (self.rows, self.cols)
         sel, sel_columns, v = positions(layer)
-        return RefreshEntry(
-            kind, layer.weight.detach(), packed.values, rows, cols // 4, packed.values.shape[1], sel, sel_columns,
-            self.m, v,
-        )  # fmt: skip
+        return RefreshEntry(kind, w, values, rows, cols // 4, steps, sel, sel_columns, self.m, v)
 
-    def _write(self, entry: RefreshEntry) -> None:
-        """Write one pack's values from the current values (as a refresh would)."""
-        with torch.no_grad():
-            if self.refresher is not None:
-                launch_refresh(self.refresher, [(tuple(entry.words(0)), (entry,))], self.device)
-            else:
-                run_refresh_entries((entry,))
-        self.entries = None
+    def _made(self, layer: SparseLinear, kind: int) -> PackedWeight:
+        """The pack of ``kind`` (see :meth:`pack_entry`) with its values made now by torch ops: what the extension's
+        ``pack_in_call`` makes inside a training call, for the paths that run without it (CPU, the ops'
+        references)."""
+        packed = {PACK: self.packed, TRANSPOSED: self.packed_t, VIEW24: self.packed24}[kind]
+        tiles, steps = packed.meta.shape[:2]
+        values = torch.zeros(tiles, steps, 32, 8, dtype=self.dtype, device=self.device)
+        run_refresh_entries((self.pack_entry(layer, kind, values),))
+        return packed._replace(values=values)
 
     @torch.compiler.disable  # once per layer, on its first call that trains
     def _ensure_transposed(self, layer: SparseLinear) -> None:
@@ -494,32 +501,36 @@ class CompactKernel:
             mask_t = layer.mask().t()
             if not bool((mask_t.reshape(self.cols, self.rows // 4, 4).sum(-1) <= 2).all()):
                 return
-            self.packed_t = _pack24(mask_t, self.dtype)
-        self._write(self._entry24(layer, TRANSPOSED, self.packed_t))
+            self.packed_t = _pack24(mask_t, self.dtype)._replace(values=self.per_call)  # values: made per call
         if self.fns[0] is not None:
             self.fns = (self.fns[0], spmm_function(4, self.device), self.fns[2])
             self._set_kernel_bits()
         self.transposable = True
 
     def _ensure_view24(self, layer: SparseLinear) -> None:
-        """Build the 2:4 view (a V:2:M layer's ``"sparse24"`` candidate) if it is not there."""
+        """Make the 2:4 view's metadata (a V:2:M layer's ``"sparse24"`` forward from its values) if it is not
+        there; its values are made per call."""
         if self.packed24 is None:
             with torch.no_grad():
-                self.packed24 = _pack24(layer.mask(), self.dtype)
-            self._write(self._entry24(layer, VIEW24, self.packed24))
+                self.packed24 = _pack24(layer.mask(), self.dtype)._replace(values=self.per_call)
 
-    def _view_per_call(self) -> bool:
-        """Whether a ``"sparse24"`` forward makes the 2:4 view from the layer's own pack on each call instead of
-        keeping it: in eager inference (no call has trained, nothing compiled) where the extension has ``view24``.
-        The layer then holds one copy of its values (resident: its checkpoint's bytes) for the price of one more
-        launch and a pass over the view's bytes per call; training keeps the view, refreshed with the values."""
-        return self.view24 is not None and not self.trained and not self.traced
+    def _view_from_pack(self) -> bool:
+        """Whether an inference ``"sparse24"`` forward makes the 2:4 view from the layer's own pack (values and
+        metadata, one launch of the extension's ``view24``) rather than from its values with the view's metadata
+        held: in eager inference where the extension has ``view24``. The layer then holds one copy of its values
+        (resident: its checkpoint's bytes). Compiled code reads the on-disk values (``native_arguments``)."""
+        return self.view24 is not None and not self.traced
+
+    def _source(self, layer: SparseLinear, forward: str, trains: bool) -> PackedWeight:
+        """The pack a forward by ``forward`` runs its SpMM on; values with no elements (``per_call``) mean "made in
+        the call from the layer's values" (a call that trains, a view made from the values)."""
+        if forward == "sparse24":
+            return self._view() if not trains and self._view_from_pack() else self.packed24
+        return self.packed._replace(values=self.per_call) if trains else self.packed
 
     def _view(self) -> PackedWeight:
-        """The 2:4 view for a ``"sparse24"`` forward: the kept one, else made now from the layer's own pack
-        (:meth:`_view_per_call`)."""
-        if self.packed24 is not None:
-            return self.packed24
+        """The 2:4 view for an inference ``"sparse24"`` forward, made now from the layer's own pack
+        (:meth:`_view_from_pack`)."""
         q = self.packed
         values, meta = self.view24(q.values, q.meta, q.columns, self.rows, self.cols, self.m)
         valid = q.valid.as_strided((self.rows, self.cols // 2), (0, 0))  # every slot (a view: no launch)
@@ -538,18 +549,27 @@ class CompactKernel:
     def _drop_unused(self, layer: SparseLinear, trains: bool) -> None:
         """After a measurement (of a call that ``trains`` or not): free what no measured plan reads (see the module
         docstring)."""
-        forwards = {p[0] for p in self.plans.values()}
-        per_call = self._view_per_call()
-        if "sparse24" not in forwards or per_call:
+        if not any(p[0] == "sparse24" and (k[1] or not self._view_from_pack()) for k, p in self.plans.items()):
             self.packed24 = None
         if trains and self.packed_t is not None and all(p[1] != "sparse" for k, p in self.plans.items() if k[1]):
             self.drop_transposed()
-        if "sparse" not in forwards and not ("sparse24" in forwards and per_call):
-            self.buf = None
-            self.packed = self.packed._replace(values=self._absent())
+        if not any(self._holds_pack(p, k[1]) for k, p in self.plans.items()):
+            self._free_pack()
         self.entries = None
         if not self.uses_index():
             layer._index = None  # built for the measurement only
+
+    def _holds_pack(self, plan: tuple, trains: bool) -> bool:
+        """Whether calls by ``plan`` read the layer's own pack between calls: inference on it, or on the 2:4 view
+        made from it. A call that trains makes what it reads."""
+        return not trains and (plan[0] == "sparse" or (plan[0] == "sparse24" and self._view_from_pack()))
+
+    def _free_pack(self) -> None:
+        """Free the own pack's values (made again by :meth:`_ensure_pack` when inference needs them)."""
+        if self.buf is not None:
+            self.buf = None
+            self.packed = self.packed._replace(values=self._absent())
+            self.entries = None
 
     # ------------------------------------------------------------------ plans
     def _default(self) -> tuple[str, str, str]:
@@ -565,11 +585,13 @@ class CompactKernel:
         if not (x2.is_cuda and dispatch.can_measure(while_tracing)):
             plan = self._default()
             if not torch.compiler.is_compiling():
-                self._ensure_pack(layer)
+                if self._holds_pack(plan, key[1]):
+                    self._ensure_pack(layer)
                 self.plans[key] = plan
             return plan
-        self._ensure_pack(layer)
-        if self.m != 4 and not self._view_per_call():
+        if not key[1]:
+            self._ensure_pack(layer)
+        if self.m != 4 and (key[1] or not self._view_from_pack()):
             self._ensure_view24(layer)
         plan = self.plans[key] = self._measure(layer, key[1], x2)
         self._drop_unused(layer, key[1])
@@ -591,7 +613,7 @@ class CompactKernel:
             )
 
         forwards = {"sparse": forward("sparse"), "dense": forward("dense")}
-        if self.packed24 is not None or (self.m != 4 and self._view_per_call()):
+        if self.m != 4 and (self.packed24 is not None or (not trains and self._view_from_pack())):
             forwards["sparse24"] = forward("sparse24")
         with torch.no_grad():
             parts = [dispatch.costs(forwards, host_too=True)]
@@ -643,32 +665,35 @@ class CompactKernel:
 
     # ------------------------------------------------------------------ compute
     def forward_compute(self, layer: SparseLinear, x2: Tensor, plan: tuple, fuse: bool) -> Tensor:
-        """``x2 W^T + b`` by ``plan[0]`` (``x2``: 2-D, in the compute dtype), with the layer's activation where
-        ``fuse`` (inference; in training it runs after the layer, differentiated by autograd). No autograd."""
+        """``x2 W^T + b`` by ``plan[0]`` (``x2``: 2-D, in the compute dtype). ``fuse``: an inference call (the layer's
+        activation fused, on the packs it holds); else a training call (the activation runs after the layer,
+        differentiated by autograd; the pack made in the call). No autograd."""
         rows, cols, dtype = self.rows, self.cols, self.dtype
         bias_c = self.bias_lp if self.bias_lp is not None else layer.bias
         act = self.activation if fuse else None
-        if fuse and plan[0] == "sparse24" and self.packed24 is None:  # the view made and used in one extension call
+        if fuse and plan[0] == "sparse24" and self._view_from_pack():  # the view made and used in one extension call
             call = self._resident_call("sparse24")
             if call is not None and x2.is_contiguous() and x2.data_ptr() % 16 == 0:
                 fn, before, after = call
                 return fn(x2, *before, bias_c, *after)
+        q = self._source(layer, plan[0], trains=not fuse)
         if self.native_forward is not None and act is None:  # one call into the extension
             view = plan[0] == "sparse24"
-            q = self._view() if view else self.packed
-            dense = plan[0] == "dense"
             sel, sel_columns, v_g = positions(layer)
             return self.native_forward(
                 x2, layer.weight.detach(), bias_c, q.values, q.meta, q.columns, sel, sel_columns, rows, cols,
-                4 if view else self.m, v_g, self.m, int(not dense), self.kernel_bits24 if view else self.kernel_bits,
+                4 if view else self.m, v_g, self.m, int(plan[0] != "dense"),
+                self.kernel_bits24 if view else self.kernel_bits,
             )  # fmt: skip
         if plan[0] == "dense":
             y = F.linear(x2, dense_at_index(layer.weight.detach(), layer._kept(), rows, cols, dtype), bias_c)
             return y if act is None else activate(y, act)
+        if q.values.numel() == 0:  # made in the call
+            q = self._made(layer, VIEW24 if plan[0] == "sparse24" else PACK)
         if plan[0] == "sparse24":  # the 2:4 view
-            q, fn, code, after, v, m = self._view(), self.fn24, self.code24, self.after24, 64, 4
+            fn, code, after, v, m = self.fn24, self.code24, self.after24, 64, 4
         else:
-            q, fn, code, after, v, m = self.packed, self.fns[0], self.code, self.after, self.v, self.m
+            fn, code, after, v, m = self.fns[0], self.code, self.after, self.v, self.m
         if not fuse:
             code, after = 0, None
         return _spmm(x2, q.values, q.meta, q.columns, q.valid, bias_c, rows, cols, v, m, fn, code, after, act)
@@ -694,8 +719,8 @@ class CompactKernel:
         dy2 = dy2.to(dtype).contiguous()
         dx = dw = db = None
         if need_dx:
-            t = self.packed_t
-            if plan[1] == "sparse" and t is not None:
+            if plan[1] == "sparse" and self.packed_t is not None:
+                t = self._made(layer, TRANSPOSED)
                 dx = _spmm(
                     dy2, t.values, t.meta, t.columns, t.valid, None, cols, rows, 64, 4, self.fns[1], 0, None, None
                 )
@@ -712,15 +737,17 @@ class CompactKernel:
             db = dy2.sum(0, dtype=torch.float32).to(layer.bias.dtype)
         return dx, dw, db
 
-    def native_arguments(self, layer: SparseLinear, plan: tuple) -> tuple:
+    def native_arguments(self, layer: SparseLinear, plan: tuple, trains: bool) -> tuple:
         """The arguments after ``x, weight, bias`` of the extension's ``compact_linear`` (eager training) and of the
-        ``hf_sparse::compact_linear`` op (torch.compile) for ``plan``: the bias in the compute dtype, the forward's
-        pack (the 2:4 view for ``"sparse24"``), the transposed pack (or Nones), the layer's own metadata and columns
-        (the SDDMM's), the kept positions in their on-disk form (:func:`positions`: what the dense choices read), the
-        sizes, the group size of the forward's pack, the layer's V and group size, the plan and kernel bits."""
+        ``hf_sparse::compact_linear`` op (torch.compile) for ``plan`` in a call that ``trains`` or not: the bias in
+        the compute dtype, the forward's pack (the 2:4 view for ``"sparse24"``; its values made in the call where
+        they have no elements), the transposed pack (its values made in the backward; or Nones), the layer's own
+        metadata and columns (the SDDMM's), the kept positions in their on-disk form (:func:`positions`: what the
+        dense choices and the packs made in the call read), the sizes, the group size of the forward's pack, the
+        layer's V and group size, the plan and kernel bits."""
         p, t = self.packed, self.packed_t
         view = plan[0] == "sparse24"
-        q = self.packed24 if view else p
+        q = self._source(layer, plan[0], trains)
         sel, sel_columns, v_g = positions(layer)
         return (
             self.bias_lp if self.bias_lp is not None else layer.bias,
@@ -772,7 +799,7 @@ class CompactKernel:
         its token bucket; ``while_tracing``: see :meth:`plan`)."""
         key = (token_bucket(x.numel() // self.cols), trains)
         plan = self.plans.get(key)
-        if while_tracing and not self.traced:  # compiled code reads a kept 2:4 view (native_arguments)
+        if while_tracing and not self.traced:  # compiled code makes the 2:4 view from the values (native_arguments)
             self.traced = True
             if self.m != 4 and any(p[0] == "sparse24" for p in self.plans.values()):
                 layer.on_disk_form()  # the view's metadata is made from the positions
@@ -782,13 +809,17 @@ class CompactKernel:
             if plan is not None and not trains:
                 return plan
             layer.on_disk_form()  # training, or a measurement, reads the values in the on-disk form
-        if trains and not self.trained:
-            self._ensure_transposed(layer)
+        if trains:
+            if not self.trained:
+                self._ensure_transposed(layer)
+            self._free_pack()  # a call that trains makes its packs; an earlier evaluation may have left one
         if _stamp(layer.weight, layer.bias) != self.stamp:
             self.refresh(layer)
         if plan is None:
             x2 = x.reshape(-1, self.cols)
             plan = self.plan(layer, key, x2 if x2.dtype == self.dtype else x2.to(self.dtype), while_tracing)
+        elif self.buf is None and self._holds_pack(plan, trains):
+            self._ensure_pack(layer)  # inference after a call that trained
         return plan
 
     def __call__(self, layer: SparseLinear, x: Tensor) -> Tensor:
@@ -806,7 +837,7 @@ class CompactKernel:
             y = self.forward_compute(layer, x2 if x2.dtype == self.dtype else x2.to(self.dtype), plan, fuse=True)
             return y.view(*x.shape[:-1], rows)
         if self.native is not None:  # eager CUDA training: one C++ autograd node
-            y = self.native(x, weight, bias, *self.native_arguments(layer, plan))
+            y = self.native(x, weight, bias, *self.native_arguments(layer, plan, True))
         else:
             x2 = x.reshape(-1, cols)
             x2 = x2 if x2.dtype == self.dtype else x2.to(self.dtype)

@@ -7,9 +7,10 @@ run the references below. Their tensor arguments are the layer's kernel state
 (:meth:`hf_sparse.nn.compact.CompactKernel.native_arguments`), which torch.compile reads from the kernel on every call
 of the compiled code; what is not a tensor (the plan, the sizes) is a constant of the graph, decided while
 torch.compile traces by :func:`_compiled_plan`, which runs for real then: it builds the kernel state, refreshes the
-packs and measures the plan of the call's token bucket on a stand-in input. The packs then follow the values through
-the refresh after each optimizer step (:func:`hf_sparse.nn.compact.refresh_all`) and through any eager call; a weight
-written by hand while only compiled code runs is seen at the next optimizer step (``load_state_dict`` drops the kernel
+packs and measures the plan of the call's token bucket on a stand-in input. A call that trains makes its packs from
+the values inside the op, as the eager C++ node does; the pack inference holds follows the values through the refresh
+after each optimizer step (:func:`hf_sparse.nn.compact.refresh_all`) and through any eager call; a weight written by
+hand while only compiled inference code runs is seen at the next optimizer step (``load_state_dict`` drops the kernel
 state, and torch.compile traces the layer again). The bias gradient is computed in the graph, where Inductor fuses its
 reduction into the kernel that produces the output gradient.
 """
@@ -156,7 +157,7 @@ def compact_linear(layer: SparseLinear, x: Tensor, dtype: torch.dtype) -> Tensor
         bucket *= 2
     plan = _compiled_plan(layer._compact_id, bucket, trains, dtype)
     kernel = layer._kernel
-    y = torch.ops.hf_sparse.compact_linear(x2, layer.weight, bias, *kernel.native_arguments(layer, plan))
+    y = torch.ops.hf_sparse.compact_linear(x2, layer.weight, bias, *kernel.native_arguments(layer, plan, trains))
     if layer.activation is not None:
         y = activate(y, layer.activation)
     return y.view(*x.shape[:-1], layer.out_features)

@@ -1,12 +1,13 @@
-"""Refreshing a compact layer's packs from its kept values: what to write (:class:`RefreshEntry`), the torch ops
-that write it (:func:`run_refresh_entries`, the reference, used on CPU) and the extension's one launch for the entries
-of many layers (:func:`launch_refresh`).
+"""Making a compact layer's packs from its kept values: what to write (:class:`RefreshEntry`), the torch ops that
+write it (:func:`run_refresh_entries`, the reference, used on CPU) and the extension's one launch for the entries of
+many layers (:func:`launch_refresh`).
 
 A compact layer (:mod:`hf_sparse.nn.compact`) computes on packs made from its values: the fragment-ordered pack, the
-transposed 2:4 pack, the 2:4 view of a V:2:M weight, the bias in the compute dtype. After each optimizer step every
-pack must follow its values. With torch ops that is three or four launches per layer (a strided copy, one gather per
-2:4 pack, a copy), ~400 per step for BERT-large, each costing the host ~20 us on the machines this was measured on;
-the extension's ``refresh_packs`` runs the entries of every stale layer in one launch from a table of pointers.
+transposed 2:4 pack, the 2:4 view of a V:2:M weight, the bias in the compute dtype. A call that trains makes the one
+it computes on inside the call (the extension's ``pack_in_call`` runs one entry, passed by value). What inference
+holds between calls (the own pack, the bias's cast) must follow the values after each optimizer step; with torch
+ops that is a launch or more per layer, each costing the host ~20 us on the machines this was measured on, so the
+extension's ``refresh_packs`` runs the entries of every stale layer in one launch from a table of pointers.
 
 Entries (every one writes all of ``dst``, converting to its dtype; ``src`` is a layer's kept values ``(R, 2G)``):
 
