@@ -601,8 +601,9 @@ at::Tensor pack_in_call(int32_t kind, const at::Tensor& weight, const at::Tensor
   HF_CHECK(meta.size(0) * 16 >= pack_rows && meta.size(1) * 8 >= groups, "hf_sparse.", op, ": metadata of shape ",
            meta.sizes(), " cannot hold a pack of ", pack_rows, " rows and ", groups, " groups");
   hf_sparse::RefreshEntry e{};
+  hf_sparse::KeptPositions k{};
   if (kind != hf_sparse::kRefreshPack) {
-    const auto k = kept_positions(op, pos, rows, cols, weight.device());
+    k = kept_positions(op, pos, rows, cols, weight.device());
     e.sel = k.sel;
     e.columns = k.columns;
     e.sel_row_bytes = k.sel_row_bytes;
@@ -610,6 +611,15 @@ at::Tensor pack_in_call(int32_t kind, const at::Tensor& weight, const at::Tensor
   }
   const auto src = weight.contiguous();
   auto values = at::empty({meta.size(0), meta.size(1), 32, 8}, weight.options().dtype(dtype));
+  c10::cuda::CUDAGuard guard(weight.device());
+  const auto stream = c10::cuda::getCurrentCUDAStream().stream();
+  if (kind == hf_sparse::kRefreshView24) {  // its own kernel: the entry's general path decodes each slot alone
+    check_cuda(hf_sparse::view24_from_values(src.data_ptr(), refresh_dtype(src.scalar_type(), op, "weight"), k,
+                                             meta.size(0), meta.size(1), values.data_ptr(),
+                                             refresh_dtype(dtype, op, "dtype"), stream),
+               op);
+    return values;
+  }
   e.src = src.data_ptr();
   e.dst = values.data_ptr();
   e.numel = values.numel();
@@ -622,9 +632,19 @@ at::Tensor pack_in_call(int32_t kind, const at::Tensor& weight, const at::Tensor
   e.src_dtype = refresh_dtype(src.scalar_type(), op, "weight");
   e.dst_dtype = refresh_dtype(dtype, op, "dtype");
   e.m = (int32_t)pos.m;
-  c10::cuda::CUDAGuard guard(weight.device());
-  check_cuda(hf_sparse::refresh_one(e, c10::cuda::getCurrentCUDAStream().stream()), op);
+  check_cuda(hf_sparse::refresh_one(e, stream), op);
   return values;
+}
+
+// pack_in_call as a binding, for the tests that compare its bytes with the torch ops' (hf_sparse.nn.refresh).
+at::Tensor pack_values(int64_t kind, const at::Tensor& weight, const at::Tensor& meta,
+                       const c10::optional<at::Tensor>& sel, const c10::optional<at::Tensor>& sel_columns, int64_t rows,
+                       int64_t cols, int64_t v, int64_t m, at::ScalarType dtype) {
+  HF_CHECK(kind >= hf_sparse::kRefreshPack && kind <= hf_sparse::kRefreshView24, "hf_sparse.pack_values: kind ", kind,
+           " is not a pack (0: the layer's own, 1: transposed, 2: the 2:4 view)");
+  HF_CHECK(dtype == at::kBFloat16 || dtype == at::kHalf, "hf_sparse.pack_values: dtype must be bfloat16 or float16");
+  return pack_in_call((int32_t)kind, weight, meta, Positions{sel, sel_columns, v, m}, rows, cols, dtype,
+                      "pack_values");
 }
 
 c10::optional<at::Tensor> optional_of(const at::Tensor& t) {
@@ -829,6 +849,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("compact_backward", &compact_backward, "a compact layer's gradients [dx2, dweight, dbias], no autograd");
   mod.def("compact_linear", &compact_linear,
           "a compact layer's training call: y = x W^T + b from the kept values, with C++ autograd (hf_sparse.nn.compact)");
+  mod.def("pack_values", &pack_values,
+          "a pack's values made from a layer's kept values, as a training call makes them (kind 0 own, 1 transposed, "
+          "2 the 2:4 view)");
   mod.def("refresh_packs", &refresh_packs, "rewrite many packs from their layers' values in one launch (a table)");
   mod.def("refresh_block_count", &refresh_block_count, "blocks refresh_packs runs for an entry of numel elements");
   mod.def("view24", &view24, "the 2:4 view (values, meta) of a V:2:M pack, made from the pack in one pass");

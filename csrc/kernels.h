@@ -149,5 +149,11 @@ cudaError_t scatter_kept(const void* src, int32_t src_dtype, void* dst, int32_t 
 cudaError_t view24_from_pack(const uint16_t* values, const int32_t* meta, const uint8_t* columns, int64_t rows_padded,
                              int64_t rows, int64_t cols, int32_t m, int64_t steps, uint16_t* out_values,
                              int32_t* out_meta, cudaStream_t stream);
+// The values of the same 2:4 view made from the layer's kept values instead (what a training call's forward on the
+// view reads; its metadata is the layer's, made once): `weight` (rows, 2 cols / m) in src_dtype, the positions `pos`
+// in their on-disk form (m >= 8, v and m powers of two, columns 4-byte aligned), out (tiles, steps4, 32, 8) in
+// dst_dtype (kRefreshBF16 / kRefreshF16), every slot written (padding zero). The bytes kRefreshView24 writes.
+cudaError_t view24_from_values(const void* weight, int32_t src_dtype, const KeptPositions& pos, int64_t tiles,
+                               int64_t steps4, void* out, int32_t dst_dtype, cudaStream_t stream);
 
 }  // namespace hf_sparse

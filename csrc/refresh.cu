@@ -254,6 +254,89 @@ __global__ void __launch_bounds__(kThreads)
   if ((within & 0xD) == 0) out_meta[tile_step * 16 + g8 * 2 + ch] = (int32_t)word;
 }
 
+template <typename T>
+__device__ __forceinline__ float as_float(T x);
+template <>
+__device__ __forceinline__ float as_float<float>(float x) { return x; }
+template <>
+__device__ __forceinline__ float as_float<__nv_bfloat16>(__nv_bfloat16 x) { return __bfloat162float(x); }
+template <>
+__device__ __forceinline__ float as_float<__half>(__half x) { return __half2float(x); }
+
+template <typename T>
+__device__ __forceinline__ uint32_t bits16(float x);
+template <>
+__device__ __forceinline__ uint32_t bits16<__nv_bfloat16>(float x) { return __bfloat16_as_ushort(__float2bfloat16(x)); }
+template <>
+__device__ __forceinline__ uint32_t bits16<__half>(float x) { return __half_as_ushort(__float2half(x)); }
+
+// view24_from_values: one thread per value pair of the view, laid out as in view24_kernel (a warp writes 128
+// consecutive bytes). The pair's 4 columns lie in one V:2:M group h of its row: the thread reads that group's two kept
+// values (adjacent), their 2-bit codes (one nibble of `sel`) and the row block's 4 column offsets of the group (one
+// word of `columns`), all independent loads; m and v are powers of two, so no thread divides.
+template <typename Src, typename Dst>
+__global__ void __launch_bounds__(kThreads)
+    view24_values_kernel(const Src* __restrict__ weight, const uint8_t* __restrict__ sel,
+                         const uint32_t* __restrict__ columns, int32_t rows, int32_t groups, int32_t groups4,
+                         int32_t log2_m, int32_t log2_v, int32_t sel_row_bytes, int32_t steps4,
+                         uint32_t* __restrict__ out) {
+  const int32_t p = blockIdx.x * kThreads + threadIdx.x;  // pair within the tile
+  if (p >= steps4 * 128) return;
+  const int32_t tile = blockIdx.y, step4 = p >> 7, within = p & 127;
+  const int32_t g8 = within >> 4, t = (within >> 2) & 3, ch = (within >> 1) & 1, rh = within & 1;
+  const int32_t row = 16 * tile + 8 * rh + g8, g4 = 8 * step4 + 4 * ch + t;
+  uint32_t pair = 0;
+  if (row < rows && g4 < groups4) {
+    const int32_t h = (4 * g4) >> log2_m;
+    const int64_t at = ((int64_t)row * groups + h) * 2;
+    float a = as_float(weight[at]), b = as_float(weight[at + 1]);
+    const uint32_t nib = (__ldg(sel + (int64_t)row * sel_row_bytes + (h >> 1)) >> (4 * (h & 1))) & 0xF;
+    const uint32_t block = __ldg(columns + (int64_t)(row >> log2_v) * groups + h);
+    const int32_t base = h << log2_m;
+    int32_t c0 = base + ((block >> (8 * (nib & 3))) & 0xFF), c1 = base + ((block >> (8 * (nib >> 2))) & 0xFF);
+    if (c1 < c0) {
+      const int32_t c = c0;
+      const float v = a;
+      c0 = c1, c1 = c, a = b, b = v;
+    }
+    const bool in0 = (c0 >> 2) == g4, in1 = (c1 >> 2) == g4;
+    if (in0 && in1) {
+      pair = bits16<Dst>(a) | bits16<Dst>(b) << 16;
+    } else if (in0 || in1) {
+      const uint32_t v = bits16<Dst>(in0 ? a : b);
+      pair = lone_slot((in0 ? c0 : c1) & 3) == 0 ? v : v << 16;
+    }
+  }
+  out[((int64_t)tile * steps4 + step4) * 128 + within] = pair;
+}
+
+template <typename Src, typename Dst>
+void launch_view24_values(const void* weight, const KeptPositions& pos, int32_t groups4, int32_t log2_m,
+                          int32_t log2_v, int64_t tiles, int64_t steps4, void* out, cudaStream_t stream) {
+  const dim3 grid((unsigned)((steps4 * 128 + kThreads - 1) / kThreads), (unsigned)tiles);
+  view24_values_kernel<Src, Dst><<<grid, kThreads, 0, stream>>>(
+      static_cast<const Src*>(weight), pos.sel, reinterpret_cast<const uint32_t*>(pos.columns), (int32_t)pos.rows,
+      (int32_t)pos.groups, groups4, log2_m, log2_v, (int32_t)pos.sel_row_bytes, (int32_t)steps4,
+      static_cast<uint32_t*>(out));
+}
+
+template <typename Src>
+void launch_view24_values_to(int32_t dst_dtype, const void* weight, const KeptPositions& pos, int32_t groups4,
+                             int32_t log2_m, int32_t log2_v, int64_t tiles, int64_t steps4, void* out,
+                             cudaStream_t stream) {
+  if (dst_dtype == kRefreshBF16) {
+    launch_view24_values<Src, __nv_bfloat16>(weight, pos, groups4, log2_m, log2_v, tiles, steps4, out, stream);
+  } else {
+    launch_view24_values<Src, __half>(weight, pos, groups4, log2_m, log2_v, tiles, steps4, out, stream);
+  }
+}
+
+int32_t log2_exact(int64_t x) {
+  int32_t l = 0;
+  while (l < 31 && (1LL << l) < x) ++l;
+  return (1LL << l) == x ? l : -1;
+}
+
 cudaError_t launch_over(int64_t n, int64_t* blocks) {
   *blocks = (n + kThreads - 1) / kThreads;
   return *blocks >= (1LL << 31) ? cudaErrorInvalidValue : cudaSuccess;
@@ -293,6 +376,33 @@ cudaError_t view24_from_pack(const uint16_t* values, const int32_t* meta, const 
                                                reinterpret_cast<const uint32_t*>(columns), (int32_t)rows,
                                                (int32_t)(cols / 4), log2_m, (int32_t)steps, (int32_t)steps4,
                                                reinterpret_cast<uint32_t*>(out_values), out_meta);
+  return cudaGetLastError();
+}
+
+cudaError_t view24_from_values(const void* weight, int32_t src_dtype, const KeptPositions& pos, int64_t tiles,
+                               int64_t steps4, void* out, int32_t dst_dtype, cudaStream_t stream) {
+  const int64_t cols = pos.groups * pos.m, groups4 = cols / 4;
+  const int32_t log2_m = log2_exact(pos.m), log2_v = log2_exact(pos.v);
+  if (log2_m < 3 || log2_v < 0 || pos.columns == nullptr || dst_dtype == kRefreshF32) return cudaErrorInvalidValue;
+  if (tiles > 65535 || tiles * 16 < pos.rows || steps4 * 8 < groups4 || steps4 * 128 >= (1LL << 31) ||
+      pos.rows * 2 * pos.groups >= (1LL << 40))
+    return cudaErrorInvalidValue;
+  if (reinterpret_cast<uintptr_t>(pos.columns) % 4 != 0) return cudaErrorMisalignedAddress;  // read as words
+  if (tiles == 0 || steps4 == 0) return cudaSuccess;
+  switch (src_dtype) {
+    case kRefreshF32:
+      launch_view24_values_to<float>(dst_dtype, weight, pos, (int32_t)groups4, log2_m, log2_v, tiles, steps4, out,
+                                     stream);
+      break;
+    case kRefreshBF16:
+      launch_view24_values_to<__nv_bfloat16>(dst_dtype, weight, pos, (int32_t)groups4, log2_m, log2_v, tiles, steps4,
+                                             out, stream);
+      break;
+    default:
+      launch_view24_values_to<__half>(dst_dtype, weight, pos, (int32_t)groups4, log2_m, log2_v, tiles, steps4, out,
+                                      stream);
+      break;
+  }
   return cudaGetLastError();
 }
 

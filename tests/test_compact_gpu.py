@@ -348,6 +348,42 @@ def test_one_launch_refreshes_every_stale_layer_like_the_torch_ops():
             _close(spmm_reference(dy, k._made(layer, TRANSPOSED)).float(), dy.float() @ w, 1e-2)
 
 
+@pytest.mark.parametrize(
+    ("spec", "transposable", "rows", "cols"), [*REFRESH_LAYERS[:5], ("64:2:16", False, 192, 208)], ids=str
+)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("src_dtype", [torch.float32, torch.bfloat16])
+def test_packs_made_in_a_call_are_the_torch_ops_bytes(spec, transposable, rows, cols, dtype, src_dtype):
+    """The extension's ``pack_in_call`` (what a training call computes on; bound as ``pack_values``) writes, into
+    poisoned memory, the bytes of the torch ops' reference (``CompactKernel._made``) for the layer's own pack, its
+    transposed pack and its 2:4 view: odd shapes, M = 4, 8, 16, fp32 and bf16 values, bf16 and fp16 packs."""
+    from hf_sparse.nn.refresh import PACK, TRANSPOSED, VIEW24
+
+    layer, _ = _pair(spec, transposable, rows, cols, seed=20, dtype=src_dtype)
+    with torch.no_grad():  # fresh values everywhere (not the small scale of _pair), so no two slots look alike
+        layer.weight.copy_(torch.randn_like(layer.weight))
+    k = layer.kernel_state(dtype)
+    if k.refresher is None or not hasattr(k.refresher, "pack_values"):
+        pytest.skip("the loaded extension has no pack_values")
+    k._ensure_transposed(layer)
+    if spec != "2:4":
+        k._ensure_view24(layer)
+    packs = {PACK: k.packed, TRANSPOSED: k.packed_t, VIEW24: k.packed24}
+    kinds = [kind for kind, packed in packs.items() if packed is not None]
+    assert kinds == ([PACK, TRANSPOSED] if transposable else [PACK, VIEW24] if spec != "2:4" else [PACK])
+    sel, sel_columns, v = positions(layer)
+    for kind in kinds:
+        expected = k._made(layer, kind).values
+        poison_allocator()
+        made = k.refresher.pack_values(
+            kind, layer.weight.detach(), packs[kind].meta, sel, sel_columns, rows, cols, v, k.m, dtype
+        )
+        assert made.shape == expected.shape and made.dtype == dtype
+        assert torch.equal(made.view(torch.int16), expected.view(torch.int16)), kind
+    with pytest.raises(RuntimeError, match="is not a pack"):  # a bad argument raises in Python
+        k.refresher.pack_values(7, layer.weight.detach(), k.packed.meta, sel, sel_columns, rows, cols, v, k.m, dtype)
+
+
 @pytest.mark.parametrize(("spec", "rows", "cols"), [("2:4", 40, 72), ("64:2:8", 128, 200), ("128:2:16", 256, 96)])
 @pytest.mark.parametrize(("src_dtype", "dtype"), [(torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16)])
 def test_gather_and_scatter_at_the_kept_positions(spec, rows, cols, src_dtype, dtype):
