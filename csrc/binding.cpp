@@ -613,10 +613,12 @@ at::Tensor pack_in_call(int32_t kind, const at::Tensor& weight, const at::Tensor
   auto values = at::empty({meta.size(0), meta.size(1), 32, 8}, weight.options().dtype(dtype));
   c10::cuda::CUDAGuard guard(weight.device());
   const auto stream = c10::cuda::getCurrentCUDAStream().stream();
-  if (kind == hf_sparse::kRefreshView24) {  // its own kernel: the entry's general path decodes each slot alone
-    check_cuda(hf_sparse::view24_from_values(src.data_ptr(), refresh_dtype(src.scalar_type(), op, "weight"), k,
-                                             meta.size(0), meta.size(1), values.data_ptr(),
-                                             refresh_dtype(dtype, op, "dtype"), stream),
+  // the view and the transposed pack have their own kernels (the entry's general path decodes each slot alone)
+  if (kind == hf_sparse::kRefreshView24 || kind == hf_sparse::kRefreshTransposed) {
+    const auto make = kind == hf_sparse::kRefreshView24 ? hf_sparse::view24_from_values
+                                                         : hf_sparse::transposed_from_values;
+    check_cuda(make(src.data_ptr(), refresh_dtype(src.scalar_type(), op, "weight"), k, meta.size(0), meta.size(1),
+                    values.data_ptr(), refresh_dtype(dtype, op, "dtype"), stream),
                op);
     return values;
   }

@@ -155,5 +155,10 @@ cudaError_t view24_from_pack(const uint16_t* values, const int32_t* meta, const 
 // dst_dtype (kRefreshBF16 / kRefreshF16), every slot written (padding zero). The bytes kRefreshView24 writes.
 cudaError_t view24_from_values(const void* weight, int32_t src_dtype, const KeptPositions& pos, int64_t tiles,
                                int64_t steps4, void* out, int32_t dst_dtype, cudaStream_t stream);
+// The values of a 2:4 layer's transposed pack (W^T as 2:4, for a mask whose transpose is 2:4 too) made from its kept
+// values: `weight` (rows, cols / 2) in src_dtype, `pos` 2:4 (no block columns), out (tiles, steps, 32, 8) with
+// tiles * 16 >= cols and steps * 8 >= rows / 4, in dst_dtype, every slot written. The bytes kRefreshTransposed writes.
+cudaError_t transposed_from_values(const void* weight, int32_t src_dtype, const KeptPositions& pos, int64_t tiles,
+                                   int64_t steps, void* out, int32_t dst_dtype, cudaStream_t stream);
 
 }  // namespace hf_sparse

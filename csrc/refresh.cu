@@ -310,6 +310,69 @@ __global__ void __launch_bounds__(kThreads)
   out[((int64_t)tile * steps4 + step4) * 128 + within] = pair;
 }
 
+// transposed_from_values: the transposed 2:4 pack's values (W^T: rows = W's columns, groups = W's rows / 4) made from
+// a 2:4 layer's kept values. One block per step of 8 groups (32 rows of W) and 8 tiles (128 columns of W), so the
+// rows' kept values and codes it reads (256 and 16 bytes of each row) come from memory once and from L1 after; each
+// thread writes 4 value pairs, laid out as the other packs' (a warp writes 128 consecutive bytes). A pair's two slots
+// hold the kept values of its column among 4 rows, found from each row's two codes in that group of 4 columns
+// (transposed_sources' rule), all in 32-bit indices with no division.
+template <typename Src, typename Dst>
+__global__ void __launch_bounds__(kThreads)
+    transposed_values_kernel(const Src* __restrict__ weight, const uint8_t* __restrict__ sel, int32_t rows,
+                             int32_t cols, int32_t sel_row_bytes, int32_t tiles, int32_t steps,
+                             uint32_t* __restrict__ out) {
+  const int32_t step = blockIdx.x, groups_t = rows / 4, src_row = cols / 2;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const int32_t p = j * kThreads + threadIdx.x;
+    const int32_t tile = blockIdx.y * 8 + (p >> 7);
+    if (tile >= tiles) return;
+    const int32_t within = p & 127;
+    const int32_t g8 = within >> 4, t = (within >> 2) & 3, ch = (within >> 1) & 1, rh = within & 1;
+    const int32_t c = 16 * tile + 8 * rh + g8, g = 8 * step + 4 * ch + t;
+    uint32_t pair = 0;
+    if (c < cols && g < groups_t) {
+      const int32_t want = c & 3, kk = 2 * (c >> 2), shift = 4 * ((c >> 2) & 1);
+      int32_t hits[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const uint32_t nib = (__ldg(sel + (int64_t)(4 * g + i) * sel_row_bytes + (c >> 3)) >> shift) & 0xF;
+        hits[i] = (int32_t)(nib & 3) == want ? 0 : (int32_t)(nib >> 2) == want ? 1 : -1;
+      }
+      int64_t s0 = -1, s1 = -1;  // the sources of the (at most two) rows that keep column c
+      int32_t first = 0;          // the row offset (0..3) of the first
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        if (hits[i] < 0) continue;
+        const int64_t at = (int64_t)(4 * g + i) * src_row + kk + hits[i];
+        if (s0 < 0) {
+          s0 = at, first = i;
+        } else if (s1 < 0) {
+          s1 = at;
+        }
+      }
+      if (s0 >= 0) {
+        const uint32_t a = bits16<Dst>(as_float(weight[s0]));
+        if (s1 >= 0) {
+          pair = a | bits16<Dst>(as_float(weight[s1])) << 16;
+        } else {
+          pair = lone_slot(first) == 0 ? a : a << 16;
+        }
+      }
+    }
+    out[((int64_t)tile * steps + step) * 128 + within] = pair;
+  }
+}
+
+template <typename Src, typename Dst>
+void launch_transposed_values(const void* weight, const KeptPositions& pos, int64_t tiles, int64_t steps, void* out,
+                              cudaStream_t stream) {
+  const dim3 grid((unsigned)steps, (unsigned)((tiles + 7) / 8));
+  transposed_values_kernel<Src, Dst><<<grid, kThreads, 0, stream>>>(
+      static_cast<const Src*>(weight), pos.sel, (int32_t)pos.rows, (int32_t)(pos.groups * 4),
+      (int32_t)pos.sel_row_bytes, (int32_t)tiles, (int32_t)steps, static_cast<uint32_t*>(out));
+}
+
 template <typename Src, typename Dst>
 void launch_view24_values(const void* weight, const KeptPositions& pos, int32_t groups4, int32_t log2_m,
                           int32_t log2_v, int64_t tiles, int64_t steps4, void* out, cudaStream_t stream) {
@@ -328,6 +391,16 @@ void launch_view24_values_to(int32_t dst_dtype, const void* weight, const KeptPo
     launch_view24_values<Src, __nv_bfloat16>(weight, pos, groups4, log2_m, log2_v, tiles, steps4, out, stream);
   } else {
     launch_view24_values<Src, __half>(weight, pos, groups4, log2_m, log2_v, tiles, steps4, out, stream);
+  }
+}
+
+template <typename Src>
+void launch_transposed_values_to(int32_t dst_dtype, const void* weight, const KeptPositions& pos, int64_t tiles,
+                                 int64_t steps, void* out, cudaStream_t stream) {
+  if (dst_dtype == kRefreshBF16) {
+    launch_transposed_values<Src, __nv_bfloat16>(weight, pos, tiles, steps, out, stream);
+  } else {
+    launch_transposed_values<Src, __half>(weight, pos, tiles, steps, out, stream);
   }
 }
 
@@ -402,6 +475,24 @@ cudaError_t view24_from_values(const void* weight, int32_t src_dtype, const Kept
       launch_view24_values_to<__half>(dst_dtype, weight, pos, (int32_t)groups4, log2_m, log2_v, tiles, steps4, out,
                                       stream);
       break;
+  }
+  return cudaGetLastError();
+}
+
+cudaError_t transposed_from_values(const void* weight, int32_t src_dtype, const KeptPositions& pos, int64_t tiles,
+                                   int64_t steps, void* out, int32_t dst_dtype, cudaStream_t stream) {
+  const int64_t cols = pos.groups * 4;
+  if (pos.m != 4 || pos.columns != nullptr || pos.rows % 4 != 0 || dst_dtype == kRefreshF32) return cudaErrorInvalidValue;
+  if (tiles * 16 < cols || steps * 8 < pos.rows / 4 || (tiles + 7) / 8 > 65535 || steps >= (1LL << 31) ||
+      cols >= (1LL << 31))
+    return cudaErrorInvalidValue;
+  if (tiles == 0 || steps == 0) return cudaSuccess;
+  switch (src_dtype) {
+    case kRefreshF32: launch_transposed_values_to<float>(dst_dtype, weight, pos, tiles, steps, out, stream); break;
+    case kRefreshBF16:
+      launch_transposed_values_to<__nv_bfloat16>(dst_dtype, weight, pos, tiles, steps, out, stream);
+      break;
+    default: launch_transposed_values_to<__half>(dst_dtype, weight, pos, tiles, steps, out, stream); break;
   }
   return cudaGetLastError();
 }
