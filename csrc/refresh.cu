@@ -311,17 +311,29 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // transposed_from_values: the transposed 2:4 pack's values (W^T: rows = W's columns, groups = W's rows / 4) made from
-// a 2:4 layer's kept values. One block per step of 8 groups (32 rows of W) and 8 tiles (128 columns of W), so the
-// rows' kept values and codes it reads (256 and 16 bytes of each row) come from memory once and from L1 after; each
-// thread writes 4 value pairs, laid out as the other packs' (a warp writes 128 consecutive bytes). A pair's two slots
-// hold the kept values of its column among 4 rows, found from each row's two codes in that group of 4 columns
-// (transposed_sources' rule), all in 32-bit indices with no division.
+// a 2:4 layer's kept values. One block per step of 8 groups (32 rows of W) and 8 tiles (128 columns of W): it first
+// stages the rows' kept values in that column range (32 x 64) and their codes (32 x 16 bytes) in shared memory, each
+// warp reading consecutive elements of one row, then each thread writes 4 value pairs, laid out as the other packs'
+// (a warp writes 128 consecutive bytes). A pair's two slots hold the kept values of its column among 4 rows, found
+// from each row's two codes in that group of 4 columns (transposed_sources' rule); 32-bit indices, no division.
 template <typename Src, typename Dst>
 __global__ void __launch_bounds__(kThreads)
     transposed_values_kernel(const Src* __restrict__ weight, const uint8_t* __restrict__ sel, int32_t rows,
                              int32_t cols, int32_t sel_row_bytes, int32_t tiles, int32_t steps,
                              uint32_t* __restrict__ out) {
-  const int32_t step = blockIdx.x, groups_t = rows / 4, src_row = cols / 2;
+  __shared__ float kept[32][65];      // [row of the block][kept value of its 128 columns], padded against conflicts
+  __shared__ uint8_t codes[32][16];  // [row of the block][byte of codes of its 128 columns]
+  const int32_t step = blockIdx.x, src_row = cols / 2;
+  const int32_t row0 = 32 * step, c0 = 128 * blockIdx.y, k0 = c0 / 2, b0 = c0 / 8;
+  for (int32_t i = threadIdx.x; i < 32 * 64; i += kThreads) {
+    const int32_t r = i >> 6, k = i & 63;
+    kept[r][k] = row0 + r < rows && k0 + k < src_row ? as_float(weight[(int64_t)(row0 + r) * src_row + k0 + k]) : 0.0f;
+  }
+  for (int32_t i = threadIdx.x; i < 32 * 16; i += kThreads) {
+    const int32_t r = i >> 4, b = i & 15;
+    codes[r][b] = row0 + r < rows && b0 + b < sel_row_bytes ? sel[(int64_t)(row0 + r) * sel_row_bytes + b0 + b] : 0;
+  }
+  __syncthreads();
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
     const int32_t p = j * kThreads + threadIdx.x;
@@ -329,35 +341,29 @@ __global__ void __launch_bounds__(kThreads)
     if (tile >= tiles) return;
     const int32_t within = p & 127;
     const int32_t g8 = within >> 4, t = (within >> 2) & 3, ch = (within >> 1) & 1, rh = within & 1;
-    const int32_t c = 16 * tile + 8 * rh + g8, g = 8 * step + 4 * ch + t;
+    const int32_t cl = 16 * (p >> 7) + 8 * rh + g8, gl = 4 * ch + t;  // column and group within the block
     uint32_t pair = 0;
-    if (c < cols && g < groups_t) {
-      const int32_t want = c & 3, kk = 2 * (c >> 2), shift = 4 * ((c >> 2) & 1);
-      int32_t hits[4];
+    if (c0 + cl < cols && row0 + 4 * gl < rows) {
+      const int32_t want = cl & 3, kk = 2 * (cl >> 2), shift = 4 * ((cl >> 2) & 1);
+      float a = 0.0f, b = 0.0f;
+      int32_t found = 0, first = 0;
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
-        const uint32_t nib = (__ldg(sel + (int64_t)(4 * g + i) * sel_row_bytes + (c >> 3)) >> shift) & 0xF;
-        hits[i] = (int32_t)(nib & 3) == want ? 0 : (int32_t)(nib >> 2) == want ? 1 : -1;
-      }
-      int64_t s0 = -1, s1 = -1;  // the sources of the (at most two) rows that keep column c
-      int32_t first = 0;          // the row offset (0..3) of the first
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        if (hits[i] < 0) continue;
-        const int64_t at = (int64_t)(4 * g + i) * src_row + kk + hits[i];
-        if (s0 < 0) {
-          s0 = at, first = i;
-        } else if (s1 < 0) {
-          s1 = at;
+        const uint32_t nib = (codes[4 * gl + i][cl >> 3] >> shift) & 0xF;
+        const int32_t hit = (int32_t)(nib & 3) == want ? 0 : (int32_t)(nib >> 2) == want ? 1 : -1;
+        if (hit < 0) continue;
+        const float v = kept[4 * gl + i][kk + hit];
+        if (found == 0) {
+          a = v, first = i;
+        } else if (found == 1) {
+          b = v;
         }
+        ++found;
       }
-      if (s0 >= 0) {
-        const uint32_t a = bits16<Dst>(as_float(weight[s0]));
-        if (s1 >= 0) {
-          pair = a | bits16<Dst>(as_float(weight[s1])) << 16;
-        } else {
-          pair = lone_slot(first) == 0 ? a : a << 16;
-        }
+      if (found >= 2) {
+        pair = bits16<Dst>(a) | bits16<Dst>(b) << 16;
+      } else if (found == 1) {
+        pair = lone_slot(first) == 0 ? bits16<Dst>(a) : bits16<Dst>(a) << 16;
       }
     }
     out[((int64_t)tile * steps + step) * 128 + within] = pair;
