@@ -597,31 +597,26 @@ at::Tensor pack_in_call(int32_t kind, const at::Tensor& weight, const at::Tensor
   HF_CHECK(meta.device() == weight.device() && meta.scalar_type() == at::kInt && meta.dim() == 3 && meta.size(2) == 16,
            "hf_sparse.", op, ": a pack's metadata must be a (tiles, steps, 16) int32 tensor on the layer's device");
   const bool transposed = kind == hf_sparse::kRefreshTransposed;
-  const int64_t pack_rows = transposed ? cols : rows, groups = (transposed ? rows : cols) / (kind == hf_sparse::kRefreshPack ? pos.m : 4);
+  const int64_t pack_rows = transposed ? cols : rows;
+  const int64_t groups = (transposed ? rows : cols) / (kind == hf_sparse::kRefreshPack ? pos.m : 4);
   HF_CHECK(meta.size(0) * 16 >= pack_rows && meta.size(1) * 8 >= groups, "hf_sparse.", op, ": metadata of shape ",
            meta.sizes(), " cannot hold a pack of ", pack_rows, " rows and ", groups, " groups");
-  hf_sparse::RefreshEntry e{};
-  hf_sparse::KeptPositions k{};
-  if (kind != hf_sparse::kRefreshPack) {
-    k = kept_positions(op, pos, rows, cols, weight.device());
-    e.sel = k.sel;
-    e.columns = k.columns;
-    e.sel_row_bytes = k.sel_row_bytes;
-    e.v = k.v;
-  }
   const auto src = weight.contiguous();
   auto values = at::empty({meta.size(0), meta.size(1), 32, 8}, weight.options().dtype(dtype));
   c10::cuda::CUDAGuard guard(weight.device());
   const auto stream = c10::cuda::getCurrentCUDAStream().stream();
-  // the view and the transposed pack have their own kernels (the entry's general path decodes each slot alone)
+  // the view and the transposed pack have their own kernels, which read the kept positions (the entry's general path
+  // would decode each slot alone)
   if (kind == hf_sparse::kRefreshView24 || kind == hf_sparse::kRefreshTransposed) {
     const auto make = kind == hf_sparse::kRefreshView24 ? hf_sparse::view24_from_values
                                                          : hf_sparse::transposed_from_values;
-    check_cuda(make(src.data_ptr(), refresh_dtype(src.scalar_type(), op, "weight"), k, meta.size(0), meta.size(1),
+    check_cuda(make(src.data_ptr(), refresh_dtype(src.scalar_type(), op, "weight"),
+                    kept_positions(op, pos, rows, cols, weight.device()), meta.size(0), meta.size(1),
                     values.data_ptr(), refresh_dtype(dtype, op, "dtype"), stream),
                op);
     return values;
   }
+  hf_sparse::RefreshEntry e{};  // the layer's own pack: one entry of the refresh kernel, passed by value
   e.src = src.data_ptr();
   e.dst = values.data_ptr();
   e.numel = values.numel();

@@ -370,43 +370,21 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-template <typename Src, typename Dst>
-void launch_transposed_values(const void* weight, const KeptPositions& pos, int64_t tiles, int64_t steps, void* out,
-                              cudaStream_t stream) {
-  const dim3 grid((unsigned)steps, (unsigned)((tiles + 7) / 8));
-  transposed_values_kernel<Src, Dst><<<grid, kThreads, 0, stream>>>(
-      static_cast<const Src*>(weight), pos.sel, (int32_t)pos.rows, (int32_t)(pos.groups * 4),
-      (int32_t)pos.sel_row_bytes, (int32_t)tiles, (int32_t)steps, static_cast<uint32_t*>(out));
-}
-
-template <typename Src, typename Dst>
-void launch_view24_values(const void* weight, const KeptPositions& pos, int32_t groups4, int32_t log2_m,
-                          int32_t log2_v, int64_t tiles, int64_t steps4, void* out, cudaStream_t stream) {
-  const dim3 grid((unsigned)((steps4 * 128 + kThreads - 1) / kThreads), (unsigned)tiles);
-  view24_values_kernel<Src, Dst><<<grid, kThreads, 0, stream>>>(
-      static_cast<const Src*>(weight), pos.sel, reinterpret_cast<const uint32_t*>(pos.columns), (int32_t)pos.rows,
-      (int32_t)pos.groups, groups4, log2_m, log2_v, (int32_t)pos.sel_row_bytes, (int32_t)steps4,
-      static_cast<uint32_t*>(out));
-}
-
-template <typename Src>
-void launch_view24_values_to(int32_t dst_dtype, const void* weight, const KeptPositions& pos, int32_t groups4,
-                             int32_t log2_m, int32_t log2_v, int64_t tiles, int64_t steps4, void* out,
-                             cudaStream_t stream) {
-  if (dst_dtype == kRefreshBF16) {
-    launch_view24_values<Src, __nv_bfloat16>(weight, pos, groups4, log2_m, log2_v, tiles, steps4, out, stream);
-  } else {
-    launch_view24_values<Src, __half>(weight, pos, groups4, log2_m, log2_v, tiles, steps4, out, stream);
-  }
-}
-
-template <typename Src>
-void launch_transposed_values_to(int32_t dst_dtype, const void* weight, const KeptPositions& pos, int64_t tiles,
-                                 int64_t steps, void* out, cudaStream_t stream) {
-  if (dst_dtype == kRefreshBF16) {
-    launch_transposed_values<Src, __nv_bfloat16>(weight, pos, tiles, steps, out, stream);
-  } else {
-    launch_transposed_values<Src, __half>(weight, pos, tiles, steps, out, stream);
+// Calls f(Src{}, Dst{}) with the element types of src_dtype (kRefreshF32 / BF16 / F16) and dst_dtype (kRefreshBF16
+// / F16): the one place the packs made from values turn their dtype codes into kernel instantiations.
+template <typename F>
+void with_pack_types(int32_t src_dtype, int32_t dst_dtype, F&& f) {
+  const auto to = [&](auto src) {
+    if (dst_dtype == kRefreshBF16) {
+      f(src, __nv_bfloat16{});
+    } else {
+      f(src, __half{});
+    }
+  };
+  switch (src_dtype) {
+    case kRefreshF32: to(float{}); break;
+    case kRefreshBF16: to(__nv_bfloat16{}); break;
+    default: to(__half{}); break;
   }
 }
 
@@ -445,9 +423,8 @@ cudaError_t view24_from_pack(const uint16_t* values, const int32_t* meta, const 
                              int64_t rows, int64_t cols, int32_t m, int64_t steps, uint16_t* out_values,
                              int32_t* out_meta, cudaStream_t stream) {
   const int64_t steps4 = (cols / 4 + 7) / 8, tiles = rows_padded / 16;
-  int32_t log2_m = 0;
-  while ((1 << log2_m) < m) ++log2_m;
-  if ((1 << log2_m) != m || tiles > 65535 || steps4 * 128 >= (1LL << 31)) return cudaErrorInvalidValue;
+  const int32_t log2_m = log2_exact(m);
+  if (log2_m < 0 || tiles > 65535 || steps4 * 128 >= (1LL << 31)) return cudaErrorInvalidValue;
   if (reinterpret_cast<uintptr_t>(columns) % 4 != 0) return cudaErrorMisalignedAddress;  // read as words
   if (tiles == 0 || steps4 == 0) return cudaSuccess;
   const dim3 grid((unsigned)((steps4 * 128 + kThreads - 1) / kThreads), (unsigned)tiles);
@@ -468,20 +445,14 @@ cudaError_t view24_from_values(const void* weight, int32_t src_dtype, const Kept
     return cudaErrorInvalidValue;
   if (reinterpret_cast<uintptr_t>(pos.columns) % 4 != 0) return cudaErrorMisalignedAddress;  // read as words
   if (tiles == 0 || steps4 == 0) return cudaSuccess;
-  switch (src_dtype) {
-    case kRefreshF32:
-      launch_view24_values_to<float>(dst_dtype, weight, pos, (int32_t)groups4, log2_m, log2_v, tiles, steps4, out,
-                                     stream);
-      break;
-    case kRefreshBF16:
-      launch_view24_values_to<__nv_bfloat16>(dst_dtype, weight, pos, (int32_t)groups4, log2_m, log2_v, tiles, steps4,
-                                             out, stream);
-      break;
-    default:
-      launch_view24_values_to<__half>(dst_dtype, weight, pos, (int32_t)groups4, log2_m, log2_v, tiles, steps4, out,
-                                      stream);
-      break;
-  }
+  const dim3 grid((unsigned)((steps4 * 128 + kThreads - 1) / kThreads), (unsigned)tiles);
+  with_pack_types(src_dtype, dst_dtype, [&](auto src, auto dst) {
+    using Src = decltype(src);
+    view24_values_kernel<Src, decltype(dst)><<<grid, kThreads, 0, stream>>>(
+        static_cast<const Src*>(weight), pos.sel, reinterpret_cast<const uint32_t*>(pos.columns), (int32_t)pos.rows,
+        (int32_t)pos.groups, (int32_t)groups4, log2_m, log2_v, (int32_t)pos.sel_row_bytes, (int32_t)steps4,
+        static_cast<uint32_t*>(out));
+  });
   return cudaGetLastError();
 }
 
@@ -493,13 +464,13 @@ cudaError_t transposed_from_values(const void* weight, int32_t src_dtype, const 
       cols >= (1LL << 31))
     return cudaErrorInvalidValue;
   if (tiles == 0 || steps == 0) return cudaSuccess;
-  switch (src_dtype) {
-    case kRefreshF32: launch_transposed_values_to<float>(dst_dtype, weight, pos, tiles, steps, out, stream); break;
-    case kRefreshBF16:
-      launch_transposed_values_to<__nv_bfloat16>(dst_dtype, weight, pos, tiles, steps, out, stream);
-      break;
-    default: launch_transposed_values_to<__half>(dst_dtype, weight, pos, tiles, steps, out, stream); break;
-  }
+  const dim3 grid((unsigned)steps, (unsigned)((tiles + 7) / 8));
+  with_pack_types(src_dtype, dst_dtype, [&](auto src, auto dst) {
+    using Src = decltype(src);
+    transposed_values_kernel<Src, decltype(dst)><<<grid, kThreads, 0, stream>>>(
+        static_cast<const Src*>(weight), pos.sel, (int32_t)pos.rows, (int32_t)cols, (int32_t)pos.sel_row_bytes,
+        (int32_t)tiles, (int32_t)steps, static_cast<uint32_t*>(out));
+  });
   return cudaGetLastError();
 }
 

@@ -18,7 +18,6 @@ through one :class:`CompactKernel`, built once from the layer's position buffers
   In eager inference the layer holds no view at all: a ``"sparse24"`` forward makes values and metadata from the
   layer's own pack in one launch of the extension's ``view24`` (:meth:`CompactKernel._view_from_pack`), so the layer
   holds one copy of its values.
-
 * the plans, per (token bucket, whether the call trains): the forward (``"sparse"``: SpMM on ``packed``;
   ``"sparse24"``: SpMM on the 2:4 view; ``"dense"``: cuBLAS on a transient dense weight made by one scatter to the
   kept positions), the input gradient (``"sparse"`` on ``packed_t``, else ``"dense"``), the weight gradient
@@ -43,8 +42,9 @@ Under ``torch.inference_mode()`` (no call has trained, every measured forward ru
 from it per call, the values already in the compute dtype, no layout padding) the pack is the only copy of the
 weights: :meth:`CompactKernel.adopt` makes ``layer.weight`` the pack's values (the same elements in the fragment
 order) and empties the position buffers (the metadata and block columns hold them), so a loaded model takes the bytes
-of its checkpoint tensors. Whatever reads the on-disk form (``state_dict``, ``compressed_tensors``, ``.to()``, a call that trains, a new measurement) calls
-:meth:`SparseLinear.on_disk_form` first, which makes it again from the pack (:meth:`CompactKernel.release`).
+of its checkpoint tensors. Whatever reads the on-disk form (``state_dict``, ``compressed_tensors``, ``.to()``, a call
+that trains, a new measurement) calls :meth:`SparseLinear.on_disk_form` first, which makes it again from the pack
+(:meth:`CompactKernel.release`).
 
 The pack inference holds (and the bias in the compute dtype, where it differs) is refreshed after each optimizer step
 and on the first call after the weight changed otherwise: when its version counter, its address, the bias's version
