@@ -620,15 +620,12 @@ at::Tensor pack_in_call(int32_t kind, const at::Tensor& weight, const at::Tensor
   e.src = src.data_ptr();
   e.dst = values.data_ptr();
   e.numel = values.numel();
-  e.src_numel = src.numel();
   e.rows = pack_rows;
   e.groups = groups;
   e.steps = meta.size(1);
-  e.src_groups = cols / pos.m;
   e.kind = kind;
   e.src_dtype = refresh_dtype(src.scalar_type(), op, "weight");
   e.dst_dtype = refresh_dtype(dtype, op, "dtype");
-  e.m = (int32_t)pos.m;
   check_cuda(hf_sparse::refresh_one(e, stream), op);
   return values;
 }

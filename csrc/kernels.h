@@ -93,35 +93,29 @@ cudaError_t vnm_mask(const float* score, double* sums, uint32_t* bits, bool* out
 cudaError_t transposable_2to4_mask(const float* score, const uint16_t* patterns, bool* out, int rows, int cols,
                                    cudaStream_t stream);
 
-// Pack refresh (csrc/refresh.cu). One entry writes `numel` destination elements, converting from src_dtype to
-// dst_dtype (kRefreshF32 / BF16 / F16). kRefreshPack, kRefreshTransposed and kRefreshView24 write a fragment-ordered
-// 2:4 pack (rows_padded/16, steps, 32, 8) whose logical form has `rows` rows and `groups` groups (zero in the layout's
-// padding), from a layer's kept values src ((src_rows, 2 * src_groups) row-major):
-// - kRefreshPack: the layer's own pack (its logical form is src itself);
-// - kRefreshTransposed: the 2:4 pack of W^T for a 2:4 layer whose transposed mask is 2:4 too (rows = W's columns,
-//   groups = W's rows / 4): slot k of a group holds the k-th kept value, by row, of that column and 4 rows;
-// - kRefreshView24: the 2:4 pack of a V:2:M weight (M >= 8) seen as 2:4 (rows = W's rows, groups = W's columns / 4):
-//   slot k holds the k-th kept value, by column, of that row and 4 columns, zero where there are fewer.
-// The last two find their sources from the layer's kept positions in their on-disk form (KeptPositions below: `sel`
-// with sel_row_bytes per row, `columns` for V:2:M, m, v), so no permutation is held. kRefreshCopy: dst[j] = src[j].
-// The layout is fixed (kRefreshWords 8-byte words) because hf_sparse.nn.refresh writes the table as an int64 tensor:
-// refresh_packs takes `count` entries in device memory, first_block increasing from 0 by refresh_blocks(numel) per
-// entry, `blocks` the total.
+// Pack refresh (csrc/refresh.cu). Kinds of pack a compact layer computes on (hf_sparse.nn.refresh names them too):
+// kRefreshPack, its own fragment-ordered pack; kRefreshTransposed, the 2:4 pack of W^T (made by
+// transposed_from_values); kRefreshView24, the 2:4 view of a V:2:M weight (made by view24_from_values); kRefreshCopy, a
+// converting copy (the bias in the compute dtype).
+// A RefreshEntry is a kRefreshPack or kRefreshCopy: it writes `numel` destination elements, converting from src_dtype
+// to dst_dtype (kRefreshF32 / BF16 / F16). A kRefreshPack entry writes the fragment-ordered pack (rows_padded/16,
+// steps, 32, 8) of src ((rows, 2 * groups) row-major, the layer's kept values), zero in the layout's padding;
+// kRefreshCopy: dst[j] = src[j]. The layout is fixed (kRefreshWords 8-byte words) because hf_sparse.nn.refresh writes
+// the table as an int64 tensor: refresh_packs takes `count` entries in device memory, first_block increasing from 0
+// by refresh_blocks(numel) per entry, `blocks` the total.
 enum : int32_t { kRefreshPack = 0, kRefreshTransposed = 1, kRefreshView24 = 2, kRefreshCopy = 3 };
 enum : int32_t { kRefreshF32 = 0, kRefreshBF16 = 1, kRefreshF16 = 2 };
 struct RefreshEntry {
   const void* src;
   void* dst;
-  const uint8_t* sel;
-  const uint8_t* columns;
-  int64_t numel, src_numel, rows, groups, steps, first_block, sel_row_bytes, src_groups;
-  int32_t kind, src_dtype, dst_dtype, m, v, unused;
+  int64_t numel, rows, groups, steps, first_block;
+  int32_t kind, src_dtype, dst_dtype, unused;
 };
-constexpr int kRefreshWords = 15;
-static_assert(sizeof(RefreshEntry) == 8 * kRefreshWords, "RefreshEntry is read from an int64 table of 15 words");
+constexpr int kRefreshWords = 9;
+static_assert(sizeof(RefreshEntry) == 8 * kRefreshWords, "RefreshEntry is read from an int64 table of 9 words");
 int64_t refresh_blocks(int64_t numel);
 cudaError_t refresh_packs(const RefreshEntry* table, int count, int64_t blocks, cudaStream_t stream);
-// One entry, passed by value (no table in device memory): a pack made inside a compact layer's training call.
+// One entry, passed by value (no table in device memory): the own pack made inside a compact layer's training call.
 cudaError_t refresh_one(const RefreshEntry& entry, cudaStream_t stream);
 
 // A compact layer's kept positions in their on-disk form (docs/format.md), read in place: `sel` (rows, sel_row_bytes)
@@ -157,7 +151,7 @@ cudaError_t view24_from_values(const void* weight, int32_t src_dtype, const Kept
                                int64_t steps4, void* out, int32_t dst_dtype, cudaStream_t stream);
 // The values of a 2:4 layer's transposed pack (W^T as 2:4, for a mask whose transpose is 2:4 too) made from its kept
 // values: `weight` (rows, cols / 2) in src_dtype, `pos` 2:4 (no block columns), out (tiles, steps, 32, 8) with
-// tiles * 16 >= cols and steps * 8 >= rows / 4, in dst_dtype, every slot written. The bytes kRefreshTransposed writes.
+// tiles * 16 >= cols and steps * 8 >= rows / 4, in dst_dtype, every slot written.
 cudaError_t transposed_from_values(const void* weight, int32_t src_dtype, const KeptPositions& pos, int64_t tiles,
                                    int64_t steps, void* out, int32_t dst_dtype, cudaStream_t stream);
 

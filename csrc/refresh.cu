@@ -1,14 +1,16 @@
-// refresh_packs: rewrite the packed weights of many compact layers from their kept values in one launch; and
-// gather_kept / scatter_kept: a layer's kept values out of a dense matrix (its weight gradient) and into one (a
-// transient dense weight), in one pass each, reading the positions in their on-disk form (no index is kept); and
-// view24_from_pack: the 2:4 view of a V:2:M pack made from that pack, for inference that holds one copy of the values.
-//
-// Why: after every optimizer step each compact layer's packs (hf_sparse.nn.compact) must follow its fp32 values: the
-// fragment-ordered pack, the transposed 2:4 pack, the 2:4 view of a V:2:M weight, the bias in the compute dtype. Done
-// with torch ops that is three or four launches per layer (a strided copy, a gather per 2:4 pack, a copy),
-// ~400 launches per step for BERT-large, and on a host that needs ~20 us per launch that is most of what the sparse
-// step saves on the GPU. Here one launch does every layer: a table in device memory lists the work (RefreshEntry),
-// block b finds its entry by binary search over the entries' first blocks.
+// The packs of a compact layer (hf_sparse.nn.compact) made from its kept values, and what else reads those values
+// at their positions in their on-disk form (no index or permutation is kept):
+// - refresh_one / refresh_packs: the layer's own fragment-ordered pack (and the bias's cast). A training call makes
+//   its own pack with refresh_one (one entry, passed by value); inference keeps the pack between calls, and after each
+//   optimizer step refresh_packs rewrites every stale one in one launch: a table in device memory lists the work
+//   (RefreshEntry), block b finds its entry by binary search over the entries' first blocks. With torch ops that is
+//   a strided copy and a cast per layer, and on a host that needs ~20 us per launch, 144 BERT-large layers' worth of
+//   launches cost what the sparse step saves on the GPU.
+// - view24_from_values / transposed_from_values: the 2:4 view of a V:2:M weight and the transposed 2:4 pack, which a
+//   training call makes (pack_in_call in binding.cpp); view24_from_pack: the view made from the pack, for inference
+//   that holds one copy of the values.
+// - gather_kept / scatter_kept: a layer's kept values out of a dense matrix (its weight gradient) and into one (a
+//   transient dense weight), in one pass each.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <stdint.h>
@@ -38,76 +40,13 @@ __device__ __forceinline__ void store_float(void* dst, int64_t i, int dtype, flo
   }
 }
 
-// The column (in 0 .. m * groups) of kept value k (0 .. 2 groups) of row r, from the positions in their on-disk form:
-// `sel` (rows, row_bytes) 2-bit codes; `columns` (rows / v, groups, 4) the V-row blocks' column offsets, or nullptr
-// for 2:4 (the code is the offset).
-__device__ __forceinline__ int64_t kept_column_at(const uint8_t* sel, int64_t row_bytes, const uint8_t* columns,
-                                                  int64_t v, int64_t groups, int64_t m, int64_t r, int64_t k) {
-  const int code = (sel[r * row_bytes + (k >> 2)] >> (2 * (k & 3))) & 3;
-  const int64_t g = k >> 1;
-  const int offset = columns == nullptr ? code : columns[((int64_t)((int32_t)r / (int32_t)v) * groups + g) * 4 + code];
-  return g * m + offset;
-}
-
 // The slot that holds the only kept value of a group of 4 in a 2:4 pack made by hf_sparse.ops._layout, whose
 // selectors are the kept offsets padded with the first offsets not kept, in increasing order: slot 0 when the value
 // is at offset 0 (padding at 1), else slot 1 (padding at 0).
 __device__ __forceinline__ int lone_slot(int offset) { return offset == 0 ? 0 : 1; }
 
-// Slot k of a group of 4 in such a pack: of kept sources `first` (offset `first_offset`) and `second` (a larger
-// offset; -1 for none), which one slot k holds, or -1.
-__device__ __forceinline__ int64_t slot_source(int64_t first, int first_offset, int64_t second, int64_t k) {
-  if (second >= 0) return k == 0 ? first : second;
-  if (first < 0) return -1;
-  return k == lone_slot(first_offset) ? first : -1;
-}
-
-// kRefreshTransposed: the sources of both slots of (column c of W, its rows 4 g .. 4 g + 3), among those rows that
-// keep column c (one of their two kept values in the column's group of 4 is at c). A row's two codes in that group
-// share one byte of `sel`, so the four rows cost four independent byte loads.
-__device__ __forceinline__ void transposed_sources(const RefreshEntry& e, int32_t c, int32_t g, int64_t* s) {
-  const int32_t kk = 2 * (c >> 2), want = c & 3;
-  int64_t first = -1, second = -1;
-  int first_offset = 0;
-  int codes[4];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) codes[i] = e.sel[(int64_t)(4 * g + i) * e.sel_row_bytes + (kk >> 2)] >> (2 * (kk & 3));
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const int hit = (codes[i] & 3) == want ? 0 : ((codes[i] >> 2) & 3) == want ? 1 : -1;
-    if (hit < 0) continue;
-    const int64_t source = (int64_t)(4 * g + i) * 2 * e.src_groups + kk + hit;
-    if (first < 0) {
-      first = source, first_offset = i;
-    } else {
-      second = source;
-    }
-  }
-  s[0] = slot_source(first, first_offset, second, 0);
-  s[1] = slot_source(first, first_offset, second, 1);
-}
-
-// kRefreshView24: the sources of both slots of (row r, columns 4 g .. 4 g + 3) of a V:2:M weight, among the row's two
-// kept values of the group of m that holds those columns.
-__device__ __forceinline__ void view24_sources(const RefreshEntry& e, int32_t r, int32_t g, int64_t* s) {
-  const int64_t kk = 2 * ((4 * g) / e.m);
-  int64_t c0 = kept_column_at(e.sel, e.sel_row_bytes, e.columns, e.v, e.src_groups, e.m, r, kk);
-  int64_t c1 = kept_column_at(e.sel, e.sel_row_bytes, e.columns, e.v, e.src_groups, e.m, r, kk + 1);
-  int64_t k0 = kk, k1 = kk + 1;
-  if (c1 < c0) {
-    const int64_t c = c0, kt = k0;
-    c0 = c1, k0 = k1, c1 = c, k1 = kt;
-  }
-  const bool in0 = (c0 >> 2) == g, in1 = (c1 >> 2) == g;
-  const int64_t base = (int64_t)r * 2 * e.src_groups;
-  const int64_t first = in0 ? base + k0 : in1 ? base + k1 : -1, second = in0 && in1 ? base + k1 : -1;
-  const int first_offset = (int)((in0 ? c0 : c1) & 3);
-  s[0] = slot_source(first, first_offset, second, 0);
-  s[1] = slot_source(first, first_offset, second, 1);
-}
-
-// The sources of destination slots 2 q and 2 q + 1 (the two slots of one row and group of a 2:4 or V:2:M pack), -1
-// for a slot that reads zero.
+// The sources of destination slots 2 q and 2 q + 1 of a kRefreshPack entry (one row and group of the pack; src is
+// (rows, 2 * groups) row-major), -1 for a slot in the layout's padding (it reads zero).
 __device__ __forceinline__ void pair_sources(const RefreshEntry& e, int64_t q, int64_t* s) {
   // values (tiles, steps, 32, 8) seen as (tile, step, g8, t, ch, rh, k): row 16 tile + 8 rh + g8, group 8 step +
   // 4 ch + t, kept value k of the group. A pack's tile_step = q >> 7 is below 2^32 (its numel below 2^40).
@@ -115,15 +54,11 @@ __device__ __forceinline__ void pair_sources(const RefreshEntry& e, int64_t q, i
   const uint32_t tile_step = (uint32_t)(q >> 7), steps = (uint32_t)e.steps;
   const uint32_t tile = tile_step / steps, step = tile_step - tile * steps;
   const int32_t row = 16 * (int32_t)tile + 8 * rh + g8, group = 8 * (int32_t)step + 4 * ch + t;
-  s[0] = s[1] = -1;
-  if (row >= e.rows || group >= e.groups) return;
-  switch (e.kind) {
-    case kRefreshPack:  // src is (rows, 2 * groups) row-major
-      s[0] = ((int64_t)row * e.groups + group) * 2, s[1] = s[0] + 1;
-      return;
-    case kRefreshTransposed: transposed_sources(e, row, group, s); return;
-    default: view24_sources(e, row, group, s); return;
+  if (row >= e.rows || group >= e.groups) {
+    s[0] = s[1] = -1;
+    return;
   }
+  s[0] = ((int64_t)row * e.groups + group) * 2, s[1] = s[0] + 1;
 }
 
 // Each thread: kPerThread / 2 slot pairs of a pack entry (a block covers kPerBlock slots of it, as refresh_blocks
@@ -173,8 +108,14 @@ __global__ void __launch_bounds__(kThreads) refresh_many_kernel(const RefreshEnt
 
 __global__ void __launch_bounds__(kThreads) refresh_one_kernel(const RefreshEntry e) { run_entry(e, blockIdx.x); }
 
+// The column (in 0 .. m * groups) of kept value k (0 .. 2 groups) of row r, from the positions in their on-disk form
+// (KeptPositions: for 2:4 the code is the offset, for V:2:M it picks one of the V-row block's column offsets).
 __device__ __forceinline__ int64_t kept_column(const KeptPositions& p, int64_t r, int64_t k) {
-  return kept_column_at(p.sel, p.sel_row_bytes, p.columns, p.v, p.groups, p.m, r, k);
+  const int code = (p.sel[r * p.sel_row_bytes + (k >> 2)] >> (2 * (k & 3))) & 3;
+  const int64_t g = k >> 1;
+  const int offset =
+      p.columns == nullptr ? code : p.columns[((int64_t)((int32_t)r / (int32_t)p.v) * p.groups + g) * 4 + code];
+  return g * p.m + offset;
 }
 
 // One thread per kept value: dst[r, k] = src[r, kept_column(r, k)].
@@ -314,8 +255,9 @@ __global__ void __launch_bounds__(kThreads)
 // a 2:4 layer's kept values. One block per step of 8 groups (32 rows of W) and 8 tiles (128 columns of W): it first
 // stages the rows' kept values in that column range (32 x 64) and their codes (32 x 16 bytes) in shared memory, each
 // warp reading consecutive elements of one row, then each thread writes 4 value pairs, laid out as the other packs'
-// (a warp writes 128 consecutive bytes). A pair's two slots hold the kept values of its column among 4 rows, found
-// from each row's two codes in that group of 4 columns (transposed_sources' rule); 32-bit indices, no division.
+// (a warp writes 128 consecutive bytes). A pair's two slots hold the kept values of its column among its 4 rows, by
+// row (a row keeps the column where one of its two codes in that group of 4 columns is the column's offset); 32-bit
+// indices, no division.
 template <typename Src, typename Dst>
 __global__ void __launch_bounds__(kThreads)
     transposed_values_kernel(const Src* __restrict__ weight, const uint8_t* __restrict__ sel, int32_t rows,

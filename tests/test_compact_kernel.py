@@ -368,3 +368,29 @@ def test_kept_positions_in_their_on_disk_form_give_the_kept_index(spec, rows, co
     assert index.shape == layer.weight.shape
     assert torch.equal(index.view(-1), layer.kept_index)
     assert torch.equal(torch.zeros(rows * cols, dtype=torch.bool).index_fill_(0, index.view(-1), True), mask.view(-1))
+
+
+def test_refresh_table_entries_have_the_extensions_layout():
+    """A ``PACK`` or ``COPY`` entry is as many 64-bit words as ``csrc/kernels.h`` says its ``RefreshEntry`` is, with
+    the pointers first and the kind and dtypes in the last two; the packs a training call makes by their own kernels
+    (``TRANSPOSED``, ``VIEW24``) are refused, so a table cannot send them to a kernel that no longer reads them."""
+    import re
+    from pathlib import Path
+
+    from hf_sparse.nn.refresh import COPY, RefreshEntry
+
+    header = (Path(__file__).resolve().parents[1] / "csrc" / "kernels.h").read_text()
+    words = int(re.search(r"constexpr int kRefreshWords = (\d+);", header).group(1))
+    layer, _, _ = _layer("2:4", 40, 72, transposable=True, seed=3)
+    k = layer.kernel_state(torch.bfloat16)
+    src, dst = layer.weight.detach(), torch.empty(k.n, dtype=torch.bfloat16)
+    pack_words = RefreshEntry(PACK, src, dst, k.rows, k.groups, k.shape[1]).words(7)
+    assert len(pack_words) == words
+    assert pack_words[:2] == [src.data_ptr(), dst.data_ptr()]
+    assert pack_words[2:7] == [dst.numel(), 40, 72 // 4, k.shape[1], 7]
+    assert pack_words[7:] == [PACK | 0 << 32, 1]  # kRefreshF32 source, kRefreshBF16 destination
+    bias = layer.bias.detach()
+    assert RefreshEntry(COPY, bias, bias.bfloat16()).words(0)[7:] == [COPY, 1]
+    for kind in (TRANSPOSED, VIEW24):
+        with pytest.raises(ValueError, match="not PACK"):
+            RefreshEntry(kind, src, dst, 72, 10, 2).words(0)

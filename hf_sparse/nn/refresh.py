@@ -4,10 +4,11 @@ many layers (:func:`launch_refresh`).
 
 A compact layer (:mod:`hf_sparse.nn.compact`) computes on packs made from its values: the fragment-ordered pack, the
 transposed 2:4 pack, the 2:4 view of a V:2:M weight, the bias in the compute dtype. A call that trains makes the one
-it computes on inside the call (the extension's ``pack_in_call`` runs one entry, passed by value). What inference
+it computes on inside the call (the extension's ``pack_in_call``: its own kernel for each kind). What inference
 holds between calls (the own pack, the bias's cast) must follow the values after each optimizer step; with torch
 ops that is a launch or more per layer, each costing the host ~20 us on the machines this was measured on, so the
-extension's ``refresh_packs`` runs the entries of every stale layer in one launch from a table of pointers.
+extension's ``refresh_packs`` runs the ``PACK`` and ``COPY`` entries of every stale layer in one launch from a table
+of pointers.
 
 Entries (every one writes all of ``dst``, converting to its dtype; ``src`` is a layer's kept values ``(R, 2G)``):
 
@@ -71,24 +72,23 @@ class RefreshEntry(NamedTuple):
     v: int = 1
 
     def words(self, first_block: int) -> list[int]:
-        """The entry as the extension's ``RefreshEntry`` (csrc/kernels.h): ``kRefreshWords`` 64-bit words."""
-        sel, columns = self.sel, self.columns
+        """The entry as the extension's ``RefreshEntry`` (csrc/kernels.h): ``kRefreshWords`` 64-bit words. Only
+        ``PACK`` and ``COPY`` entries go into a table; the extension makes the other packs by their own kernels."""
+        if self.kind not in (PACK, COPY):
+            raise ValueError(
+                f"RefreshEntry.words: kind {self.kind} is not PACK ({PACK}) or COPY ({COPY}); the transposed pack and "
+                "the 2:4 view are made inside a training call (the extension's pack_in_call), not by refresh_packs"
+            )
         return [
             self.src.data_ptr(),
             self.dst.data_ptr(),
-            0 if sel is None else sel.data_ptr(),
-            0 if columns is None else columns.data_ptr(),
             self.dst.numel(),
-            self.src.numel(),
             self.rows,
             self.groups,
             self.steps,
             first_block,
-            0 if sel is None else sel.shape[-1],
-            self.src.shape[-1] // 2 if self.src.dim() == 2 else 0,
             self.kind | _DTYPES[self.src.dtype] << 32,
-            _DTYPES[self.dst.dtype] | self.m << 32,
-            self.v,
+            _DTYPES[self.dst.dtype],
         ]
 
 
