@@ -108,42 +108,6 @@ __global__ void __launch_bounds__(kThreads) refresh_many_kernel(const RefreshEnt
 
 __global__ void __launch_bounds__(kThreads) refresh_one_kernel(const RefreshEntry e) { run_entry(e, blockIdx.x); }
 
-// The column (in 0 .. m * groups) of kept value k (0 .. 2 groups) of row r, from the positions in their on-disk form
-// (KeptPositions: for 2:4 the code is the offset, for V:2:M it picks one of the V-row block's column offsets).
-__device__ __forceinline__ int64_t kept_column(const KeptPositions& p, int64_t r, int64_t k) {
-  const int code = (p.sel[r * p.sel_row_bytes + (k >> 2)] >> (2 * (k & 3))) & 3;
-  const int64_t g = k >> 1;
-  const int offset =
-      p.columns == nullptr ? code : p.columns[((int64_t)((int32_t)r / (int32_t)p.v) * p.groups + g) * 4 + code];
-  return g * p.m + offset;
-}
-
-// One thread per kept value: dst[r, k] = src[r, kept_column(r, k)].
-__global__ void __launch_bounds__(kThreads) gather_kept_kernel(const void* src, int32_t src_dtype, void* dst,
-                                                                 int32_t dst_dtype, KeptPositions p) {
-  const int64_t j = (int64_t)blockIdx.x * kThreads + threadIdx.x;
-  const int64_t kept = 2 * p.groups;
-  if (j >= p.rows * kept) return;
-  const int64_t r = j / kept;
-  store_float(dst, j, dst_dtype, load_as_float(src, r * p.groups * p.m + kept_column(p, r, j - r * kept), src_dtype));
-}
-
-// One thread per dense element: dst[r, c] = the kept value at column c of row r, or zero.
-__global__ void __launch_bounds__(kThreads) scatter_kept_kernel(const void* src, int32_t src_dtype, void* dst,
-                                                                  int32_t dst_dtype, KeptPositions p) {
-  const int64_t j = (int64_t)blockIdx.x * kThreads + threadIdx.x;
-  const int64_t cols = p.groups * p.m;
-  if (j >= p.rows * cols) return;
-  const int64_t r = j / cols, c = j - r * cols, k0 = 2 * (c / p.m);
-  float v = 0.0f;
-  if (kept_column(p, r, k0) == c) {
-    v = load_as_float(src, r * 2 * p.groups + k0, src_dtype);
-  } else if (kept_column(p, r, k0 + 1) == c) {
-    v = load_as_float(src, r * 2 * p.groups + k0 + 1, src_dtype);
-  }
-  store_float(dst, j, dst_dtype, v);
-}
-
 // One thread per value pair of the view (the two slots of one row and group of 4 columns: 4 bytes, so the lanes of a
 // warp write 128 consecutive bytes); the 8 lanes that share a metadata word (its 2 rows x 4 groups) combine their
 // selectors by shuffles and the first of them writes it. blockIdx.y is the 16-row tile, the threads of x run over
@@ -210,6 +174,78 @@ template <>
 __device__ __forceinline__ uint32_t bits16<__nv_bfloat16>(float x) { return __bfloat16_as_ushort(__float2bfloat16(x)); }
 template <>
 __device__ __forceinline__ uint32_t bits16<__half>(float x) { return __half_as_ushort(__float2half(x)); }
+
+// Four consecutive elements of a row of T, written as one 8-byte (16-bit T) or 16-byte (float) store.
+template <typename T>
+__device__ __forceinline__ void store4(T* p, float a, float b, float c, float d);
+template <>
+__device__ __forceinline__ void store4<float>(float* p, float a, float b, float c, float d) {
+  *reinterpret_cast<float4*>(p) = make_float4(a, b, c, d);
+}
+template <typename T>
+__device__ __forceinline__ void store4(T* p, float a, float b, float c, float d) {
+  *reinterpret_cast<uint2*>(p) = make_uint2(bits16<T>(a) | bits16<T>(b) << 16, bits16<T>(c) | bits16<T>(d) << 16);
+}
+
+// Two consecutive elements of T, written as one store.
+template <typename T>
+__device__ __forceinline__ void store2(T* p, float a, float b);
+template <>
+__device__ __forceinline__ void store2<float>(float* p, float a, float b) {
+  *reinterpret_cast<float2*>(p) = make_float2(a, b);
+}
+template <typename T>
+__device__ __forceinline__ void store2(T* p, float a, float b) {
+  *reinterpret_cast<uint32_t*>(p) = bits16<T>(a) | bits16<T>(b) << 16;
+}
+
+// The column offsets (within the group) of the two kept values of group g of row r, from the positions in their
+// on-disk form: both 2-bit codes share one nibble of `sel`; for 2:4 the code is the offset, for V:2:M it picks one
+// of the V-row block's four column offsets of the group.
+__device__ __forceinline__ void kept_offsets(const KeptPositions& p, int32_t r, int32_t g, int32_t* o0, int32_t* o1) {
+  const uint32_t nib = (__ldg(p.sel + (int64_t)r * p.sel_row_bytes + (g >> 1)) >> (4 * (g & 1))) & 0xF;
+  if (p.columns == nullptr) {
+    *o0 = nib & 3, *o1 = nib >> 2;
+    return;
+  }
+  const uint8_t* block = p.columns + ((int64_t)(r / p.v) * p.groups + g) * 4;
+  *o0 = __ldg(block + (nib & 3)), *o1 = __ldg(block + (nib >> 2));
+}
+
+// gather_kept: one thread per group of m columns of a row; it reads the group's two kept values of the dense src and
+// writes them as one pair of dst (rows, 2 groups). One 32-bit division per thread, none per element.
+template <typename Src, typename Dst>
+__global__ void __launch_bounds__(kThreads)
+    gather_kept_kernel(const Src* __restrict__ src, Dst* __restrict__ dst, KeptPositions p) {
+  const int32_t q = blockIdx.x * kThreads + threadIdx.x, groups = (int32_t)p.groups;
+  if (q >= (int32_t)p.rows * groups) return;
+  const int32_t r = q / groups, g = q - r * groups;
+  int32_t o0, o1;
+  kept_offsets(p, r, g, &o0, &o1);
+  const Src* group = src + (int64_t)r * groups * p.m + (int64_t)g * p.m;
+  store2(dst + 2 * (int64_t)q, as_float(group[o0]), as_float(group[o1]));
+}
+
+// scatter_kept: one thread per group of m columns of a row; it reads the group's two kept values and writes the
+// group's m elements of the dense dst (the kept values at their offsets, zero elsewhere) four at a time. One 32-bit
+// division per thread, none per element.
+template <typename Src, typename Dst>
+__global__ void __launch_bounds__(kThreads)
+    scatter_kept_kernel(const Src* __restrict__ src, Dst* __restrict__ dst, KeptPositions p) {
+  const int32_t q = blockIdx.x * kThreads + threadIdx.x, groups = (int32_t)p.groups;
+  if (q >= (int32_t)p.rows * groups) return;
+  const int32_t r = q / groups, g = q - r * groups;
+  int32_t o0, o1;
+  kept_offsets(p, r, g, &o0, &o1);
+  const float a = as_float(src[2 * (int64_t)q]), b = as_float(src[2 * (int64_t)q + 1]);
+  Dst* group = dst + (int64_t)r * groups * p.m + (int64_t)g * p.m;
+  for (int32_t c = 0; c < p.m; c += 4) {
+    float v[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) v[i] = c + i == o0 ? a : c + i == o1 ? b : 0.0f;  // the first kept value wins a tie
+    store4(group + c, v[0], v[1], v[2], v[3]);
+  }
+}
 
 // view24_from_values: one thread per value pair of the view, laid out as in view24_kernel (a warp writes 128
 // consecutive bytes). The pair's 4 columns lie in one V:2:M group h of its row: the thread reads that group's two kept
@@ -312,22 +348,39 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// Calls f(Src{}) with the element type of src_dtype (kRefreshF32 / BF16 / F16).
+template <typename F>
+void with_src_type(int32_t src_dtype, F&& f) {
+  switch (src_dtype) {
+    case kRefreshF32: f(float{}); break;
+    case kRefreshBF16: f(__nv_bfloat16{}); break;
+    default: f(__half{}); break;
+  }
+}
+
 // Calls f(Src{}, Dst{}) with the element types of src_dtype (kRefreshF32 / BF16 / F16) and dst_dtype (kRefreshBF16
 // / F16): the one place the packs made from values turn their dtype codes into kernel instantiations.
 template <typename F>
 void with_pack_types(int32_t src_dtype, int32_t dst_dtype, F&& f) {
-  const auto to = [&](auto src) {
+  with_src_type(src_dtype, [&](auto src) {
     if (dst_dtype == kRefreshBF16) {
       f(src, __nv_bfloat16{});
     } else {
       f(src, __half{});
     }
-  };
-  switch (src_dtype) {
-    case kRefreshF32: to(float{}); break;
-    case kRefreshBF16: to(__nv_bfloat16{}); break;
-    default: to(__half{}); break;
-  }
+  });
+}
+
+// The same for gather_kept / scatter_kept, whose dst may also be fp32 (kRefreshF32).
+template <typename F>
+void with_value_types(int32_t src_dtype, int32_t dst_dtype, F&& f) {
+  with_src_type(src_dtype, [&](auto src) {
+    switch (dst_dtype) {
+      case kRefreshF32: f(src, float{}); break;
+      case kRefreshBF16: f(src, __nv_bfloat16{}); break;
+      default: f(src, __half{}); break;
+    }
+  });
 }
 
 int32_t log2_exact(int64_t x) {
@@ -336,9 +389,13 @@ int32_t log2_exact(int64_t x) {
   return (1LL << l) == x ? l : -1;
 }
 
-cudaError_t launch_over(int64_t n, int64_t* blocks) {
-  *blocks = (n + kThreads - 1) / kThreads;
-  return *blocks >= (1LL << 31) ? cudaErrorInvalidValue : cudaSuccess;
+// Blocks of gather_kept_kernel / scatter_kept_kernel for the positions `pos` (one thread per group of a row), or
+// cudaErrorInvalidValue where the kernels' 32-bit thread indices or 4-element stores cannot cover them.
+cudaError_t group_blocks(const KeptPositions& pos, int64_t* blocks) {
+  if (pos.rows * pos.groups >= (1LL << 31) - kThreads || pos.m < 4 || pos.m % 4 != 0 || pos.v <= 0)
+    return cudaErrorInvalidValue;
+  *blocks = (pos.rows * pos.groups + kThreads - 1) / kThreads;
+  return cudaSuccess;
 }
 
 }  // namespace
@@ -346,18 +403,30 @@ cudaError_t launch_over(int64_t n, int64_t* blocks) {
 cudaError_t gather_kept(const void* src, int32_t src_dtype, void* dst, int32_t dst_dtype, const KeptPositions& pos,
                         cudaStream_t stream) {
   int64_t blocks = 0;
-  if (launch_over(pos.rows * 2 * pos.groups, &blocks) != cudaSuccess) return cudaErrorInvalidValue;
+  if (group_blocks(pos, &blocks) != cudaSuccess) return cudaErrorInvalidValue;
+  if (reinterpret_cast<uintptr_t>(dst) % 8 != 0) return cudaErrorMisalignedAddress;  // pairs stored at once
   if (blocks == 0) return cudaSuccess;
-  gather_kept_kernel<<<(unsigned)blocks, kThreads, 0, stream>>>(src, src_dtype, dst, dst_dtype, pos);
+  with_value_types(src_dtype, dst_dtype, [&](auto s, auto d) {
+    using Src = decltype(s);
+    using Dst = decltype(d);
+    gather_kept_kernel<Src, Dst><<<(unsigned)blocks, kThreads, 0, stream>>>(static_cast<const Src*>(src),
+                                                                          static_cast<Dst*>(dst), pos);
+  });
   return cudaGetLastError();
 }
 
 cudaError_t scatter_kept(const void* src, int32_t src_dtype, void* dst, int32_t dst_dtype, const KeptPositions& pos,
                          cudaStream_t stream) {
   int64_t blocks = 0;
-  if (launch_over(pos.rows * pos.groups * pos.m, &blocks) != cudaSuccess) return cudaErrorInvalidValue;
+  if (group_blocks(pos, &blocks) != cudaSuccess) return cudaErrorInvalidValue;
+  if (reinterpret_cast<uintptr_t>(dst) % 16 != 0) return cudaErrorMisalignedAddress;  // four elements stored at once
   if (blocks == 0) return cudaSuccess;
-  scatter_kept_kernel<<<(unsigned)blocks, kThreads, 0, stream>>>(src, src_dtype, dst, dst_dtype, pos);
+  with_value_types(src_dtype, dst_dtype, [&](auto s, auto d) {
+    using Src = decltype(s);
+    using Dst = decltype(d);
+    scatter_kept_kernel<Src, Dst><<<(unsigned)blocks, kThreads, 0, stream>>>(static_cast<const Src*>(src),
+                                                                           static_cast<Dst*>(dst), pos);
+  });
   return cudaGetLastError();
 }
 

@@ -379,8 +379,18 @@ def test_packs_made_in_a_call_are_the_torch_ops_bytes(spec, transposable, rows, 
         k.refresher.pack_values(7, layer.weight.detach(), k.packed.meta, sel, sel_columns, rows, cols, v, k.m, dtype)
 
 
-@pytest.mark.parametrize(("spec", "rows", "cols"), [("2:4", 40, 72), ("64:2:8", 128, 200), ("128:2:16", 256, 96)])
-@pytest.mark.parametrize(("src_dtype", "dtype"), [(torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16)])
+@pytest.mark.parametrize(
+    ("spec", "rows", "cols"), [("2:4", 40, 72), ("64:2:8", 128, 200), ("128:2:16", 256, 96), ("64:2:32", 192, 352)]
+)
+@pytest.mark.parametrize(
+    ("src_dtype", "dtype"),
+    [
+        (torch.bfloat16, torch.float32),
+        (torch.float32, torch.bfloat16),
+        (torch.float16, torch.float16),
+        (torch.float32, torch.float32),
+    ],
+)
 def test_gather_and_scatter_at_the_kept_positions(spec, rows, cols, src_dtype, dtype):
     """``gather_kept`` (the GEMM weight gradient's gather) and ``scatter_kept`` (a transient dense weight) read the
     positions in their on-disk form: on fresh random data and odd shapes, into poisoned memory, they equal
