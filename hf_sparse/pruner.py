@@ -123,6 +123,9 @@ class Pruner:
         # layer -> (mask, stamp) under which its optimizer state was zeroed at pruned positions (see apply)
         self._zeroed_state: dict[str, tuple[Tensor, tuple]] = {}
         self.saved_compact: set[str] = set()
+        #: how many times a targeted layer changed form (compact <-> dense, :meth:`replace_module`): what a count of
+        #: the model's parameters kept between steps compares to know it still holds
+        self.module_version = 0
         self._install_grad_hooks()
 
     # ------------------------------------------------------------------ schedule
@@ -510,6 +513,7 @@ class Pruner:
         elif layer.compact:
             self._masks[name] = layer.module.mask().to(module.weight.device)
         layer.module, layer.compact = module, compact
+        self.module_version += 1
         self._zeroed_state.pop(name, None)
         self.remove_hooks()
         self._install_grad_hooks()

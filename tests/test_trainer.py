@@ -395,3 +395,34 @@ def test_remove_hooks_stops_gradient_masking():
     assert (grad_at_pruned() == 0).all()
     pruner.remove_hooks()
     assert (grad_at_pruned() != 0).any()
+
+
+def test_floating_point_ops_counts_the_model_once_per_form_of_its_layers(tmp_path):
+    """``SparseTrainer``'s flos are ``Trainer``'s formula (6 x input tokens x non-embedding parameters) on the model as
+    it is: every parameter while the masks still move, the kept values once the layers are compact, and the model is
+    walked once per form of its layers, not on every step; ``total_flos`` sums them."""
+
+    def non_embedding_parameters(model):
+        embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+        return sum(p.numel() for p in model.parameters() if id(p) not in embeddings)
+
+    model = _model()
+    dense = non_embedding_parameters(model)
+    config = SparsityConfig(score="magnitude", pattern="2:4", schedule="cubic", start=0, end=0.5, update_every=1)
+    trainer = SparseTrainer(
+        model=model, args=_args(tmp_path, max_steps=6), train_dataset=ToyClassification(), sparsity_config=config
+    )
+    inputs = {"input_ids": torch.zeros(2, 7, dtype=torch.long)}
+    assert trainer.floating_point_ops(inputs) == 6 * 14 * dense
+    walks = []
+    count = type(model).num_parameters
+    model.num_parameters = lambda *a, **k: walks.append(k) or count(model, *a, **k)
+    trainer.train()
+    assert all(layer.compact for layer in trainer.pruner.layers)
+    kept = non_embedding_parameters(model)
+    assert kept < dense
+    assert trainer.floating_point_ops(inputs) == 6 * 14 * kept
+    assert walks == [{"exclude_embeddings": True}]  # once, at the first step after the layers turned compact
+    tokens = 8 * 12  # a step: 8 sequences of 12 tokens
+    assert 6 * 6 * tokens * kept < trainer.state.total_flos < 6 * 6 * tokens * dense
+    assert (trainer.state.total_flos - 6 * 6 * tokens * kept) % (6 * tokens * (dense - kept)) == 0
