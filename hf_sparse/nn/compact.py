@@ -889,15 +889,18 @@ def refresh_stale(device: torch.device) -> None:
     it, so one launch per step serves the whole model. A layer whose weight is an FSDP2 shard (a ``DTensor``, between
     the layer's forwards) is left for its own next call, when FSDP2 has gathered the whole weight."""
     groups, stale, ext = [], [], None
-    for k in list(_kernels):
+    steps = optimizer_steps()
+    for k in list(_kernels):  # once per optimizer step over every layer: attribute reads kept to what decides
+        if k.device != device or k.refresher is None:
+            continue
         layer = k.layer()
-        if k.device != device or k.refresher is None or layer is None or layer._kernel is not k:
+        if layer is None or layer._kernel is not k or layer._resident is k:  # resident: its pack is its values
             continue
-        if layer._resident is k:  # its pack is its values
+        params = layer._parameters  # the layer itself (a weakref to it, never a DataParallel replica): read directly
+        weight, bias = params["weight"], params.get("bias")
+        if is_sharded(weight):  # FSDP2 between its forwards: a shard; refreshed at the layer's own next call
             continue
-        if is_sharded(layer.weight):  # FSDP2 between its forwards: a shard; refreshed at the layer's own next call
-            continue
-        stamp = _stamp(layer.weight, layer.bias)
+        stamp = _stamp(weight, bias, steps)
         if stamp == k.stamp:
             continue
         entries = k.refresh_entries(layer)
@@ -912,9 +915,11 @@ def refresh_stale(device: torch.device) -> None:
         k.stamp = stamp
 
 
-def _stamp(weight: Tensor, bias: Tensor | None) -> tuple:
-    """What the packs were made from: the weight's version and address, the bias's version, the optimizer steps."""
-    return (weight._version, weight.data_ptr(), None if bias is None else bias._version, optimizer_steps())
+def _stamp(weight: Tensor, bias: Tensor | None, steps: int | None = None) -> tuple:
+    """What the packs were made from: the weight's version and address, the bias's version, the optimizer steps
+    (``steps``: :func:`optimizer_steps`, read once by a caller that stamps every layer)."""
+    return (weight._version, weight.data_ptr(), None if bias is None else bias._version,
+            optimizer_steps() if steps is None else steps)  # fmt: skip
 
 
 def refresh_all() -> None:
