@@ -37,6 +37,17 @@ def host_us(fn, calls: int = 1000) -> float:
     return elapsed / calls * 1e6
 
 
+def print_top_functions(fn, calls: int, rows: int) -> None:
+    """Print the ``rows`` Python functions with the most own host time over ``calls`` calls of ``fn`` (cProfile)."""
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    torch.cuda.synchronize()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(rows)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=4)
@@ -65,13 +76,7 @@ def main() -> int:
             else:
                 alone = host_us(lambda: k.forward_compute(layer, x, plan, fuse=True))
                 print(f"{pattern}: not resident; forward_compute alone {alone:.1f} us per call")
-            prof = cProfile.Profile()
-            prof.enable()
-            for _ in range(2000):
-                layer(x)
-            prof.disable()
-            torch.cuda.synchronize()
-            pstats.Stats(prof).sort_stats("tottime").print_stats(12)
+            print_top_functions(lambda: layer(x), calls=2000, rows=12)
     return 0
 
 

@@ -16,12 +16,10 @@ time (``torch.profiler``, CPU only) and the top Python functions (cProfile).
 from __future__ import annotations
 
 import argparse
-import cProfile
-import pstats
 
 import torch
 from bench_compact_layer import compact_from
-from profile_inference_call import host_us
+from profile_inference_call import host_us, print_top_functions
 from torch import nn
 
 
@@ -59,13 +57,7 @@ def main() -> int:
                     layer(x)
             torch.cuda.synchronize()
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
-            stats = cProfile.Profile()
-            stats.enable()
-            for _ in range(500):
-                layer(x)
-            stats.disable()
-            torch.cuda.synchronize()
-            pstats.Stats(stats).sort_stats("tottime").print_stats(10)
+            print_top_functions(lambda: layer(x), calls=500, rows=10)
     return 0
 
 
