@@ -605,8 +605,8 @@ at::Tensor pack_in_call(int32_t kind, const at::Tensor& weight, const at::Tensor
   auto values = at::empty({meta.size(0), meta.size(1), 32, 8}, weight.options().dtype(dtype));
   c10::cuda::CUDAGuard guard(weight.device());
   const auto stream = c10::cuda::getCurrentCUDAStream().stream();
-  // the view and the transposed pack have their own kernels, which read the kept positions (the entry's general path
-  // would decode each slot alone)
+  // the view and the transposed pack have their own kernels, which read the kept positions; the own pack is one
+  // refresh entry
   if (kind == hf_sparse::kRefreshView24 || kind == hf_sparse::kRefreshTransposed) {
     const auto make = kind == hf_sparse::kRefreshView24 ? hf_sparse::view24_from_values
                                                          : hf_sparse::transposed_from_values;

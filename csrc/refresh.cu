@@ -199,50 +199,56 @@ __device__ __forceinline__ void store2(T* p, float a, float b) {
   *reinterpret_cast<uint32_t*>(p) = bits16<T>(a) | bits16<T>(b) << 16;
 }
 
-// The column offsets (within the group) of the two kept values of group g of row r, from the positions in their
-// on-disk form: both 2-bit codes share one nibble of `sel`; for 2:4 the code is the offset, for V:2:M it picks one
-// of the V-row block's four column offsets of the group.
-__device__ __forceinline__ void kept_offsets(const KeptPositions& p, int32_t r, int32_t g, int32_t* o0, int32_t* o1) {
+// The group of m columns of a row that thread q of a gather_kept / scatter_kept launch handles (one thread per group,
+// 32-bit indices: one division per thread, none per element), false past the last group: `q` is also the index of
+// the group's pair of kept values in (rows, 2 groups), `first` the group's first element in the dense (rows, m groups)
+// matrix, `o0` / `o1` the column offsets within the group of its two kept values, from the positions in their
+// on-disk form (both 2-bit codes share one nibble of `sel`; for 2:4 the code is the offset, for V:2:M it picks one of
+// the V-row block's four column offsets of the group).
+struct KeptGroup {
+  int32_t q, o0, o1;
+  int64_t first;
+};
+__device__ __forceinline__ bool kept_group(const KeptPositions& p, KeptGroup* k) {
+  const int32_t q = blockIdx.x * kThreads + threadIdx.x, groups = (int32_t)p.groups;
+  if (q >= (int32_t)p.rows * groups) return false;
+  const int32_t r = q / groups, g = q - r * groups;
   const uint32_t nib = (__ldg(p.sel + (int64_t)r * p.sel_row_bytes + (g >> 1)) >> (4 * (g & 1))) & 0xF;
   if (p.columns == nullptr) {
-    *o0 = nib & 3, *o1 = nib >> 2;
-    return;
+    k->o0 = nib & 3, k->o1 = nib >> 2;
+  } else {
+    const uint8_t* block = p.columns + ((int64_t)(r / p.v) * p.groups + g) * 4;
+    k->o0 = __ldg(block + (nib & 3)), k->o1 = __ldg(block + (nib >> 2));
   }
-  const uint8_t* block = p.columns + ((int64_t)(r / p.v) * p.groups + g) * 4;
-  *o0 = __ldg(block + (nib & 3)), *o1 = __ldg(block + (nib >> 2));
+  k->q = q;
+  k->first = (int64_t)r * groups * p.m + (int64_t)g * p.m;
+  return true;
 }
 
-// gather_kept: one thread per group of m columns of a row; it reads the group's two kept values of the dense src and
-// writes them as one pair of dst (rows, 2 groups). One 32-bit division per thread, none per element.
+// gather_kept: each thread reads its group's two kept values of the dense src and writes them as one pair of dst
+// (rows, 2 groups).
 template <typename Src, typename Dst>
 __global__ void __launch_bounds__(kThreads)
     gather_kept_kernel(const Src* __restrict__ src, Dst* __restrict__ dst, KeptPositions p) {
-  const int32_t q = blockIdx.x * kThreads + threadIdx.x, groups = (int32_t)p.groups;
-  if (q >= (int32_t)p.rows * groups) return;
-  const int32_t r = q / groups, g = q - r * groups;
-  int32_t o0, o1;
-  kept_offsets(p, r, g, &o0, &o1);
-  const Src* group = src + (int64_t)r * groups * p.m + (int64_t)g * p.m;
-  store2(dst + 2 * (int64_t)q, as_float(group[o0]), as_float(group[o1]));
+  KeptGroup k;
+  if (!kept_group(p, &k)) return;
+  const Src* group = src + k.first;
+  store2(dst + 2 * (int64_t)k.q, as_float(group[k.o0]), as_float(group[k.o1]));
 }
 
-// scatter_kept: one thread per group of m columns of a row; it reads the group's two kept values and writes the
-// group's m elements of the dense dst (the kept values at their offsets, zero elsewhere) four at a time. One 32-bit
-// division per thread, none per element.
+// scatter_kept: each thread reads its group's two kept values and writes the group's m elements of the dense dst (the
+// kept values at their offsets, zero elsewhere) four at a time.
 template <typename Src, typename Dst>
 __global__ void __launch_bounds__(kThreads)
     scatter_kept_kernel(const Src* __restrict__ src, Dst* __restrict__ dst, KeptPositions p) {
-  const int32_t q = blockIdx.x * kThreads + threadIdx.x, groups = (int32_t)p.groups;
-  if (q >= (int32_t)p.rows * groups) return;
-  const int32_t r = q / groups, g = q - r * groups;
-  int32_t o0, o1;
-  kept_offsets(p, r, g, &o0, &o1);
-  const float a = as_float(src[2 * (int64_t)q]), b = as_float(src[2 * (int64_t)q + 1]);
-  Dst* group = dst + (int64_t)r * groups * p.m + (int64_t)g * p.m;
+  KeptGroup k;
+  if (!kept_group(p, &k)) return;
+  const float a = as_float(src[2 * (int64_t)k.q]), b = as_float(src[2 * (int64_t)k.q + 1]);
+  Dst* group = dst + k.first;
   for (int32_t c = 0; c < p.m; c += 4) {
     float v[4];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) v[i] = c + i == o0 ? a : c + i == o1 ? b : 0.0f;  // the first kept value wins a tie
+    for (int i = 0; i < 4; ++i) v[i] = c + i == k.o0 ? a : c + i == k.o1 ? b : 0.0f;  // the first kept value wins a tie
     store4(group + c, v[0], v[1], v[2], v[3]);
   }
 }
