@@ -54,11 +54,13 @@ MODELS = {
 }
 
 
-def model_config(name: str):
+def model_config(name: str, layers: int | None = None):
+    """The benchmark's model ``name``; ``layers``: another number of layers (diagnostics that only need the per-layer
+    cost, with a shorter torch.compile)."""
     from transformers import BertConfig, LlamaConfig
 
     if name == "bert-large":
-        return BertConfig(
+        config = BertConfig(
             vocab_size=30522,
             hidden_size=1024,
             num_hidden_layers=24,
@@ -67,25 +69,29 @@ def model_config(name: str):
             max_position_embeddings=512,
             attn_implementation="sdpa",
         )
-    return LlamaConfig(
-        vocab_size=32000,
-        hidden_size=4096,
-        intermediate_size=11008,
-        num_hidden_layers=4,
-        num_attention_heads=32,
-        num_key_value_heads=32,
-        max_position_embeddings=2048,
-        attn_implementation="sdpa",
-    )
+    else:
+        config = LlamaConfig(
+            vocab_size=32000,
+            hidden_size=4096,
+            intermediate_size=11008,
+            num_hidden_layers=4,
+            num_attention_heads=32,
+            num_key_value_heads=32,
+            max_position_embeddings=2048,
+            attn_implementation="sdpa",
+        )
+    if layers is not None:
+        config.num_hidden_layers = layers
+    return config
 
 
-def build_model(name: str):
+def build_model(name: str, layers: int | None = None):
     import torch
     from transformers import BertForMaskedLM, LlamaForCausalLM
 
     torch.manual_seed(0)
     cls = BertForMaskedLM if name == "bert-large" else LlamaForCausalLM
-    return cls(model_config(name))
+    return cls(model_config(name, layers))
 
 
 class RandomTokens:

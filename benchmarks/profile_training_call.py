@@ -8,7 +8,9 @@ Each layer takes an fp32 input that requires grad under ``torch.autocast("cuda",
 after its LayerNorm does, with its plan already measured. Printed per layer: the wall time per call of 200
 back-to-back calls while the GPU is kept busy by a spin kernel queued first (so the figure is the host's time to issue
 the work, not the GPU's), for the forward alone and for the forward with its backward; for the compact layer also the
-extension's ``compact_linear`` alone, its arguments bound; then the host-side ops of the compact forward by self CPU
+extension's ``compact_linear`` alone, its arguments bound, and, without autograd, that function against the
+dispatcher op ``hf_sparse::compact_linear`` that a compiled graph calls (the difference is the dispatcher's cost of
+the op's arguments) and ``torch.mm`` of the same shapes; then the host-side ops of the compact forward by self CPU
 time (``torch.profiler``, CPU only) and the top Python functions (cProfile).
 """
 # ruff: noqa: B023  (every timed lambda is called at once, inside its own loop iteration)
@@ -21,6 +23,8 @@ import torch
 from bench_compact_layer import compact_from
 from profile_inference_call import host_us, print_top_functions
 from torch import nn
+
+import hf_sparse.nn.compiled  # noqa: F401  (defines the hf_sparse::compact_linear op)
 
 
 def main() -> int:
@@ -50,6 +54,17 @@ def main() -> int:
             bound = k.native_arguments(layer, plan, True)
             alone = host_us(lambda: k.native(x, layer.weight, layer.bias, *bound), calls=200)
             print(f"{name}: compact_linear alone {alone:.1f} us per call")
+            x2 = x.detach().to(torch.bfloat16)
+            w2 = layer.weight.detach().new_empty(out_f, in_f, dtype=torch.bfloat16).normal_()
+            op = torch.ops.hf_sparse.compact_linear.default
+            with torch.no_grad():
+                native = host_us(lambda: k.native(x2, layer.weight, layer.bias, *bound), calls=200)
+                dispatched = host_us(lambda: op(x2, layer.weight, layer.bias, *bound), calls=200)
+                mm = host_us(lambda: torch.mm(x2, w2.t()), calls=200)
+            print(
+                f"{name}: without autograd: compact_linear {native:.1f} us, hf_sparse::compact_linear op "
+                f"{dispatched:.1f} us, torch.mm {mm:.1f} us per call"
+            )
             torch.cuda.synchronize()
             torch.cuda._sleep(int(2e9))
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
