@@ -15,7 +15,7 @@ the iterations after three warm-up ones (the compact layers measure their plans 
 ``--compile``: each copy runs as ``torch.compile(model)`` (what ``TrainingArguments(torch_compile=True)`` does).
 ``--layers``, ``--batch``, ``--seq``: a shallower model or fewer tokens; with few tokens the GPU waits for the host, so
 the figures are the host's cost of the step. ``--profile-ops N``: the N host-side operators with the most self CPU
-time over the compact model's forward and backward (``torch.profiler``, CPU only).
+time over the dense and the compact model's forward and backward (``torch.profiler``, CPU only).
 """
 
 from __future__ import annotations
@@ -109,15 +109,16 @@ def main() -> int:
                 compact.zero_grad(set_to_none=True)
             torch.cuda.synchronize()
             pstats.Stats(prof).sort_stats("tottime").print_stats(args.cprofile)
-        if args.profile_ops:
+        for name in ("dense", "compact") if args.profile_ops else ():
             torch.cuda.synchronize()
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
                 for _ in range(3):
                     with torch.autocast("cuda", dtype=torch.bfloat16):
-                        loss = models["compact"](**batch).loss
+                        loss = models[name](**batch).loss
                     loss.backward()
-                    compact.zero_grad(set_to_none=True)
+                    models[name].zero_grad(set_to_none=True)
             torch.cuda.synchronize()
+            print(f"## {name}, 3 forwards and backwards")
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.profile_ops))
         for pruner in pruners.values():
             pruner.remove_hooks()

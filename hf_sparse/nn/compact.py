@@ -156,13 +156,24 @@ def _positions(layer: SparseLinear) -> tuple[Tensor | None, Tensor]:
     return layer.weight_columns, selectors
 
 
-def positions(layer: SparseLinear) -> tuple[Tensor, Tensor | None, int]:
-    """``(sel, sel_columns, v)``: the layer's kept positions in their on-disk form, as the extension's dense choices
-    read them in place (no index is built): the 2-bit codes (2:4: ``weight_indices``; V:2:M: ``weight_selectors``),
-    the block columns (V:2:M: ``weight_columns``, else None) and the pattern's V (1 for 2:4)."""
-    if isinstance(layer.pattern, NM):
-        return layer.weight_indices, None, 1
-    return layer.weight_selectors, layer.weight_columns, layer.pattern.v
+def position_layout(pattern: Pattern) -> tuple[str, str | None, int]:
+    """``(codes, columns, v)`` of a layer of ``pattern``: the names of the buffers that hold its kept positions in
+    their on-disk form, as the extension's dense choices read them in place (no index is built): the 2-bit codes
+    (2:4: ``weight_indices``; V:2:M: ``weight_selectors``), the block columns (V:2:M: ``weight_columns``, else None),
+    and the pattern's V (1 for 2:4)."""
+    if isinstance(pattern, NM):
+        return "weight_indices", None, 1
+    return "weight_selectors", "weight_columns", pattern.v
+
+
+def positions(
+    layer: SparseLinear, layout: tuple[str, str | None, int] | None = None
+) -> tuple[Tensor, Tensor | None, int]:
+    """``(sel, sel_columns, v)``: the layer's kept positions in their on-disk form (:func:`position_layout`; pass
+    the ``layout`` a kernel holds where torch.compile traces the call: the graph then guards on the buffers it reads,
+    not on the layer's pattern)."""
+    codes, columns, v = layout or position_layout(layer.pattern)
+    return getattr(layer, codes), None if columns is None else getattr(layer, columns), v
 
 
 def token_bucket(tokens: int) -> int:
@@ -258,6 +269,7 @@ class CompactKernel:
         self.dtype, self.rows, self.cols, self.v, self.m, self.device = dtype, rows, cols, v, m, device
         self.groups = cols // m
         self.activation = layer.activation
+        self.layout = position_layout(layer.pattern)  # where its kept positions are: see positions
         columns, selectors = _positions(layer)
         base = packed_from_logical(weight, columns, selectors, v, m, dtype)  # metadata and block columns
         self.n, self.shape = base.values.numel(), base.values.shape
@@ -475,7 +487,7 @@ class CompactKernel:
         if kind == PACK:
             return RefreshEntry(PACK, w, values, self.rows, self.groups, steps)
         rows, cols = (self.cols, self.rows) if kind == TRANSPOSED else (self.rows, self.cols)
-        sel, sel_columns, v = positions(layer)
+        sel, sel_columns, v = positions(layer, self.layout)
         return RefreshEntry(kind, w, values, rows, cols // 4, steps, sel, sel_columns, self.m, v)
 
     def _made(self, layer: SparseLinear, kind: int) -> PackedWeight:
@@ -521,12 +533,17 @@ class CompactKernel:
         (resident: its checkpoint's bytes). Compiled code reads the on-disk values (``native_arguments``)."""
         return self.view24 is not None and not self.traced
 
-    def _source(self, layer: SparseLinear, forward: str, trains: bool) -> PackedWeight:
-        """The pack a forward by ``forward`` runs its SpMM on; values with no elements (``per_call``) mean "made in
-        the call from the layer's values" (a call that trains, a view made from the values)."""
+    def _source(self, layer: SparseLinear, forward: str, trains: bool) -> tuple[Tensor, PackedWeight]:
+        """``(values, pack)``: the values a forward by ``forward`` runs its SpMM on and the pack whose metadata and
+        columns it reads; values with no elements (``per_call``) mean "made in the call from the layer's values" (a
+        call that trains, a view made from the values). No pack is built here: torch.compile traces this (through
+        :meth:`native_arguments`), and each object it reads becomes a guard of the compiled code."""
         if forward == "sparse24":
-            return self._view() if not trains and self._view_from_pack() else self.packed24
-        return self.packed._replace(values=self.per_call) if trains else self.packed
+            if not trains and self._view_from_pack():
+                view = self._view()
+                return view.values, view
+            return self.per_call, self.packed24
+        return (self.per_call if trains else self.packed.values), self.packed
 
     def _view(self) -> PackedWeight:
         """The 2:4 view for an inference ``"sparse24"`` forward, made now from the layer's own pack
@@ -676,27 +693,28 @@ class CompactKernel:
             if call is not None and x2.is_contiguous() and x2.data_ptr() % 16 == 0:
                 fn, before, after = call
                 return fn(x2, *before, bias_c, *after)
-        q = self._source(layer, plan[0], trains=not fuse)
+        values, q = self._source(layer, plan[0], trains=not fuse)
         if self.native_forward is not None and act is None:  # one call into the extension
             view = plan[0] == "sparse24"
-            sel, sel_columns, v_g = positions(layer)
+            sel, sel_columns, v_g = positions(layer, self.layout)
             return self.native_forward(
-                x2, layer.weight.detach(), bias_c, q.values, q.meta, q.columns, sel, sel_columns, rows, cols,
+                x2, layer.weight.detach(), bias_c, values, q.meta, q.columns, sel, sel_columns, rows, cols,
                 4 if view else self.m, v_g, self.m, int(plan[0] != "dense"),
                 self.kernel_bits24 if view else self.kernel_bits,
             )  # fmt: skip
         if plan[0] == "dense":
             y = F.linear(x2, dense_at_index(layer.weight.detach(), layer._kept(), rows, cols, dtype), bias_c)
             return y if act is None else activate(y, act)
-        if q.values.numel() == 0:  # made in the call
+        if values.numel() == 0:  # made in the call
             q = self._made(layer, VIEW24 if plan[0] == "sparse24" else PACK)
+            values = q.values
         if plan[0] == "sparse24":  # the 2:4 view
             fn, code, after, v, m = self.fn24, self.code24, self.after24, 64, 4
         else:
             fn, code, after, v, m = self.fns[0], self.code, self.after, self.v, self.m
         if not fuse:
             code, after = 0, None
-        return _spmm(x2, q.values, q.meta, q.columns, q.valid, bias_c, rows, cols, v, m, fn, code, after, act)
+        return _spmm(x2, values, q.meta, q.columns, q.valid, bias_c, rows, cols, v, m, fn, code, after, act)
 
     def backward_compute(
         self, layer: SparseLinear, dy2: Tensor, x2: Tensor, plan: tuple, need_dx: bool, need_dw: bool, need_db: bool
@@ -709,7 +727,7 @@ class CompactKernel:
         if self.native_backward is not None:  # one call into the extension
             t, p = self.packed_t, self.packed
             sparse_dx, sddmm = plan[1] == "sparse" and t is not None, plan[2] == "sddmm"
-            sel, sel_columns, v_g = positions(layer)
+            sel, sel_columns, v_g = positions(layer, self.layout)
             dx, dw, db = self.native_backward(
                 dy2, x2, weight, sel, sel_columns, *((None,) * 3 if t is None else t[:3]), p.meta, p.columns, rows,
                 cols, v_g, self.m, sparse_dx << 1 | sddmm << 2, self.kernel_bits, need_dx, need_dw, need_db,
@@ -747,14 +765,14 @@ class CompactKernel:
         layer's V and group size, the plan and kernel bits."""
         p, t = self.packed, self.packed_t
         view = plan[0] == "sparse24"
-        q = self._source(layer, plan[0], trains)
-        sel, sel_columns, v_g = positions(layer)
+        values, q = self._source(layer, plan[0], trains)
+        sel, sel_columns, v_g = positions(layer, self.layout)
         return (
             self.bias_lp if self.bias_lp is not None else layer.bias,
-            q.values,
+            values,
             q.meta,
             q.columns,
-            None if t is None else t.values,
+            None if t is None else self.per_call,  # the transposed pack's values are made in the backward
             None if t is None else t.meta,
             None if t is None else t.columns,
             p.meta,
