@@ -20,7 +20,9 @@ Event by event:
 * ``on_optimizer_step``: re-apply the masks, so pruned weights stay exactly ``+0.0`` under momentum and decay.
 * ``on_step_begin`` / ``on_step_end`` once layers are compact (on CUDA, ``SparsityConfig.compact_fallback``): time a
   few real training steps on the compact layers and, unless the layers' own measurements already decide, a few on the
-  masked dense ones; keep the faster and log one line saying so (:mod:`hf_sparse.compact_fallback`).
+  masked dense ones; keep the faster and log one line saying so (:mod:`hf_sparse.compact_fallback`). Under
+  ``torch_compile=True`` the compiled step is timed against the eager one instead.
+* ``on_train_end``: torch.compile's stance back as it was, where the eager step won.
 * ``on_log``: add overall sparsity, target and flip rate to the logs (per-layer sparsity after each mask update).
 * ``on_save``: write the pruner state (bit-packed masks, level, schedule position, which layers are compact, where
   the compact/dense comparison stands) into the checkpoint folder.
@@ -295,6 +297,10 @@ class SparsityCallback(TrainerCallback):
         if self.pruner is not None and model is not None and self.config.compact:
             pause = control.should_save or control.should_evaluate or control.should_training_stop
             self.fallback.end_step(state.global_step, pause, model, self.pruner, kwargs.get("optimizer"))
+
+    def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs):
+        """torch.compile's stance back as it was, where the eager step won (:mod:`hf_sparse.compact_fallback`)."""
+        self.fallback.end_training()
 
     def on_pre_optimizer_step(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs):
         """The step's full gradient (accumulated, all-reduced under DDP, clipped): OBS statistics, masked decay."""

@@ -1,4 +1,5 @@
-"""Never slower than dense: time the compact layers against the masked dense ones inside training, keep the faster.
+"""Never slower than dense: time the compact layers against the masked dense ones inside training, keep the faster;
+under torch.compile, time the compiled step against the eager one.
 
 Once the pruned layers are compact (:mod:`hf_sparse.compaction`), :class:`CompactFallback` runs a fixed schedule of
 real training steps, counted from the first step with compact layers ``s``, ``W`` = :data:`WARMUP_STEPS` and ``T`` =
@@ -21,10 +22,18 @@ unless the measurements were wrong by more than that, so the run decides for the
 window, logs one line saying why, and never holds the dense layers' state (a dense phase would put the run's peak
 memory at the masked dense one's).
 
-The comparison is skipped (one log line says why) under DDP/FSDP2 wrappers, under torch.compile (a switch would
-recompile the model), and where the dense layers' state would not fit in the free device memory. Its dense phase
-holds that state for ``W + T`` steps, so a run's peak memory is the masked dense one's; the steps after the decision
-hold only what the chosen path needs.
+Under torch.compile (``TrainingArguments.torch_compile``) a switch of the layers would recompile the model, so the
+same schedule times the compiled step against the eager one instead: the second half runs the compact layers with
+torch.compile set aside (``torch.compiler.set_stance("force_eager")``: the compiled code stays cached, nothing is
+recompiled), and the run goes on eager only where that measured faster by the noise margin. A compiled step can be
+the slower one on a slow host: each compact layer in a compiled graph costs more host time than the ``nn.Linear`` it
+replaced (guards on its kernel state, the op's arguments), and a model whose compiled step waits on the host (BERT-large
+at 16 x 512) loses what its kernels save. The stance is restored when training ends.
+
+The comparison is skipped (one log line says why) under DDP/FSDP2 wrappers and, against masked dense layers, where
+the dense layers' state would not fit in the free device memory. Its dense phase holds that state for ``W + T``
+steps, so a run's peak memory is the masked dense one's; the steps after the decision hold only what the chosen path
+needs.
 
 Masked dense and compact training are the same computation (the switches move the optimizer state exactly), so
 every timed step trains as any other. A timed window is wall clock per optimizer step: the device is synchronized
@@ -57,13 +66,16 @@ WARMUP_STEPS = 3
 #: The masked dense layers win only if faster than the compact ones by more than this fraction of the compact time.
 NOISE_MARGIN = 0.03
 
-PathName = Literal["compact", "dense"]
+#: ``"compact"``: the compact layers as the run is set up (compiled under ``torch_compile``); ``"dense"``: the masked
+#: dense layers; ``"eager"``: the compact layers with torch.compile set aside.
+PathName = Literal["compact", "dense", "eager"]
 
 
 def choose_path(compact_ms: float | None, dense_ms: float | None, margin: float = NOISE_MARGIN) -> PathName:
-    """``"dense"`` when the masked dense step (``dense_ms``, ms per optimizer step) is faster than the compact one by
-    more than ``margin`` of the compact time, else ``"compact"``: within the noise, or when a path could not be
-    timed (``None``), the compact layers stay, since they hold less memory."""
+    """``"dense"`` when the other step (``dense_ms``, ms per optimizer step: masked dense layers, or the eager step
+    under torch.compile) is faster than the compact one by more than ``margin`` of the compact time, else
+    ``"compact"``: within the noise, or when a path could not be timed (``None``), the compact layers stay as set up,
+    since they hold less memory (and the user asked for torch.compile)."""
     for name, value in (("compact_ms", compact_ms), ("dense_ms", dense_ms)):
         if value is not None and not (math.isfinite(value) and value >= 0):
             raise ValueError(f"choose_path: {name}={value!r} must be a finite time >= 0 (ms per step) or None")
@@ -100,17 +112,19 @@ class CompactFallback:
         self.start: int | None = None  # first step with compact layers: the schedule counts from here
         self.declined: str | None = None  # why no comparison runs in this run
         self.choice: PathName | None = None
+        self.rival: PathName = "dense"  # what the compact step is timed against: "eager" under torch.compile
         self.timings = {"compact": _Timing(), "dense": _Timing()}
         self._open: tuple[PathName, float, int] | None = None  # (path, start time, steps so far) of a timed stretch
         self._device: torch.device | None = None
         self._skip_next = False  # the first step after a resume is a warm-up
         self.passes = 1  # forward and backward passes per optimizer step (gradient accumulation)
         self.savings_ms: dict[str, float] | None = None  # what the decision counted: the layers', the optimizer step's
+        self._stance = None  # torch.compile's stance set aside while the eager step runs (torch.compiler.set_stance)
 
     # ------------------------------------------------------------------ schedule
     def timed_steps(self, path: PathName) -> range:
-        """The optimizer steps timed on ``path`` (empty before the schedule starts)."""
-        if self.start is None:
+        """The optimizer steps timed on ``path`` (empty before the schedule starts, or for a path not timed)."""
+        if self.start is None or path not in self.timings:
             return range(0)
         first = self.start + self.warmup + (0 if path == "compact" else self.warmup + self.steps)
         return range(first, first + self.steps)
@@ -118,10 +132,18 @@ class CompactFallback:
     def holds_dense(self, step: int) -> bool:
         """Whether the pruned layers are meant to be dense at ``step``: during the dense half of the measurement,
         and for good after the masked dense layers won."""
+        return self._runs(step, "dense")
+
+    def runs_eager(self, step: int) -> bool:
+        """Whether ``step`` runs with torch.compile set aside: during the eager half of the measurement, and for good
+        after the eager step won."""
+        return self._runs(step, "eager")
+
+    def _runs(self, step: int, path: PathName) -> bool:
         if self.choice is not None:
-            return self.choice == "dense"
-        dense = self.timed_steps("dense")
-        return self.start is not None and dense.start - self.warmup <= step < dense.stop
+            return self.choice == path
+        timed = self.timed_steps(path)
+        return self.start is not None and timed.start - self.warmup <= step < timed.stop
 
     # ------------------------------------------------------------------ events
     def begin_step(
@@ -141,6 +163,7 @@ class CompactFallback:
         self.passes = passes
         if self.start is None and self.choice is None and self.declined is None:
             self._plan(step, max_steps, model, pruner, optimizer, compiled)
+        self._set_eager(self.runs_eager(step))
         path = self._timed_path(step)
         if path is None or self._open is not None:
             return
@@ -164,10 +187,15 @@ class CompactFallback:
         if self.choice is not None or self.start is None:
             return
         if step == self.timed_steps("compact")[-1]:
-            if not self._layers_decide(pruner, optimizer):
+            if self.rival == "dense" and not self._layers_decide(pruner, optimizer):
                 make_dense(model, pruner, optimizer=optimizer)
-        elif step == self.timed_steps("dense")[-1]:
+        elif step == self.timed_steps(self.rival)[-1]:
             self._decide(model, pruner, optimizer)
+
+    def end_training(self) -> None:
+        """At the end of training: torch.compile's stance as it was before the eager step (the decision holds for
+        training steps; evaluation and inference afterwards run as the user set them up)."""
+        self._set_eager(False)
 
     # ------------------------------------------------------------------ internals
     def _plan(self, step: int, max_steps: int, model: nn.Module, pruner: Pruner, optimizer, compiled: bool) -> None:
@@ -182,9 +210,10 @@ class CompactFallback:
             self.declined = "not on CUDA"  # the compact layers run their reference path: nothing worth timing
             return
         why = why_not_compact_now(model, optimizer)
-        if why is None and compiled:
-            why = "torch_compile=True: each switch of the layers would recompile the model"
-        if why is None and self.mode == "auto":
+        if compiled:
+            self.rival = "eager"
+            self.timings = {"compact": _Timing(), "eager": _Timing()}
+        if why is None and self.mode == "auto" and not compiled:
             why = _dense_state_does_not_fit(pruner, self._device)
         needed = 2 * (self.warmup + self.steps)
         if why is None and max_steps - step < needed:
@@ -192,7 +221,8 @@ class CompactFallback:
         if why is not None:
             self.declined = why
             logger.info(
-                "hf_sparse: the compact layers are not timed against the masked dense ones (%s); they stay compact",
+                "hf_sparse: the compact layers are not timed against %s (%s); they stay compact",
+                "the eager step" if compiled else "the masked dense ones",
                 why,
             )
             return
@@ -201,7 +231,7 @@ class CompactFallback:
     def _timed_path(self, step: int) -> PathName | None:
         if self.choice is not None:
             return None
-        for path in ("compact", "dense"):
+        for path in self.timings:
             if step in self.timed_steps(path):
                 return path
         return None
@@ -246,17 +276,38 @@ class CompactFallback:
         )
         return True
 
+    def _set_eager(self, eager: bool) -> None:
+        """Set torch.compile aside (``eager``) or bring it back; a no-op where it already is so."""
+        if eager and self._stance is None:
+            self._stance = torch.compiler.set_stance("force_eager")
+        elif not eager and self._stance is not None:
+            self._stance.__exit__(None, None, None)  # the stance before: set_stance's own restore
+            self._stance = None
+
     def _decide(self, model: nn.Module, pruner: Pruner, optimizer) -> None:
-        compact, dense = self.timings["compact"], self.timings["dense"]
-        self.choice = choose_path(compact.ms_per_step, dense.ms_per_step)
+        compact, rival = self.timings["compact"], self.timings[self.rival]
+        self.choice = "compact" if choose_path(compact.ms_per_step, rival.ms_per_step) == "compact" else self.rival
+        if self.rival == "eager":
+            self._set_eager(self.choice == "eager")
+            logger.info(
+                "hf_sparse: compiled step %s ms, eager step %s ms (%d and %d timed steps): %s",
+                _ms(compact.ms_per_step),
+                _ms(rival.ms_per_step),
+                compact.steps,
+                rival.steps,
+                "training goes on eager (torch.compile set aside), which is faster"
+                if self.choice == "eager"
+                else "training goes on compiled",
+            )
+            return
         if self.choice == "compact":
             make_compact(model, pruner, optimizer)
         logger.info(
             "hf_sparse: compact layers %s ms/step, masked dense layers %s ms/step (%d and %d timed steps): %s",
             _ms(compact.ms_per_step),
-            _ms(dense.ms_per_step),
+            _ms(rival.ms_per_step),
             compact.steps,
-            dense.steps,
+            rival.steps,
             "training goes on with the masked dense layers, which are faster"
             if self.choice == "dense"
             else "training goes on with the compact layers",
@@ -269,13 +320,15 @@ class CompactFallback:
             "start": self.start,
             "declined": self.declined,
             "choice": self.choice,
+            "rival": self.rival,
             "timings": {path: [t.ms, t.steps] for path, t in self.timings.items()},
         }
 
     def load_state_dict(self, state: dict[str, Any], device: torch.device | None = None) -> None:
         """Continue the run of ``state`` (``device``: where the pruned layers are, to synchronize timed stretches)."""
         self.start, self.declined, self.choice = state["start"], state["declined"], state["choice"]
-        self.timings = {path: _Timing(*state["timings"][path]) for path in ("compact", "dense")}
+        self.rival = state.get("rival", "dense")  # a state without the key timed masked dense layers
+        self.timings = {path: _Timing(*state["timings"][path]) for path in ("compact", self.rival)}
         self._open, self._device, self._skip_next = None, device, True
 
 

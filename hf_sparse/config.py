@@ -146,7 +146,9 @@ class SparsityConfig:
         compact_fallback: whether the run times its compact layers against the masked dense ones and keeps the
             faster (see :mod:`hf_sparse.compact_fallback`): ``"auto"`` on CUDA only (on the CPU the compact layers
             run a reference path), ``"always"`` on any device, ``"never"`` keeps the compact layers unmeasured.
-            The timed steps are real training steps; under a DDP/FSDP wrapper no comparison runs.
+            Under ``TrainingArguments(torch_compile=True)`` it times the compiled step against the eager one
+            instead (no recompilation) and keeps the faster. The timed steps are real training steps; under a
+            DDP/FSDP wrapper no comparison runs.
         compact_fallback_steps: optimizer steps timed on each path (after a few warm-up steps per path).
     """
 

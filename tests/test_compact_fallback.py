@@ -219,3 +219,64 @@ def test_layers_that_measured_a_clear_saving_decide_without_the_dense_phase(capl
     assert [fallback.holds_dense(step) for step in range(3, 6)] == [not skips] * 3
     lines = [r.getMessage() for r in caplog.records if "are not timed" in r.getMessage()]
     assert len(lines) == int(skips)
+
+
+@torch.compile(backend="eager", fullgraph=True)
+def _compiled_or_not(x: torch.Tensor) -> torch.Tensor:
+    """``x + 1`` where torch.compile runs this, ``x + 2`` where it is set aside (its Python runs as written)."""
+    return x + 1 if torch.compiler.is_compiling() else x + 2
+
+
+def _runs_compiled() -> bool:
+    return _compiled_or_not(torch.zeros(1)).item() == 1
+
+
+@pytest.mark.parametrize(("eager_sleep", "winner"), [(0.0, "eager"), (0.04, "compact")])
+def test_under_torch_compile_the_compiled_step_is_timed_against_the_eager_one(caplog, eager_sleep, winner):
+    """With ``compiled=True`` the schedule's second half runs with torch.compile set aside (compiled functions run
+    their Python as written, nothing is recompiled) instead of switching to masked dense layers; the faster wins (one
+    log line), the eager stance stays only where eager won, and the end of training brings torch.compile back. The
+    layers stay compact throughout."""
+    model = AutoModelForSequenceClassification.from_config(tiny_config("bert"))
+    pruner = prune_now(model, "2:4")
+    make_compact(model, pruner)
+    fallback = CompactFallback("always", steps=2, warmup=1)
+    compiled_at = []
+    with caplog.at_level("INFO", logger="hf_sparse.compact_fallback"):
+        for step in range(8):
+            fallback.begin_step(step, 100, model, pruner, optimizer=None, compiled=True)
+            compiled_at.append(_runs_compiled())
+            time.sleep(0.02 if compiled_at[-1] else eager_sleep)  # a compiled step: 20 ms
+            fallback.end_step(step + 1, False, model, pruner, optimizer=None)
+    assert fallback.rival == "eager" and list(fallback.timed_steps("eager")) == [4, 5]
+    assert fallback.timed_steps("dense") == range(0)
+    assert compiled_at[:3] == [True] * 3 and compiled_at[3:6] == [False] * 3  # warm-up and timed, each path
+    assert compiled_at[6:] == [winner == "compact"] * 2
+    assert fallback.choice == winner and fallback.timings["eager"].steps == 2
+    assert all(layer.compact for layer in pruner.layers)
+    lines = [r.getMessage() for r in caplog.records if "compiled step" in r.getMessage()]
+    assert len(lines) == 1 and ("goes on eager" in lines[0]) == (winner == "eager")
+    fallback.end_training()
+    assert _runs_compiled()
+
+
+def test_a_resumed_run_goes_on_eager_where_eager_won():
+    """The decision is in the checkpoint: a run resumed after the eager step won runs eager from its first step,
+    without timing again; a state without the rival (masked dense layers timed) loads as before."""
+    model = AutoModelForSequenceClassification.from_config(tiny_config("bert"))
+    pruner = prune_now(model, "2:4")
+    make_compact(model, pruner)
+    timings = {"compact": [50.0, 2], "eager": [30.0, 2]}
+    state = {"start": 0, "declined": None, "choice": "eager", "rival": "eager", "timings": timings}
+    resumed = CompactFallback("always", steps=2, warmup=1)
+    resumed.load_state_dict(state)
+    resumed.begin_step(20, 100, model, pruner, optimizer=None, compiled=True)
+    try:
+        assert not _runs_compiled() and resumed.timings["eager"].steps == 2
+    finally:
+        resumed.end_training()
+    assert _runs_compiled()
+    legacy = {"start": 0, "declined": None, "choice": "compact", "timings": {"compact": [1.0, 1], "dense": [2.0, 1]}}
+    plain = CompactFallback("always", steps=2, warmup=1)
+    plain.load_state_dict(legacy)
+    assert plain.rival == "dense" and plain.timings["dense"].steps == 1
