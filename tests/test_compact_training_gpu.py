@@ -143,6 +143,45 @@ def test_sparse_trainer_makes_layers_compact_on_cuda(tmp_path):
         assert torch.isfinite(layer.module.weight).all()
 
 
+def test_torch_compile_run_times_the_compiled_step_against_the_eager_one(tmp_path, caplog):
+    """``TrainingArguments(torch_compile=True)`` with compact layers from step 0: the run times its compiled steps
+    against eager ones (torch.compile set aside, the layers compact throughout), keeps the faster with one log line,
+    and leaves torch.compile's stance as it was when training ends."""
+
+    @torch.compile(backend="eager", fullgraph=True)
+    def compiled_or_not(x):
+        return x + 1 if torch.compiler.is_compiling() else x + 2
+
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        max_steps=12,
+        per_device_train_batch_size=8,
+        bf16=True,
+        report_to=[],
+        save_strategy="no",
+        disable_tqdm=True,
+        learning_rate=1e-3,
+        torch_compile=True,
+    )
+    config = SparsityConfig(
+        score="magnitude", pattern="2:4", transposable=True, schedule="oneshot", start=0, end=0,
+        compact_fallback="always", compact_fallback_steps=2,
+    )  # fmt: skip
+    trainer = SparseTrainer(
+        model=_small_bert(seed=4), args=args, train_dataset=ToyClassification(size=96, length=16),
+        sparsity_config=config,
+    )  # fmt: skip
+    with caplog.at_level("INFO", logger="hf_sparse.compact_fallback"):
+        trainer.train()
+    fallback = trainer.sparsity_callback.fallback
+    assert fallback.rival == "eager" and fallback.choice in ("compact", "eager")
+    assert fallback.timings["compact"].steps == 2 and fallback.timings["eager"].steps == 2
+    assert sum("compiled step" in r.getMessage() for r in caplog.records) == 1
+    assert all(layer.compact for layer in trainer.pruner.layers)
+    assert compiled_or_not(torch.zeros(1)).item() == 1  # torch.compile is back after training
+    assert all(torch.isfinite(layer.module.weight).all() for layer in trainer.pruner.layers)
+
+
 @pytest.mark.parametrize("pattern", ["64:2:8", "2:4"])
 def test_loaded_checkpoint_runs_inference_on_the_kernels(tmp_path, pattern):
     model = _small_bert(seed=3).float().cpu()
