@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import os
 import statistics
@@ -199,8 +200,21 @@ def train_worker(args) -> dict:
     steps, warmup = args.steps, args.warmup
 
     class Clock(TrainerCallback):
+        """The timed window, and the host time Python's garbage collector took in it (per generation: a full
+        collection walks every object torch.compile left behind)."""
+
         def __init__(self) -> None:
             self.t0 = self.t1 = None
+            self.gc_ms = [0.0, 0.0, 0.0]
+            self._gc_began = 0.0
+
+        def on_gc(self, phase, info):
+            if self.t0 is None or self.t1 is not None:
+                return
+            if phase == "start":
+                self._gc_began = time.perf_counter()
+            else:
+                self.gc_ms[info["generation"]] += (time.perf_counter() - self._gc_began) * 1e3
 
         def on_step_end(self, a, state, control, **kw):
             if state.global_step == warmup:
@@ -214,6 +228,7 @@ def train_worker(args) -> dict:
 
     launch_us = host_launch_us()
     clock = Clock()
+    gc.callbacks.append(clock.on_gc)
     out = tempfile.mkdtemp(prefix="bench_trainer_")
     trainer = build_trainer(args.model, args.config, args.mode, steps, out, [clock], args.compact_fallback)
     torch.cuda.reset_peak_memory_stats()
@@ -228,6 +243,7 @@ def train_worker(args) -> dict:
         "peak_gib": max(clock.peak_before, torch.cuda.max_memory_allocated()) / 2**30,
         "steady_peak_gib": torch.cuda.max_memory_allocated() / 2**30,
         "host_launch_us": launch_us,
+        "gc_ms_by_generation": [round(ms, 1) for ms in clock.gc_ms],
     }
     callback = getattr(trainer, "sparsity_callback", None)
     if callback is not None and callback.pruner is not None:  # what the compact fallback decided, and on what
