@@ -254,6 +254,33 @@ def test_compiles_without_graph_breaks():
         torch.testing.assert_close(got, want)
 
 
+@pytest.mark.parametrize("spec", ["2:4", "64:2:8"])
+def test_compiled_layers_guard_on_their_tensors_not_on_shared_objects(spec):
+    """What a compiled graph checks on every call: torch.compile guards each object the traced code reads, and an
+    object reached from several layers (their shared pattern, the pack's namedtuple class) is guarded by identity
+    between them, in Python, on every call. Two compact layers traced in one graph: no guard on a pattern or on a
+    pack's class, and no tensor reached by two paths."""
+    first, _, _ = _layer(spec, 64, 128, transposable=spec == "2:4")
+    second, _, _ = _layer(spec, 128, 64, transposable=spec == "2:4", seed=1)
+    second.pattern = first.pattern  # as in a pruned model: one pattern object for every layer
+    for layer, cols in ((first, 128), (second, 64)):
+        k = layer.kernel_state(torch.bfloat16)
+        k(layer, torch.randn(8, cols).bfloat16().requires_grad_())  # its training plan and transposed pack
+
+    def call(t):
+        return compact_linear(second, compact_linear(first, t, torch.bfloat16), torch.bfloat16)
+
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(call)(torch.randn(8, 128).bfloat16().requires_grad_())
+    assert explained.graph_break_count == 0, explained.break_reasons
+    names = [guard.name for guard in explained.out_guards]
+    assert any("_kernel" in name for name in names)  # the kernel state is what the graph reads
+    shared = [n for n in names if "pattern" in n or "_replace" in n or "_make" in n or "__class__" in n]
+    assert not shared, shared
+    aliased = [g for g in explained.out_guards if "DUPLICATE_INPUT" in str(g.create_fn_name()) and "L[" in g.name]
+    assert not aliased, [g.name for g in aliased]
+
+
 def test_a_compiled_graph_serves_one_token_bucket():
     """The plan is a constant of the compiled graph, so a graph must serve one token bucket only: token counts in
     one bucket share a graph (also once the shapes turn dynamic), another bucket traces again and measures its own
