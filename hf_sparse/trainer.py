@@ -202,6 +202,15 @@ class SparseTrainer(Trainer):
             logs = {**logs, **self.sparsity_callback.metrics_for_log()}
         super().log(logs, *args, **kwargs)
 
+    def train(self, *args: Any, **kwargs: Any):
+        """``Trainer.train``; torch.compile's stance comes back as it was also where training stops on an exception
+        (``on_train_end`` does not run then): the compiled-or-eager comparison may have set it aside."""
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            if self.sparsity_callback is not None:
+                self.sparsity_callback.fallback.end_training()
+
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
         if self.sparsity_callback is not None:
             self.sparsity_callback.check_checkpoint(resume_from_checkpoint)

@@ -407,3 +407,34 @@ def test_resume_continues_the_fallback_exactly_without_measuring_again(tmp_path,
         resumed_params = dict(resumed.model.named_parameters())
         for name, p in whole.model.named_parameters():
             assert torch.equal(p, resumed_params[name]), (cut, name)
+
+
+@torch.compile(backend="eager", fullgraph=True)
+def _compiled_or_not(x: torch.Tensor) -> torch.Tensor:
+    return x + 1 if torch.compiler.is_compiling() else x + 2
+
+
+def test_torch_compile_comes_back_when_training_stops_on_an_exception(tmp_path):
+    """A run that goes on eager (its checkpointed comparison chose the eager step) sets torch.compile aside from its
+    first step; where training then stops on an exception, ``on_train_end`` does not run, and ``SparseTrainer.train``
+    brings torch.compile back itself."""
+
+    class Crash(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.eager = _compiled_or_not(torch.zeros(1)).item() == 2
+            if state.global_step == 2:
+                raise RuntimeError("a crash inside training")
+
+    crash = Crash()
+    config = SparsityConfig(score="magnitude", **ONESHOT, compact_fallback="always")
+    trainer = SparseTrainer(
+        model=_model(), args=trainer_args(tmp_path, max_steps=6), train_dataset=ToyClassification(),
+        sparsity_config=config, callbacks=[crash],
+    )  # fmt: skip
+    state = {"start": 0, "declined": None, "choice": "eager", "rival": "eager", "timings": {}}
+    state["timings"] = {"compact": [50.0, 2], "eager": [30.0, 2]}
+    trainer.sparsity_callback.fallback.load_state_dict(state)
+    with pytest.raises(RuntimeError, match="a crash inside training"):
+        trainer.train()
+    assert crash.eager  # the run was eager when it crashed
+    assert _compiled_or_not(torch.zeros(1)).item() == 1
