@@ -89,7 +89,7 @@ def main() -> int:
         print(line, flush=True)
         if "wgmma" in kernels and m >= 8 and configs:  # V:2:M pipelines and token tiles
             line = "      wgmma pipe/tile:"
-            for pipe in (1, 0, 2):
+            for pipe in (1, 0, 2, 3):
                 for tile in (128, 64) if m == 8 and tokens > 64 else (64,):
                     with force_kernel(spmm="wgmma"), tuning(vnm_pipe=pipe, vnm_tile=tile):
                         _, ok, t = check_and_time()

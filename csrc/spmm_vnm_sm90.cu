@@ -47,6 +47,9 @@
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #include "sm90_common.cuh"
 #include "wgmma_sp.cuh"
+#if defined(HF_SPARSE_LAB)
+#include "tma_sm90.cuh"  // mbarrier wrappers of the warp-specialised pipeline
+#endif
 #endif
 
 namespace hf_sparse {
@@ -491,6 +494,190 @@ spmm_vnm_sm90_staged_kernel(const T* __restrict__ x, const uint4* __restrict__ v
 #endif
 }
 
+#if defined(HF_SPARSE_LAB)
+// Warp-specialised pipeline (lab build, vnm_pipe = 3). The register pipeline above is latency-bound because the
+// fence.proxy.async that publishes a k-tile's gathered stores (MEMBAR.ALL.CTA + FENCE.VIEW.ASYNC in SASS, also for the
+// sync_restrict form) waits for every load the thread has in flight, and every thread of the CTA both gathers and
+// issues wgmmas. Here the roles are split: kWsProducers producer warpgroups gather X into a ring of S stages (both
+// slabs' B tiles per stage, the register kernel's layout), taking the k-tiles in turn (producer p: k-tiles p,
+// p + kWsProducers, ...), so each pays its fence once per own k-tile while the others' loads are in flight; two
+// consumer warpgroups (slab 0, slab 1) only load their A fragments and metadata and issue sparse wgmmas. Stage s has
+// a "full" mbarrier (the 128 threads of its producer arrive after their stores and fence) and an "empty" one (each of
+// the 8 consumer warps arrives once its wgmmas on the stage are done). No split-K: launched at 64 and more tokens only.
+constexpr int kWsProducers = 2;
+constexpr int kWsThreads = 128 * (kWsProducers + 2);
+
+template <int M, int BN, int S>
+struct VnmWsCfg {
+  static constexpr int B_BYTES = BN * 128;  // one slab's B tile: BN token rows x 64 condensed k
+  static constexpr int STAGE = 2 * B_BYTES;
+  static constexpr int BARS = S * STAGE;    // offset of the 2S mbarriers (8 bytes each)
+  static constexpr int SMEM = BARS + 16 * S + 1024;
+  static_assert(S % kWsProducers == 0, "a stage is always filled by the same producer warpgroup");
+  static_assert(SMEM <= 227 * 1024, "over the sm_90 shared-memory limit");
+};
+
+template <typename T, int M, int BN, int S>
+__global__ void __launch_bounds__(kWsThreads, 1)
+spmm_vnm_sm90_ws_kernel(const T* __restrict__ x, const uint4* __restrict__ values, const uint32_t* __restrict__ meta,
+                        const uint32_t* __restrict__ columns, const T* __restrict__ bias, T* __restrict__ y,
+                        int n_tokens, int rows, int rows_padded, int k, int steps) {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using Cfg = VnmWsCfg<M, BN, S>;
+  constexpr int ND = BN / 2;
+  constexpr bool CHUNK = M == 8;
+  static_assert(CHUNK || BN == 64, "the word gather's roles cover 64 tokens");
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  unsigned char* smem = smem_raw + pad_to_1024((uint32_t)__cvta_generic_to_shared(smem_raw));
+  const uint32_t smem_u32 = (uint32_t)__cvta_generic_to_shared(smem);
+  auto full_bar = [&](int s) { return smem_u32 + Cfg::BARS + 8 * s; };
+  auto empty_bar = [&](int s) { return smem_u32 + Cfg::BARS + 8 * (S + s); };
+
+  const int tid = threadIdx.x;
+  const int lane = tid & 31, warp = tid >> 5, wg = warp >> 2;
+  const int n_base = blockIdx.y * BN;
+  const int cta_row0 = blockIdx.x * 128;
+  const int mt_cta = cta_row0 >> 4;
+  const int mt_valid = (rows_padded - cta_row0) >> 4;
+  const int k_tiles = (steps + 1) >> 1;
+  const int groups = k / M, groups_padded = 8 * steps;
+  const int slabs = rows_padded >> 6;
+  if (tid == 0) {
+    for (int s = 0; s < S; ++s) {
+      mbar_init(full_bar(s), 128);
+      mbar_init(empty_bar(s), 8);
+    }
+    mbar_fence_init();
+  }
+  __syncthreads();
+
+  if (wg < kWsProducers) {
+    // Producer warpgroup wg: k-tiles wg, wg + kWsProducers, ... Roles (ptid = thread index in the warpgroup):
+    //  chunk (M = 8): group gg = ptid % 16 of every k-tile, tokens tok0 + 8i (tok0 = ptid / 16 < 8), both slabs; the
+    //    8 bytes of token row r = tok0 + 8i sit at chunk (gg/2) ^ tok0, byte 8(gg & 1), + 1024i.
+    //  word (M >= 16): lane (q = lane / 8, slab sl, jj) of warp w owns kept column jj of slab sl in group 4w + q,
+    //    tokens 0..63; partner lanes pair their halves with one shuffle (as the register kernel).
+    const int ptid = tid - 128 * wg, pwarp = ptid >> 5;
+    const int gg = CHUNK ? (ptid & 15) : (4 * pwarp + (lane >> 3));
+    const int sl = (lane >> 2) & 1, jj = lane & 3;
+    constexpr int TI = CHUNK ? BN / 8 : BN;
+    const int tok0 = CHUNK ? (ptid >> 4) : 0;
+    const T* rowp[CHUNK ? TI : 1];
+#pragma unroll
+    for (int i = 0; i < (CHUNK ? TI : 1); ++i) rowp[i] = x + (size_t)min(n_base + tok0 + 8 * i, n_tokens - 1) * k;
+    const int last_tok = n_tokens - 1 - n_base;  // word: tokens past it are not loaded (never stored)
+    const uint32_t* colp[2];
+#pragma unroll
+    for (int s = 0; s < 2; ++s) colp[s] = columns + (size_t)min((cta_row0 >> 6) + s, slabs - 1) * groups_padded;
+    const uint32_t* colp_mine = sl ? colp[1] : colp[0];
+    auto group_of = [&](int kt) { return min(kt * 16 + gg, groups - 1); };  // clamped: never past K
+    uint4 xc[CHUNK ? TI : 1];
+    uint32_t xw[CHUNK ? 1 : TI];
+    uint32_t cw[2] = {0u, 0u};
+    uint32_t cw_next = CHUNK ? 0u : (wg < k_tiles ? colp_mine[group_of(wg)] : 0u);
+    for (int kt = wg; kt < k_tiles; kt += kWsProducers) {
+      const int st = kt % S, use = kt / S;
+      const int grp = group_of(kt);
+      uint32_t sel = 0;
+      if constexpr (CHUNK) {
+#pragma unroll
+        for (int i = 0; i < TI; ++i) xc[i] = *reinterpret_cast<const uint4*>(rowp[i] + grp * M);
+#pragma unroll
+        for (int s = 0; s < 2; ++s) cw[s] = colp[s][grp];
+      } else {
+        const uint32_t mine = cw_next >> (8 * jj), partner = cw_next >> (8 * (jj ^ 1));
+        sel = 0x5410u + (mine & 1u) * 0x22u + (partner & 1u) * 0x2200u;
+        // token i's word: one pointer stepped by a row (k / 2 words), not 64 precomputed 64-bit addresses
+        const uint32_t* p = reinterpret_cast<const uint32_t*>(x + (size_t)min(n_base, n_tokens - 1) * k + grp * M +
+                                                              (int)(mine & 0xFEu));
+        const int row_words = k >> 1;
+#pragma unroll
+        for (int i = 0; i < TI; ++i, p += row_words)
+          if (i <= last_tok) xw[i] = *p;
+        if (kt + kWsProducers < k_tiles) cw_next = colp_mine[group_of(kt + kWsProducers)];  // with this k-tile's loads
+      }
+      mbar_wait(empty_bar(st), (use & 1) ^ 1);  // the consumers are done with the stage's previous fill
+      unsigned char* base = smem + st * Cfg::STAGE;
+      if constexpr (CHUNK) {
+        const uint32_t off = tok0 * 128 + ((((uint32_t)gg >> 1) ^ tok0) << 4) + 8 * (gg & 1);
+#pragma unroll
+        for (int s = 0; s < 2; ++s) {
+          const KeptOf8 kept(cw[s]);
+#pragma unroll
+          for (int i = 0; i < TI; ++i)
+            *reinterpret_cast<uint2*>(base + off + s * Cfg::B_BYTES + i * 1024) = kept(xc[i]);
+        }
+      } else {
+#pragma unroll
+        for (int i = 0; i < TI; ++i) {
+          const uint32_t other = __shfl_xor_sync(0xffffffffu, xw[i], 1);
+          const uint32_t o = __byte_perm(xw[i], other, sel);
+          const int r = i & 7;
+          const uint32_t off = sl * Cfg::B_BYTES + r * 128 + ((((uint32_t)gg >> 1) ^ r) << 4) + 8 * (gg & 1) + 2 * jj;
+          if ((jj & 1) == 0) *reinterpret_cast<uint32_t*>(base + off + (i >> 3) * 1024) = o;
+        }
+      }
+      fence_proxy_async();
+      mbar_arrive(full_bar(st));
+    }
+    return;
+  }
+
+  // Consumer warpgroup c = slab c: A fragments and metadata of m16 tile wq from global memory (an inactive
+  // warpgroup, past the packed rows, and the missing second k-step of an odd step count multiply zeros with valid
+  // metadata: fetch_a_tile), wgmmas on the stage's B tile of its slab.
+  const int c = wg - kWsProducers, wq = warp & 3;
+  const bool active = c * 4 < mt_valid;
+  const int mt = active ? c * 4 + wq : 0;
+  const int g = lane >> 2, t = lane & 3;
+  const uint4* ag = values + (size_t)(mt_cta + mt) * steps * 32 + lane;
+  const uint32_t* eg = meta + (size_t)(mt_cta + mt) * steps * 16 + g * 2 + (t & 1);
+  float acc[ND];
+#pragma unroll
+  for (int j = 0; j < ND; ++j) acc[j] = 0.f;
+  auto step = [&](int kt, const uint4 (&a)[2], const uint32_t (&e)[2], uint4 (&a_nx)[2], uint32_t (&e_nx)[2]) {
+    if (kt + 1 < k_tiles) fetch_a_tile(ag, eg, active, kt + 1, steps, a_nx, e_nx);
+    const int st = kt % S;
+    mbar_wait(full_bar(st), (kt / S) & 1);
+    const uint64_t desc = desc_k128(smem_u32 + st * Cfg::STAGE + c * Cfg::B_BYTES);
+    wgmma_fence();
+#pragma unroll
+    for (int j = 0; j < 2; ++j) WgmmaSp<BN, T>::run(acc, a[j], desc + j * (64 >> 4), e[j]);
+    wgmma_commit();
+    wgmma_wait<0>();
+    if (lane == 0) mbar_arrive(empty_bar(st));
+  };
+  uint4 a0[2], a1[2];
+  uint32_t e0[2], e1[2];
+  fetch_a_tile(ag, eg, active, 0, steps, a0, e0);
+  for (int kt = 0; kt < k_tiles; kt += 2) {
+    step(kt, a0, e0, a1, e1);
+    if (kt + 1 < k_tiles) step(kt + 1, a1, e1, a0, e0);
+  }
+#pragma unroll
+  for (int j = 0; j < ND; ++j) asm volatile("" : "+f"(acc[j])::"memory");  // reads after the wgmma wait
+  if (active) store_tile<T, BN>(acc, cta_row0 + 64 * c + 16 * wq, n_base, lane, bias, y, rows, n_tokens);
+#elif defined(__CUDA_ARCH__)
+  __trap();  // built without sm_90a: the host never launches this (spmm_sm90_available() is false)
+#endif
+}
+
+template <typename T, int M, int BN, int S>
+cudaError_t launch_vnm_ws(const SpmmArgs& a, cudaStream_t stream) {
+  using Cfg = VnmWsCfg<M, BN, S>;
+  constexpr auto kernel = spmm_vnm_sm90_ws_kernel<T, M, BN, S>;
+  cudaError_t err = raise_smem_limit_once<kernel>(Cfg::SMEM);
+  if (err != cudaSuccess) return err;
+  const dim3 grid((a.rows_padded + 127) / 128, (a.n_tokens + BN - 1) / BN);
+  if (grid.y > 65535) return cudaErrorInvalidConfiguration;
+  kernel<<<grid, kWsThreads, Cfg::SMEM, stream>>>(
+      static_cast<const T*>(a.x), static_cast<const uint4*>(a.values), static_cast<const uint32_t*>(a.meta),
+      reinterpret_cast<const uint32_t*>(a.columns), static_cast<const T*>(a.bias), static_cast<T*>(a.y), a.n_tokens,
+      a.rows, a.rows_padded, a.k, a.steps);
+  return cudaGetLastError();
+}
+#endif  // HF_SPARSE_LAB
+
 // Tokens per CTA (tile_config.h sm90_vnm_bn; the lab's vnm_tile = 64 forces 64 above 64 tokens at M = 8), and the
 // split-K plan of the register pipeline: as many splits as fill the SMs' CTA slots (sm90_split_k). At few tokens a CTA
 // waits about one L2/DRAM round trip per k-tile, so its time is its number of k-tiles, which the splits divide.
@@ -543,15 +730,16 @@ cudaError_t launch_vnm(const SpmmArgs& a, cudaStream_t stream) {
 
 // Tokens per CTA: vnm_bn.
 // Pipeline: X into registers one k-tile ahead. The lab build (HF_SPARSE_LAB) adds, by lab::tuning(), 64-token tiles
-// at M = 8 above 64 tokens (vnm_tile = 64) and two pipelines (vnm_pipe): 1 staged (where the column offsets of the
-// CTA's two slabs fit its 16 KB, i.e. K / M <= 2048; registers otherwise), 2 registers + L1 prefetch; what they
-// measured is in benchmarks/RESULTS.md ("V:2:M sparse wgmma").
+// at M = 8 above 64 tokens (vnm_tile = 64) and three pipelines (vnm_pipe): 1 staged (where the column offsets of the
+// CTA's two slabs fit its 16 KB, i.e. K / M <= 2048; registers otherwise), 2 registers + L1 prefetch, 3
+// warp-specialised (at 64 tokens and more); what they measured is in benchmarks/RESULTS.md ("V:2:M sparse wgmma").
 template <typename T, int M, int BN, int S>
 cudaError_t launch_pipe(const SpmmArgs& a, cudaStream_t stream) {
 #if defined(HF_SPARSE_LAB)
   const int pipe = lab::tuning().vnm_pipe.load(std::memory_order_relaxed);
   if (pipe == 1 && 2 * 8 * a.steps * 4 <= (16 << 10)) return launch_vnm_staged<T, M, BN, S>(a, stream);
   if (pipe == 2) return launch_vnm<T, M, BN, true>(a, stream);
+  if (pipe == 3 && a.n_tokens >= 64) return launch_vnm_ws<T, M, BN, 4>(a, stream);
 #endif
   return launch_vnm<T, M, BN, false>(a, stream);
 }
