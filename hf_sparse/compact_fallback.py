@@ -28,7 +28,8 @@ torch.compile set aside (``torch.compiler.set_stance("force_eager")``: the compi
 recompiled), and the run goes on eager only where that measured faster by the noise margin. A compiled step can be
 the slower one on a slow host: each compact layer in a compiled graph costs more host time than the ``nn.Linear`` it
 replaced (guards on its kernel state, the op's arguments), and a model whose compiled step waits on the host (BERT-large
-at 16 x 512) loses what its kernels save. The stance is restored when training ends.
+at 16 x 512) loses what its kernels save. The stance is process-wide: while the run trains eager, every compiled
+function of the process runs eager. It is restored when training ends.
 
 The comparison is skipped (one log line says why) under DDP/FSDP2 wrappers and, against masked dense layers, where
 the dense layers' state would not fit in the free device memory. Its dense phase holds that state for ``W + T``
