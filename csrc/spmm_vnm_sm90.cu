@@ -662,20 +662,6 @@ spmm_vnm_sm90_ws_kernel(const T* __restrict__ x, const uint4* __restrict__ value
 #endif
 }
 
-template <typename T, int M, int BN, int S>
-cudaError_t launch_vnm_ws(const SpmmArgs& a, cudaStream_t stream) {
-  using Cfg = VnmWsCfg<M, BN, S>;
-  constexpr auto kernel = spmm_vnm_sm90_ws_kernel<T, M, BN, S>;
-  cudaError_t err = raise_smem_limit_once<kernel>(Cfg::SMEM);
-  if (err != cudaSuccess) return err;
-  const dim3 grid((a.rows_padded + 127) / 128, (a.n_tokens + BN - 1) / BN);
-  if (grid.y > 65535) return cudaErrorInvalidConfiguration;
-  kernel<<<grid, kWsThreads, Cfg::SMEM, stream>>>(
-      static_cast<const T*>(a.x), static_cast<const uint4*>(a.values), static_cast<const uint32_t*>(a.meta),
-      reinterpret_cast<const uint32_t*>(a.columns), static_cast<const T*>(a.bias), static_cast<T*>(a.y), a.n_tokens,
-      a.rows, a.rows_padded, a.k, a.steps);
-  return cudaGetLastError();
-}
 #endif  // HF_SPARSE_LAB
 
 // Tokens per CTA (tile_config.h sm90_vnm_bn; the lab's vnm_tile = 64 forces 64 above 64 tokens at M = 8), and the
@@ -695,15 +681,15 @@ Sm90SplitPlan vnm_plan(const SpmmArgs& a) {
   return sm90_split_plan(a.rows_padded, a.n_tokens, bn, (a.steps + 1) / 2, (long long)sms * vnm_ctas_per_sm(bn));
 }
 
-template <typename T, int M, int BN, int S>
-cudaError_t launch_vnm_staged(const SpmmArgs& a, cudaStream_t stream) {
-  using Cfg = VnmStagedCfg<M, BN, S>;
-  constexpr auto kernel = spmm_vnm_sm90_staged_kernel<T, M, BN, S>;
-  cudaError_t err = raise_smem_limit_once<kernel>(Cfg::SMEM);
+// The lab pipelines that do not split K (staged, warp-specialised), whose kernels take the same arguments: one CTA
+// per 128 rows x BN tokens.
+template <typename T, int BN, auto Kernel>
+cudaError_t launch_unsplit(const SpmmArgs& a, cudaStream_t stream, int threads, int smem) {
+  cudaError_t err = raise_smem_limit_once<Kernel>(smem);
   if (err != cudaSuccess) return err;
   const dim3 grid((a.rows_padded + 127) / 128, (a.n_tokens + BN - 1) / BN);
   if (grid.y > 65535) return cudaErrorInvalidConfiguration;
-  kernel<<<grid, kVnmThreads, Cfg::SMEM, stream>>>(
+  Kernel<<<grid, threads, smem, stream>>>(
       static_cast<const T*>(a.x), static_cast<const uint4*>(a.values), static_cast<const uint32_t*>(a.meta),
       reinterpret_cast<const uint32_t*>(a.columns), static_cast<const T*>(a.bias), static_cast<T*>(a.y), a.n_tokens,
       a.rows, a.rows_padded, a.k, a.steps);
@@ -737,9 +723,12 @@ template <typename T, int M, int BN, int S>
 cudaError_t launch_pipe(const SpmmArgs& a, cudaStream_t stream) {
 #if defined(HF_SPARSE_LAB)
   const int pipe = lab::tuning().vnm_pipe.load(std::memory_order_relaxed);
-  if (pipe == 1 && 2 * 8 * a.steps * 4 <= (16 << 10)) return launch_vnm_staged<T, M, BN, S>(a, stream);
+  if (pipe == 1 && 2 * 8 * a.steps * 4 <= (16 << 10))
+    return launch_unsplit<T, BN, spmm_vnm_sm90_staged_kernel<T, M, BN, S>>(a, stream, kVnmThreads,
+                                                                           VnmStagedCfg<M, BN, S>::SMEM);
   if (pipe == 2) return launch_vnm<T, M, BN, true>(a, stream);
-  if (pipe == 3 && a.n_tokens >= 64) return launch_vnm_ws<T, M, BN, 4>(a, stream);
+  if (pipe == 3 && a.n_tokens >= 64)
+    return launch_unsplit<T, BN, spmm_vnm_sm90_ws_kernel<T, M, BN, 4>>(a, stream, kWsThreads, VnmWsCfg<M, BN, 4>::SMEM);
 #endif
   return launch_vnm<T, M, BN, false>(a, stream);
 }
