@@ -19,6 +19,17 @@ def prune_now(model, pattern: str = "2:4", **kwargs) -> Pruner:
     return pruner
 
 
+@torch.compile(backend="eager", fullgraph=True)
+def _compiled_or_not(x: torch.Tensor) -> torch.Tensor:
+    """``x + 1`` where torch.compile runs this, ``x + 2`` where it is set aside (its Python runs as written)."""
+    return x + 1 if torch.compiler.is_compiling() else x + 2
+
+
+def torch_compile_runs() -> bool:
+    """Whether torch.compile'd functions run compiled now, or are set aside (``torch.compiler.set_stance``)."""
+    return _compiled_or_not(torch.zeros(1)).item() == 1
+
+
 def logits(model, input_ids: torch.Tensor) -> torch.Tensor:
     model.eval()
     with torch.no_grad():

@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 from conftest import random_ids, tiny_config
-from helpers import prune_now
+from helpers import prune_now, torch_compile_runs
 from transformers import AutoModelForSequenceClassification
 from transformers.pytorch_utils import Conv1D
 
@@ -221,16 +221,6 @@ def test_layers_that_measured_a_clear_saving_decide_without_the_dense_phase(capl
     assert len(lines) == int(skips)
 
 
-@torch.compile(backend="eager", fullgraph=True)
-def _compiled_or_not(x: torch.Tensor) -> torch.Tensor:
-    """``x + 1`` where torch.compile runs this, ``x + 2`` where it is set aside (its Python runs as written)."""
-    return x + 1 if torch.compiler.is_compiling() else x + 2
-
-
-def _runs_compiled() -> bool:
-    return _compiled_or_not(torch.zeros(1)).item() == 1
-
-
 @pytest.mark.parametrize(("eager_sleep", "winner"), [(0.0, "eager"), (0.04, "compact")])
 def test_under_torch_compile_the_compiled_step_is_timed_against_the_eager_one(caplog, eager_sleep, winner):
     """With ``compiled=True`` the schedule's second half runs with torch.compile set aside (compiled functions run
@@ -245,7 +235,7 @@ def test_under_torch_compile_the_compiled_step_is_timed_against_the_eager_one(ca
     with caplog.at_level("INFO", logger="hf_sparse.compact_fallback"):
         for step in range(8):
             fallback.begin_step(step, 100, model, pruner, optimizer=None, compiled=True)
-            compiled_at.append(_runs_compiled())
+            compiled_at.append(torch_compile_runs())
             time.sleep(0.02 if compiled_at[-1] else eager_sleep)  # a compiled step: 20 ms
             fallback.end_step(step + 1, False, model, pruner, optimizer=None)
     assert fallback.rival == "eager" and list(fallback.timed_steps("eager")) == [4, 5]
@@ -257,7 +247,7 @@ def test_under_torch_compile_the_compiled_step_is_timed_against_the_eager_one(ca
     lines = [r.getMessage() for r in caplog.records if "compiled step" in r.getMessage()]
     assert len(lines) == 1 and ("goes on eager" in lines[0]) == (winner == "eager")
     fallback.end_training()
-    assert _runs_compiled()
+    assert torch_compile_runs()
 
 
 def test_a_resumed_run_goes_on_eager_where_eager_won():
@@ -272,10 +262,10 @@ def test_a_resumed_run_goes_on_eager_where_eager_won():
     resumed.load_state_dict(state)
     resumed.begin_step(20, 100, model, pruner, optimizer=None, compiled=True)
     try:
-        assert not _runs_compiled() and resumed.timings["eager"].steps == 2
+        assert not torch_compile_runs() and resumed.timings["eager"].steps == 2
     finally:
         resumed.end_training()
-    assert _runs_compiled()
+    assert torch_compile_runs()
     legacy = {"start": 0, "declined": None, "choice": "compact", "timings": {"compact": [1.0, 1], "dense": [2.0, 1]}}
     plain = CompactFallback("always", steps=2, warmup=1)
     plain.load_state_dict(legacy)
