@@ -290,28 +290,18 @@ class CompactFallback:
         self.choice = "compact" if choose_path(compact.ms_per_step, rival.ms_per_step) == "compact" else self.rival
         if self.rival == "eager":
             self._set_eager(self.choice == "eager")
-            logger.info(
-                "hf_sparse: compiled step %s ms, eager step %s ms (%d and %d timed steps): %s",
-                _ms(compact.ms_per_step),
-                _ms(rival.ms_per_step),
-                compact.steps,
-                rival.steps,
-                "training goes on eager (torch.compile set aside), which is faster"
-                if self.choice == "eager"
-                else "training goes on compiled",
-            )
-            return
-        if self.choice == "compact":
+        elif self.choice == "compact":
             make_compact(model, pruner, optimizer)
+        first, second, rival_won, compact_stays = _DECISION_WORDS[self.rival]
         logger.info(
-            "hf_sparse: compact layers %s ms/step, masked dense layers %s ms/step (%d and %d timed steps): %s",
+            "hf_sparse: %s %s ms/step, %s %s ms/step (%d and %d timed steps): %s",
+            first,
             _ms(compact.ms_per_step),
+            second,
             _ms(rival.ms_per_step),
             compact.steps,
             rival.steps,
-            "training goes on with the masked dense layers, which are faster"
-            if self.choice == "dense"
-            else "training goes on with the compact layers",
+            rival_won if self.choice == self.rival else compact_stays,
         )
 
     # ------------------------------------------------------------------ checkpoint
@@ -343,6 +333,23 @@ def _dense_state_does_not_fit(pruner: Pruner, device: torch.device) -> str | Non
     if need <= 0.8 * free:
         return None
     return f"the masked dense layers' state would need {need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB are free"
+
+
+#: per rival: the decision line's names of the two paths, and what it says where the rival won or the compact step stays
+_DECISION_WORDS = {
+    "dense": (
+        "compact layers",
+        "masked dense layers",
+        "training goes on with the masked dense layers, which are faster",
+        "training goes on with the compact layers",
+    ),
+    "eager": (
+        "compiled step",
+        "eager step",
+        "training goes on eager (torch.compile set aside), which is faster",
+        "training goes on compiled",
+    ),
+}
 
 
 def _ms(value: float | None) -> str:
