@@ -94,7 +94,7 @@ def main() -> int:
                     with force_kernel(spmm="wgmma"), tuning(vnm_pipe=pipe, vnm_tile=tile):
                         _, ok, t = check_and_time()
                     bad += not ok
-                    name = {1: "staged", 0: "regs", 2: "regs+pf"}[pipe]
+                    name = {1: "staged", 0: "regs", 2: "regs+pf", 3: "ws"}[pipe]
                     line += f" | {name}/{tile}: {t:.4f} ms x{t_dense / t:.2f}"
                     line += "" if ok else " WRONG"
             print(line, flush=True)

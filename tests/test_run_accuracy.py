@@ -92,6 +92,8 @@ def test_select_rows():
         "prune_then_recover/64:2:16",
     ]
     assert len(accuracy_sweep.DEFAULT_ROWS) == 16
+    assert not [row for row in accuracy_sweep.DEFAULT_ROWS if "128:" in row]  # V = 128 rows only when asked for
+    assert select_rows(["gradual_sparsegpt/128:*"]) == ["gradual_sparsegpt/128:2:8", "gradual_sparsegpt/128:2:16"]
     with pytest.raises(SystemExit, match="names no row"):
         select_rows(["magnitude/2:4"])
 
