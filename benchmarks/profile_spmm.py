@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from lab.tuning import require_lab_build, tuning
 
-from hf_sparse.masks import nm_mask
+from hf_sparse.masks import nm_mask, vnm_mask
 from hf_sparse.ops import force_kernel, pack, spmm
 
 
@@ -30,29 +30,37 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--mode", choices=["wgmma", "dense"], default="wgmma")
     ap.add_argument("--config", type=int, default=None, help="tile configuration (lab build; default: the product's)")
+    ap.add_argument("--pattern", default="2:4", help="2:4 or V:2:M (e.g. 64:2:8)")
+    ap.add_argument(
+        "--pipe", type=int, default=None, help="V:2:M pipeline (lab build's vnm_pipe; default: the product's)"
+    )
     ap.add_argument("--calls", type=int, default=4)
     args = ap.parse_args()
-    if args.config is not None:
-        require_lab_build("--config")
-    with (
-        force_kernel(spmm="wgmma"),
-        tuning(sm90_config=args.config) if args.config is not None else contextlib.nullcontext(),
-    ):
+    knobs = {"sm90_config": args.config, "vnm_pipe": args.pipe}
+    knobs = {name: value for name, value in knobs.items() if value is not None}
+    if knobs:
+        require_lab_build("--config / --pipe")
+    with force_kernel(spmm="wgmma"), tuning(**knobs) if knobs else contextlib.nullcontext():
         return run(args)
 
 
 def run(args: argparse.Namespace) -> int:
     torch.manual_seed(0)
     w = torch.randn(args.r, args.k, device="cuda")
-    mask = nm_mask(w.abs(), 2, 4)
+    parts = [int(s) for s in args.pattern.split(":")]
+    v, m = (64, 4) if len(parts) == 2 else (parts[0], parts[2])
+    mask = nm_mask(w.abs(), 2, 4) if m == 4 else vnm_mask(w.abs(), v, 2, m)
     wd = torch.where(mask, w, 0.0).bfloat16()
     x = torch.randn(args.tokens, args.k, device="cuda").bfloat16()
-    p = pack(wd.float(), mask, 64, 4, torch.bfloat16)
+    p = pack(wd.float(), mask, v, m, torch.bfloat16)
     ref = F.linear(x.double(), wd.double())
     fn = (lambda: F.linear(x, wd)) if args.mode == "dense" else (lambda: spmm(x, p))
     y = fn()
     err = float((y.double() - ref).norm() / ref.norm())
-    print(f"{args.mode} cfg={args.config} {args.tokens}x{args.k}->{args.r}: rel err {err:.2e}", flush=True)
+    print(
+        f"{args.mode} {args.pattern} config={args.config} pipe={args.pipe} {args.tokens}x{args.k}->{args.r}: rel err {err:.2e}",
+        flush=True,
+    )
     for _ in range(args.calls - 1):
         fn()
     torch.cuda.synchronize()

@@ -99,7 +99,7 @@ spmm_vnm_sm90_kernel(const T* __restrict__ x, const uint4* __restrict__ values, 
   using Regs = GatherRegs<M, BN>;
   constexpr int ND = BN / 2;  // accumulators per thread
   constexpr bool CHUNK = M == 8;
-  static_assert(CHUNK || BN == 64, "the word gather's lane roles cover 64 tokens");
+  static_assert(CHUNK || BN == 64 || BN == 16, "the word gather's lane roles cover 16 or 64 tokens");
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   unsigned char* smem = smem_raw + pad_to_1024((uint32_t)__cvta_generic_to_shared(smem_raw));
   const uint32_t smem_u32 = (uint32_t)__cvta_generic_to_shared(smem);
@@ -126,13 +126,13 @@ spmm_vnm_sm90_kernel(const T* __restrict__ x, const uint4* __restrict__ values, 
   //    a warp reads 2 token rows x 16 consecutive 16-byte chunks. Its 8 bytes of token row r of a slab's tile sit at
   //    chunk (gg/2) ^ (r & 7), byte 8(gg & 1): the same offset + 2048i for every i.
   //  word (M >= 16): lane (q = lane / 8, slab sl = lane / 4 % 2, jj = lane % 4) of warp w owns kept column jj of
-  //    slab sl in group gg = 4(w % 4) + q, tokens 32(w / 4) + i; a warp reads the 4 groups x 8 words of one token
+  //    slab sl in group gg = 4(w % 4) + q, tokens (BN/2)(w / 4) + i; a warp reads the 4 groups x 8 words of one token
   //    row (1-8 cache lines: few L1 wavefronts per load). Lanes jj and jj^1 pair their halves with one shuffle;
   //    lanes jj = 0, 2 store output words 0, 1 (4 bytes each).
   const int gg = CHUNK ? (tid & 15) : (4 * (warp & 3) + (lane >> 3));
   const int sl = (lane >> 2) & 1, jj = lane & 3;
   constexpr int TI = CHUNK ? BN / 16 : BN / 2;  // tokens per thread per k-tile
-  const int tok0 = CHUNK ? (tid >> 4) : 32 * (warp >> 2);
+  const int tok0 = CHUNK ? (tid >> 4) : (BN / 2) * (warp >> 2);
   const T* rowp[CHUNK ? TI : 1];  // chunk: each token's row (rows past n_tokens read the last); word: the first's
 #pragma unroll
   for (int i = 0; i < (CHUNK ? TI : 1); ++i)
@@ -505,38 +505,32 @@ spmm_vnm_sm90_staged_kernel(const T* __restrict__ x, const uint4* __restrict__ v
 // a "full" mbarrier (the 128 threads of its producer arrive after their stores and fence) and an "empty" one (each of
 // the 8 consumer warps arrives once its wgmmas on the stage are done). No split-K: launched at 64 and more tokens only.
 constexpr int kWsProducers = 2;
-// Threads per producer: a warpgroup at 2 slabs per CTA; half of one at 4, whose consumers need more registers (two
-// slabs' accumulators and A fragments each): 384 threads may hold 168 registers each, 512 only 128.
-__host__ __device__ constexpr int ws_producer_threads(int slabs) { return slabs == 4 ? 64 : 128; }
-__host__ __device__ constexpr int ws_threads(int slabs) { return kWsProducers * ws_producer_threads(slabs) + 256; }
+constexpr int kWsThreads = 128 * (kWsProducers + 2);
 
-// SLABS 64-row slabs per CTA (2: 128 rows, one slab per consumer warpgroup; 4: 256 rows, two per consumer). X is read
-// from L2 once per CTA for all its slabs, so 4 slabs halve the L2 traffic per output row. SHARE (M = 8): where
-// slabs 2j and 2j + 1 keep the same columns (every V:2:M weight with V a multiple of 128), checked by the CTA before
-// its first k-tile, the producers gather one B tile for both and the consumers of both read it.
-template <int M, int BN, int S, int SLABS>
+// SHARE (M = 8): where the CTA's two slabs keep the same columns (every V:2:M weight with V = 128), checked by the CTA
+// before its first k-tile, the producers gather one B tile for both and both consumers read it.
+template <int M, int BN, int S>
 struct VnmWsCfg {
   static constexpr int B_BYTES = BN * 128;  // one slab's B tile: BN token rows x 64 condensed k
-  static constexpr int STAGE = SLABS * B_BYTES;
+  static constexpr int STAGE = 2 * B_BYTES;
   static constexpr int BARS = S * STAGE;    // offset of the 2S mbarriers (8 bytes each)
   static constexpr int SMEM = BARS + 16 * S + 1024;
   static_assert(S % kWsProducers == 0, "a stage is always filled by the same producer warpgroup");
   static_assert(SMEM <= 227 * 1024, "over the sm_90 shared-memory limit");
 };
 
-template <typename T, int M, int BN, int S, int SLABS, bool SHARE>
-__global__ void __launch_bounds__(ws_threads(SLABS), 1)
+template <typename T, int M, int BN, int S, bool SHARE>
+__global__ void __launch_bounds__(kWsThreads, 1)
 spmm_vnm_sm90_ws_kernel(const T* __restrict__ x, const uint4* __restrict__ values, const uint32_t* __restrict__ meta,
                         const uint32_t* __restrict__ columns, const T* __restrict__ bias, T* __restrict__ y,
                         int n_tokens, int rows, int rows_padded, int k, int steps) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  using Cfg = VnmWsCfg<M, BN, S, SLABS>;
+  using Cfg = VnmWsCfg<M, BN, S>;
   constexpr int ND = BN / 2;
-  constexpr int SPC = SLABS / 2;  // slabs per consumer warpgroup
-  constexpr int PT = ws_producer_threads(SLABS), PRODUCERS = kWsProducers * PT;
+  constexpr int SLABS = 2;
+  constexpr int PT = 128, PRODUCERS = kWsProducers * PT;  // a warpgroup per producer
   constexpr bool CHUNK = M == 8;
-  static_assert(CHUNK || (BN == 64 && SLABS == 2 && !SHARE), "the word gather's roles cover 64 tokens, 2 slabs");
-  static_assert(SLABS == 2 || SLABS == 4, "2 or 4 slabs per CTA");
+  static_assert(CHUNK || (BN == 64 && !SHARE), "the word gather's roles cover 64 tokens");
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   unsigned char* smem = smem_raw + pad_to_1024((uint32_t)__cvta_generic_to_shared(smem_raw));
   const uint32_t smem_u32 = (uint32_t)__cvta_generic_to_shared(smem);
@@ -546,7 +540,7 @@ spmm_vnm_sm90_ws_kernel(const T* __restrict__ x, const uint4* __restrict__ value
   const int tid = threadIdx.x;
   const int lane = tid & 31, warp = tid >> 5;
   const int n_base = blockIdx.y * BN;
-  const int cta_row0 = blockIdx.x * 64 * SLABS;
+  const int cta_row0 = blockIdx.x * 128;
   const int mt_cta = cta_row0 >> 4;
   const int mt_valid = (rows_padded - cta_row0) >> 4;
   const int k_tiles = (steps + 1) >> 1;
@@ -564,18 +558,15 @@ spmm_vnm_sm90_ws_kernel(const T* __restrict__ x, const uint4* __restrict__ value
   }
   bool share = false;
   if constexpr (SHARE) {
-    // The columns are (slab, group) words: a CTA-wide compare of each slab pair's words (an inactive slab reads the
-    // last slab's, so an odd last slab counts as shared: nothing of it is stored).
+    // The columns are (slab, group) words: a CTA-wide compare of both slabs' words (an inactive second slab reads the
+    // first one's: shared, and nothing of it is stored).
     int same = 1;
-    for (int i = tid; i < groups_padded; i += ws_threads(SLABS))
-#pragma unroll
-      for (int p = 0; p < SLABS / 2; ++p) same &= colp[2 * p][i] == colp[2 * p + 1][i];
+    for (int i = tid; i < groups_padded; i += kWsThreads) same &= colp[0][i] == colp[1][i];
     share = __syncthreads_and(same) != 0;
   } else {
     __syncthreads();
   }
-  // B tile of slab s in a stage: its own, or its pair's even slab's where the pair shares
-  auto tile_of = [&](int s) { return share ? (s & ~1) : s; };
+  auto tile_of = [&](int s) { return share ? 0 : s; };  // B tile of slab s in a stage
 
   if (tid < PRODUCERS) {
     // Producer pr: k-tiles pr, pr + kWsProducers, ... Roles (ptid = thread index in the producer):
@@ -653,60 +644,40 @@ spmm_vnm_sm90_ws_kernel(const T* __restrict__ x, const uint4* __restrict__ value
     return;
   }
 
-  // Consumer warpgroup c = slabs c * SPC .. c * SPC + SPC - 1: A fragments and metadata of m16 tile wq of each from
-  // global memory (an inactive slab, past the packed rows, and the missing second k-step of an odd step count
-  // multiply zeros with valid metadata: fetch_a_tile), wgmmas on the stage's B tile of each slab.
+  // Consumer warpgroup c = slab c: A fragments and metadata of m16 tile wq from global memory (an inactive
+  // warpgroup, past the packed rows, and the missing second k-step of an odd step count multiply zeros with valid
+  // metadata: fetch_a_tile), wgmmas on the stage's B tile of its slab.
   const int c = (tid - PRODUCERS) >> 7, wq = warp & 3;
+  const bool active = c * 4 < mt_valid;
+  const int mt = active ? c * 4 + wq : 0;
   const int g = lane >> 2, t = lane & 3;
-  bool active[SPC];
-  const uint4* ag[SPC];
-  const uint32_t* eg[SPC];
+  const uint4* ag = values + (size_t)(mt_cta + mt) * steps * 32 + lane;
+  const uint32_t* eg = meta + (size_t)(mt_cta + mt) * steps * 16 + g * 2 + (t & 1);
+  float acc[ND];
 #pragma unroll
-  for (int j = 0; j < SPC; ++j) {
-    const int slab = c * SPC + j;
-    active[j] = slab * 4 < mt_valid;
-    const int mt = active[j] ? slab * 4 + wq : 0;
-    ag[j] = values + (size_t)(mt_cta + mt) * steps * 32 + lane;
-    eg[j] = meta + (size_t)(mt_cta + mt) * steps * 16 + g * 2 + (t & 1);
-  }
-  float acc[SPC][ND];
-#pragma unroll
-  for (int j = 0; j < SPC; ++j)
-#pragma unroll
-    for (int d = 0; d < ND; ++d) acc[j][d] = 0.f;
-  auto step = [&](int kt, const uint4 (&a)[SPC][2], const uint32_t (&e)[SPC][2], uint4 (&a_nx)[SPC][2],
-                  uint32_t (&e_nx)[SPC][2]) {
-    if (kt + 1 < k_tiles)
-#pragma unroll
-      for (int j = 0; j < SPC; ++j) fetch_a_tile(ag[j], eg[j], active[j], kt + 1, steps, a_nx[j], e_nx[j]);
+  for (int j = 0; j < ND; ++j) acc[j] = 0.f;
+  auto step = [&](int kt, const uint4 (&a)[2], const uint32_t (&e)[2], uint4 (&a_nx)[2], uint32_t (&e_nx)[2]) {
+    if (kt + 1 < k_tiles) fetch_a_tile(ag, eg, active, kt + 1, steps, a_nx, e_nx);
     const int st = kt % S;
     mbar_wait(full_bar(st), (kt / S) & 1);
+    const uint64_t desc = desc_k128(smem_u32 + st * Cfg::STAGE + tile_of(c) * Cfg::B_BYTES);
     wgmma_fence();
 #pragma unroll
-    for (int j = 0; j < SPC; ++j) {
-      const uint64_t desc = desc_k128(smem_u32 + st * Cfg::STAGE + tile_of(c * SPC + j) * Cfg::B_BYTES);
-#pragma unroll
-      for (int h = 0; h < 2; ++h) WgmmaSp<BN, T>::run(acc[j], a[j][h], desc + h * (64 >> 4), e[j][h]);
-    }
+    for (int j = 0; j < 2; ++j) WgmmaSp<BN, T>::run(acc, a[j], desc + j * (64 >> 4), e[j]);
     wgmma_commit();
     wgmma_wait<0>();
     if (lane == 0) mbar_arrive(empty_bar(st));
   };
-  uint4 a0[SPC][2], a1[SPC][2];
-  uint32_t e0[SPC][2], e1[SPC][2];
-#pragma unroll
-  for (int j = 0; j < SPC; ++j) fetch_a_tile(ag[j], eg[j], active[j], 0, steps, a0[j], e0[j]);
+  uint4 a0[2], a1[2];
+  uint32_t e0[2], e1[2];
+  fetch_a_tile(ag, eg, active, 0, steps, a0, e0);
   for (int kt = 0; kt < k_tiles; kt += 2) {
     step(kt, a0, e0, a1, e1);
     if (kt + 1 < k_tiles) step(kt + 1, a1, e1, a0, e0);
   }
 #pragma unroll
-  for (int j = 0; j < SPC; ++j) {
-#pragma unroll
-    for (int d = 0; d < ND; ++d) asm volatile("" : "+f"(acc[j][d])::"memory");  // reads after the wgmma wait
-    if (active[j]) store_tile<T, BN>(acc[j], cta_row0 + 64 * (c * SPC + j) + 16 * wq, n_base, lane, bias, y, rows,
-                                     n_tokens);
-  }
+  for (int j = 0; j < ND; ++j) asm volatile("" : "+f"(acc[j])::"memory");  // reads after the wgmma wait
+  if (active) store_tile<T, BN>(acc, cta_row0 + 64 * c + 16 * wq, n_base, lane, bias, y, rows, n_tokens);
 #elif defined(__CUDA_ARCH__)
   __trap();  // built without sm_90a: the host never launches this (spmm_sm90_available() is false)
 #endif
@@ -733,11 +704,11 @@ Sm90SplitPlan vnm_plan(const SpmmArgs& a) {
 
 // The lab pipelines that do not split K (staged, warp-specialised), whose kernels take the same arguments: one CTA
 // per 128 rows x BN tokens.
-template <typename T, int BN, auto Kernel, int ROWS = 128>
+template <typename T, int BN, auto Kernel>
 cudaError_t launch_unsplit(const SpmmArgs& a, cudaStream_t stream, int threads, int smem) {
   cudaError_t err = raise_smem_limit_once<Kernel>(smem);
   if (err != cudaSuccess) return err;
-  const dim3 grid((a.rows_padded + ROWS - 1) / ROWS, (a.n_tokens + BN - 1) / BN);
+  const dim3 grid((a.rows_padded + 127) / 128, (a.n_tokens + BN - 1) / BN);
   if (grid.y > 65535) return cudaErrorInvalidConfiguration;
   Kernel<<<grid, threads, smem, stream>>>(
       static_cast<const T*>(a.x), static_cast<const uint4*>(a.values), static_cast<const uint32_t*>(a.meta),
@@ -745,14 +716,6 @@ cudaError_t launch_unsplit(const SpmmArgs& a, cudaStream_t stream, int threads, 
       a.rows, a.rows_padded, a.k, a.steps);
   return cudaGetLastError();
 }
-
-#if defined(HF_SPARSE_LAB)
-template <typename T, int M, int BN, int S, int SLABS, bool SHARE>
-cudaError_t launch_ws(const SpmmArgs& a, cudaStream_t stream) {
-  return launch_unsplit<T, BN, spmm_vnm_sm90_ws_kernel<T, M, BN, S, SLABS, SHARE>, 64 * SLABS>(
-      a, stream, ws_threads(SLABS), VnmWsCfg<M, BN, S, SLABS>::SMEM);
-}
-#endif
 
 template <typename T, int M, int BN, bool PF>
 cudaError_t launch_vnm(const SpmmArgs& a, cudaStream_t stream) {
@@ -785,24 +748,21 @@ cudaError_t launch_pipe(const SpmmArgs& a, cudaStream_t stream) {
     return launch_unsplit<T, BN, spmm_vnm_sm90_staged_kernel<T, M, BN, S>>(a, stream, kVnmThreads,
                                                                            VnmStagedCfg<M, BN, S>::SMEM);
   if (pipe == 2) return launch_vnm<T, M, BN, true>(a, stream);
-  if (pipe >= 3 && a.n_tokens >= 64) {
-    if constexpr (M == 8) {
-      if (pipe == 4) return launch_ws<T, M, 64, 4, 4, false>(a, stream);
-      if (pipe == 5) return launch_ws<T, M, 64, 4, 4, true>(a, stream);
-      if (pipe == 6) return launch_ws<T, M, BN, 4, 2, true>(a, stream);
-      if (pipe == 7) return launch_ws<T, M, 64, 6, 4, true>(a, stream);
-    }
-    return launch_ws<T, M, BN, 4, 2, false>(a, stream);
-  }
+  if (pipe == 4 && M == 8 && a.n_tokens >= 64)
+    return launch_unsplit<T, BN, spmm_vnm_sm90_ws_kernel<T, M, BN, 4, M == 8>>(a, stream, kWsThreads,
+                                                                             VnmWsCfg<M, BN, 4>::SMEM);
+  if (pipe >= 3 && a.n_tokens >= 64)
+    return launch_unsplit<T, BN, spmm_vnm_sm90_ws_kernel<T, M, BN, 4, false>>(a, stream, kWsThreads,
+                                                                            VnmWsCfg<M, BN, 4>::SMEM);
 #endif
   return launch_vnm<T, M, BN, false>(a, stream);
 }
 
 template <typename T, int M>
 cudaError_t dispatch_tile(const SpmmArgs& a, cudaStream_t stream) {
+  const int bn = vnm_bn(a);
+  if (bn == 16) return launch_vnm<T, M, 16, false>(a, stream);  // the register pipeline only
   if constexpr (M == 8) {
-    const int bn = vnm_bn(a);
-    if (bn == 16) return launch_vnm<T, M, 16, false>(a, stream);  // the register pipeline only
     if (bn == 128) return launch_pipe<T, M, 128, 3>(a, stream);
     return launch_pipe<T, M, 64, 3>(a, stream);
   }
