@@ -85,10 +85,11 @@ inline int sm90_large_config(long long rows_padded, long long n_tokens, int sms)
 // 129-256 tokens take it too (two 128-token tiles) where all of them run at once (twice the row blocks <= SMs), where
 // the large configurations' one 256-token tile per row block would leave half the SMs idle or more.
 // Where the tiles cannot fill every CTA slot (SMs x CTAs per SM), each tile's k-tiles are split over sm90_split_k
-// CTAs, each k range at least kSplitKMinKTiles k-tiles (64 columns each) long; the last CTA of a tile to finish adds
+// CTAs, each k range at least kSplitKMinKTiles k-tiles (64 condensed columns each) long (kVnmSplitMinKTiles for the
+// V:2:M kernel, whose every k-tile waits about one memory round trip); the last CTA of a tile to finish adds
 // every CTA's fp32 partial sums, in split order, and stores it. kSplitKCounters bounds the tiles of a split launch
 // (one arrival counter each, kept zero between launches by the last CTA).
-constexpr int kSplitKMax = 16, kSplitKMinKTiles = 4, kSplitKCounters = 4096;
+constexpr int kSplitKMax = 16, kSplitKMinKTiles = 4, kVnmSplitMinKTiles = 2, kSplitKCounters = 4096;
 inline int sm90_small_bn(long long n_tokens) { return n_tokens <= 16 ? 16 : n_tokens <= 64 ? 64 : 128; }
 inline bool sm90_small_tiles(long long rows_padded, long long n_tokens, int sms) {
   if (n_tokens <= 128) return true;
@@ -101,11 +102,11 @@ inline int sm90_vnm_bn(int m, long long n_tokens) {
   if (n_tokens <= 32) return 16;
   return m == 8 && n_tokens > 64 ? 128 : 64;
 }
-inline int sm90_split_k(long long tiles, long long k_tiles, long long slots) {
+inline int sm90_split_k(long long tiles, long long k_tiles, long long slots, int min_k_tiles = kSplitKMinKTiles) {
   if (tiles <= 0 || tiles > kSplitKCounters) return 1;
   long long s = slots / tiles;
   if (s > kSplitKMax) s = kSplitKMax;
-  if (s > k_tiles / kSplitKMinKTiles) s = k_tiles / kSplitKMinKTiles;
+  if (s > k_tiles / min_k_tiles) s = k_tiles / min_k_tiles;
   if (s <= 1) return 1;
   const long long per = (k_tiles + s - 1) / s;  // k-tiles per split; no split left empty
   return (int)((k_tiles + per - 1) / per);
@@ -118,9 +119,9 @@ struct Sm90SplitPlan {
   long long scratch_floats() const { return splits > 1 ? tiles * splits * 128 * bn : 0; }
 };
 inline Sm90SplitPlan sm90_split_plan(long long rows_padded, long long n_tokens, int bn, long long k_tiles,
-                                     long long slots) {
+                                     long long slots, int min_k_tiles = kSplitKMinKTiles) {
   const long long tiles = ((rows_padded + 127) / 128) * ((n_tokens + bn - 1) / bn);
-  return {bn, sm90_split_k(tiles, k_tiles, slots), tiles};
+  return {bn, sm90_split_k(tiles, k_tiles, slots, min_k_tiles), tiles};
 }
 
 }  // namespace hf_sparse

@@ -40,6 +40,12 @@ SPLIT_CASES = [
     ((1, 3, 264), 1),  # fewer than 2 x 4 k-tiles: never split
     ((5000, 64, 264), 1),  # more tiles than arrival counters (4096): never split
 ]
+# The same with the V:2:M kernel's minimum of 2 k-tiles per split
+VNM_SPLIT_CASES = [
+    ((32, 16, 396), 8),  # 4096 rows x K 4096 at M = 16 (16 k-tiles), 132 SMs x 3: 396 // 32 = 12, 16 // 2 = 8
+    ((32, 64, 396), 11),  # 64 k-tiles (K 8192 at M = 8): 12 wanted, 6 k-tiles each, so 11 splits, none empty
+    ((2, 3, 396), 1),  # fewer than 2 x 2 k-tiles: never split
+]
 # (rows_padded, tokens, SMs) -> small tile width in tokens (0: the large configurations)
 SMALL_CASES = [
     ((4096, 1, 132), 16),
@@ -76,6 +82,7 @@ int main(int argc, char** argv) {
   while (std::scanf(" %c %lld %lld %lld", &fn, &a, &b, &c) == 4) {
     if (fn == 'L') std::printf("%d\n", hf_sparse::sm90_large_config(a, b, (int)c));
     if (fn == 'S') std::printf("%d\n", hf_sparse::sm90_split_k(a, b, c));
+    if (fn == 'T') std::printf("%d\n", hf_sparse::sm90_split_k(a, b, c, hf_sparse::kVnmSplitMinKTiles));
     if (fn == 'B') std::printf("%d\n", hf_sparse::sm90_small_tiles(a, b, (int)c) ? hf_sparse::sm90_small_bn(b) : 0);
     if (fn == 'V') std::printf("%d\n", hf_sparse::sm90_vnm_bn((int)a, b));
   }
@@ -108,6 +115,7 @@ def test_sm90_large_config_matches_hand_computed_choices(chooser):
 
 def test_split_k_count_matches_hand_computed_choices(chooser):
     assert _choose(chooser, "S", SPLIT_CASES) == [expected for _, expected in SPLIT_CASES]
+    assert _choose(chooser, "T", VNM_SPLIT_CASES) == [expected for _, expected in VNM_SPLIT_CASES]
 
 
 def test_few_token_tiles_match_hand_computed_choices(chooser):
