@@ -29,7 +29,7 @@
 // L2 52% and L1 59% busy: latency-bound. Loading X two k-tiles ahead is no faster than one, which fits the fence
 // (MEMBAR.ALL.CTA + FENCE.VIEW.ASYNC in SASS) waiting for the thread's in-flight loads; neither the staged pipeline
 // nor L1 prefetches (below) help. At few tokens the same wait makes each CTA's time its number of k-tiles: split-K
-// (tile_config.h) divides them, and the 16-token tile at M = 8 holds few enough registers for three CTAs per SM.
+// (tile_config.h) divides them, and the 16-token tiles hold few enough registers for three CTAs per SM.
 // Tails: tokens past n_tokens read the last token's row (chunk) or are not loaded (word); their outputs are never
 // stored. Groups past G (the padded groups up to 8*steps, whose A values are zero) read group G-1's columns, so
 // nothing past K is ever read.
@@ -292,6 +292,7 @@ spmm_vnm_sm90_kernel(const T* __restrict__ x, const uint4* __restrict__ values, 
 #endif
 }
 
+#if defined(HF_SPARSE_LAB)
 // Staged pipeline (lab build, vnm_pipe = 1): every global read goes through cp.async into a ring of S
 // shared-memory stages (the X words / chunks each thread will select, in per-thread slots, plus the A fragments and
 // metadata of the k-tile), and the column offsets of both slabs are copied into shared memory once.
@@ -494,7 +495,6 @@ spmm_vnm_sm90_staged_kernel(const T* __restrict__ x, const uint4* __restrict__ v
 #endif
 }
 
-#if defined(HF_SPARSE_LAB)
 // Warp-specialised pipeline (lab build, vnm_pipe = 3). The register pipeline above is latency-bound because the
 // fence.proxy.async that publishes a k-tile's gathered stores (MEMBAR.ALL.CTA + FENCE.VIEW.ASYNC in SASS, also for the
 // sync_restrict form) waits for every load the thread has in flight, and every thread of the CTA both gathers and
@@ -507,8 +507,8 @@ spmm_vnm_sm90_staged_kernel(const T* __restrict__ x, const uint4* __restrict__ v
 constexpr int kWsProducers = 2;
 constexpr int kWsThreads = 128 * (kWsProducers + 2);
 
-// SHARE (M = 8): where the CTA's two slabs keep the same columns (every V:2:M weight with V = 128), checked by the CTA
-// before its first k-tile, the producers gather one B tile for both and both consumers read it.
+// SHARE (vnm_pipe = 4, M = 8): where the CTA's two slabs keep the same columns (every V:2:M weight with V = 128),
+// checked by the CTA before its first k-tile, the producers gather one B tile for both and both consumers read it.
 template <int M, int BN, int S>
 struct VnmWsCfg {
   static constexpr int B_BYTES = BN * 128;  // one slab's B tile: BN token rows x 64 condensed k
