@@ -519,9 +519,7 @@ struct VnmWsCfg {
   static_assert(SMEM <= 227 * 1024, "over the sm_90 shared-memory limit");
 };
 
-// ASYNC (vnm_pipe = 5): the consumers keep one k-tile of wgmmas in flight (wait for the previous k-tile's, then
-// release its stage) instead of draining every k-tile, with a third set of A registers.
-template <typename T, int M, int BN, int S, bool SHARE, bool ASYNC = false>
+template <typename T, int M, int BN, int S, bool SHARE>
 __global__ void __launch_bounds__(kWsThreads, 1)
 spmm_vnm_sm90_ws_kernel(const T* __restrict__ x, const uint4* __restrict__ values, const uint32_t* __restrict__ meta,
                         const uint32_t* __restrict__ columns, const T* __restrict__ bias, T* __restrict__ y,
@@ -667,31 +665,15 @@ spmm_vnm_sm90_ws_kernel(const T* __restrict__ x, const uint4* __restrict__ value
 #pragma unroll
     for (int j = 0; j < 2; ++j) WgmmaSp<BN, T>::run(acc, a[j], desc + j * (64 >> 4), e[j]);
     wgmma_commit();
-    if constexpr (ASYNC) {
-      wgmma_wait<1>();  // k-tile kt-1's wgmmas are done: its stage and A registers are free
-      if (kt > 0 && lane == 0) mbar_arrive(empty_bar((kt - 1) % S));
-    } else {
-      wgmma_wait<0>();
-      if (lane == 0) mbar_arrive(empty_bar(st));
-    }
+    wgmma_wait<0>();
+    if (lane == 0) mbar_arrive(empty_bar(st));
   };
   uint4 a0[2], a1[2];
   uint32_t e0[2], e1[2];
   fetch_a_tile(ag, eg, active, 0, steps, a0, e0);
-  if constexpr (ASYNC) {
-    uint4 a2[2];
-    uint32_t e2[2];
-    for (int kt = 0; kt < k_tiles; kt += 3) {  // k-tile kt's A in set kt % 3; kt + 1's fetched over kt - 2's
-      step(kt, a0, e0, a1, e1);
-      if (kt + 1 < k_tiles) step(kt + 1, a1, e1, a2, e2);
-      if (kt + 2 < k_tiles) step(kt + 2, a2, e2, a0, e0);
-    }
-    wgmma_wait<0>();
-  } else {
-    for (int kt = 0; kt < k_tiles; kt += 2) {
-      step(kt, a0, e0, a1, e1);
-      if (kt + 1 < k_tiles) step(kt + 1, a1, e1, a0, e0);
-    }
+  for (int kt = 0; kt < k_tiles; kt += 2) {
+    step(kt, a0, e0, a1, e1);
+    if (kt + 1 < k_tiles) step(kt + 1, a1, e1, a0, e0);
   }
 #pragma unroll
   for (int j = 0; j < ND; ++j) asm volatile("" : "+f"(acc[j])::"memory");  // reads after the wgmma wait
@@ -770,12 +752,6 @@ cudaError_t launch_pipe(const SpmmArgs& a, cudaStream_t stream) {
   if (pipe == 4 && M == 8 && a.n_tokens >= 64)
     return launch_unsplit<T, BN, spmm_vnm_sm90_ws_kernel<T, M, BN, 4, M == 8>>(a, stream, kWsThreads,
                                                                              VnmWsCfg<M, BN, 4>::SMEM);
-  if (pipe == 5 && a.n_tokens >= 64)
-    return launch_unsplit<T, BN, spmm_vnm_sm90_ws_kernel<T, M, BN, 6, M == 8, true>>(a, stream, kWsThreads,
-                                                                                   VnmWsCfg<M, BN, 6>::SMEM);
-  if (pipe == 6 && a.n_tokens >= 64)
-    return launch_unsplit<T, BN, spmm_vnm_sm90_ws_kernel<T, M, BN, 6, false>>(a, stream, kWsThreads,
-                                                                            VnmWsCfg<M, BN, 6>::SMEM);
   if (pipe >= 3 && a.n_tokens >= 64)
     return launch_unsplit<T, BN, spmm_vnm_sm90_ws_kernel<T, M, BN, 4, false>>(a, stream, kWsThreads,
                                                                             VnmWsCfg<M, BN, 4>::SMEM);

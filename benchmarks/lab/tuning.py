@@ -2,7 +2,7 @@
 
 Knobs: ``sm90_config`` (the 2:4 sparse-wgmma SpMM's tile configuration, 0-35 as numbered in ``csrc/README.md``; -1
 the product's choice), ``vnm_pipe`` (the V:2:M wgmma SpMM's pipeline: 0 registers, 1 staged, 2 registers + L1
-prefetch, 3 warp-specialised, 4 = 3 with one gather for both slabs where they keep the same columns, M = 8, 5 = 4 with 6 stages and one k-tile of wgmmas in flight, 6 = 3 with 6 stages), ``vnm_tile`` (64: 64-token tiles at M = 8; 0 the product's), ``sddmm_gather_regs`` (1: the wgmma SDDMM at
+prefetch, 3 warp-specialised, 4 = 3 with one gather for both slabs where they keep the same columns, M = 8), ``vnm_tile`` (64: 64-token tiles at M = 8; 0 the product's), ``sddmm_gather_regs`` (1: the wgmma SDDMM at
 M = 8 loads X into registers; 0 the product's). They exist only in the lab build: run with ``HF_SPARSE_BUILD_LAB=1``
 set before the extension is first built in the process (it is read at build time only).
 """
