@@ -11,7 +11,9 @@ process, or ``python -m hf_sparse.ops.build``), never per call:
 ``HF_SPARSE_CUDA_ARCH_LIST``  semicolon/space separated compute capabilities (``"8.0;8.6;9.0"``); default: the
                               current GPU's. ``9.0`` builds ``sm_90a`` machine code, which also enables the
                               ``wgmma`` kernels (``csrc/*_sm90.cu``) on cc 9.0 GPUs.
-``HF_SPARSE_BUILD_DIR``       where the build is cached (default: torch's extension cache).
+``HF_SPARSE_BUILD_DIR``       where the build is cached (default: torch's extension cache), one subfolder per
+                              extension (product, lab, extra flags), so that two builds at once never share a
+                              ``build.ninja``.
 ``HF_SPARSE_BUILD_VERBOSE``   ``1`` prints the compiler commands.
 ``HF_SPARSE_NVCC_FLAGS``      extra nvcc flags; the extension name gets a hash of them so differently built copies
                               never share a cache entry.
@@ -151,10 +153,13 @@ def _check_toolchain() -> None:
         )
 
 
-def _build_dir() -> str | None:
-    build_dir = os.environ.get("HF_SPARSE_BUILD_DIR")
-    if build_dir:
-        os.makedirs(build_dir, exist_ok=True)
+def _build_dir(name: str) -> str | None:
+    """``HF_SPARSE_BUILD_DIR/name`` (created), or None for torch's cache, which already keeps one folder per name."""
+    root = os.environ.get("HF_SPARSE_BUILD_DIR")
+    if not root:
+        return None
+    build_dir = os.path.join(root, name)
+    os.makedirs(build_dir, exist_ok=True)
     return build_dir
 
 
@@ -207,12 +212,12 @@ def load_extension() -> ModuleType:
     from torch.utils import cpp_extension
 
     src = csrc_dir()
-    build_dir = _build_dir()
     lab = lab_build()
     extra = tuple(os.environ.get("HF_SPARSE_NVCC_FLAGS", "").split())
     name = _extension_name(lab, extra)
     if name in _build_failures:
         raise _build_failures[name]
+    build_dir = _build_dir(name)
     cache = Path(build_dir or cpp_extension._get_build_directory(name, verbose=False))
     compiles = _stale(cache / f"{name}.so", src)
     if compiles:

@@ -99,3 +99,30 @@ def test_a_load_compiles_when_the_library_is_missing_or_older_than_a_source(tmp_
     assert not _build._stale(library, src)
     os.utime(src / "tile_config.h", (old + 200, old + 200))
     assert _build._stale(library, src)
+
+
+def test_each_extension_builds_in_its_own_folder(tmp_path, monkeypatch):
+    # The product and the lab extension built at once into one HF_SPARSE_BUILD_DIR must not share a build.ninja
+    # (one overwrote the other's, and the product build failed): each gets a subfolder named after it.
+    from torch.utils import cpp_extension
+
+    folders = {}
+
+    def fake_compile(**kwargs):
+        folders[kwargs["name"]] = kwargs["build_directory"]
+        raise RuntimeError("no nvcc here")
+
+    monkeypatch.setattr(_build, "_check_toolchain", lambda: None)
+    monkeypatch.setattr(_build, "arch_flags", lambda archs=None: [])
+    monkeypatch.setenv("HF_SPARSE_BUILD_DIR", str(tmp_path))
+    monkeypatch.setattr(cpp_extension, "load", fake_compile)
+    monkeypatch.setattr(_build, "_build_failures", {})
+    for lab in (False, True):
+        monkeypatch.setattr(_build, "lab_build", lambda lab=lab: lab)
+        with pytest.raises(_build.KernelUnavailableError):
+            _build.load_extension.__wrapped__()
+    assert folders == {
+        "hf_sparse_C": str(tmp_path / "hf_sparse_C"),
+        "hf_sparse_C_lab": str(tmp_path / "hf_sparse_C_lab"),
+    }
+    assert all(os.path.isdir(folder) for folder in folders.values())
