@@ -527,8 +527,6 @@ spmm_vnm_sm90_ws_kernel(const T* __restrict__ x, const uint4* __restrict__ value
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using Cfg = VnmWsCfg<M, BN, S>;
   constexpr int ND = BN / 2;
-  constexpr int SLABS = 2;
-  constexpr int PT = 128, PRODUCERS = kWsProducers * PT;  // a warpgroup per producer
   constexpr bool CHUNK = M == 8;
   static_assert(CHUNK || (BN == 64 && !SHARE), "the word gather's roles cover 64 tokens");
   extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -538,7 +536,7 @@ spmm_vnm_sm90_ws_kernel(const T* __restrict__ x, const uint4* __restrict__ value
   auto empty_bar = [&](int s) { return smem_u32 + Cfg::BARS + 8 * (S + s); };
 
   const int tid = threadIdx.x;
-  const int lane = tid & 31, warp = tid >> 5;
+  const int lane = tid & 31, warp = tid >> 5, wg = warp >> 2;
   const int n_base = blockIdx.y * BN;
   const int cta_row0 = blockIdx.x * 128;
   const int mt_cta = cta_row0 >> 4;
@@ -546,12 +544,12 @@ spmm_vnm_sm90_ws_kernel(const T* __restrict__ x, const uint4* __restrict__ value
   const int k_tiles = (steps + 1) >> 1;
   const int groups = k / M, groups_padded = 8 * steps;
   const int slabs = rows_padded >> 6;
-  const uint32_t* colp[SLABS];
+  const uint32_t* colp[2];
 #pragma unroll
-  for (int s = 0; s < SLABS; ++s) colp[s] = columns + (size_t)min((cta_row0 >> 6) + s, slabs - 1) * groups_padded;
+  for (int s = 0; s < 2; ++s) colp[s] = columns + (size_t)min((cta_row0 >> 6) + s, slabs - 1) * groups_padded;
   if (tid == 0) {
     for (int s = 0; s < S; ++s) {
-      mbar_init(full_bar(s), PT);
+      mbar_init(full_bar(s), 128);
       mbar_init(empty_bar(s), 8);
     }
     mbar_fence_init();
@@ -568,40 +566,36 @@ spmm_vnm_sm90_ws_kernel(const T* __restrict__ x, const uint4* __restrict__ value
   }
   auto tile_of = [&](int s) { return share ? 0 : s; };  // B tile of slab s in a stage
 
-  if (tid < PRODUCERS) {
-    // Producer pr: k-tiles pr, pr + kWsProducers, ... Roles (ptid = thread index in the producer):
-    //  chunk (M = 8): group gg = ptid % 16 of every k-tile, tokens tok0 + TS i (tok0 = ptid / 16 < TS = PT / 16),
-    //    every slab; the 8 bytes of token row r sit at chunk (gg/2) ^ (r & 7), byte 8(gg & 1).
-    //  word (M >= 16, PT = 128): lane (q = lane / 8, slab sl, jj) of warp w owns kept column jj of slab sl in group
-    //    4w + q, tokens 0..63; partner lanes pair their halves with one shuffle (as the register kernel).
-    const int pr = tid / PT, ptid = tid % PT, pwarp = ptid >> 5;
+  if (wg < kWsProducers) {
+    // Producer warpgroup wg: k-tiles wg, wg + kWsProducers, ... Roles (ptid = thread index in the warpgroup):
+    //  chunk (M = 8): group gg = ptid % 16 of every k-tile, tokens tok0 + 8i (tok0 = ptid / 16 < 8), both slabs; the
+    //    8 bytes of token row r = tok0 + 8i sit at chunk (gg/2) ^ tok0, byte 8(gg & 1), + 1024i.
+    //  word (M >= 16): lane (q = lane / 8, slab sl, jj) of warp w owns kept column jj of slab sl in group 4w + q,
+    //    tokens 0..63; partner lanes pair their halves with one shuffle (as the register kernel).
+    const int ptid = tid - 128 * wg, pwarp = ptid >> 5;
     const int gg = CHUNK ? (ptid & 15) : (4 * pwarp + (lane >> 3));
     const int sl = (lane >> 2) & 1, jj = lane & 3;
-    constexpr int TS = PT / 16;
-    constexpr int TI = CHUNK ? BN / TS : BN;
+    constexpr int TI = CHUNK ? BN / 8 : BN;
     const int tok0 = CHUNK ? (ptid >> 4) : 0;
     const T* rowp[CHUNK ? TI : 1];
 #pragma unroll
-    for (int i = 0; i < (CHUNK ? TI : 1); ++i) rowp[i] = x + (size_t)min(n_base + tok0 + TS * i, n_tokens - 1) * k;
+    for (int i = 0; i < (CHUNK ? TI : 1); ++i) rowp[i] = x + (size_t)min(n_base + tok0 + 8 * i, n_tokens - 1) * k;
     const int last_tok = n_tokens - 1 - n_base;  // word: tokens past it are not loaded (never stored)
     const uint32_t* colp_mine = sl ? colp[1] : colp[0];
     auto group_of = [&](int kt) { return min(kt * 16 + gg, groups - 1); };  // clamped: never past K
     uint4 xc[CHUNK ? TI : 1];
     uint32_t xw[CHUNK ? 1 : TI];
-    uint32_t cw[SLABS];
-#pragma unroll
-    for (int s = 0; s < SLABS; ++s) cw[s] = 0u;
-    uint32_t cw_next = CHUNK ? 0u : (pr < k_tiles ? colp_mine[group_of(pr)] : 0u);
-    for (int kt = pr; kt < k_tiles; kt += kWsProducers) {
+    uint32_t cw[2] = {0u, 0u};
+    uint32_t cw_next = CHUNK ? 0u : (wg < k_tiles ? colp_mine[group_of(wg)] : 0u);
+    for (int kt = wg; kt < k_tiles; kt += kWsProducers) {
       const int st = kt % S, use = kt / S;
       const int grp = group_of(kt);
       uint32_t sel = 0;
       if constexpr (CHUNK) {
 #pragma unroll
         for (int i = 0; i < TI; ++i) xc[i] = *reinterpret_cast<const uint4*>(rowp[i] + grp * M);
-#pragma unroll
-        for (int s = 0; s < SLABS; ++s)
-          if (!SHARE || !share || (s & 1) == 0) cw[s] = colp[s][grp];
+        cw[0] = colp[0][grp];
+        if (!SHARE || !share) cw[1] = colp[1][grp];
       } else {
         const uint32_t mine = cw_next >> (8 * jj), partner = cw_next >> (8 * (jj ^ 1));
         sel = 0x5410u + (mine & 1u) * 0x22u + (partner & 1u) * 0x2200u;
@@ -617,16 +611,14 @@ spmm_vnm_sm90_ws_kernel(const T* __restrict__ x, const uint4* __restrict__ value
       mbar_wait(empty_bar(st), (use & 1) ^ 1);  // the consumers are done with the stage's previous fill
       unsigned char* base = smem + st * Cfg::STAGE;
       if constexpr (CHUNK) {
+        const uint32_t off = tok0 * 128 + ((((uint32_t)gg >> 1) ^ tok0) << 4) + 8 * (gg & 1);
 #pragma unroll
-        for (int s = 0; s < SLABS; ++s) {
-          if (SHARE && share && (s & 1)) continue;
+        for (int s = 0; s < 2; ++s) {
+          if (SHARE && share && s == 1) break;  // one B tile serves both slabs
           const KeptOf8 kept(cw[s]);
 #pragma unroll
-          for (int i = 0; i < TI; ++i) {
-            const uint32_t r = tok0 + TS * i;
-            const uint32_t off = r * 128 + ((((uint32_t)gg >> 1) ^ (r & 7)) << 4) + 8 * (gg & 1);
-            *reinterpret_cast<uint2*>(base + off + s * Cfg::B_BYTES) = kept(xc[i]);
-          }
+          for (int i = 0; i < TI; ++i)
+            *reinterpret_cast<uint2*>(base + off + s * Cfg::B_BYTES + i * 1024) = kept(xc[i]);
         }
       } else {
 #pragma unroll
@@ -647,7 +639,7 @@ spmm_vnm_sm90_ws_kernel(const T* __restrict__ x, const uint4* __restrict__ value
   // Consumer warpgroup c = slab c: A fragments and metadata of m16 tile wq from global memory (an inactive
   // warpgroup, past the packed rows, and the missing second k-step of an odd step count multiply zeros with valid
   // metadata: fetch_a_tile), wgmmas on the stage's B tile of its slab.
-  const int c = (tid - PRODUCERS) >> 7, wq = warp & 3;
+  const int c = wg - kWsProducers, wq = warp & 3;
   const bool active = c * 4 < mt_valid;
   const int mt = active ? c * 4 + wq : 0;
   const int g = lane >> 2, t = lane & 3;
