@@ -67,3 +67,17 @@ def lab_knobs(**knobs: int) -> Iterator[None]:
 
     with tuning(**knobs):
         yield
+
+
+def fake_compiler(monkeypatch, build_dir: Path, compile_fn) -> None:
+    """``_build.load_extension`` without a toolchain: ``compile_fn`` stands in for ``cpp_extension.load`` (it gets its
+    keyword arguments), the build cache is ``build_dir`` and no earlier failure is remembered."""
+    from torch.utils import cpp_extension
+
+    from hf_sparse.ops import _build
+
+    monkeypatch.setattr(_build, "_check_toolchain", lambda: None)
+    monkeypatch.setattr(_build, "arch_flags", lambda archs=None: [])
+    monkeypatch.setenv("HF_SPARSE_BUILD_DIR", str(build_dir))
+    monkeypatch.setattr(cpp_extension, "load", compile_fn)
+    monkeypatch.setattr(_build, "_build_failures", {})

@@ -11,6 +11,8 @@ import pytest
 
 from hf_sparse.ops import _build
 
+from ._helpers import fake_compiler
+
 
 def test_the_checkout_holds_every_source_and_each_include_is_listed():
     src = _build.csrc_dir()
@@ -104,19 +106,13 @@ def test_a_load_compiles_when_the_library_is_missing_or_older_than_a_source(tmp_
 def test_each_extension_builds_in_its_own_folder(tmp_path, monkeypatch):
     # The product and the lab extension built at once into one HF_SPARSE_BUILD_DIR must not share a build.ninja
     # (one overwrote the other's, and the product build failed): each gets a subfolder named after it.
-    from torch.utils import cpp_extension
-
     folders = {}
 
     def fake_compile(**kwargs):
         folders[kwargs["name"]] = kwargs["build_directory"]
         raise RuntimeError("no nvcc here")
 
-    monkeypatch.setattr(_build, "_check_toolchain", lambda: None)
-    monkeypatch.setattr(_build, "arch_flags", lambda archs=None: [])
-    monkeypatch.setenv("HF_SPARSE_BUILD_DIR", str(tmp_path))
-    monkeypatch.setattr(cpp_extension, "load", fake_compile)
-    monkeypatch.setattr(_build, "_build_failures", {})
+    fake_compiler(monkeypatch, tmp_path, fake_compile)
     for lab in (False, True):
         monkeypatch.setattr(_build, "lab_build", lambda lab=lab: lab)
         with pytest.raises(_build.KernelUnavailableError):

@@ -14,7 +14,7 @@ from hf_sparse.ops.pack import _pack_op
 from hf_sparse.ops.sddmm import _sddmm_op
 from hf_sparse.ops.spmm import _spmm_op
 
-from ._helpers import random_masked, rel_err
+from ._helpers import fake_compiler, random_masked, rel_err
 
 
 @pytest.mark.parametrize(("v", "m"), [(64, 4), (64, 8), (128, 32)])
@@ -87,8 +87,6 @@ def test_kernel_without_gpu_says_what_to_do():
 def test_a_failed_compile_is_not_retried_in_the_same_process(monkeypatch, tmp_path):
     """SparseTrainer asks for the kernels at train start and again when it switches layers: a compile that failed
     must fail the second time at once, with the same message, not compile again."""
-    from torch.utils import cpp_extension
-
     from hf_sparse.ops import _build
 
     compiles = []
@@ -97,11 +95,7 @@ def test_a_failed_compile_is_not_retried_in_the_same_process(monkeypatch, tmp_pa
         compiles.append(kwargs["name"])
         raise RuntimeError("nvcc: error in spmm.cu")
 
-    monkeypatch.setattr(_build, "_check_toolchain", lambda: None)
-    monkeypatch.setattr(_build, "arch_flags", lambda archs=None: [])
-    monkeypatch.setenv("HF_SPARSE_BUILD_DIR", str(tmp_path))
-    monkeypatch.setattr(cpp_extension, "load", failing_compile)
-    monkeypatch.setattr(_build, "_build_failures", {})
+    fake_compiler(monkeypatch, tmp_path, failing_compile)
     for _ in range(2):
         with pytest.raises(_build.KernelUnavailableError, match="building the CUDA kernels failed.*nvcc: error"):
             _build.load_extension()
