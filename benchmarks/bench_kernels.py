@@ -57,6 +57,15 @@ def parse(p: str) -> tuple[int, int]:
     return (64, 4) if len(parts) == 2 else (parts[0], parts[2])
 
 
+def magnitude_pack(w: torch.Tensor, pattern: str):
+    """``pattern`` (``"2:4"`` or ``"V:2:M"``) kept by magnitude on ``w``: the masked weight, the mask and its bf16
+    pack, the inputs every SpMM/SDDMM benchmark here times."""
+    v, m = parse(pattern)
+    mask = nm_mask(w.abs(), 2, 4) if m == 4 else vnm_mask(w.abs(), v, 2, m)
+    wm = torch.where(mask, w, 0.0)
+    return wm, mask, pack(wm, mask, v, m, torch.bfloat16)
+
+
 def parse_shape(s: str) -> tuple[int, int]:
     """``"1024x4096"`` -> (1024, 4096): in_features x out_features."""
     try:
@@ -158,9 +167,7 @@ def sddmm_section(tokens_list: list[int], patterns: list[str], shapes: list[tupl
             t_dw = bench(lambda: dy.t() @ x)
             full = dy.float().t() @ x.float()
             for pat in patterns:
-                v, m = parse(pat)
-                mask = nm_mask(w.abs(), 2, 4) if m == 4 else vnm_mask(w.abs(), v, 2, m)
-                p = pack(torch.where(mask, w, 0.0), mask, v, m, torch.bfloat16)
+                _, mask, p = magnitude_pack(w, pat)
                 ref = torch.gather(full, 1, kept_columns(p))
                 times, errs = {}, {}
                 for kern in ("mma", "wgmma"):
@@ -271,9 +278,7 @@ def main() -> int:
             t_dw = bench(lambda: dy.t() @ x)
             for pat in args.patterns:
                 v, m = parse(pat)
-                mask = nm_mask(w.abs(), 2, 4) if m == 4 else vnm_mask(w.abs(), v, 2, m)
-                wm = torch.where(mask, w, 0.0)
-                p = pack(wm, mask, v, m, torch.bfloat16)
+                wm, mask, p = magnitude_pack(w, pat)
                 ref = F.linear(x.float(), wm.bfloat16().float())
                 with force_kernel(spmm="mma_sp"):
                     err = checked_error(spmm(x, p), ref, f"{pat} {k}->{r} tokens={tokens}")

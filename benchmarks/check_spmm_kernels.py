@@ -19,10 +19,10 @@ import sys
 
 import torch
 import torch.nn.functional as F
+from bench_kernels import magnitude_pack
 from lab.tuning import SM90_CONFIGS, tuning
 
-from hf_sparse.masks import nm_mask, vnm_mask
-from hf_sparse.ops import force_kernel, pack, spmm
+from hf_sparse.ops import force_kernel, spmm
 from hf_sparse.ops._build import lab_build
 from hf_sparse.ops._select import wgmma_available
 
@@ -60,12 +60,9 @@ def main() -> int:
     print(f"# {torch.cuda.get_device_name()}, kernels: {kernels}, lab configurations: {configs}")
     bad = 0
     for pat, (tokens, k, r) in ((pat, shape) for pat in args.patterns for shape in SHAPES):
-        parts = [int(s) for s in pat.split(":")]
-        v, m = (64, 4) if len(parts) == 2 else (parts[0], parts[2])
         w = torch.randn(r, k, device="cuda")
-        mask = nm_mask(w.abs(), 2, 4) if m == 4 else vnm_mask(w.abs(), v, 2, m)
-        wm = torch.where(mask, w, 0.0)
-        p = pack(wm, mask, v, m, torch.bfloat16)
+        wm, _, p = magnitude_pack(w, pat)
+        m = p.m
         x = torch.randn(tokens, k, device="cuda").bfloat16()
         b = torch.randn(r, device="cuda").bfloat16()
         wd = wm.bfloat16()

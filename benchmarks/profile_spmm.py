@@ -17,10 +17,10 @@ import sys
 
 import torch
 import torch.nn.functional as F
+from bench_kernels import magnitude_pack
 from lab.tuning import require_lab_build, tuning
 
-from hf_sparse.masks import nm_mask, vnm_mask
-from hf_sparse.ops import force_kernel, pack, spmm
+from hf_sparse.ops import force_kernel, spmm
 
 
 def main() -> int:
@@ -47,12 +47,9 @@ def main() -> int:
 def run(args: argparse.Namespace) -> int:
     torch.manual_seed(0)
     w = torch.randn(args.r, args.k, device="cuda")
-    parts = [int(s) for s in args.pattern.split(":")]
-    v, m = (64, 4) if len(parts) == 2 else (parts[0], parts[2])
-    mask = nm_mask(w.abs(), 2, 4) if m == 4 else vnm_mask(w.abs(), v, 2, m)
-    wd = torch.where(mask, w, 0.0).bfloat16()
+    wm, _, p = magnitude_pack(w, args.pattern)
+    wd = wm.bfloat16()
     x = torch.randn(args.tokens, args.k, device="cuda").bfloat16()
-    p = pack(wd.float(), mask, v, m, torch.bfloat16)
     ref = F.linear(x.double(), wd.double())
     fn = (lambda: F.linear(x, wd)) if args.mode == "dense" else (lambda: spmm(x, p))
     y = fn()
