@@ -9,6 +9,8 @@
 
 #include <atomic>
 
+#include "tile_config.h"
+
 namespace hf_sparse {
 namespace lab {
 
@@ -25,6 +27,14 @@ struct Tuning {
   // sddmm_sm90.cu at M = 8: 0 X staged densely by TMA and gathered from shared memory (the product's), 1 X from global
   // memory into registers.
   std::atomic<int> sddmm_gather_regs{0};
+  // Both sparse-wgmma SpMMs' split-K: > 0 forces that many splits of each tile's k-tiles (at most one per k-tile and
+  // kSplitKMax) wherever the product's plan could split; 0: the product's count (sm90_split_k in tile_config.h).
+  std::atomic<int> split_k{0};
+  // spmm_sm90.cu: 1 runs the few-token tiles at every count up to 256 tokens, 0 never above 128; -1: the product's
+  // rule (sm90_small_tiles in tile_config.h).
+  std::atomic<int> small_tiles{-1};
+  // spmm_sm90.cu: 2 runs the 128-token few-token tile two CTAs per SM (126 registers, no spills); 0: the product's.
+  std::atomic<int> small128_ctas{0};
 };
 
 inline Tuning& tuning() {
@@ -33,6 +43,19 @@ inline Tuning& tuning() {
 }
 
 constexpr int kSm90Configs = 36;
+
+// The split count of a split-K plan: the product's (`product`), or split_k where set, capped as sm90_split_k caps it
+// (<= kSplitKMax, >= one k-tile per split, no split left empty, no split above kSplitKCounters tiles).
+inline int split_k_or(int product, long long tiles, long long k_tiles) {
+  long long s = tuning().split_k.load(std::memory_order_relaxed);
+  if (s <= 0) return product;
+  if (tiles <= 0 || tiles > kSplitKCounters) return 1;
+  if (s > kSplitKMax) s = kSplitKMax;
+  if (s > k_tiles) s = k_tiles;
+  if (s <= 1) return 1;
+  const long long per = (k_tiles + s - 1) / s;
+  return (int)((k_tiles + per - 1) / per);
+}
 
 }  // namespace lab
 }  // namespace hf_sparse

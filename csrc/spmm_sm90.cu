@@ -939,10 +939,30 @@ bool encode_u32_rows_map(const void* base, int row_words, int n_rows, int box_wo
 // stages; two CTAs per SM up to 64 tokens (small accumulators), more stages at 16 tokens (a smaller X tile).
 template <int BN>
 using SmallCfg = Sm90Cfg<BN, 1, BN == 16 ? 6 : 4, 0, 0, BN <= 64 ? 2 : 1>;
+#if defined(HF_SPARSE_LAB)
+using SmallCfg128Two = Sm90Cfg<128, 1, 4, 0, 0, 2>;  // lab: small128_ctas = 2
+bool small128_two() { return lab::tuning().small128_ctas.load(std::memory_order_relaxed) == 2; }
+#endif
 Sm90SplitPlan small_plan(const SpmmArgs& a, int sms) {
   const int bn = sm90_small_bn(a.n_tokens);
-  const int per_sm = bn == 16 ? SmallCfg<16>::MINB : bn == 64 ? SmallCfg<64>::MINB : SmallCfg<128>::MINB;
-  return sm90_split_plan(a.rows_padded, a.n_tokens, bn, (a.steps + 1) / 2, (long long)sms * per_sm);
+  int per_sm = bn == 16 ? SmallCfg<16>::MINB : bn == 64 ? SmallCfg<64>::MINB : SmallCfg<128>::MINB;
+#if defined(HF_SPARSE_LAB)
+  if (bn == 128 && small128_two()) per_sm = SmallCfg128Two::MINB;
+#endif
+  Sm90SplitPlan p = sm90_split_plan(a.rows_padded, a.n_tokens, bn, (a.steps + 1) / 2, (long long)sms * per_sm);
+#if defined(HF_SPARSE_LAB)
+  p.splits = lab::split_k_or(p.splits, p.tiles, (a.steps + 1) / 2);
+#endif
+  return p;
+}
+// Whether the few-token tiles run (sm90_small_tiles; the lab's small_tiles knob forces them up to 256 tokens or off
+// above 128).
+bool use_small_tiles(const SpmmArgs& a, int sms) {
+#if defined(HF_SPARSE_LAB)
+  const int forced = lab::tuning().small_tiles.load(std::memory_order_relaxed);
+  if (forced >= 0 && a.n_tokens > 128) return forced == 1 && a.n_tokens <= 256;
+#endif
+  return sm90_small_tiles(a.rows_padded, a.n_tokens, sms);
 }
 
 // Tensor map of Y (n_tokens x rows, row-major) for the staged epilogue's TMA stores: boxes of 64 rows x box_tokens
@@ -1092,10 +1112,13 @@ cudaError_t dispatch_bn(const SpmmArgs& a, cudaStream_t stream) {
   int sms = 0;
   const cudaError_t err = current_sm_count(&sms);
   if (err != cudaSuccess) return err;
-  if (sm90_small_tiles(a.rows_padded, a.n_tokens, sms)) {
+  if (use_small_tiles(a, sms)) {
     const Sm90SplitPlan p = small_plan(a, sms);
     if (p.bn == 16) return launch_sm90<T, SmallCfg<16>>(a, stream, p.splits, true);
     if (p.bn == 64) return launch_sm90<T, SmallCfg<64>>(a, stream, p.splits, true);
+#if defined(HF_SPARSE_LAB)
+    if (small128_two()) return launch_sm90<T, SmallCfg128Two>(a, stream, p.splits, true);
+#endif
     return launch_sm90<T, SmallCfg<128>>(a, stream, p.splits, true);
   }
   return launch_large<T>(a, stream, sm90_large_config(a.rows_padded, a.n_tokens, sms));
@@ -1118,7 +1141,7 @@ bool spmm_sm90_available() {
 int64_t spmm_sm90_split_floats(const SpmmArgs& a) {
   int sms = 0;
   if (a.m != 4 || a.n_tokens <= 0 || current_sm_count(&sms) != cudaSuccess) return 0;  // (the launch reports an error)
-  if (!sm90_small_tiles(a.rows_padded, a.n_tokens, sms)) return 0;
+  if (!use_small_tiles(a, sms)) return 0;
   return small_plan(a, sms).scratch_floats();
 }
 

@@ -691,8 +691,12 @@ Sm90SplitPlan vnm_plan(const SpmmArgs& a) {
   int sms = 0;
   if (current_sm_count(&sms) != cudaSuccess) sms = 0;  // no split (the launch reports the error)
   const int bn = vnm_bn(a);
-  return sm90_split_plan(a.rows_padded, a.n_tokens, bn, (a.steps + 1) / 2, (long long)sms * vnm_ctas_per_sm(bn),
-                         kVnmSplitMinKTiles);
+  Sm90SplitPlan p = sm90_split_plan(a.rows_padded, a.n_tokens, bn, (a.steps + 1) / 2,
+                                    (long long)sms * vnm_ctas_per_sm(bn), kVnmSplitMinKTiles);
+#if defined(HF_SPARSE_LAB)
+  p.splits = lab::split_k_or(p.splits, p.tiles, (a.steps + 1) / 2);
+#endif
+  return p;
 }
 
 // The lab pipelines that do not split K (staged, warp-specialised), whose kernels take the same arguments: one CTA

@@ -1,0 +1,97 @@
+"""Split-K and tile sweep of the sparse-wgmma SpMMs at 64-256 tokens (lab build): the data behind the split rule.
+
+    HF_SPARSE_BUILD_LAB=1 python benchmarks/sweep_split_k.py [--tokens 64 128 256] [--splits 1 2 4 8]
+        [--patterns 2:4 64:2:8 64:2:16] [--shapes 4096x11008 ...] [--json out.jsonl]
+
+For every (pattern, shape, token count) it times dense cuBLAS (``F.linear`` on the masked weight), the product's
+choice of the pattern's sparse-``wgmma`` kernel, and that kernel with each split count of ``--splits`` forced
+(``lab.tuning``'s ``split_k``). For 2:4 it also times the few-token tiles forced at every count up to 256 tokens
+(``small_tiles=1``) and, at 128-token tiles, two CTAs per SM (``small128_ctas=2``), and above 128 tokens the large
+configuration (``small_tiles=0``). Every configuration is checked against the dense product before it is timed.
+Times are ``triton.testing.do_bench`` medians (CUDA events, GPU time), in µs; ratios are cuBLAS time / ours.
+"""
+# ruff: noqa: B023  (every benchmarked lambda is called at once, inside its own loop iteration)
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+import torch.nn.functional as F
+from bench_kernels import checked_error, magnitude_pack, parse_shape
+from lab.tuning import require_lab_build, tuning
+
+from hf_sparse.ops import force_kernel, spmm
+
+LLAMA_SHAPES = ["4096x11008", "11008x4096", "4096x4096", "5120x13824", "13824x5120", "8192x28672", "28672x8192"]
+
+
+def bench_us(fn) -> float:
+    from triton.testing import do_bench
+
+    return 1000.0 * float(do_bench(fn, warmup=5, rep=25, return_mode="median"))
+
+
+def timed(x: torch.Tensor, p, ref: torch.Tensor, what: str, **knobs: int) -> float:
+    with force_kernel(spmm="wgmma"), tuning(**knobs):
+        checked_error(spmm(x, p), ref, what)
+        return bench_us(lambda: spmm(x, p))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokens", type=int, nargs="+", default=[64, 96, 128, 192, 256])
+    ap.add_argument("--splits", type=int, nargs="+", default=[1, 2, 3, 4, 6, 8, 12, 16])
+    ap.add_argument("--patterns", nargs="+", default=["2:4", "64:2:8", "64:2:16"])
+    ap.add_argument("--shapes", type=parse_shape, nargs="+", default=[parse_shape(s) for s in LLAMA_SHAPES])
+    ap.add_argument("--json", default=None, help="append one JSON object per row to this file")
+    args = ap.parse_args()
+    require_lab_build("sweep_split_k.py")
+    if not torch.cuda.is_available():
+        raise SystemExit("sweep_split_k.py needs a CUDA GPU")
+    torch.manual_seed(0)
+    out = open(args.json, "a") if args.json else None  # noqa: SIM115  (closed at the end)
+    print(f"# {torch.cuda.get_device_name()}; µs (GPU time); x = cuBLAS / ours", flush=True)
+    for pattern in args.patterns:
+        for k, r in args.shapes:
+            w = torch.randn(r, k, device="cuda")
+            wm, _, p = magnitude_pack(w, pattern)
+            wb = wm.to(torch.bfloat16)
+            for n in args.tokens:
+                x = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+                ref = F.linear(x.float(), wb.float())
+                dense = bench_us(lambda: F.linear(x, wb))
+                row = {"pattern": pattern, "k": k, "r": r, "tokens": n, "dense": dense}
+                row["product"] = timed(x, p, ref, "product")
+                extra = {}
+                if pattern == "2:4":
+                    variants = [("", {"small_tiles": 1})]
+                    if n > 64:
+                        variants.append(("two", {"small_tiles": 1, "small128_ctas": 2}))
+                    if n > 128:
+                        extra["large"] = timed(x, p, ref, "large", small_tiles=0)
+                else:
+                    variants = [("", {})]
+                for name, knobs in variants:
+                    for s in args.splits:
+                        extra[f"{name}s{s}"] = timed(x, p, ref, f"{name} split {s}", split_k=s, **knobs)
+                row.update(extra)
+                best = min(extra, key=extra.get)
+                print(
+                    f"{pattern:>8} {k:>5}->{r:<5} n={n:<4} dense {dense:7.1f} product {row['product']:7.1f} "
+                    f"({dense / row['product']:.2f}x) best {best} {extra[best]:7.1f} ({dense / extra[best]:.2f}x) | "
+                    + " ".join(f"{key}:{v:.0f}" for key, v in extra.items()),
+                    flush=True,
+                )
+                if out:
+                    out.write(json.dumps(row) + "\n")
+                    out.flush()
+    if out:
+        out.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
