@@ -2,12 +2,13 @@
 
     HF_SPARSE_BUILD_LAB=1 python benchmarks/sweep_split_k.py [--tokens 64 128 256] [--splits 1 2 4 8]
         [--patterns 2:4 64:2:8 64:2:16] [--shapes 4096x11008 ...] [--json out.jsonl]
+    python benchmarks/sweep_split_k.py --product-only ...   # dense and the product's choice only (any build)
 
 For every (pattern, shape, token count) it times dense cuBLAS (``F.linear`` on the masked weight), the product's
 choice of the pattern's sparse-``wgmma`` kernel, and that kernel with each split count of ``--splits`` forced
 (``lab.tuning``'s ``split_k``). For 2:4 it also times the few-token tiles forced at every count up to 256 tokens
-(``small_tiles=1``) and, at 128-token tiles, two CTAs per SM (``small128_ctas=2``), and above 128 tokens the large
-configuration (``small_tiles=0``). Every configuration is checked against the dense product before it is timed.
+(``small_tiles=1``) and, above 128 tokens, the large configuration (``small_tiles=0``). ``--product-only`` times dense and the product's choice alone, so that two
+checkouts (``PYTHONPATH``) can be compared in one session with any build. Every configuration is checked against the dense product before it is timed.
 Times are ``triton.testing.do_bench`` medians (CUDA events, GPU time), in µs; ratios are cuBLAS time / ours.
 """
 # ruff: noqa: B023  (every benchmarked lambda is called at once, inside its own loop iteration)
@@ -20,7 +21,7 @@ import sys
 
 import torch
 import torch.nn.functional as F
-from bench_kernels import checked_error, magnitude_pack, parse_shape
+from bench_kernels import checked_error, magnitude_pack, parse_shape, view24_time
 from lab.tuning import require_lab_build, tuning
 
 from hf_sparse.ops import force_kernel, spmm
@@ -47,8 +48,10 @@ def main() -> int:
     ap.add_argument("--patterns", nargs="+", default=["2:4", "64:2:8", "64:2:16"])
     ap.add_argument("--shapes", type=parse_shape, nargs="+", default=[parse_shape(s) for s in LLAMA_SHAPES])
     ap.add_argument("--json", default=None, help="append one JSON object per row to this file")
+    ap.add_argument("--product-only", action="store_true", help="time dense and the product's choice only")
     args = ap.parse_args()
-    require_lab_build("sweep_split_k.py")
+    if not args.product_only:
+        require_lab_build("sweep_split_k.py")
     if not torch.cuda.is_available():
         raise SystemExit("sweep_split_k.py needs a CUDA GPU")
     torch.manual_seed(0)
@@ -57,19 +60,23 @@ def main() -> int:
     for pattern in args.patterns:
         for k, r in args.shapes:
             w = torch.randn(r, k, device="cuda")
-            wm, _, p = magnitude_pack(w, pattern)
+            wm, mask, p = magnitude_pack(w, pattern)
             wb = wm.to(torch.bfloat16)
             for n in args.tokens:
                 x = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
                 ref = F.linear(x.float(), wb.float())
                 dense = bench_us(lambda: F.linear(x, wb))
                 row = {"pattern": pattern, "k": k, "r": r, "tokens": n, "dense": dense}
-                row["product"] = timed(x, p, ref, "product")
+                with force_kernel(spmm="wgmma"):
+                    checked_error(spmm(x, p), ref, "product")
+                    row["product"] = bench_us(lambda: spmm(x, p))
+                if pattern != "2:4":  # a V:2:M weight is also 2:4: what a compact layer's plan also measures
+                    row["view24"] = 1000.0 * view24_time(wm, mask, x, ref)
                 extra = {}
-                if pattern == "2:4":
+                if args.product_only:
+                    variants = []
+                elif pattern == "2:4":
                     variants = [("", {"small_tiles": 1})]
-                    if n > 64:
-                        variants.append(("two", {"small_tiles": 1, "small128_ctas": 2}))
                     if n > 128:
                         extra["large"] = timed(x, p, ref, "large", small_tiles=0)
                 else:
@@ -78,13 +85,18 @@ def main() -> int:
                     for s in args.splits:
                         extra[f"{name}s{s}"] = timed(x, p, ref, f"{name} split {s}", split_k=s, **knobs)
                 row.update(extra)
-                best = min(extra, key=extra.get)
-                print(
+                line = (
                     f"{pattern:>8} {k:>5}->{r:<5} n={n:<4} dense {dense:7.1f} product {row['product']:7.1f} "
-                    f"({dense / row['product']:.2f}x) best {best} {extra[best]:7.1f} ({dense / extra[best]:.2f}x) | "
-                    + " ".join(f"{key}:{v:.0f}" for key, v in extra.items()),
-                    flush=True,
+                    f"({dense / row['product']:.2f}x)"
                 )
+                if "view24" in row:
+                    line += f" view24 {row['view24']:7.1f} ({dense / row['view24']:.2f}x)"
+                if extra:
+                    best = min(extra, key=extra.get)
+                    line += f" best {best} {extra[best]:7.1f} ({dense / extra[best]:.2f}x) | " + " ".join(
+                        f"{key}:{v:.0f}" for key, v in extra.items()
+                    )
+                print(line, flush=True)
                 if out:
                     out.write(json.dumps(row) + "\n")
                     out.flush()

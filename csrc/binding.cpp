@@ -31,10 +31,9 @@ int64_t lab_set(const std::string& name, int64_t value) {
                            : name == "sddmm_gather_regs" ? &t.sddmm_gather_regs
                            : name == "split_k"           ? &t.split_k
                            : name == "small_tiles"       ? &t.small_tiles
-                           : name == "small128_ctas"     ? &t.small128_ctas
                                                          : nullptr;
   HF_CHECK(knob != nullptr, "hf_sparse.lab_set: no knob ", name,
-              "; use sm90_config, vnm_pipe, vnm_tile, sddmm_gather_regs, split_k, small_tiles or small128_ctas");
+              "; use sm90_config, vnm_pipe, vnm_tile, sddmm_gather_regs, split_k or small_tiles");
   HF_CHECK(name != "sm90_config" || (value >= -1 && value < hf_sparse::lab::kSm90Configs),
               "hf_sparse.lab_set: sm90_config=", value, " is not -1 (the product's choice) or 0..",
               hf_sparse::lab::kSm90Configs - 1);

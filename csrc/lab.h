@@ -33,8 +33,6 @@ struct Tuning {
   // spmm_sm90.cu: 1 runs the few-token tiles at every count up to 256 tokens, 0 never above 128; -1: the product's
   // rule (sm90_small_tiles in tile_config.h).
   std::atomic<int> small_tiles{-1};
-  // spmm_sm90.cu: 2 runs the 128-token few-token tile two CTAs per SM (126 registers, no spills); 0: the product's.
-  std::atomic<int> small128_ctas{0};
 };
 
 inline Tuning& tuning() {

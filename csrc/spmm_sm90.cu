@@ -936,20 +936,14 @@ bool encode_u32_rows_map(const void* base, int row_words, int n_rows, int box_wo
 }
 
 // The few-token tiles (tile_config.h sm90_small_bn): 128 rows x BN tokens, A and metadata through the cp.async
-// stages; two CTAs per SM up to 64 tokens (small accumulators), more stages at 16 tokens (a smaller X tile).
+// stages, two CTAs per SM (126 registers at 128 tokens, no spills: two CTAs overlap each other's memory waits),
+// more stages at 16 tokens (a smaller X tile).
 template <int BN>
-using SmallCfg = Sm90Cfg<BN, 1, BN == 16 ? 6 : 4, 0, 0, BN <= 64 ? 2 : 1>;
-#if defined(HF_SPARSE_LAB)
-using SmallCfg128Two = Sm90Cfg<128, 1, 4, 0, 0, 2>;  // lab: small128_ctas = 2
-bool small128_two() { return lab::tuning().small128_ctas.load(std::memory_order_relaxed) == 2; }
-#endif
+using SmallCfg = Sm90Cfg<BN, 1, BN == 16 ? 6 : 4, 0, 0, 2>;
 Sm90SplitPlan small_plan(const SpmmArgs& a, int sms) {
   const int bn = sm90_small_bn(a.n_tokens);
-  int per_sm = bn == 16 ? SmallCfg<16>::MINB : bn == 64 ? SmallCfg<64>::MINB : SmallCfg<128>::MINB;
-#if defined(HF_SPARSE_LAB)
-  if (bn == 128 && small128_two()) per_sm = SmallCfg128Two::MINB;
-#endif
-  Sm90SplitPlan p = sm90_split_plan(a.rows_padded, a.n_tokens, bn, (a.steps + 1) / 2, (long long)sms * per_sm);
+  const int per_sm = bn == 16 ? SmallCfg<16>::MINB : bn == 64 ? SmallCfg<64>::MINB : SmallCfg<128>::MINB;
+  Sm90SplitPlan p = sm90_split_plan(a.rows_padded, a.n_tokens, bn, (a.steps + 1) / 2, sms, per_sm);
 #if defined(HF_SPARSE_LAB)
   p.splits = lab::split_k_or(p.splits, p.tiles, (a.steps + 1) / 2);
 #endif
@@ -1116,9 +1110,6 @@ cudaError_t dispatch_bn(const SpmmArgs& a, cudaStream_t stream) {
     const Sm90SplitPlan p = small_plan(a, sms);
     if (p.bn == 16) return launch_sm90<T, SmallCfg<16>>(a, stream, p.splits, true);
     if (p.bn == 64) return launch_sm90<T, SmallCfg<64>>(a, stream, p.splits, true);
-#if defined(HF_SPARSE_LAB)
-    if (small128_two()) return launch_sm90<T, SmallCfg128Two>(a, stream, p.splits, true);
-#endif
     return launch_sm90<T, SmallCfg<128>>(a, stream, p.splits, true);
   }
   return launch_large<T>(a, stream, sm90_large_config(a.rows_padded, a.n_tokens, sms));

@@ -84,12 +84,22 @@ inline int sm90_large_config(long long rows_padded, long long n_tokens, int sms)
 // once and the kernel is bound by how many SMs stream it; the few-token tile is 128 rows x sm90_small_bn tokens, and
 // 129-256 tokens take it too (two 128-token tiles) where all of them run at once (twice the row blocks <= SMs), where
 // the large configurations' one 256-token tile per row block would leave half the SMs idle or more.
-// Where the tiles cannot fill every CTA slot (SMs x CTAs per SM), each tile's k-tiles are split over sm90_split_k
-// CTAs, each k range at least kSplitKMinKTiles k-tiles (64 condensed columns each) long (kVnmSplitMinKTiles for the
-// V:2:M kernel, whose every k-tile waits about one memory round trip); the last CTA of a tile to finish adds
-// every CTA's fp32 partial sums, in split order, and stores it. kSplitKCounters bounds the tiles of a split launch
-// (one arrival counter each, kept zero between launches by the last CTA).
+// Where the tiles cannot keep every SM busy, each tile's k-tiles are split over sm90_split_k CTAs, each k range at
+// least kSplitKMinKTiles k-tiles (64 condensed columns each) long (kVnmSplitMinKTiles for the V:2:M kernel, whose
+// every k-tile waits about one memory round trip); the last CTA of a tile to finish adds every CTA's fp32 partial
+// sums, in split order, and stores it. How many splits depends on how the CTAs share an SM:
+//  * several CTAs per SM (the 2:4 few-token tiles: two; the V:2:M 16-token tile: three): as many splits as fill the
+//    CTA slots (SMs x CTAs per SM) in one round. CTAs resident together hide each other's memory waits, so one full
+//    round is what pays; a second round of the same CTAs costs about as much again.
+//  * one CTA per SM (the V:2:M 64- and 128-token tiles): each SM's time is its CTAs one after another, each its
+//    k-tiles plus a fixed cost of about kSplitKFixedKTiles k-tiles (pipeline fill, partial sums, epilogue): the count
+//    with the least ceil(tiles x splits / SMs) x (k-tiles per split + kSplitKFixedKTiles), fewer splits on a tie.
+//    E.g. 80 tiles of 108 k-tiles on 132 SMs: 1 split 1 x 112, 2 splits 2 x 58, 3 splits 2 x 40: 3.
+// benchmarks/sweep_split_k.py measures every split count (benchmarks/RESULTS.md, "Split-K at 64-256 tokens").
+// kSplitKCounters bounds the tiles of a split launch (one arrival counter each, kept zero between launches by the last
+// CTA).
 constexpr int kSplitKMax = 16, kSplitKMinKTiles = 4, kVnmSplitMinKTiles = 2, kSplitKCounters = 4096;
+constexpr int kSplitKFixedKTiles = 4;
 inline int sm90_small_bn(long long n_tokens) { return n_tokens <= 16 ? 16 : n_tokens <= 64 ? 64 : 128; }
 inline bool sm90_small_tiles(long long rows_padded, long long n_tokens, int sms) {
   if (n_tokens <= 128) return true;
@@ -102,26 +112,40 @@ inline int sm90_vnm_bn(int m, long long n_tokens) {
   if (n_tokens <= 32) return 16;
   return m == 8 && n_tokens > 64 ? 128 : 64;
 }
-inline int sm90_split_k(long long tiles, long long k_tiles, long long slots, int min_k_tiles = kSplitKMinKTiles) {
-  if (tiles <= 0 || tiles > kSplitKCounters) return 1;
-  long long s = slots / tiles;
-  if (s > kSplitKMax) s = kSplitKMax;
-  if (s > k_tiles / min_k_tiles) s = k_tiles / min_k_tiles;
-  if (s <= 1) return 1;
-  const long long per = (k_tiles + s - 1) / s;  // k-tiles per split; no split left empty
-  return (int)((k_tiles + per - 1) / per);
+inline int sm90_split_k(long long tiles, long long k_tiles, int sms, int ctas_per_sm,
+                        int min_k_tiles = kSplitKMinKTiles) {
+  if (tiles <= 0 || tiles > kSplitKCounters || sms <= 0) return 1;
+  long long most = k_tiles / min_k_tiles;
+  if (most > kSplitKMax) most = kSplitKMax;
+  if (most <= 1) return 1;
+  auto no_empty = [&](long long s) {  // the count whose k-tiles per split (rounded up) leave no split empty
+    const long long per = (k_tiles + s - 1) / s;
+    return (k_tiles + per - 1) / per;
+  };
+  if (ctas_per_sm > 1) {
+    const long long s = (long long)sms * ctas_per_sm / tiles;
+    return s <= 1 ? 1 : (int)no_empty(s < most ? s : most);
+  }
+  long long best = 1, best_cost = -1;
+  for (long long s = 1; s <= most; ++s) {
+    const long long n = no_empty(s), per = (k_tiles + n - 1) / n;
+    const long long cost = (tiles * n + sms - 1) / sms * (per + kSplitKFixedKTiles);
+    if (best_cost < 0 || cost < best_cost) best = n, best_cost = cost;
+  }
+  return (int)best;
 }
-// The split-K plan of a grid of 128-row x bn-token tiles with k_tiles k-tiles each and `slots` CTA slots: the splits
-// (sm90_split_k) and the fp32 scratch their partial sums take, one 128 x bn accumulator tile per CTA (0 unsplit).
+// The split-K plan of a grid of 128-row x bn-token tiles with k_tiles k-tiles each on `sms` SMs running ctas_per_sm
+// CTAs each: the splits (sm90_split_k) and the fp32 scratch their partial sums take, one 128 x bn accumulator tile
+// per CTA (0 unsplit).
 struct Sm90SplitPlan {
   int bn, splits;
   long long tiles;
   long long scratch_floats() const { return splits > 1 ? tiles * splits * 128 * bn : 0; }
 };
 inline Sm90SplitPlan sm90_split_plan(long long rows_padded, long long n_tokens, int bn, long long k_tiles,
-                                     long long slots, int min_k_tiles = kSplitKMinKTiles) {
+                                     int sms, int ctas_per_sm, int min_k_tiles = kSplitKMinKTiles) {
   const long long tiles = ((rows_padded + 127) / 128) * ((n_tokens + bn - 1) / bn);
-  return {bn, sm90_split_k(tiles, k_tiles, slots, min_k_tiles), tiles};
+  return {bn, sm90_split_k(tiles, k_tiles, sms, ctas_per_sm, min_k_tiles), tiles};
 }
 
 }  // namespace hf_sparse

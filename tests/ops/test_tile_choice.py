@@ -29,22 +29,33 @@ CASES = [
     ((768, 8192, 114), 20),
 ]
 
-# (tiles, k_tiles, CTA slots) -> splits: slots // tiles, at most 16 and at most k_tiles // 4, then as many as the
-# k-tiles per split (rounded up) need, so that no split is empty.
+# (tiles, k_tiles, SMs, CTAs per SM) -> splits. Several CTAs per SM: (SMs x CTAs per SM) // tiles, at most 16 and at
+# most k_tiles // 4, then as many as the k-tiles per split (rounded up) need, so that no split is empty.
 SPLIT_CASES = [
-    ((32, 172, 264), 8),  # 4096 rows (32 tiles) x K 11008 (172 k-tiles), 132 SMs x 2: 264 // 32 = 8
-    ((86, 64, 264), 3),  # 11008 rows x K 4096: 264 // 86 = 3
-    ((224, 64, 264), 1),  # 28672 rows: the tiles fill the slots already
-    ((2, 65, 264), 13),  # 264 // 2 = 132, capped at 16 (65 // 4 = 16 allows it): 5 k-tiles per split, 13 splits
-    ((2, 10, 264), 2),  # 10 k-tiles // 4 = 2 splits of 5
-    ((1, 3, 264), 1),  # fewer than 2 x 4 k-tiles: never split
-    ((5000, 64, 264), 1),  # more tiles than arrival counters (4096): never split
+    ((32, 172, 132, 2), 8),  # 4096 rows (32 tiles) x K 11008 (172 k-tiles), 132 SMs x 2: 264 // 32 = 8
+    ((86, 64, 132, 2), 3),  # 11008 rows x K 4096: 264 // 86 = 3
+    ((224, 64, 132, 2), 1),  # 28672 rows: the tiles fill the slots already
+    ((2, 65, 132, 2), 13),  # 264 // 2 = 132, capped at 16 (65 // 4 = 16 allows it): 5 k-tiles per split, 13 splits
+    ((2, 10, 132, 2), 2),  # 10 k-tiles // 4 = 2 splits of 5
+    ((1, 3, 132, 2), 1),  # fewer than 2 x 4 k-tiles: never split
+    ((5000, 64, 132, 2), 1),  # more tiles than arrival counters (4096): never split
+    # One CTA per SM: the count with the least ceil(tiles x splits / SMs) x (k-tiles per split + 4)
+    ((2, 65, 132, 1), 13),  # one round at any count: 16 wanted, 5 k-tiles per split (cost 9), 13 splits
+    ((5000, 64, 132, 1), 1),
 ]
 # The same with the V:2:M kernel's minimum of 2 k-tiles per split
 VNM_SPLIT_CASES = [
-    ((32, 16, 396), 8),  # 4096 rows x K 4096 at M = 16 (16 k-tiles), 132 SMs x 3: 396 // 32 = 12, 16 // 2 = 8
-    ((32, 64, 396), 11),  # 64 k-tiles (K 8192 at M = 8): 12 wanted, 6 k-tiles each, so 11 splits, none empty
-    ((2, 3, 396), 1),  # fewer than 2 x 2 k-tiles: never split
+    ((32, 16, 132, 3), 8),  # 4096 rows x K 4096 at M = 16 (16 k-tiles), 132 SMs x 3: 396 // 32 = 12, 16 // 2 = 8
+    ((32, 64, 132, 3), 11),  # 64 k-tiles (K 8192 at M = 8): 12 wanted, 6 k-tiles each, so 11 splits, none empty
+    ((2, 3, 132, 3), 1),  # fewer than 2 x 2 k-tiles: never split
+    # One CTA per SM. 13824 -> 5120 at M = 8, 256 tokens: 80 tiles x 108 k-tiles; 1: 1 x 112, 2: 2 x 58, 3: 2 x 40,
+    # 4: 3 x 31, 6: 4 x 22, 8: 5 x 18 -> 3
+    ((80, 108, 132, 1), 3),
+    # 4096 -> 4096 at M = 16, 64 tokens: 32 tiles x 16 k-tiles; 1: 20, 2: 12, 3: 10, 4: 8, 6: 2 x 7, 8: 2 x 6 -> 4
+    ((32, 16, 132, 1), 4),
+    # 8192 -> 28672 at M = 8, 128 tokens: 224 tiles x 64 k-tiles; 1: 2 x 68, 2: 4 x 36, 4: 7 x 20 -> 1
+    ((224, 64, 132, 1), 1),
+    ((1, 3, 132, 1), 1),  # fewer than 2 x 2 k-tiles: never split
 ]
 # (rows_padded, tokens, SMs) -> small tile width in tokens (0: the large configurations)
 SMALL_CASES = [
@@ -78,11 +89,11 @@ PROGRAM = r"""
 #include "tile_config.h"
 int main(int argc, char** argv) {
   char fn;
-  long long a, b, c;
-  while (std::scanf(" %c %lld %lld %lld", &fn, &a, &b, &c) == 4) {
+  long long a, b, c, d;
+  while (std::scanf(" %c %lld %lld %lld %lld", &fn, &a, &b, &c, &d) == 5) {
     if (fn == 'L') std::printf("%d\n", hf_sparse::sm90_large_config(a, b, (int)c));
-    if (fn == 'S') std::printf("%d\n", hf_sparse::sm90_split_k(a, b, c));
-    if (fn == 'T') std::printf("%d\n", hf_sparse::sm90_split_k(a, b, c, hf_sparse::kVnmSplitMinKTiles));
+    if (fn == 'S') std::printf("%d\n", hf_sparse::sm90_split_k(a, b, (int)c, (int)d));
+    if (fn == 'T') std::printf("%d\n", hf_sparse::sm90_split_k(a, b, (int)c, (int)d, hf_sparse::kVnmSplitMinKTiles));
     if (fn == 'B') std::printf("%d\n", hf_sparse::sm90_small_tiles(a, b, (int)c) ? hf_sparse::sm90_small_bn(b) : 0);
     if (fn == 'V') std::printf("%d\n", hf_sparse::sm90_vnm_bn((int)a, b));
   }
@@ -104,7 +115,7 @@ def chooser(tmp_path_factory):
 
 
 def _choose(chooser, fn: str, cases) -> list[int]:
-    stdin = "".join(f"{fn} {a} {b} {c}\n" for (a, b, c), _ in cases)
+    stdin = "".join(f"{fn} {' '.join(str(v) for v in (*args, 0)[:4])}\n" for args, _ in cases)
     out = subprocess.run([str(chooser)], input=stdin, capture_output=True, text=True, check=True).stdout.split()
     return [int(c) for c in out]
 
