@@ -943,7 +943,8 @@ using SmallCfg = Sm90Cfg<BN, 1, BN == 16 ? 6 : 4, 0, 0, 2>;
 Sm90SplitPlan small_plan(const SpmmArgs& a, int sms) {
   const int bn = sm90_small_bn(a.n_tokens);
   const int per_sm = bn == 16 ? SmallCfg<16>::MINB : bn == 64 ? SmallCfg<64>::MINB : SmallCfg<128>::MINB;
-  Sm90SplitPlan p = sm90_split_plan(a.rows_padded, a.n_tokens, bn, (a.steps + 1) / 2, sms, per_sm);
+  Sm90SplitPlan p = sm90_split_plan(a.rows_padded, a.n_tokens, bn, (a.steps + 1) / 2, sms, per_sm,
+                                    sm90_small_min_k_tiles(bn));
 #if defined(HF_SPARSE_LAB)
   p.splits = lab::split_k_or(p.splits, p.tiles, (a.steps + 1) / 2);
 #endif

@@ -57,6 +57,12 @@ VNM_SPLIT_CASES = [
     ((224, 64, 132, 1), 1),
     ((1, 3, 132, 1), 1),  # fewer than 2 x 2 k-tiles: never split
 ]
+# The 2:4 few-token 128-token tile's minimum of 16 k-tiles per split (two CTAs per SM)
+WIDE_SPLIT_CASES = [
+    ((32, 64, 132, 2), 4),  # 4096 rows x K 4096 at 128 tokens: 264 // 32 = 8 wanted, 64 // 16 = 4 allowed
+    ((80, 216, 132, 2), 3),  # 5120 rows x K 13824 at 256 tokens: 264 // 80 = 3 (13 allowed)
+    ((1, 31, 132, 2), 1),  # fewer than 2 x 16 k-tiles: never split
+]
 # (rows_padded, tokens, SMs) -> small tile width in tokens (0: the large configurations)
 SMALL_CASES = [
     ((4096, 1, 132), 16),
@@ -94,6 +100,8 @@ int main(int argc, char** argv) {
     if (fn == 'L') std::printf("%d\n", hf_sparse::sm90_large_config(a, b, (int)c));
     if (fn == 'S') std::printf("%d\n", hf_sparse::sm90_split_k(a, b, (int)c, (int)d));
     if (fn == 'T') std::printf("%d\n", hf_sparse::sm90_split_k(a, b, (int)c, (int)d, hf_sparse::kVnmSplitMinKTiles));
+    if (fn == 'W')
+      std::printf("%d\n", hf_sparse::sm90_split_k(a, b, (int)c, (int)d, hf_sparse::sm90_small_min_k_tiles(128)));
     if (fn == 'B') std::printf("%d\n", hf_sparse::sm90_small_tiles(a, b, (int)c) ? hf_sparse::sm90_small_bn(b) : 0);
     if (fn == 'V') std::printf("%d\n", hf_sparse::sm90_vnm_bn((int)a, b));
   }
@@ -127,6 +135,7 @@ def test_sm90_large_config_matches_hand_computed_choices(chooser):
 def test_split_k_count_matches_hand_computed_choices(chooser):
     assert _choose(chooser, "S", SPLIT_CASES) == [expected for _, expected in SPLIT_CASES]
     assert _choose(chooser, "T", VNM_SPLIT_CASES) == [expected for _, expected in VNM_SPLIT_CASES]
+    assert _choose(chooser, "W", WIDE_SPLIT_CASES) == [expected for _, expected in WIDE_SPLIT_CASES]
 
 
 def test_few_token_tiles_match_hand_computed_choices(chooser):
