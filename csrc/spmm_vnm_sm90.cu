@@ -56,10 +56,9 @@ namespace hf_sparse {
 namespace {
 
 constexpr int kVnmThreads = 256;  // two consumer warpgroups, which also gather
-// CTAs per SM the registers allow: one at 64 and 128 tokens per CTA (the gather's registers, ~200 per thread), three
-// at 16 (M = 8, up to 32 tokens), where each CTA waits on memory most of the time and more of them keep more loads in
-// flight.
-constexpr int vnm_ctas_per_sm(int bn) { return bn == 16 ? 3 : 1; }
+// CTAs per SM the registers allow: one at 64 and 128 tokens per CTA (the gather's registers, ~200 per thread), two at
+// 32, three at 16, where each CTA waits on memory most of the time and more of them keep more loads in flight.
+constexpr int vnm_ctas_per_sm(int bn) { return bn == 16 ? 3 : bn == 32 ? 2 : 1; }
 
 template <int M, int BN>
 struct VnmCfg {
@@ -99,7 +98,7 @@ spmm_vnm_sm90_kernel(const T* __restrict__ x, const uint4* __restrict__ values, 
   using Regs = GatherRegs<M, BN>;
   constexpr int ND = BN / 2;  // accumulators per thread
   constexpr bool CHUNK = M == 8;
-  static_assert(CHUNK || BN == 64 || BN == 16, "the word gather's lane roles cover 16 or 64 tokens");
+  static_assert(CHUNK || BN == 16 || BN == 32 || BN == 64, "the word gather's lane roles cover 16, 32 or 64 tokens");
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   unsigned char* smem = smem_raw + pad_to_1024((uint32_t)__cvta_generic_to_shared(smem_raw));
   const uint32_t smem_u32 = (uint32_t)__cvta_generic_to_shared(smem);
@@ -760,9 +759,12 @@ template <typename T, int M>
 cudaError_t dispatch_tile(const SpmmArgs& a, cudaStream_t stream) {
   const int bn = vnm_bn(a);
   if (bn == 16) return launch_vnm<T, M, 16, false>(a, stream);  // the register pipeline only
+  if (bn == 32) return launch_vnm<T, M, 32, false>(a, stream);
   if constexpr (M == 8) {
-    if (bn == 128) return launch_pipe<T, M, 128, 3>(a, stream);
-    return launch_pipe<T, M, 64, 3>(a, stream);
+#if defined(HF_SPARSE_LAB)
+    if (bn == 64) return launch_pipe<T, M, 64, 3>(a, stream);  // vnm_tile = 64
+#endif
+    return launch_pipe<T, M, 128, 3>(a, stream);
   }
   return launch_pipe<T, M, 64, 4>(a, stream);
 }

@@ -110,11 +110,11 @@ inline bool sm90_small_tiles(long long rows_padded, long long n_tokens, int sms)
   return n_tokens <= 256 && 2 * ((rows_padded + 127) / 128) <= sms;  // both 128-token tiles of each row block at once
 }
 // The V:2:M sparse-wgmma SpMM's tokens per CTA: 16 up to 32 tokens (three CTAs per SM: each waits on memory most of
-// the time, more of them keep more loads in flight), above that 64, and at M = 8 128 above 64 tokens (the word gather
-// of M >= 16 has lane roles for 16 and 64 tokens).
+// the time, more of them keep more loads in flight), 32 up to 64 (two CTAs per SM), above that 64, and at M = 8 128.
 inline int sm90_vnm_bn(int m, long long n_tokens) {
   if (n_tokens <= 32) return 16;
-  return m == 8 && n_tokens > 64 ? 128 : 64;
+  if (n_tokens <= 64) return 32;
+  return m == 8 ? 128 : 64;
 }
 inline int sm90_split_k(long long tiles, long long k_tiles, int sms, int ctas_per_sm,
                         int min_k_tiles = kSplitKMinKTiles) {

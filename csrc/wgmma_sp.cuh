@@ -41,6 +41,32 @@ struct WgmmaSp<16, __half> {
 };
 
 template <>
+struct WgmmaSp<32, __nv_bfloat16> {
+  static __device__ __forceinline__ void run(float (&d)[16], const uint4& a, uint64_t desc, uint32_t e) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %22, 0;\n"
+        "wgmma.mma_async.sp.sync.aligned.m64n32k32.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
+        "{%16, %17, %18, %19}, %20, %21, 0, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+        : "r"(a.x), "r"(a.y), "r"(a.z), "r"(a.w), "l"(desc), "r"(e), "r"(1));
+  }
+};
+
+template <>
+struct WgmmaSp<32, __half> {
+  static __device__ __forceinline__ void run(float (&d)[16], const uint4& a, uint64_t desc, uint32_t e) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %22, 0;\n"
+        "wgmma.mma_async.sp.sync.aligned.m64n32k32.f32.f16.f16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
+        "{%16, %17, %18, %19}, %20, %21, 0, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+        : "r"(a.x), "r"(a.y), "r"(a.z), "r"(a.w), "l"(desc), "r"(e), "r"(1));
+  }
+};
+
+template <>
 struct WgmmaSp<64, __nv_bfloat16> {
   static __device__ __forceinline__ void run(float (&d)[32], const uint4& a, uint64_t desc, uint32_t e) {
     asm volatile(

@@ -124,8 +124,9 @@ def test_spmm_auto_picks_wgmma_on_sm90a():
 @pytest.mark.parametrize(
     ("tokens", "groups"),
     # K = groups * M: 25 groups end inside the second k-tile of 16 (4 k-steps), 17 give an odd step count (3: the
-    # last k-tile has one k-step and 15 padded groups). Tokens straddle the V:2:M kernel's token tiles (64 / 128).
-    [(1, 25), (7, 17), (65, 25), (257, 17), (8191, 25)],
+    # last k-tile has one k-step and 15 padded groups). Tokens straddle the V:2:M kernel's token tiles (16 / 32 / 64 /
+    # 128; 40 = a full 32-token tile and one of 8).
+    [(1, 25), (7, 17), (40, 25), (65, 25), (257, 17), (8191, 25)],
 )
 @pytest.mark.parametrize("pipe", [0, 1, 2, 3, 4])
 def test_spmm_vnm_ragged_k_and_token_tiles(v, m, dtype, bias, tokens, groups, pipe, spmm_kernel_env):
@@ -147,11 +148,12 @@ def test_spmm_vnm_ragged_k_and_token_tiles(v, m, dtype, bias, tokens, groups, pi
 
 @pytest.mark.parametrize(("v", "m"), [(64, 4), (64, 8), (128, 8), (64, 16), (128, 64)])
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("tokens", [1, 3, 16, 17, 64, 65, 200, 256])
+@pytest.mark.parametrize("tokens", [1, 3, 16, 17, 33, 64, 65, 200, 256])
 def test_spmm_wgmma_split_k_at_few_tokens(v, m, dtype, tokens):
     """Few rows and a long K: the sparse-wgmma SpMMs split each tile's 40.5 k-tiles (16 groups each, the last one
     k-step) over ~10 CTAs (``sm90_split_k``, ``csrc/tile_config.h``), the last split shorter; poisoned memory, bias,
-    tokens across the few-token tile widths (16, 64, 128) and two 128-token tiles (200, 256)."""
+    tokens across the few-token tile widths (2:4: 16, 64, 128; V:2:M: 16, 32, 64 or 128) and two 128-token tiles (200,
+    256)."""
     if not _wgmma_runs_here():
         pytest.skip("sparse wgmma needs a cc 9.0 GPU and an sm_90a build")
     rows = 192 if m == 4 else 3 * v
