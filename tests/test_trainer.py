@@ -345,7 +345,7 @@ def test_a_run_of_no_steps_says_so(tmp_path, steps):
 
 def test_load_best_model_restores_its_masks(tmp_path):
     """With load_best_model_at_end, the best checkpoint can be from mid-ramp: its masks must come back with it."""
-    config = SparsityConfig(score="magnitude", pattern="2:8", schedule="linear", start=0, end=12, update_every=2)
+    config = SparsityConfig(score="magnitude", pattern="2:8", schedule="linear", start=0, end=10, update_every=2)
     args = _args(
         tmp_path,
         max_steps=12,
