@@ -88,14 +88,14 @@ inline int sm90_large_config(long long rows_padded, long long n_tokens, int sms)
 // least kSplitKMinKTiles k-tiles (64 condensed columns each) long (kVnmSplitMinKTiles for the V:2:M kernel, whose
 // every k-tile waits about one memory round trip); the last CTA of a tile to finish adds every CTA's fp32 partial
 // sums, in split order, and stores it. How many splits depends on how the CTAs share an SM:
-//  * several CTAs per SM (the 2:4 few-token tiles: two; the V:2:M 16-token tile: three): as many splits as fill the
-//    CTA slots (SMs x CTAs per SM) in one round. CTAs resident together hide each other's memory waits, so one full
-//    round is what pays; a second round of the same CTAs costs about as much again.
+//  * several CTAs per SM (the 2:4 few-token tiles: two; the V:2:M 16-token tile: three, its 32-token tile: two): as
+//    many splits as fill the CTA slots (SMs x CTAs per SM) in one round. CTAs resident together hide each other's
+//    memory waits, so one full round is what pays; a second round of the same CTAs costs about as much again.
 //  * one CTA per SM (the V:2:M 64- and 128-token tiles): each SM's time is its CTAs one after another, each its
 //    k-tiles plus a fixed cost of about kSplitKFixedKTiles k-tiles (pipeline fill, partial sums, epilogue): the count
 //    with the least ceil(tiles x splits / SMs) x (k-tiles per split + kSplitKFixedKTiles), fewer splits on a tie.
 //    E.g. 80 tiles of 108 k-tiles on 132 SMs: 1 split 1 x 112, 2 splits 2 x 58, 3 splits 2 x 40: 3.
-// benchmarks/sweep_split_k.py measures every split count (benchmarks/RESULTS.md, "Split-K at 64-256 tokens").
+// benchmarks/sweep_split_k.py measures every split count (benchmarks/RESULTS.md, runs X1-X4).
 // kSplitKCounters bounds the tiles of a split launch (one arrival counter each, kept zero between launches by the last
 // CTA).
 constexpr int kSplitKMax = 16, kSplitKMinKTiles = 4, kVnmSplitMinKTiles = 2, kSplitKCounters = 4096;
