@@ -95,7 +95,7 @@ inline int sm90_large_config(long long rows_padded, long long n_tokens, int sms)
 //    k-tiles plus a fixed cost of about kSplitKFixedKTiles k-tiles (pipeline fill, partial sums, epilogue): the count
 //    with the least ceil(tiles x splits / SMs) x (k-tiles per split + kSplitKFixedKTiles), fewer splits on a tie.
 //    E.g. 80 tiles of 108 k-tiles on 132 SMs: 1 split 1 x 112, 2 splits 2 x 58, 3 splits 2 x 40: 3.
-// benchmarks/sweep_split_k.py measures every split count (benchmarks/RESULTS.md, runs X1-X4).
+// benchmarks/sweep_split_k.py measures every split count (the figures: benchmarks/RESULTS.md).
 // kSplitKCounters bounds the tiles of a split launch (one arrival counter each, kept zero between launches by the last
 // CTA).
 constexpr int kSplitKMax = 16, kSplitKMinKTiles = 4, kVnmSplitMinKTiles = 2, kSplitKCounters = 4096;
