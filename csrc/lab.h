@@ -20,7 +20,9 @@ struct Tuning {
   std::atomic<int> sm90_config{-1};
   // spmm_vnm_sm90.cu: 0 X into registers one k-tile ahead (the product's), 1 a cp.async ring of shared-memory stages
   // (where K / M <= 2048, else 0), 2 = 0 with L1 prefetches of the next k-tile, 3 warp-specialised (producer
-  // warpgroups gather into a ring, consumer warpgroups issue the wgmmas; 64 tokens and more, else 0).
+  // warpgroups gather into a ring, consumer warpgroups issue the wgmmas; 64 tokens and more, else 0), 4 = 3 with one
+  // gather for both slabs where they keep the same columns (M = 8), 5 warp-specialised 256-row CTAs of 64 tokens with
+  // four producer warpgroups (M = 8, 64 tokens and more).
   std::atomic<int> vnm_pipe{0};
   // spmm_vnm_sm90.cu: 64 forces 64-token tiles at M = 8; 0: the product's (128 above 64 tokens).
   std::atomic<int> vnm_tile{0};

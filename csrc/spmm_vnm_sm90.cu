@@ -674,6 +674,171 @@ spmm_vnm_sm90_ws_kernel(const T* __restrict__ x, const uint4* __restrict__ value
 #endif
 }
 
+
+// 256-row warp-specialised pipeline (lab build, vnm_pipe = 5, M = 8; not yet measured). Why: pipe 3's producers hold
+// 64 KB of X in registers (two warpgroups x 128 threads x 16 tokens x 16 bytes) where streaming X at the sparse peak
+// across the L2 latency takes about twice that (csrc/README.md, "Where the gathered bytes can come from"), and its
+// consumers wait for them. A 256-row CTA needs half as much (each X chunk feeds four 64-row slabs), so four producer
+// warpgroups at 64 tokens per CTA hold what it needs: 4 x 128 threads x 8 tokens x 16 bytes = 64 KB.
+// Layout: warpgroups 0-3 produce (k-tiles p, p + 4, ...; stage kt % 4 is always producer kt % 4's), warpgroups 4-5
+// consume, slabs 2c and 2c + 1 each (two m64 tiles, one commit per k-tile). A stage holds four slabs' B tiles (the
+// register kernel's layout); where slabs 2j and 2j + 1 keep the same columns (V = 128), found by a compare at the
+// CTA's start, they share one tile. Registers: 768 threads start at 80 each; the producers give 24 back
+// (setmaxnreg), the consumers take 48 (their 64 accumulators and two sets of two tiles' A fragments); ptxas still
+// spills 36 bytes (two metadata words around the consumers' wgmmas, three producer values).
+constexpr int kWs256Threads = 768;
+template <int BN, int S>
+struct VnmWs256Cfg {
+  static constexpr int B_BYTES = BN * 128;  // one slab's B tile: BN token rows x 64 condensed k
+  static constexpr int STAGE = 4 * B_BYTES;
+  static constexpr int BARS = S * STAGE;
+  static constexpr int SMEM = BARS + 16 * S + 1024;
+  static_assert(S == 4, "stage kt % 4 is producer kt % 4's");
+  static_assert(SMEM <= 227 * 1024, "over the sm_90 shared-memory limit");
+};
+
+template <typename T, int BN, int S>
+__global__ void __launch_bounds__(kWs256Threads, 1)
+spmm_vnm_sm90_ws256_kernel(const T* __restrict__ x, const uint4* __restrict__ values,
+                           const uint32_t* __restrict__ meta, const uint32_t* __restrict__ columns,
+                           const T* __restrict__ bias, T* __restrict__ y, int n_tokens, int rows, int rows_padded,
+                           int k, int steps) {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr int M = 8, kProducerRegs = 56, kConsumerRegs = 128;  // 512 x 56 + 256 x 128 = 768 x 80
+  using Cfg = VnmWs256Cfg<BN, S>;
+  constexpr int ND = BN / 2;
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  unsigned char* smem = smem_raw + pad_to_1024((uint32_t)__cvta_generic_to_shared(smem_raw));
+  const uint32_t smem_u32 = (uint32_t)__cvta_generic_to_shared(smem);
+  auto full_bar = [&](int s) { return smem_u32 + Cfg::BARS + 8 * s; };
+  auto empty_bar = [&](int s) { return smem_u32 + Cfg::BARS + 8 * (S + s); };
+
+  const int tid = threadIdx.x;
+  const int lane = tid & 31, warp = tid >> 5, wg = warp >> 2;
+  const int n_base = blockIdx.y * BN;
+  const int cta_row0 = blockIdx.x * 256;
+  const int mt_cta = cta_row0 >> 4;
+  const int mt_valid = (rows_padded - cta_row0) >> 4;
+  const int k_tiles = (steps + 1) >> 1;
+  const int groups = k / M, groups_padded = 8 * steps;
+  const int slabs = rows_padded >> 6;
+  const uint32_t* colp[4];
+#pragma unroll
+  for (int s = 0; s < 4; ++s) colp[s] = columns + (size_t)min((cta_row0 >> 6) + s, slabs - 1) * groups_padded;
+  if (tid == 0) {
+    for (int s = 0; s < S; ++s) {
+      mbar_init(full_bar(s), 128);
+      mbar_init(empty_bar(s), 8);
+    }
+    mbar_fence_init();
+  }
+  // Slab pairs (0, 1) and (2, 3) that keep the same columns share a B tile (slabs past the packed rows read the last
+  // slab's columns: shared or not, nothing of them is stored).
+  int same01 = 1, same23 = 1;
+  for (int i = tid; i < groups_padded; i += kWs256Threads) {
+    same01 &= colp[0][i] == colp[1][i];
+    same23 &= colp[2][i] == colp[3][i];
+  }
+  const bool share01 = __syncthreads_and(same01) != 0;
+  const bool share23 = __syncthreads_and(same23) != 0;
+  auto tile_of = [&](int s) { return s == 1 && share01 ? 0 : s == 3 && share23 ? 2 : s; };
+
+  if (wg < 4) {
+    setmaxnreg_dec<kProducerRegs>();
+    // Producer wg: group gg = ptid % 16 of its k-tiles, tokens tok0 + 8i (tok0 = ptid / 16 < 8), all four slabs; the
+    // 8 bytes of token row r = tok0 + 8i sit at chunk (gg/2) ^ tok0, byte 8(gg & 1), + 1024i. Token rows as 16-byte
+    // offsets from x (rows past n_tokens read the last one; never stored).
+    const int ptid = tid - 128 * wg;
+    const int gg = ptid & 15, tok0 = ptid >> 4;
+    constexpr int TI = BN / 8;
+    const uint4* x16 = reinterpret_cast<const uint4*>(x);
+    const int row0 = n_base + tok0, last = n_tokens - 1;
+    const uint32_t row_chunks = (uint32_t)k / 8;  // 16-byte chunks per token row
+    const uint32_t off = tok0 * 128 + ((((uint32_t)gg >> 1) ^ tok0) << 4) + 8 * (gg & 1);
+    uint4 xc[TI];
+    for (int kt = wg; kt < k_tiles; kt += 4) {
+      const int st = kt % S, use = kt / S;
+      const int grp = min(kt * 16 + gg, groups - 1);  // clamped: never past K
+#pragma unroll
+      for (int i = 0; i < TI; ++i) xc[i] = x16[(uint32_t)min(row0 + 8 * i, last) * row_chunks + grp];
+      uint32_t cw[4];
+#pragma unroll
+      for (int s = 0; s < 4; ++s) cw[s] = colp[s][grp];
+      mbar_wait(empty_bar(st), (use & 1) ^ 1);  // the consumers are done with the stage's previous fill
+      unsigned char* base = smem + st * Cfg::STAGE + off;
+#pragma unroll
+      for (int s = 0; s < 4; ++s) {
+        if ((s == 1 && share01) || (s == 3 && share23)) continue;  // one B tile serves the pair
+        const KeptOf8 kept(cw[s]);
+#pragma unroll
+        for (int i = 0; i < TI; ++i) *reinterpret_cast<uint2*>(base + s * Cfg::B_BYTES + i * 1024) = kept(xc[i]);
+      }
+      fence_proxy_async();
+      mbar_arrive(full_bar(st));
+    }
+    return;
+  }
+
+  setmaxnreg_inc<kConsumerRegs>();
+  // Consumer c = wg - 4: slabs 2c + j (m16 tiles 4(2c + j) + wq), A fragments and metadata from global memory one
+  // k-tile ahead (fetch_a_tile: zeros with valid metadata past the packed rows and for a missing second k-step).
+  const int c = wg - 4, wq = warp & 3;
+  const int g = lane >> 2, t = lane & 3;
+  bool active[2];
+  int mt[2];
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    const int slab = 2 * c + j;
+    active[j] = slab * 4 < mt_valid;
+    mt[j] = mt_cta + (active[j] ? slab * 4 + wq : 0);
+  }
+  float acc[2][ND];
+#pragma unroll
+  for (int j = 0; j < 2; ++j)
+#pragma unroll
+    for (int d = 0; d < ND; ++d) acc[j][d] = 0.f;
+  auto fetch = [&](int kt, uint4 (&a)[2][2], uint32_t (&e)[2][2]) {
+#pragma unroll
+    for (int j = 0; j < 2; ++j)  // pointers made per fetch: fewer live registers than two held pairs
+      fetch_a_tile(values + (size_t)mt[j] * steps * 32 + lane, meta + (size_t)mt[j] * steps * 16 + g * 2 + (t & 1),
+                   active[j], kt, steps, a[j], e[j]);
+  };
+  auto step = [&](int kt, const uint4 (&a)[2][2], const uint32_t (&e)[2][2], uint4 (&a_nx)[2][2],
+                  uint32_t (&e_nx)[2][2]) {
+    if (kt + 1 < k_tiles) fetch(kt + 1, a_nx, e_nx);
+    const int st = kt % S;
+    mbar_wait(full_bar(st), (kt / S) & 1);
+    wgmma_fence();
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const uint64_t desc = desc_k128(smem_u32 + st * Cfg::STAGE + tile_of(2 * c + j) * Cfg::B_BYTES);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) WgmmaSp<BN, T>::run(acc[j], a[j][h], desc + h * (64 >> 4), e[j][h]);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+    if (lane == 0) mbar_arrive(empty_bar(st));
+  };
+  uint4 a0[2][2], a1[2][2];
+  uint32_t e0[2][2], e1[2][2];
+  fetch(0, a0, e0);
+  for (int kt = 0; kt < k_tiles; kt += 2) {
+    step(kt, a0, e0, a1, e1);
+    if (kt + 1 < k_tiles) step(kt + 1, a1, e1, a0, e0);
+  }
+#pragma unroll
+  for (int j = 0; j < 2; ++j)
+#pragma unroll
+    for (int d = 0; d < ND; ++d) asm volatile("" : "+f"(acc[j][d])::"memory");  // reads after the wgmma wait
+#pragma unroll
+  for (int j = 0; j < 2; ++j)
+    if (active[j])
+      store_tile<T, BN>(acc[j], cta_row0 + 64 * (2 * c + j) + 16 * wq, n_base, lane, bias, y, rows, n_tokens);
+#elif defined(__CUDA_ARCH__)
+  __trap();  // built without sm_90a: the host never launches this (spmm_sm90_available() is false)
+#endif
+}
+
 #endif  // HF_SPARSE_LAB
 
 // Tokens per CTA (tile_config.h sm90_vnm_bn; the lab's vnm_tile = 64 forces 64 above 64 tokens at M = 8), and the
@@ -700,12 +865,12 @@ Sm90SplitPlan vnm_plan(const SpmmArgs& a) {
 }
 
 // The lab pipelines that do not split K (staged, warp-specialised), whose kernels take the same arguments: one CTA
-// per 128 rows x BN tokens.
-template <typename T, int BN, auto Kernel>
+// per ROWS rows x BN tokens.
+template <typename T, int BN, auto Kernel, int ROWS = 128>
 cudaError_t launch_unsplit(const SpmmArgs& a, cudaStream_t stream, int threads, int smem) {
   cudaError_t err = raise_smem_limit_once<Kernel>(smem);
   if (err != cudaSuccess) return err;
-  const dim3 grid((a.rows_padded + 127) / 128, (a.n_tokens + BN - 1) / BN);
+  const dim3 grid((a.rows_padded + ROWS - 1) / ROWS, (a.n_tokens + BN - 1) / BN);
   if (grid.y > 65535) return cudaErrorInvalidConfiguration;
   Kernel<<<grid, threads, smem, stream>>>(
       static_cast<const T*>(a.x), static_cast<const uint4*>(a.values), static_cast<const uint32_t*>(a.meta),
@@ -734,9 +899,10 @@ cudaError_t launch_vnm(const SpmmArgs& a, cudaStream_t stream) {
 
 // Tokens per CTA: vnm_bn.
 // Pipeline: X into registers one k-tile ahead. The lab build (HF_SPARSE_LAB) adds, by lab::tuning(), 64-token tiles
-// at M = 8 above 64 tokens (vnm_tile = 64) and three pipelines (vnm_pipe): 1 staged (where the column offsets of the
+// at M = 8 above 64 tokens (vnm_tile = 64) and five pipelines (vnm_pipe): 1 staged (where the column offsets of the
 // CTA's two slabs fit its 16 KB, i.e. K / M <= 2048; registers otherwise), 2 registers + L1 prefetch, 3
-// warp-specialised (at 64 tokens and more); what they measured is in benchmarks/RESULTS.md ("V:2:M sparse wgmma").
+// warp-specialised (at 64 tokens and more), 4 = 3 with the slab-pair gather (M = 8), 5 warp-specialised 256-row CTAs
+// of 64 tokens (M = 8, 64 tokens and more); what they measured is in benchmarks/RESULTS.md.
 template <typename T, int M, int BN, int S>
 cudaError_t launch_pipe(const SpmmArgs& a, cudaStream_t stream) {
 #if defined(HF_SPARSE_LAB)
@@ -745,6 +911,11 @@ cudaError_t launch_pipe(const SpmmArgs& a, cudaStream_t stream) {
     return launch_unsplit<T, BN, spmm_vnm_sm90_staged_kernel<T, M, BN, S>>(a, stream, kVnmThreads,
                                                                            VnmStagedCfg<M, BN, S>::SMEM);
   if (pipe == 2) return launch_vnm<T, M, BN, true>(a, stream);
+  if constexpr (M == 8) {
+    if (pipe == 5 && a.n_tokens >= 64)
+      return launch_unsplit<T, 64, spmm_vnm_sm90_ws256_kernel<T, 64, 4>, 256>(a, stream, kWs256Threads,
+                                                                             VnmWs256Cfg<64, 4>::SMEM);
+  }
   if (pipe == 4 && M == 8 && a.n_tokens >= 64)
     return launch_unsplit<T, BN, spmm_vnm_sm90_ws_kernel<T, M, BN, 4, M == 8>>(a, stream, kWsThreads,
                                                                              VnmWsCfg<M, BN, 4>::SMEM);
