@@ -506,14 +506,39 @@ spmm_vnm_sm90_staged_kernel(const T* __restrict__ x, const uint4* __restrict__ v
 constexpr int kWsProducers = 2;
 constexpr int kWsThreads = 128 * (kWsProducers + 2);
 
+// The shared-memory ring of the warp-specialised kernels: S stages of STAGE bytes (1024-aligned), then S "full"
+// mbarriers (`full_count` producer threads arrive) and S "empty" ones (the 8 consumer warps arrive).
+template <int S, int STAGE>
+struct WsRing {
+  static constexpr int BARS = S * STAGE;
+  static constexpr int SMEM = BARS + 16 * S + 1024;  // + alignment slack for the swizzle atoms
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  unsigned char* smem;
+  uint32_t smem_u32;
+  __device__ __forceinline__ explicit WsRing(unsigned char* raw) {
+    smem = raw + pad_to_1024((uint32_t)__cvta_generic_to_shared(raw));
+    smem_u32 = (uint32_t)__cvta_generic_to_shared(smem);
+  }
+  __device__ __forceinline__ uint32_t full(int s) const { return smem_u32 + BARS + 8 * s; }
+  __device__ __forceinline__ uint32_t empty(int s) const { return smem_u32 + BARS + 8 * (S + s); }
+  __device__ __forceinline__ void init(int full_count) const {  // thread 0; a CTA barrier must follow
+    for (int s = 0; s < S; ++s) {
+      mbar_init(full(s), full_count);
+      mbar_init(empty(s), 8);
+    }
+    mbar_fence_init();
+  }
+#endif
+};
+
 // SHARE (vnm_pipe = 4, M = 8): where the CTA's two slabs keep the same columns (every V:2:M weight with V = 128),
 // checked by the CTA before its first k-tile, the producers gather one B tile for both and both consumers read it.
 template <int M, int BN, int S>
 struct VnmWsCfg {
   static constexpr int B_BYTES = BN * 128;  // one slab's B tile: BN token rows x 64 condensed k
   static constexpr int STAGE = 2 * B_BYTES;
-  static constexpr int BARS = S * STAGE;    // offset of the 2S mbarriers (8 bytes each)
-  static constexpr int SMEM = BARS + 16 * S + 1024;
+  using Ring = WsRing<S, STAGE>;
+  static constexpr int SMEM = Ring::SMEM;
   static_assert(S % kWsProducers == 0, "a stage is always filled by the same producer warpgroup");
   static_assert(SMEM <= 227 * 1024, "over the sm_90 shared-memory limit");
 };
@@ -529,10 +554,11 @@ spmm_vnm_sm90_ws_kernel(const T* __restrict__ x, const uint4* __restrict__ value
   constexpr bool CHUNK = M == 8;
   static_assert(CHUNK || (BN == 64 && !SHARE), "the word gather's roles cover 64 tokens");
   extern __shared__ __align__(1024) unsigned char smem_raw[];
-  unsigned char* smem = smem_raw + pad_to_1024((uint32_t)__cvta_generic_to_shared(smem_raw));
-  const uint32_t smem_u32 = (uint32_t)__cvta_generic_to_shared(smem);
-  auto full_bar = [&](int s) { return smem_u32 + Cfg::BARS + 8 * s; };
-  auto empty_bar = [&](int s) { return smem_u32 + Cfg::BARS + 8 * (S + s); };
+  const typename Cfg::Ring ring(smem_raw);
+  unsigned char* smem = ring.smem;
+  const uint32_t smem_u32 = ring.smem_u32;
+  auto full_bar = [&](int s) { return ring.full(s); };
+  auto empty_bar = [&](int s) { return ring.empty(s); };
 
   const int tid = threadIdx.x;
   const int lane = tid & 31, warp = tid >> 5, wg = warp >> 2;
@@ -546,13 +572,7 @@ spmm_vnm_sm90_ws_kernel(const T* __restrict__ x, const uint4* __restrict__ value
   const uint32_t* colp[2];
 #pragma unroll
   for (int s = 0; s < 2; ++s) colp[s] = columns + (size_t)min((cta_row0 >> 6) + s, slabs - 1) * groups_padded;
-  if (tid == 0) {
-    for (int s = 0; s < S; ++s) {
-      mbar_init(full_bar(s), 128);
-      mbar_init(empty_bar(s), 8);
-    }
-    mbar_fence_init();
-  }
+  if (tid == 0) ring.init(128);
   bool share = false;
   if constexpr (SHARE) {
     // The columns are (slab, group) words: a CTA-wide compare of both slabs' words (an inactive second slab reads the
@@ -691,8 +711,8 @@ template <int BN, int S>
 struct VnmWs256Cfg {
   static constexpr int B_BYTES = BN * 128;  // one slab's B tile: BN token rows x 64 condensed k
   static constexpr int STAGE = 4 * B_BYTES;
-  static constexpr int BARS = S * STAGE;
-  static constexpr int SMEM = BARS + 16 * S + 1024;
+  using Ring = WsRing<S, STAGE>;
+  static constexpr int SMEM = Ring::SMEM;
   static_assert(S == 4, "stage kt % 4 is producer kt % 4's");
   static_assert(SMEM <= 227 * 1024, "over the sm_90 shared-memory limit");
 };
@@ -708,10 +728,11 @@ spmm_vnm_sm90_ws256_kernel(const T* __restrict__ x, const uint4* __restrict__ va
   using Cfg = VnmWs256Cfg<BN, S>;
   constexpr int ND = BN / 2;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
-  unsigned char* smem = smem_raw + pad_to_1024((uint32_t)__cvta_generic_to_shared(smem_raw));
-  const uint32_t smem_u32 = (uint32_t)__cvta_generic_to_shared(smem);
-  auto full_bar = [&](int s) { return smem_u32 + Cfg::BARS + 8 * s; };
-  auto empty_bar = [&](int s) { return smem_u32 + Cfg::BARS + 8 * (S + s); };
+  const typename Cfg::Ring ring(smem_raw);
+  unsigned char* smem = ring.smem;
+  const uint32_t smem_u32 = ring.smem_u32;
+  auto full_bar = [&](int s) { return ring.full(s); };
+  auto empty_bar = [&](int s) { return ring.empty(s); };
 
   const int tid = threadIdx.x;
   const int lane = tid & 31, warp = tid >> 5, wg = warp >> 2;
@@ -725,13 +746,7 @@ spmm_vnm_sm90_ws256_kernel(const T* __restrict__ x, const uint4* __restrict__ va
   const uint32_t* colp[4];
 #pragma unroll
   for (int s = 0; s < 4; ++s) colp[s] = columns + (size_t)min((cta_row0 >> 6) + s, slabs - 1) * groups_padded;
-  if (tid == 0) {
-    for (int s = 0; s < S; ++s) {
-      mbar_init(full_bar(s), 128);
-      mbar_init(empty_bar(s), 8);
-    }
-    mbar_fence_init();
-  }
+  if (tid == 0) ring.init(128);
   // Slab pairs (0, 1) and (2, 3) that keep the same columns share a B tile (slabs past the packed rows read the last
   // slab's columns: shared or not, nothing of them is stored).
   int same01 = 1, same23 = 1;
