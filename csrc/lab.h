@@ -52,9 +52,7 @@ inline int split_k_or(int product, long long tiles, long long k_tiles) {
   if (tiles <= 0 || tiles > kSplitKCounters) return 1;
   if (s > kSplitKMax) s = kSplitKMax;
   if (s > k_tiles) s = k_tiles;
-  if (s <= 1) return 1;
-  const long long per = (k_tiles + s - 1) / s;
-  return (int)((k_tiles + per - 1) / per);
+  return s <= 1 ? 1 : (int)sm90_splits_without_empty(k_tiles, s);
 }
 
 }  // namespace lab

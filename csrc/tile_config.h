@@ -116,23 +116,24 @@ inline int sm90_vnm_bn(int m, long long n_tokens) {
   if (n_tokens <= 64) return 32;
   return m == 8 ? 128 : 64;
 }
+// `s` splits of k_tiles k-tiles, fewer where the k-tiles per split (rounded up) would leave the last ones empty.
+inline long long sm90_splits_without_empty(long long k_tiles, long long s) {
+  const long long per = (k_tiles + s - 1) / s;
+  return (k_tiles + per - 1) / per;
+}
 inline int sm90_split_k(long long tiles, long long k_tiles, int sms, int ctas_per_sm,
                         int min_k_tiles = kSplitKMinKTiles) {
   if (tiles <= 0 || tiles > kSplitKCounters || sms <= 0) return 1;
   long long most = k_tiles / min_k_tiles;
   if (most > kSplitKMax) most = kSplitKMax;
   if (most <= 1) return 1;
-  auto no_empty = [&](long long s) {  // the count whose k-tiles per split (rounded up) leave no split empty
-    const long long per = (k_tiles + s - 1) / s;
-    return (k_tiles + per - 1) / per;
-  };
   if (ctas_per_sm > 1) {
     const long long s = (long long)sms * ctas_per_sm / tiles;
-    return s <= 1 ? 1 : (int)no_empty(s < most ? s : most);
+    return s <= 1 ? 1 : (int)sm90_splits_without_empty(k_tiles, s < most ? s : most);
   }
   long long best = 1, best_cost = -1;
   for (long long s = 1; s <= most; ++s) {
-    const long long n = no_empty(s), per = (k_tiles + n - 1) / n;
+    const long long n = sm90_splits_without_empty(k_tiles, s), per = (k_tiles + n - 1) / n;
     const long long cost = (tiles * n + sms - 1) / sms * (per + kSplitKFixedKTiles);
     if (best_cost < 0 || cost < best_cost) best = n, best_cost = cost;
   }
