@@ -884,7 +884,7 @@ bool encode_x_map(const SpmmArgs& a, int box_rows, CUtensorMap* map) {
 // Launch configuration of kTmaThreads-thread CTAs in clusters of `cluster` CTAs along x; `attr` (one entry) holds the
 // cluster attribute and must live until the launch. Only the lab build's cluster configurations call it.
 [[maybe_unused]] inline cudaLaunchConfig_t cluster_launch(dim3 grid, int smem, cudaStream_t stream, int cluster,
-                                         cudaLaunchAttribute* attr) {
+                                                          cudaLaunchAttribute* attr) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
   cfg.blockDim = dim3(kTmaThreads);

@@ -781,6 +781,15 @@ cudaError_t launch_unsplit(const SpmmArgs& a, cudaStream_t stream, int threads, 
   return cudaGetLastError();
 }
 
+#if defined(HF_SPARSE_LAB)
+// The warp-specialised kernel: 64 x SLABS rows per CTA, its threads and shared memory from its configuration.
+template <typename T, int M, int BN, bool SHARE, int SLABS>
+cudaError_t launch_ws(const SpmmArgs& a, cudaStream_t stream) {
+  return launch_unsplit<T, BN, spmm_vnm_sm90_ws_kernel<T, M, BN, 4, SHARE, SLABS>, 64 * SLABS>(
+      a, stream, ws_threads(SLABS), VnmWsCfg<M, BN, 4, SLABS>::SMEM);
+}
+#endif
+
 template <typename T, int M, int BN, bool PF>
 cudaError_t launch_vnm(const SpmmArgs& a, cudaStream_t stream) {
   using Cfg = VnmCfg<M, BN>;
@@ -814,16 +823,10 @@ cudaError_t launch_pipe(const SpmmArgs& a, cudaStream_t stream) {
                                                                            VnmStagedCfg<M, BN, S>::SMEM);
   if (pipe == 2) return launch_vnm<T, M, BN, true>(a, stream);
   if constexpr (M == 8) {
-    if (pipe == 5 && a.n_tokens >= 64)
-      return launch_unsplit<T, 64, spmm_vnm_sm90_ws_kernel<T, M, 64, 4, true, 4>, 256>(a, stream, ws_threads(4),
-                                                                                     VnmWsCfg<M, 64, 4, 4>::SMEM);
-    if (pipe == 4 && a.n_tokens >= 64)
-      return launch_unsplit<T, BN, spmm_vnm_sm90_ws_kernel<T, M, BN, 4, true, 2>>(a, stream, ws_threads(2),
-                                                                                 VnmWsCfg<M, BN, 4, 2>::SMEM);
+    if (pipe == 5 && a.n_tokens >= 64) return launch_ws<T, M, 64, true, 4>(a, stream);
+    if (pipe == 4 && a.n_tokens >= 64) return launch_ws<T, M, BN, true, 2>(a, stream);
   }
-  if (pipe >= 3 && a.n_tokens >= 64)
-    return launch_unsplit<T, BN, spmm_vnm_sm90_ws_kernel<T, M, BN, 4, false, 2>>(a, stream, ws_threads(2),
-                                                                               VnmWsCfg<M, BN, 4, 2>::SMEM);
+  if (pipe >= 3 && a.n_tokens >= 64) return launch_ws<T, M, BN, false, 2>(a, stream);
 #endif
   return launch_vnm<T, M, BN, false>(a, stream);
 }
