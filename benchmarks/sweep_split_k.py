@@ -16,7 +16,6 @@ Times are ``triton.testing.do_bench`` medians (CUDA events, GPU time), in µs; r
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import sys
 
@@ -37,8 +36,8 @@ def bench_us(fn) -> float:
 
 
 def timed(x: torch.Tensor, p, ref: torch.Tensor, what: str, **knobs: int) -> float:
-    """The pattern's sparse-wgmma kernel (lab ``knobs`` set, none: any build), checked against ``ref``, in µs."""
-    with force_kernel(spmm="wgmma"), tuning(**knobs) if knobs else contextlib.nullcontext():
+    """The pattern's sparse-wgmma kernel with the lab ``knobs`` set (none: any build), checked against ``ref``, in µs."""
+    with force_kernel(spmm="wgmma"), tuning(**knobs):
         checked_error(spmm(x, p), ref, what)
         return bench_us(lambda: spmm(x, p))
 
