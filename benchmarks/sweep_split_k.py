@@ -7,8 +7,7 @@
 For every (pattern, shape, token count) it times dense cuBLAS (``F.linear`` on the masked weight), the product's
 choice of the pattern's sparse-``wgmma`` kernel, and that kernel with each split count of ``--splits`` forced
 (``lab.tuning``'s ``split_k``). For 2:4 it also times the few-token tiles forced at every count up to 256 tokens
-(``small_tiles=1``) and the persistent large configurations (``small_tiles=0``) with their own split rule
-(``large``) and with each split count forced (``Ls<count>``). ``--product-only`` times dense and the product's choice alone, so that two
+(``small_tiles=1``) and, above 128 tokens, the large configuration (``small_tiles=0``). ``--product-only`` times dense and the product's choice alone, so that two
 checkouts (``PYTHONPATH``) can be compared in one session with any build. Every configuration is checked against the dense product before it is timed.
 Times are ``triton.testing.do_bench`` medians (CUDA events, GPU time), in µs; ratios are cuBLAS time / ours.
 """
@@ -75,9 +74,10 @@ def main() -> int:
                 extra = {}
                 if args.product_only:
                     variants = []
-                elif pattern == "2:4":  # L: the persistent large configurations; the few-token tiles up to 256 tokens
-                    variants = [("L", {"small_tiles": 0})] + ([("", {"small_tiles": 1})] if n <= 256 else [])
-                    extra["large"] = timed(x, p, ref, "large", small_tiles=0)  # with their own split rule
+                elif pattern == "2:4":
+                    variants = [("", {"small_tiles": 1})]
+                    if n > 128:
+                        extra["large"] = timed(x, p, ref, "large", small_tiles=0)
                 else:
                     variants = [("", {})]
                 for name, knobs in variants:

@@ -152,20 +152,5 @@ inline Sm90SplitPlan sm90_split_plan(long long rows_padded, long long n_tokens, 
   const long long tiles = ((rows_padded + 127) / 128) * ((n_tokens + bn - 1) / bn);
   return {bn, sm90_split_k(tiles, k_tiles, sms, ctas_per_sm, min_k_tiles), tiles};
 }
-// The large configurations' plan: the configuration (sm90_large_config) and its split-K. Their CTAs are persistent,
-// one per SM, walking the work units (a split of a tile each) in turn: the one-CTA-per-SM rule of sm90_split_k. Where
-// the tiles are fewer than the SMs (e.g. 4096 -> 4096 at 256 tokens: 32 tiles of 64 k-tiles, 4 splits) or leave the
-// last round mostly empty (4096 -> 11008 at 256 tokens: 86 tiles, 3 splits in two rounds), the splits fill the SMs.
-inline int sm90_config_tokens(int config) {
-  return config == kSm90Config256 ? 256 : config == kSm90Config192 ? 192 : 128;
-}
-struct Sm90LargePlan {
-  int config;
-  Sm90SplitPlan split;
-};
-inline Sm90LargePlan sm90_large_plan(long long rows_padded, long long n_tokens, long long k_tiles, int sms) {
-  const int config = sm90_large_config(rows_padded, n_tokens, sms);
-  return {config, sm90_split_plan(rows_padded, n_tokens, sm90_config_tokens(config), k_tiles, sms, 1)};
-}
 
 }  // namespace hf_sparse
