@@ -1,13 +1,13 @@
 """Split-K and tile sweep of the sparse-wgmma SpMMs at 64-256 tokens (lab build): the data behind the split rule.
 
     HF_SPARSE_BUILD_LAB=1 python benchmarks/sweep_split_k.py [--tokens 64 128 256] [--splits 1 2 4 8]
-        [--patterns 2:4 64:2:8 64:2:16] [--shapes 4096x11008 ...] [--json out.jsonl]
+        [--patterns 2:4 64:2:8 64:2:16] [--shapes 4096x11008 ...] [--json out.jsonl] [--configs 20 23 27] [--queued]
     python benchmarks/sweep_split_k.py --product-only ...   # dense and the product's choice only (any build)
 
 For every (pattern, shape, token count) it times dense cuBLAS (``F.linear`` on the masked weight), the product's
 choice of the pattern's sparse-``wgmma`` kernel, and that kernel with each split count of ``--splits`` forced
 (``lab.tuning``'s ``split_k``). For 2:4 it also times the few-token tiles forced at every count up to 256 tokens
-(``small_tiles=1``) and, above 128 tokens, the large configuration (``small_tiles=0``). ``--product-only`` times dense and the product's choice alone, so that two
+(``small_tiles=1``) and, at every count, the large configuration (``small_tiles=0``). ``--product-only`` times dense and the product's choice alone, so that two
 checkouts (``PYTHONPATH``) can be compared in one session with any build. Every configuration is checked against the dense product before it is timed.
 Times are ``triton.testing.do_bench`` medians (CUDA events, GPU time), in µs; ratios are cuBLAS time / ours.
 """
@@ -35,6 +35,24 @@ def bench_us(fn) -> float:
     return 1000.0 * float(do_bench(fn, warmup=5, rep=25, return_mode="median"))
 
 
+def queued_us(fn, reps: int = 25) -> float:
+    """Median GPU time of ``fn`` issued while the GPU is still busy (an L2 flush, then a ~1 ms sleep kernel), so no
+    host time between its launches shows: the kernels' own time and their gaps on the GPU. ``bench_us`` starts its
+    clock right after an L2 flush too, which a slow host's launch path can outlast."""
+    flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        flush.zero_()
+        torch.cuda._sleep(2_000_000)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(1000.0 * start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
 def timed(x: torch.Tensor, p, ref: torch.Tensor, what: str, **knobs: int) -> float:
     """The pattern's sparse-wgmma kernel with the lab ``knobs`` set (none: any build), checked against ``ref``, in µs."""
     with force_kernel(spmm="wgmma"), tuning(**knobs):
@@ -50,6 +68,12 @@ def main() -> int:
     ap.add_argument("--shapes", type=parse_shape, nargs="+", default=[parse_shape(s) for s in LLAMA_SHAPES])
     ap.add_argument("--json", default=None, help="append one JSON object per row to this file")
     ap.add_argument("--product-only", action="store_true", help="time dense and the product's choice only")
+    ap.add_argument(
+        "--configs", type=int, nargs="*", default=[], help="2:4: also each of these tile configurations (sm90_config)"
+    )
+    ap.add_argument(
+        "--queued", action="store_true", help="also dense and the product issued behind a busy GPU (queued_us)"
+    )
     args = ap.parse_args()
     if not args.product_only:
         require_lab_build("sweep_split_k.py")
@@ -75,19 +99,28 @@ def main() -> int:
                 if args.product_only:
                     variants = []
                 elif pattern == "2:4":
-                    variants = [("", {"small_tiles": 1})]
-                    if n > 128:
-                        extra["large"] = timed(x, p, ref, "large", small_tiles=0)
+                    variants = [("", {"small_tiles": 1})] if n <= 256 else []
+                    extra["large"] = timed(x, p, ref, "large", small_tiles=0)
+                    for c in args.configs:
+                        extra[f"c{c}"] = timed(x, p, ref, f"configuration {c}", sm90_config=c)
                 else:
                     variants = [("", {})]
                 for name, knobs in variants:
                     for s in args.splits:
                         extra[f"{name}s{s}"] = timed(x, p, ref, f"{name} split {s}", split_k=s, **knobs)
                 row.update(extra)
+                row["dense_again"] = bench_us(lambda: F.linear(x, wb))  # the GPU's clocks after the row's runs
+                if args.queued:
+                    row["dense_queued"] = queued_us(lambda: F.linear(x, wb))
+                    with force_kernel(spmm="wgmma"):
+                        row["product_queued"] = queued_us(lambda: spmm(x, p))
                 line = (
                     f"{pattern:>8} {k:>5}->{r:<5} n={n:<4} dense {dense:7.1f} product {row['product']:7.1f} "
                     f"({dense / row['product']:.2f}x)"
                 )
+                line += f" dense again {row['dense_again']:7.1f}"
+                if args.queued:
+                    line += f" queued: dense {row['dense_queued']:7.1f} product {row['product_queued']:7.1f}"
                 if "view24" in row:
                     line += f" view24 {row['view24']:7.1f} ({dense / row['view24']:.2f}x)"
                 if extra:

@@ -949,12 +949,12 @@ Sm90SplitPlan small_plan(const SpmmArgs& a, int sms) {
 #endif
   return p;
 }
-// Whether the few-token tiles run (sm90_small_tiles; the lab's small_tiles knob forces them up to 256 tokens or off
-// above 128).
+// Whether the few-token tiles run (sm90_small_tiles; the lab's small_tiles knob forces them up to 256 tokens, or off).
 bool use_small_tiles(const SpmmArgs& a, int sms) {
 #if defined(HF_SPARSE_LAB)
   const int forced = lab::tuning().small_tiles.load(std::memory_order_relaxed);
-  if (forced >= 0 && a.n_tokens > 128) return forced == 1 && a.n_tokens <= 256;
+  if (forced == 0) return false;
+  if (forced == 1 && a.n_tokens > 128) return a.n_tokens <= 256;
 #endif
   return sm90_small_tiles(a.rows_padded, a.n_tokens, sms);
 }
