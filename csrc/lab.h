@@ -21,8 +21,7 @@ struct Tuning {
   // spmm_vnm_sm90.cu: 0 X into registers one k-tile ahead (the product's), 1 a cp.async ring of shared-memory stages
   // (where K / M <= 2048, else 0), 2 = 0 with L1 prefetches of the next k-tile, 3 warp-specialised (producer
   // warpgroups gather into a ring, consumer warpgroups issue the wgmmas; 64 tokens and more, else 0), 4 = 3 with one
-  // gather for both slabs where they keep the same columns (M = 8), 5 warp-specialised 256-row CTAs of 64 tokens with
-  // four producer warpgroups (M = 8, 64 tokens and more).
+  // gather for both slabs where they keep the same columns (M = 8).
   std::atomic<int> vnm_pipe{0};
   // spmm_vnm_sm90.cu: 64 forces 64-token tiles at M = 8; 0: the product's (128 above 64 tokens).
   std::atomic<int> vnm_tile{0};
@@ -32,8 +31,8 @@ struct Tuning {
   // Both sparse-wgmma SpMMs' split-K: > 0 forces that many splits of each tile's k-tiles (at most one per k-tile and
   // kSplitKMax) wherever the product's plan could split; 0: the product's count (sm90_split_k in tile_config.h).
   std::atomic<int> split_k{0};
-  // spmm_sm90.cu: 1 runs the few-token tiles at every count up to 256 tokens, 0 never (the large configurations run
-  // instead, at any count); -1: the product's rule (sm90_small_tiles in tile_config.h).
+  // spmm_sm90.cu: 1 runs the few-token tiles at every count up to 256 tokens, 0 never (the persistent configurations
+  // run instead, at any count); -1: the product's rule (sm90_small_tiles in tile_config.h).
   std::atomic<int> small_tiles{-1};
 };
 

@@ -15,8 +15,8 @@
 //    token row r at chunk c ^ (r & 7)), copied by cp.async with zero-fill past K and past the last token;
 //    a descriptor per k-step of 32 (start address + 64 bytes for the second).
 // Kernels and configurations (numbered as in csrc/README.md; the product build compiles those marked *):
-//  * spmm_sm90_kernel (configs 0-5, and the small-token tiles*: 128 rows x 64 or 128 tokens, 4 stages, at <= 128
-//    tokens): all 256 threads copy X (and in some configs A and metadata) with cp.async into a ring of shared-memory
+//  * spmm_sm90_kernel (configs 0-5, and the few-token tiles*: 128 rows x 16, 64 or 128 tokens, at <= 256 tokens):
+//    all 256 threads copy X (and in some configs A and metadata) with cp.async into a ring of shared-memory
 //    stages, both consumer warpgroups compute (rows 0-63 and 64-127) on the shared B tile. Config 4*: 128 x 256, 6
 //    stages, A fragments and metadata from global memory straight into registers two k-tiles ahead (the fallback of
 //    the TMA configurations where a tensor map cannot be made).
@@ -27,8 +27,9 @@
 //    tiles take a check-free epilogue. 20* / 23* / 27* (128 x 256 / 128 / 192 tiles) add a staged epilogue
 //    (stmatrix into a token-major shared buffer, TMA stores of Y overlapping the next tile's main loop); 15* / 19*
 //    (256 / 128 tokens) take direct stores, where Y has no tensor map (rows % 8 != 0): 15 for 20, 19 for 23 and 27.
-// Above 128 tokens the product runs 20, 27 or 23 (sm90_large_config in tile_config.h). The lab build (HF_SPARSE_LAB)
-// adds every other configuration, run by number (launch_lab); what each measured is in benchmarks/RESULTS.md.
+// Where the few-token tiles do not run (sm90_small_tiles in tile_config.h), the product runs 20, 27 or 23
+// (sm90_large_config). The lab build (HF_SPARSE_LAB) adds every other configuration, run by number (launch_lab); what
+// each measured is in benchmarks/RESULTS.md.
 // Epilogue of configs 0-19: accumulators (row r, token n) are written straight to Y[n, r] (+ bias), as spmm.cu does.
 //
 // Only the sm_90a pass compiles the body (__CUDA_ARCH_FEAT_SM90_ALL); other device passes get a trap so a wrong
@@ -938,12 +939,9 @@ bool encode_u32_rows_map(const void* base, int row_words, int n_rows, int box_wo
 // stages, two CTAs per SM (126 registers at 128 tokens, no spills: two CTAs overlap each other's memory waits),
 // more stages at 16 tokens (a smaller X tile).
 template <int BN>
-using SmallCfg = Sm90Cfg<BN, 1, BN == 16 ? 6 : 4, 0, 0, 2>;
+using SmallCfg = Sm90Cfg<BN, 1, BN == 16 ? 6 : 4, 0, 0, kSm90SmallCtasPerSm>;
 Sm90SplitPlan small_plan(const SpmmArgs& a, int sms) {
-  const int bn = sm90_small_bn(a.n_tokens);
-  const int per_sm = bn == 16 ? SmallCfg<16>::MINB : bn == 64 ? SmallCfg<64>::MINB : SmallCfg<128>::MINB;
-  Sm90SplitPlan p = sm90_split_plan(a.rows_padded, a.n_tokens, bn, (a.steps + 1) / 2, sms, per_sm,
-                                    sm90_small_min_k_tiles(bn));
+  Sm90SplitPlan p = sm90_small_plan(a.rows_padded, a.n_tokens, (a.steps + 1) / 2, sms);
 #if defined(HF_SPARSE_LAB)
   p.splits = lab::split_k_or(p.splits, p.tiles, (a.steps + 1) / 2);
 #endif
@@ -953,10 +951,9 @@ Sm90SplitPlan small_plan(const SpmmArgs& a, int sms) {
 bool use_small_tiles(const SpmmArgs& a, int sms) {
 #if defined(HF_SPARSE_LAB)
   const int forced = lab::tuning().small_tiles.load(std::memory_order_relaxed);
-  if (forced == 0) return false;
-  if (forced == 1 && a.n_tokens > 128) return a.n_tokens <= 256;
+  if (forced >= 0) return forced == 1 && a.n_tokens <= 256;
 #endif
-  return sm90_small_tiles(a.rows_padded, a.n_tokens, sms);
+  return sm90_small_tiles(a.rows_padded, a.n_tokens, (a.steps + 1) / 2, sms);
 }
 
 // Tensor map of Y (n_tokens x rows, row-major) for the staged epilogue's TMA stores: boxes of 64 rows x box_tokens

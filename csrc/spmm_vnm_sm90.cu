@@ -494,7 +494,7 @@ spmm_vnm_sm90_staged_kernel(const T* __restrict__ x, const uint4* __restrict__ v
 #endif
 }
 
-// Warp-specialised pipelines (lab build, vnm_pipe = 3, 4, 5). The register pipeline above is latency-bound because the
+// Warp-specialised pipelines (lab build, vnm_pipe = 3, 4). The register pipeline above is latency-bound because the
 // fence.proxy.async that publishes a k-tile's gathered stores (MEMBAR.ALL.CTA + FENCE.VIEW.ASYNC in SASS, also for the
 // sync_restrict form) waits for every load the thread has in flight, and every thread of the CTA both gathers and
 // issues wgmmas. Here the roles are split: P producer warpgroups gather X into a ring of S stages (every slab's B tile
@@ -503,19 +503,13 @@ spmm_vnm_sm90_staged_kernel(const T* __restrict__ x, const uint4* __restrict__ v
 // fragments and metadata and issue sparse wgmmas. Stage s has a "full" mbarrier (the 128 threads of its producer
 // arrive after their stores and fence) and an "empty" one (each of the 8 consumer warps arrives once its wgmmas on
 // the stage are done). No split-K: launched at 64 and more tokens only.
-//  * SLABS = 2 (vnm_pipe 3; 4 = SHARE): 128-row CTAs, P = 2, one slab per consumer warpgroup.
-//  * SLABS = 4 (vnm_pipe 5, M = 8, 64 tokens per CTA; not yet measured): 256-row CTAs, P = 4, slabs 2c and 2c + 1 per
-//    consumer warpgroup (one commit per k-tile). Why: pipe 3's producers hold 64 KB of X in registers (two
-//    warpgroups x 128 threads x 16 tokens x 16 bytes) where streaming X at the sparse peak across the L2 latency takes
-//    about twice that (csrc/README.md, "Where the gathered bytes can come from"), and its consumers wait for them. A
-//    256-row CTA needs half as much (each X chunk feeds four slabs), which four producer warpgroups at 64 tokens hold:
-//    4 x 128 threads x 8 tokens x 16 bytes = 64 KB. Registers: 768 threads start at 80 each; the producers give 24
-//    back (setmaxnreg), the consumers take 48 (64 accumulators, two sets of two tiles' A fragments); ptxas still
-//    spills a few values.
+//  * SLABS = 2 (vnm_pipe 3; 4 = SHARE): 128-row CTAs, P = 2, one slab per consumer warpgroup. SLABS is the number of
+//    64-row slabs per CTA, kept as a parameter of the code's shape (slab pairs, slabs per consumer); 256-row CTAs with
+//    four producer warpgroups were measured slower than these and deleted (benchmarks/RESULTS.md, Y1).
 // SHARE: where slabs 2j and 2j + 1 of a CTA keep the same columns (every V:2:M weight with V = 128), found by a
 // CTA-wide compare before the first k-tile, the producers gather one B tile for the pair and both consumers of it
 // read it.
-__host__ __device__ constexpr int ws_producers(int slabs) { return slabs == 4 ? 4 : 2; }
+__host__ __device__ constexpr int ws_producers(int) { return 2; }
 __host__ __device__ constexpr int ws_threads(int slabs) { return 128 * (ws_producers(slabs) + 2); }
 
 // The shared-memory ring of the warp-specialised kernels: S stages of STAGE bytes (1024-aligned), then S "full"
@@ -564,7 +558,7 @@ spmm_vnm_sm90_ws_kernel(const T* __restrict__ x, const uint4* __restrict__ value
   constexpr int P = ws_producers(SLABS), SPC = SLABS / 2;  // producers, slabs per consumer warpgroup
   constexpr bool CHUNK = M == 8;
   static_assert(CHUNK || (BN == 64 && !SHARE && SLABS == 2), "the word gather's roles cover 64 tokens, two slabs");
-  static_assert(SLABS == 2 || SLABS == 4, "two or four slabs per CTA");
+  static_assert(SLABS == 2, "two slabs per CTA");
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   const typename Cfg::Ring ring(smem_raw);
   unsigned char* smem = ring.smem;
@@ -603,7 +597,6 @@ spmm_vnm_sm90_ws_kernel(const T* __restrict__ x, const uint4* __restrict__ value
   auto tile_of = [&](int s) { return share[s >> 1] ? s & ~1 : s; };  // B tile of slab s in a stage: its pair's first
 
   if (wg < P) {
-    if constexpr (P == 4) setmaxnreg_dec<56>();  // 4 x 128 x 56 + 256 x 128 = 768 x 80
     // Producer warpgroup wg: k-tiles wg, wg + P, ... Roles (ptid = thread index in the warpgroup):
     //  chunk (M = 8): group gg = ptid % 16 of every k-tile, tokens tok0 + 8i (tok0 = ptid / 16 < 8), every slab; the
     //    8 bytes of token row r = tok0 + 8i sit at chunk (gg/2) ^ tok0, byte 8(gg & 1), + 1024i.
@@ -679,7 +672,6 @@ spmm_vnm_sm90_ws_kernel(const T* __restrict__ x, const uint4* __restrict__ value
     return;
   }
 
-  if constexpr (P == 4) setmaxnreg_inc<128>();
   // Consumer warpgroup c: slabs SPC c + j, m16 tile wq of each; A fragments and metadata from global memory one
   // k-tile ahead (a slab past the packed rows, and the missing second k-step of an odd step count, multiply zeros
   // with valid metadata: fetch_a_tile), wgmmas on the stage's B tiles of its slabs.
@@ -810,10 +802,10 @@ cudaError_t launch_vnm(const SpmmArgs& a, cudaStream_t stream) {
 
 // Tokens per CTA: vnm_bn.
 // Pipeline: X into registers one k-tile ahead. The lab build (HF_SPARSE_LAB) adds, by lab::tuning(), 64-token tiles
-// at M = 8 above 64 tokens (vnm_tile = 64) and five pipelines (vnm_pipe): 1 staged (where the column offsets of the
+// at M = 8 above 64 tokens (vnm_tile = 64) and four pipelines (vnm_pipe): 1 staged (where the column offsets of the
 // CTA's two slabs fit its 16 KB, i.e. K / M <= 2048; registers otherwise), 2 registers + L1 prefetch, 3
-// warp-specialised (at 64 tokens and more), 4 = 3 with the slab-pair gather (M = 8), 5 warp-specialised 256-row CTAs
-// of 64 tokens (M = 8, 64 tokens and more); what they measured is in benchmarks/RESULTS.md.
+// warp-specialised (at 64 tokens and more), 4 = 3 with the slab-pair gather (M = 8); what they measured is in
+// benchmarks/RESULTS.md.
 template <typename T, int M, int BN, int S>
 cudaError_t launch_pipe(const SpmmArgs& a, cudaStream_t stream) {
 #if defined(HF_SPARSE_LAB)
@@ -823,10 +815,9 @@ cudaError_t launch_pipe(const SpmmArgs& a, cudaStream_t stream) {
                                                                            VnmStagedCfg<M, BN, S>::SMEM);
   if (pipe == 2) return launch_vnm<T, M, BN, true>(a, stream);
   if constexpr (M == 8) {
-    if (pipe == 5 && a.n_tokens >= 64) return launch_ws<T, M, 64, true, 4>(a, stream);
     if (pipe == 4 && a.n_tokens >= 64) return launch_ws<T, M, BN, true, 2>(a, stream);
   }
-  if (pipe >= 3 && a.n_tokens >= 64) return launch_ws<T, M, BN, false, 2>(a, stream);
+  if (pipe == 3 && a.n_tokens >= 64) return launch_ws<T, M, BN, false, 2>(a, stream);
 #endif
   return launch_vnm<T, M, BN, false>(a, stream);
 }

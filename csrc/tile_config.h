@@ -61,29 +61,50 @@ struct SddmmSm90Tile {
   static constexpr int BK_STAGED = 16, STAGES_STAGED = 6;
 };
 
-// The 2:4 sparse-wgmma SpMM (spmm_sm90.cu) above 128 tokens: its tile configuration (numbered as in the lab build,
-// csrc/README.md), chosen by how well the last round of tiles fills the SMs. 128 weight rows per tile; tokens per tile:
-// 256 (config 20) where that fills >= 85% of the SM slots of all rounds, or where neither 192 (config 27) nor 128
-// (config 23) fills more than 10 points better; else 192 when it fills about as well as 128 (192 moves 12% fewer L2
-// bytes per MAC), else 128. E.g. 3072 -> 768 at 8192 tokens on 132 SMs: 256 fills 73%, 192 98%, 128 97%: 27.
-// Measured on the H200 in benchmarks/RESULTS.md ("Staged epilogue", "Short-K"). Pure: host-only, testable alone.
+// The 2:4 sparse-wgmma SpMM's (spmm_sm90.cu) persistent TMA configurations (numbered as in the lab build,
+// csrc/README.md): 128 weight rows x 256 (config 20), 192 (27) or 128 (23) tokens per tile, one CTA per SM walking the
+// tiles. Pure, host-only functions, testable alone; measured on the H200 in benchmarks/RESULTS.md ("Staged epilogue",
+// "Short-K", Y3).
 constexpr int kSm90Config256 = 20, kSm90Config192 = 27, kSm90Config128 = 23;
+inline int sm90_config_tokens(int config) {
+  return config == kSm90Config256 ? 256 : config == kSm90Config192 ? 192 : 128;
+}
+// Up to 256 tokens, the tile that fits the tokens: the least work for the busiest SM, ceil(tiles / SMs) x (tile tokens
+// + padding tokens), the padding being the token rows of the last token tile past the last token (zero-filled by TMA,
+// and measured to cost as much as real tokens or more: 8192 -> 28672 at 192 tokens, 256-token tiles 187 µs, 192-token
+// tiles 116 µs); the larger tile on a tie. E.g. 64 row blocks at 224 tokens: 256: 1 x (256 + 32); 192: 1 x (192 + 160);
+// 128: 128 tiles, 1 x (128 + 32): 23.
+inline long long sm90_tma_work(long long row_blocks, long long n_tokens, int bn, int sms) {
+  const long long token_tiles = (n_tokens + bn - 1) / bn, tiles = row_blocks * token_tiles;
+  return (tiles + sms - 1) / sms * (bn + token_tiles * bn - n_tokens);
+}
+inline int sm90_fitted_config(long long row_blocks, long long n_tokens, int sms) {
+  const long long w256 = sm90_tma_work(row_blocks, n_tokens, 256, sms),
+                  w192 = sm90_tma_work(row_blocks, n_tokens, 192, sms),
+                  w128 = sm90_tma_work(row_blocks, n_tokens, 128, sms);
+  if (w128 < w192 && w128 < w256) return kSm90Config128;
+  return w192 < w256 ? kSm90Config192 : kSm90Config256;
+}
+// Above 256 tokens, by how well the last round of tiles fills the SMs: 256 where that fills >= 85% of the SM slots of
+// all rounds, or where neither 192 nor 128 fills more than 10 points better; else 192 when it fills about as well as
+// 128 (192 moves 12% fewer L2 bytes per MAC), else 128. E.g. 3072 -> 768 at 8192 tokens on 132 SMs: 256 fills 73%,
+// 192 98%, 128 97%: 27.
 inline double sm90_fill(long long row_blocks, long long n_tokens, int bn, int sms) {
   const long long tiles = row_blocks * ((n_tokens + bn - 1) / bn), rounds = (tiles + sms - 1) / sms;
   return (double)tiles / (double)(rounds * sms);  // share of the SM slots of all rounds that hold a tile
 }
 inline int sm90_large_config(long long rows_padded, long long n_tokens, int sms) {
   const long long row_blocks = (rows_padded + 127) / 128;
+  if (n_tokens <= 256) return sm90_fitted_config(row_blocks, n_tokens, sms);
   const double f256 = sm90_fill(row_blocks, n_tokens, 256, sms), f192 = sm90_fill(row_blocks, n_tokens, 192, sms),
                f128 = sm90_fill(row_blocks, n_tokens, 128, sms);
   if (f256 >= 0.85 || (f192 > f128 ? f192 : f128) <= f256 + 0.1) return kSm90Config256;
   return f192 + 0.02 >= f128 ? kSm90Config192 : kSm90Config128;
 }
 
-// The cp.async 2:4 wgmma SpMM (spmm_sm90_kernel) at few tokens, and split-K. Up to 256 tokens a layer's weight is read
-// once and the kernel is bound by how many SMs stream it; the few-token tile is 128 rows x sm90_small_bn tokens, and
-// 129-256 tokens take it too (two 128-token tiles) where all of them run at once (twice the row blocks <= SMs), where
-// the large configurations' one 256-token tile per row block would leave half the SMs idle or more.
+// The cp.async 2:4 wgmma SpMM (spmm_sm90_kernel) at few tokens, and split-K. The few-token tile is 128 rows x
+// sm90_small_bn tokens, kSm90SmallCtasPerSm CTAs per SM, and splits K where its tiles alone would leave SMs idle
+// (sm90_small_tiles says where it runs rather than a persistent configuration).
 // Where the tiles cannot keep every SM busy, each tile's k-tiles are split over sm90_split_k CTAs, each k range at
 // least kSplitKMinKTiles k-tiles (64 condensed columns each) long (kVnmSplitMinKTiles for the V:2:M kernel, whose
 // every k-tile waits about one memory round trip); the last CTA of a tile to finish adds every CTA's fp32 partial
@@ -105,10 +126,7 @@ inline int sm90_small_bn(long long n_tokens) { return n_tokens <= 16 ? 16 : n_to
 // reads back a 64 KB fp32 partial tile per split (at 4096 -> 4096 and 128 tokens, 4 splits of 16 k-tiles run 1.3x
 // faster than 8 of 8).
 inline int sm90_small_min_k_tiles(int bn) { return bn == 128 ? 16 : kSplitKMinKTiles; }
-inline bool sm90_small_tiles(long long rows_padded, long long n_tokens, int sms) {
-  if (n_tokens <= 128) return true;
-  return n_tokens <= 256 && 2 * ((rows_padded + 127) / 128) <= sms;  // both 128-token tiles of each row block at once
-}
+constexpr int kSm90SmallCtasPerSm = 2;
 // The V:2:M sparse-wgmma SpMM's tokens per CTA: 16 up to 32 tokens (three CTAs per SM: each waits on memory most of
 // the time, more of them keep more loads in flight), 32 up to 64 (two CTAs per SM), above that 64, and at M = 8 128.
 inline int sm90_vnm_bn(int m, long long n_tokens) {
@@ -151,6 +169,33 @@ inline Sm90SplitPlan sm90_split_plan(long long rows_padded, long long n_tokens, 
                                      int sms, int ctas_per_sm, int min_k_tiles = kSplitKMinKTiles) {
   const long long tiles = ((rows_padded + 127) / 128) * ((n_tokens + bn - 1) / bn);
   return {bn, sm90_split_k(tiles, k_tiles, sms, ctas_per_sm, min_k_tiles), tiles};
+}
+
+// The few-token tiles' split-K plan.
+inline Sm90SplitPlan sm90_small_plan(long long rows_padded, long long n_tokens, long long k_tiles, int sms) {
+  const int bn = sm90_small_bn(n_tokens);
+  return sm90_split_plan(rows_padded, n_tokens, bn, k_tiles, sms, kSm90SmallCtasPerSm, sm90_small_min_k_tiles(bn));
+}
+// Where the few-token tiles run: up to 64 tokens always; at 65-256 tokens where the busiest SM's work is no more than
+// in the fitted persistent configuration (sm90_tma_work x k-tiles), the few-token tiles' work counted as
+// ceil(CTAs / SMs) x (128 + padding tokens) x k-tiles per split x kSm90SmallTileCost: two CTAs share an SM, and per
+// token row and k-tile the cp.async kernel is slower than the TMA one, but it splits K where the tiles are few. E.g.
+// 28672 -> 8192 at 256 tokens (64 row blocks, 448 k-tiles): persistent 1 x 128 x 448 = 57344, few-token 128 tiles x 2
+// splits on 132 SMs 2 x 128 x 224 x 1.5 = 86016: the persistent 128-token tiles (151 µs against 180-203 µs);
+// 13824 -> 5120 at 192 tokens (40 row blocks, 216 k-tiles): persistent 192-token tiles 1 x 192 x 216 = 41472,
+// few-token 80 tiles x 3 splits 2 x 192 x 72 x 1.5 = 41472: the few-token tiles (67 µs against 85 µs). Above 256
+// tokens the persistent configurations (sm90_large_config).
+constexpr int kSm90SmallTileCostNum = 3, kSm90SmallTileCostDen = 2;
+inline bool sm90_small_tiles(long long rows_padded, long long n_tokens, long long k_tiles, int sms) {
+  if (n_tokens <= 64) return true;
+  if (n_tokens > 256 || sms <= 0) return false;
+  const long long row_blocks = (rows_padded + 127) / 128;
+  const int bn = sm90_config_tokens(sm90_fitted_config(row_blocks, n_tokens, sms));
+  const Sm90SplitPlan p = sm90_small_plan(rows_padded, n_tokens, k_tiles, sms);
+  const long long small_work = (p.tiles * p.splits + sms - 1) / sms * (p.bn + (n_tokens + p.bn - 1) / p.bn * p.bn -
+                                                                       n_tokens) *
+                               ((k_tiles + p.splits - 1) / p.splits) * kSm90SmallTileCostNum;
+  return small_work <= sm90_tma_work(row_blocks, n_tokens, bn, sms) * k_tiles * kSm90SmallTileCostDen;
 }
 
 }  // namespace hf_sparse

@@ -11,9 +11,10 @@ import pytest
 
 CSRC = Path(__file__).resolve().parents[2] / "csrc"
 
-# (rows_padded, tokens, SMs) -> config: 20 = 128 x 256 tiles, 27 = 128 x 192, 23 = 128 x 128. Fill = tiles / (rounds *
-# SMs) for each token tile; 20 unless 256 fills < 85% and 192 or 128 fills > 10 points better; then 27 unless 128
-# fills > 2 points better than 192.
+# (rows_padded, tokens, SMs) -> config: 20 = 128 x 256 tiles, 27 = 128 x 192, 23 = 128 x 128. Above 256 tokens:
+# fill = tiles / (rounds * SMs) for each token tile; 20 unless 256 fills < 85% and 192 or 128 fills > 10 points better;
+# then 27 unless 128 fills > 2 points better than 192. Up to 256 tokens: the least ceil(tiles / SMs) x (tile tokens +
+# padding tokens of the last token tile), the larger tile on a tie.
 CASES = [
     # 6 row blocks x 32 token tiles = 192 tiles: 73% of 2 rounds; 192: 258 tiles 98%; 128: 384 tiles 97% -> 27
     ((768, 8192, 132), 27),
@@ -23,8 +24,17 @@ CASES = [
     ((4096, 8190, 132), 20),
     # 32 x 17 = 544 tiles: 82% of 5 rounds; 192: 704 tiles 89%; 128: 1056 tiles 100% -> 23
     ((4096, 4100, 132), 23),
-    # 1 x 1 tile: 0.8%; 192 and 128: 2 tiles 1.5%, less than 10 points better -> 20
-    ((128, 256, 132), 20),
+    # 1 row block at 256 tokens: 256: 1 x 256; 192: 1 x (192 + 128); 128: 2 tiles, 1 x 128 -> 23
+    ((128, 256, 132), 23),
+    # 224 row blocks at 192 tokens: 256: 2 x (256 + 64) = 640; 192: 2 x 192 = 384; 128: 448 tiles 4 x (128 + 64) -> 27
+    ((28672, 192, 132), 27),
+    # 224 row blocks at 256 tokens: 256: 2 x 256 = 512; 192: 448 tiles 4 x (192 + 128); 128: 448 tiles 4 x 128 = 512:
+    # a tie, the larger tile -> 20
+    ((28672, 256, 132), 20),
+    # 64 row blocks at 224 tokens: 256: 1 x (256 + 32); 192: 128 tiles 1 x (192 + 160); 128: 1 x (128 + 32) -> 23
+    ((8192, 224, 132), 23),
+    # 108 row blocks at 96 tokens: 256: 1 x (256 + 160); 192: 1 x (192 + 96); 128: 1 x (128 + 32) -> 23
+    ((13824, 96, 132), 23),
     # 114 SMs: 192 tiles 84% of 2 rounds; 192: 258 tiles 75% of 3; 128: 384 tiles 84% of 4: none 10 points better -> 20
     ((768, 8192, 114), 20),
 ]
@@ -63,17 +73,30 @@ WIDE_SPLIT_CASES = [
     ((80, 216, 132, 2), 3),  # 5120 rows x K 13824 at 256 tokens: 264 // 80 = 3 (13 allowed)
     ((1, 31, 132, 2), 1),  # fewer than 2 x 16 k-tiles: never split
 ]
-# (rows_padded, tokens, SMs) -> small tile width in tokens (0: the large configurations)
+# (rows_padded, tokens, k-tiles, SMs) -> few-token tile width in tokens (0: a persistent configuration). Up to 64
+# tokens always; at 65-256 where the few-token tiles' busiest-SM work ceil(CTAs / SMs) x (128 + padding) x k-tiles per
+# split x 3/2 is no more than the fitted persistent configuration's ceil(tiles / SMs) x (tile tokens + padding) x
+# k-tiles (few-token split-K: 264 CTA slots // tiles, at most 16 and at most k-tiles // 16 splits).
 SMALL_CASES = [
-    ((4096, 1, 132), 16),
-    ((4096, 16, 132), 16),
-    ((4096, 17, 132), 64),
-    ((4096, 65, 132), 128),
-    ((5120, 256, 132), 128),  # 40 row blocks: 80 128-token tiles <= 132 SMs
-    ((8192, 200, 132), 128),  # 64 row blocks: 128 tiles
-    ((11008, 256, 132), 0),  # 86 row blocks: 172 tiles > 132 SMs, configuration 20's 86 tiles run at once
-    ((28672, 256, 132), 0),  # 224 row blocks fill the SMs: configuration 20
-    ((4096, 257, 132), 0),
+    ((4096, 1, 64, 132), 16),
+    ((4096, 16, 64, 132), 16),
+    ((4096, 17, 64, 132), 64),
+    ((8192, 64, 128, 132), 64),  # 64 tokens: always the few-token tiles
+    # 4096 -> 4096 at 96 tokens: 32 tiles x 4 splits = 128 CTAs, 1 x 160 x 16 x 1.5 = 3840; persistent 128-token
+    # tiles 1 x 160 x 64 = 10240
+    ((4096, 96, 64, 132), 128),
+    # 4096 -> 11008 at 96 tokens: 86 tiles x 3 splits = 258 CTAs, 2 x 160 x 22 x 1.5 = 10560; persistent 1 x 160 x 64
+    # = 10240
+    ((11008, 96, 64, 132), 0),
+    # 13824 -> 5120 at 192 tokens: 80 tiles x 3 splits, 2 x 192 x 72 x 1.5 = 41472; persistent 192-token tiles
+    # 1 x 192 x 216 = 41472: a tie, the few-token tiles
+    ((5120, 192, 216, 132), 128),
+    # 28672 -> 8192 at 256 tokens: 128 tiles x 2 splits, 2 x 128 x 224 x 1.5 = 86016; persistent 128-token tiles
+    # 1 x 128 x 448 = 57344
+    ((8192, 256, 448, 132), 0),
+    # 28672 -> 8192 at 128 tokens: 64 tiles x 4 splits, 2 x 128 x 112 x 1.5 = 43008; persistent 1 x 128 x 448
+    ((8192, 128, 448, 132), 128),
+    ((4096, 257, 64, 132), 0),  # above 256 tokens: the persistent configurations
 ]
 
 # (M, tokens, unused) -> tokens per CTA of the V:2:M sparse-wgmma SpMM
@@ -104,7 +127,8 @@ int main(int argc, char** argv) {
     if (fn == 'T') std::printf("%d\n", hf_sparse::sm90_split_k(a, b, (int)c, (int)d, hf_sparse::kVnmSplitMinKTiles));
     if (fn == 'W')
       std::printf("%d\n", hf_sparse::sm90_split_k(a, b, (int)c, (int)d, hf_sparse::sm90_small_min_k_tiles(128)));
-    if (fn == 'B') std::printf("%d\n", hf_sparse::sm90_small_tiles(a, b, (int)c) ? hf_sparse::sm90_small_bn(b) : 0);
+    if (fn == 'B')
+      std::printf("%d\n", hf_sparse::sm90_small_tiles(a, b, c, (int)d) ? hf_sparse::sm90_small_bn(b) : 0);
     if (fn == 'V') std::printf("%d\n", hf_sparse::sm90_vnm_bn((int)a, b));
   }
   return 0;
