@@ -176,18 +176,19 @@ inline Sm90SplitPlan sm90_small_plan(long long rows_padded, long long n_tokens, 
   const int bn = sm90_small_bn(n_tokens);
   return sm90_split_plan(rows_padded, n_tokens, bn, k_tiles, sms, kSm90SmallCtasPerSm, sm90_small_min_k_tiles(bn));
 }
-// Where the few-token tiles run: up to 64 tokens always; at 65-256 tokens where the busiest SM's work is no more than
-// in the fitted persistent configuration (sm90_tma_work x k-tiles), the few-token tiles' work counted as
-// ceil(CTAs / SMs) x (128 + padding tokens) x k-tiles per split x kSm90SmallTileCost: two CTAs share an SM, and per
-// token row and k-tile the cp.async kernel is slower than the TMA one, but it splits K where the tiles are few. E.g.
-// 28672 -> 8192 at 256 tokens (64 row blocks, 448 k-tiles): persistent 1 x 128 x 448 = 57344, few-token 128 tiles x 2
-// splits on 132 SMs 2 x 128 x 224 x 1.5 = 86016: the persistent 128-token tiles (151 µs against 180-203 µs);
-// 13824 -> 5120 at 192 tokens (40 row blocks, 216 k-tiles): persistent 192-token tiles 1 x 192 x 216 = 41472,
-// few-token 80 tiles x 3 splits 2 x 192 x 72 x 1.5 = 41472: the few-token tiles (67 µs against 85 µs). Above 256
+// Where the few-token tiles run: up to 95 tokens always (a persistent 128-token tile a quarter or more padding was
+// slower than they are at every shape measured: 8192 -> 28672 at 65 tokens, 136 against 104 µs); at 96-256 tokens where
+// the busiest SM's work is no more than in the fitted persistent configuration (sm90_tma_work x k-tiles), the few-token
+// tiles' work counted as ceil(CTAs / SMs) x (128 + padding tokens) x k-tiles per split x kSm90SmallTileCost: two CTAs
+// share an SM, and per token row and k-tile the cp.async kernel is slower than the TMA one, but it splits K where the
+// tiles are few. E.g. 28672 -> 8192 at 256 tokens (64 row blocks, 448 k-tiles): persistent 1 x 128 x 448 = 57344,
+// few-token 128 tiles x 2 splits on 132 SMs 2 x 128 x 224 x 1.5 = 86016: the persistent 128-token tiles (151 µs against
+// 180-203 µs); 13824 -> 5120 at 192 tokens (40 row blocks, 216 k-tiles): persistent 192-token tiles 1 x 192 x 216 =
+// 41472, few-token 80 tiles x 3 splits 2 x 192 x 72 x 1.5 = 41472: the few-token tiles (67 µs against 85 µs). Above 256
 // tokens the persistent configurations (sm90_large_config).
 constexpr int kSm90SmallTileCostNum = 3, kSm90SmallTileCostDen = 2;
 inline bool sm90_small_tiles(long long rows_padded, long long n_tokens, long long k_tiles, int sms) {
-  if (n_tokens <= 64) return true;
+  if (n_tokens < 96) return true;
   if (n_tokens > 256 || sms <= 0) return false;
   const long long row_blocks = (rows_padded + 127) / 128;
   const int bn = sm90_config_tokens(sm90_fitted_config(row_blocks, n_tokens, sms));
