@@ -494,23 +494,17 @@ spmm_vnm_sm90_staged_kernel(const T* __restrict__ x, const uint4* __restrict__ v
 #endif
 }
 
-// Warp-specialised pipelines (lab build, vnm_pipe = 3, 4). The register pipeline above is latency-bound because the
+// Warp-specialised pipeline (lab build, vnm_pipe = 3). The register pipeline above is latency-bound because the
 // fence.proxy.async that publishes a k-tile's gathered stores (MEMBAR.ALL.CTA + FENCE.VIEW.ASYNC in SASS, also for the
 // sync_restrict form) waits for every load the thread has in flight, and every thread of the CTA both gathers and
-// issues wgmmas. Here the roles are split: P producer warpgroups gather X into a ring of S stages (every slab's B tile
-// per stage, the register kernel's layout), taking the k-tiles in turn (producer p: k-tiles p, p + P, ...), so each
-// pays its fence once per own k-tile while the others' loads are in flight; two consumer warpgroups only load their A
-// fragments and metadata and issue sparse wgmmas. Stage s has a "full" mbarrier (the 128 threads of its producer
-// arrive after their stores and fence) and an "empty" one (each of the 8 consumer warps arrives once its wgmmas on
-// the stage are done). No split-K: launched at 64 and more tokens only.
-//  * SLABS = 2 (vnm_pipe 3; 4 = SHARE): 128-row CTAs, P = 2, one slab per consumer warpgroup. SLABS is the number of
-//    64-row slabs per CTA, kept as a parameter of the code's shape (slab pairs, slabs per consumer); 256-row CTAs with
-//    four producer warpgroups were measured slower than these and deleted (benchmarks/RESULTS.md, Y1).
-// SHARE: where slabs 2j and 2j + 1 of a CTA keep the same columns (every V:2:M weight with V = 128), found by a
-// CTA-wide compare before the first k-tile, the producers gather one B tile for the pair and both consumers of it
-// read it.
-__host__ __device__ constexpr int ws_producers(int) { return 2; }
-__host__ __device__ constexpr int ws_threads(int slabs) { return 128 * (ws_producers(slabs) + 2); }
+// issues wgmmas. Here the roles are split: kWsProducers producer warpgroups gather X into a ring of S stages (both
+// slabs' B tiles per stage, the register kernel's layout), taking the k-tiles in turn (producer p: k-tiles p,
+// p + kWsProducers, ...), so each pays its fence once per own k-tile while the others' loads are in flight; two
+// consumer warpgroups (slab 0, slab 1) only load their A fragments and metadata and issue sparse wgmmas. Stage s has
+// a "full" mbarrier (the 128 threads of its producer arrive after their stores and fence) and an "empty" one (each of
+// the 8 consumer warps arrives once its wgmmas on the stage are done). No split-K: launched at 64 and more tokens only.
+constexpr int kWsProducers = 2;
+constexpr int kWsThreads = 128 * (kWsProducers + 2);
 
 // The shared-memory ring of the warp-specialised kernels: S stages of STAGE bytes (1024-aligned), then S "full"
 // mbarriers (`full_count` producer threads arrive) and S "empty" ones (the 8 consumer warps arrive).
@@ -537,28 +531,28 @@ struct WsRing {
 #endif
 };
 
-template <int M, int BN, int S, int SLABS>
+// SHARE (vnm_pipe = 4, M = 8): where the CTA's two slabs keep the same columns (every V:2:M weight with V = 128),
+// checked by the CTA before its first k-tile, the producers gather one B tile for both and both consumers read it.
+template <int M, int BN, int S>
 struct VnmWsCfg {
   static constexpr int B_BYTES = BN * 128;  // one slab's B tile: BN token rows x 64 condensed k
-  static constexpr int STAGE = SLABS * B_BYTES;
+  static constexpr int STAGE = 2 * B_BYTES;
   using Ring = WsRing<S, STAGE>;
   static constexpr int SMEM = Ring::SMEM;
-  static_assert(S % ws_producers(SLABS) == 0, "a stage is always filled by the same producer warpgroup");
+  static_assert(S % kWsProducers == 0, "a stage is always filled by the same producer warpgroup");
   static_assert(SMEM <= 227 * 1024, "over the sm_90 shared-memory limit");
 };
 
-template <typename T, int M, int BN, int S, bool SHARE, int SLABS>
-__global__ void __launch_bounds__(ws_threads(SLABS), 1)
+template <typename T, int M, int BN, int S, bool SHARE>
+__global__ void __launch_bounds__(kWsThreads, 1)
 spmm_vnm_sm90_ws_kernel(const T* __restrict__ x, const uint4* __restrict__ values, const uint32_t* __restrict__ meta,
                         const uint32_t* __restrict__ columns, const T* __restrict__ bias, T* __restrict__ y,
                         int n_tokens, int rows, int rows_padded, int k, int steps) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  using Cfg = VnmWsCfg<M, BN, S, SLABS>;
+  using Cfg = VnmWsCfg<M, BN, S>;
   constexpr int ND = BN / 2;
-  constexpr int P = ws_producers(SLABS), SPC = SLABS / 2;  // producers, slabs per consumer warpgroup
   constexpr bool CHUNK = M == 8;
-  static_assert(CHUNK || (BN == 64 && !SHARE && SLABS == 2), "the word gather's roles cover 64 tokens, two slabs");
-  static_assert(SLABS == 2, "two slabs per CTA");
+  static_assert(CHUNK || (BN == 64 && !SHARE), "the word gather's roles cover 64 tokens");
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   const typename Cfg::Ring ring(smem_raw);
   unsigned char* smem = ring.smem;
@@ -569,36 +563,31 @@ spmm_vnm_sm90_ws_kernel(const T* __restrict__ x, const uint4* __restrict__ value
   const int tid = threadIdx.x;
   const int lane = tid & 31, warp = tid >> 5, wg = warp >> 2;
   const int n_base = blockIdx.y * BN;
-  const int cta_row0 = blockIdx.x * 64 * SLABS;
+  const int cta_row0 = blockIdx.x * 128;
   const int mt_cta = cta_row0 >> 4;
   const int mt_valid = (rows_padded - cta_row0) >> 4;
   const int k_tiles = (steps + 1) >> 1;
   const int groups = k / M, groups_padded = 8 * steps;
   const int slabs = rows_padded >> 6;
-  const uint32_t* colp[SLABS];
+  const uint32_t* colp[2];
 #pragma unroll
-  for (int s = 0; s < SLABS; ++s) colp[s] = columns + (size_t)min((cta_row0 >> 6) + s, slabs - 1) * groups_padded;
+  for (int s = 0; s < 2; ++s) colp[s] = columns + (size_t)min((cta_row0 >> 6) + s, slabs - 1) * groups_padded;
   if (tid == 0) ring.init(128);
-  bool share[SPC] = {};  // slab pair j keeps the same columns
+  bool share = false;
   if constexpr (SHARE) {
-    // The columns are (slab, group) words: a CTA-wide compare of each pair's words (a slab past the packed rows reads
-    // the last one's: shared or not, nothing of it is stored).
-    int same[SPC];
-#pragma unroll
-    for (int j = 0; j < SPC; ++j) same[j] = 1;
-    for (int i = tid; i < groups_padded; i += ws_threads(SLABS))
-#pragma unroll
-      for (int j = 0; j < SPC; ++j) same[j] &= colp[2 * j][i] == colp[2 * j + 1][i];
-#pragma unroll
-    for (int j = 0; j < SPC; ++j) share[j] = __syncthreads_and(same[j]) != 0;
+    // The columns are (slab, group) words: a CTA-wide compare of both slabs' words (an inactive second slab reads the
+    // first one's: shared, and nothing of it is stored).
+    int same = 1;
+    for (int i = tid; i < groups_padded; i += kWsThreads) same &= colp[0][i] == colp[1][i];
+    share = __syncthreads_and(same) != 0;
   } else {
     __syncthreads();
   }
-  auto tile_of = [&](int s) { return share[s >> 1] ? s & ~1 : s; };  // B tile of slab s in a stage: its pair's first
+  auto tile_of = [&](int s) { return share ? 0 : s; };  // B tile of slab s in a stage
 
-  if (wg < P) {
-    // Producer warpgroup wg: k-tiles wg, wg + P, ... Roles (ptid = thread index in the warpgroup):
-    //  chunk (M = 8): group gg = ptid % 16 of every k-tile, tokens tok0 + 8i (tok0 = ptid / 16 < 8), every slab; the
+  if (wg < kWsProducers) {
+    // Producer warpgroup wg: k-tiles wg, wg + kWsProducers, ... Roles (ptid = thread index in the warpgroup):
+    //  chunk (M = 8): group gg = ptid % 16 of every k-tile, tokens tok0 + 8i (tok0 = ptid / 16 < 8), both slabs; the
     //    8 bytes of token row r = tok0 + 8i sit at chunk (gg/2) ^ tok0, byte 8(gg & 1), + 1024i.
     //  word (M >= 16): lane (q = lane / 8, slab sl, jj) of warp w owns kept column jj of slab sl in group 4w + q,
     //    tokens 0..63; partner lanes pair their halves with one shuffle (as the register kernel).
@@ -615,20 +604,17 @@ spmm_vnm_sm90_ws_kernel(const T* __restrict__ x, const uint4* __restrict__ value
     auto group_of = [&](int kt) { return min(kt * 16 + gg, groups - 1); };  // clamped: never past K
     uint4 xc[CHUNK ? TI : 1];
     uint32_t xw[CHUNK ? 1 : TI];
-    uint32_t cw[SLABS] = {};
+    uint32_t cw[2] = {0u, 0u};
     uint32_t cw_next = CHUNK ? 0u : (wg < k_tiles ? colp_mine[group_of(wg)] : 0u);
-    for (int kt = wg; kt < k_tiles; kt += P) {
+    for (int kt = wg; kt < k_tiles; kt += kWsProducers) {
       const int st = kt % S, use = kt / S;
       const int grp = group_of(kt);
       uint32_t sel = 0;
       if constexpr (CHUNK) {
 #pragma unroll
         for (int i = 0; i < TI; ++i) xc[i] = *reinterpret_cast<const uint4*>(rowp[i] + grp * M);
-#pragma unroll
-        for (int j = 0; j < SPC; ++j) {  // slab pair j
-          cw[2 * j] = colp[2 * j][grp];
-          if (!share[j]) cw[2 * j + 1] = colp[2 * j + 1][grp];
-        }
+        cw[0] = colp[0][grp];
+        if (!SHARE || !share) cw[1] = colp[1][grp];
       } else {
         const uint32_t mine = cw_next >> (8 * jj), partner = cw_next >> (8 * (jj ^ 1));
         sel = 0x5410u + (mine & 1u) * 0x22u + (partner & 1u) * 0x2200u;
@@ -639,22 +625,19 @@ spmm_vnm_sm90_ws_kernel(const T* __restrict__ x, const uint4* __restrict__ value
 #pragma unroll
         for (int i = 0; i < TI; ++i, p += row_words)
           if (i <= last_tok) xw[i] = *p;
-        if (kt + P < k_tiles) cw_next = colp_mine[group_of(kt + P)];  // with this k-tile's loads
+        if (kt + kWsProducers < k_tiles) cw_next = colp_mine[group_of(kt + kWsProducers)];  // with this k-tile's loads
       }
       mbar_wait(empty_bar(st), (use & 1) ^ 1);  // the consumers are done with the stage's previous fill
       unsigned char* base = smem + st * Cfg::STAGE;
       if constexpr (CHUNK) {
         const uint32_t off = tok0 * 128 + ((((uint32_t)gg >> 1) ^ tok0) << 4) + 8 * (gg & 1);
-        auto store = [&](int s) {
+#pragma unroll
+        for (int s = 0; s < 2; ++s) {
+          if (SHARE && share && s == 1) break;  // one B tile serves both slabs
           const KeptOf8 kept(cw[s]);
 #pragma unroll
           for (int i = 0; i < TI; ++i)
             *reinterpret_cast<uint2*>(base + off + s * Cfg::B_BYTES + i * 1024) = kept(xc[i]);
-        };
-#pragma unroll
-        for (int j = 0; j < SPC; ++j) {  // slab pair j: one B tile serves both where they share
-          store(2 * j);
-          if (!share[j]) store(2 * j + 1);
         }
       } else {
 #pragma unroll
@@ -672,66 +655,46 @@ spmm_vnm_sm90_ws_kernel(const T* __restrict__ x, const uint4* __restrict__ value
     return;
   }
 
-  // Consumer warpgroup c: slabs SPC c + j, m16 tile wq of each; A fragments and metadata from global memory one
-  // k-tile ahead (a slab past the packed rows, and the missing second k-step of an odd step count, multiply zeros
-  // with valid metadata: fetch_a_tile), wgmmas on the stage's B tiles of its slabs.
-  const int c = wg - P, wq = warp & 3;
+  // Consumer warpgroup c = slab c: A fragments and metadata of m16 tile wq from global memory (an inactive
+  // warpgroup, past the packed rows, and the missing second k-step of an odd step count multiply zeros with valid
+  // metadata: fetch_a_tile), wgmmas on the stage's B tile of its slab.
+  const int c = wg - kWsProducers, wq = warp & 3;
+  const bool active = c * 4 < mt_valid;
+  const int mt = active ? c * 4 + wq : 0;
   const int g = lane >> 2, t = lane & 3;
-  bool active[SPC];
-  const uint4* ag[SPC];
-  const uint32_t* eg[SPC];
+  const uint4* ag = values + (size_t)(mt_cta + mt) * steps * 32 + lane;
+  const uint32_t* eg = meta + (size_t)(mt_cta + mt) * steps * 16 + g * 2 + (t & 1);
+  float acc[ND];
 #pragma unroll
-  for (int j = 0; j < SPC; ++j) {
-    const int slab = SPC * c + j;
-    active[j] = slab * 4 < mt_valid;
-    const int mt = active[j] ? slab * 4 + wq : 0;
-    ag[j] = values + (size_t)(mt_cta + mt) * steps * 32 + lane;
-    eg[j] = meta + (size_t)(mt_cta + mt) * steps * 16 + g * 2 + (t & 1);
-  }
-  float acc[SPC][ND];
-#pragma unroll
-  for (int j = 0; j < SPC; ++j)
-#pragma unroll
-    for (int d = 0; d < ND; ++d) acc[j][d] = 0.f;
-  auto fetch = [&](int kt, uint4 (&a)[SPC][2], uint32_t (&e)[SPC][2]) {
-#pragma unroll
-    for (int j = 0; j < SPC; ++j) fetch_a_tile(ag[j], eg[j], active[j], kt, steps, a[j], e[j]);
-  };
-  auto step = [&](int kt, const uint4 (&a)[SPC][2], const uint32_t (&e)[SPC][2], uint4 (&a_nx)[SPC][2],
-                  uint32_t (&e_nx)[SPC][2]) {
-    if (kt + 1 < k_tiles) fetch(kt + 1, a_nx, e_nx);
+  for (int j = 0; j < ND; ++j) acc[j] = 0.f;
+  auto step = [&](int kt, const uint4 (&a)[2], const uint32_t (&e)[2], uint4 (&a_nx)[2], uint32_t (&e_nx)[2]) {
+    if (kt + 1 < k_tiles) fetch_a_tile(ag, eg, active, kt + 1, steps, a_nx, e_nx);
     const int st = kt % S;
     mbar_wait(full_bar(st), (kt / S) & 1);
+    const uint64_t desc = desc_k128(smem_u32 + st * Cfg::STAGE + tile_of(c) * Cfg::B_BYTES);
     wgmma_fence();
 #pragma unroll
-    for (int j = 0; j < SPC; ++j) {
-      const uint64_t desc = desc_k128(smem_u32 + st * Cfg::STAGE + tile_of(SPC * c + j) * Cfg::B_BYTES);
-#pragma unroll
-      for (int h = 0; h < 2; ++h) WgmmaSp<BN, T>::run(acc[j], a[j][h], desc + h * (64 >> 4), e[j][h]);
-    }
+    for (int j = 0; j < 2; ++j) WgmmaSp<BN, T>::run(acc, a[j], desc + j * (64 >> 4), e[j]);
     wgmma_commit();
     wgmma_wait<0>();
     if (lane == 0) mbar_arrive(empty_bar(st));
   };
-  uint4 a0[SPC][2], a1[SPC][2];
-  uint32_t e0[SPC][2], e1[SPC][2];
-  fetch(0, a0, e0);
+  uint4 a0[2], a1[2];
+  uint32_t e0[2], e1[2];
+  fetch_a_tile(ag, eg, active, 0, steps, a0, e0);
   for (int kt = 0; kt < k_tiles; kt += 2) {
     step(kt, a0, e0, a1, e1);
     if (kt + 1 < k_tiles) step(kt + 1, a1, e1, a0, e0);
   }
 #pragma unroll
-  for (int j = 0; j < SPC; ++j)
-#pragma unroll
-    for (int d = 0; d < ND; ++d) asm volatile("" : "+f"(acc[j][d])::"memory");  // reads after the wgmma wait
-#pragma unroll
-  for (int j = 0; j < SPC; ++j)
-    if (active[j])
-      store_tile<T, BN>(acc[j], cta_row0 + 64 * (SPC * c + j) + 16 * wq, n_base, lane, bias, y, rows, n_tokens);
+  for (int j = 0; j < ND; ++j) asm volatile("" : "+f"(acc[j])::"memory");  // reads after the wgmma wait
+  if (active) store_tile<T, BN>(acc, cta_row0 + 64 * c + 16 * wq, n_base, lane, bias, y, rows, n_tokens);
 #elif defined(__CUDA_ARCH__)
   __trap();  // built without sm_90a: the host never launches this (spmm_sm90_available() is false)
 #endif
 }
+
+
 
 #endif  // HF_SPARSE_LAB
 
@@ -759,12 +722,12 @@ Sm90SplitPlan vnm_plan(const SpmmArgs& a) {
 }
 
 // The lab pipelines that do not split K (staged, warp-specialised), whose kernels take the same arguments: one CTA
-// per ROWS rows x BN tokens.
-template <typename T, int BN, auto Kernel, int ROWS = 128>
+// per 128 rows x BN tokens.
+template <typename T, int BN, auto Kernel>
 cudaError_t launch_unsplit(const SpmmArgs& a, cudaStream_t stream, int threads, int smem) {
   cudaError_t err = raise_smem_limit_once<Kernel>(smem);
   if (err != cudaSuccess) return err;
-  const dim3 grid((a.rows_padded + ROWS - 1) / ROWS, (a.n_tokens + BN - 1) / BN);
+  const dim3 grid((a.rows_padded + 127) / 128, (a.n_tokens + BN - 1) / BN);
   if (grid.y > 65535) return cudaErrorInvalidConfiguration;
   Kernel<<<grid, threads, smem, stream>>>(
       static_cast<const T*>(a.x), static_cast<const uint4*>(a.values), static_cast<const uint32_t*>(a.meta),
@@ -772,15 +735,6 @@ cudaError_t launch_unsplit(const SpmmArgs& a, cudaStream_t stream, int threads, 
       a.rows, a.rows_padded, a.k, a.steps);
   return cudaGetLastError();
 }
-
-#if defined(HF_SPARSE_LAB)
-// The warp-specialised kernel: 64 x SLABS rows per CTA, its threads and shared memory from its configuration.
-template <typename T, int M, int BN, bool SHARE, int SLABS>
-cudaError_t launch_ws(const SpmmArgs& a, cudaStream_t stream) {
-  return launch_unsplit<T, BN, spmm_vnm_sm90_ws_kernel<T, M, BN, 4, SHARE, SLABS>, 64 * SLABS>(
-      a, stream, ws_threads(SLABS), VnmWsCfg<M, BN, 4, SLABS>::SMEM);
-}
-#endif
 
 template <typename T, int M, int BN, bool PF>
 cudaError_t launch_vnm(const SpmmArgs& a, cudaStream_t stream) {
@@ -805,7 +759,7 @@ cudaError_t launch_vnm(const SpmmArgs& a, cudaStream_t stream) {
 // at M = 8 above 64 tokens (vnm_tile = 64) and four pipelines (vnm_pipe): 1 staged (where the column offsets of the
 // CTA's two slabs fit its 16 KB, i.e. K / M <= 2048; registers otherwise), 2 registers + L1 prefetch, 3
 // warp-specialised (at 64 tokens and more), 4 = 3 with the slab-pair gather (M = 8); what they measured is in
-// benchmarks/RESULTS.md.
+// benchmarks/RESULTS.md. 256-row warp-specialised CTAs (four producer warpgroups) were slower than 3 and are not kept.
 template <typename T, int M, int BN, int S>
 cudaError_t launch_pipe(const SpmmArgs& a, cudaStream_t stream) {
 #if defined(HF_SPARSE_LAB)
@@ -814,10 +768,12 @@ cudaError_t launch_pipe(const SpmmArgs& a, cudaStream_t stream) {
     return launch_unsplit<T, BN, spmm_vnm_sm90_staged_kernel<T, M, BN, S>>(a, stream, kVnmThreads,
                                                                            VnmStagedCfg<M, BN, S>::SMEM);
   if (pipe == 2) return launch_vnm<T, M, BN, true>(a, stream);
-  if constexpr (M == 8) {
-    if (pipe == 4 && a.n_tokens >= 64) return launch_ws<T, M, BN, true, 2>(a, stream);
-  }
-  if (pipe == 3 && a.n_tokens >= 64) return launch_ws<T, M, BN, false, 2>(a, stream);
+  if (pipe == 4 && M == 8 && a.n_tokens >= 64)
+    return launch_unsplit<T, BN, spmm_vnm_sm90_ws_kernel<T, M, BN, 4, M == 8>>(a, stream, kWsThreads,
+                                                                             VnmWsCfg<M, BN, 4>::SMEM);
+  if (pipe == 3 && a.n_tokens >= 64)
+    return launch_unsplit<T, BN, spmm_vnm_sm90_ws_kernel<T, M, BN, 4, false>>(a, stream, kWsThreads,
+                                                                            VnmWsCfg<M, BN, 4>::SMEM);
 #endif
   return launch_vnm<T, M, BN, false>(a, stream);
 }
