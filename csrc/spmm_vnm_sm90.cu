@@ -694,8 +694,6 @@ spmm_vnm_sm90_ws_kernel(const T* __restrict__ x, const uint4* __restrict__ value
 #endif
 }
 
-
-
 #endif  // HF_SPARSE_LAB
 
 // Tokens per CTA (tile_config.h sm90_vnm_bn; the lab's vnm_tile = 64 forces 64 above 64 tokens at M = 8), and the

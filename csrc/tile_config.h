@@ -74,9 +74,13 @@ inline int sm90_config_tokens(int config) {
 // and measured to cost as much as real tokens or more: 8192 -> 28672 at 192 tokens, 256-token tiles 187 µs, 192-token
 // tiles 116 µs); the larger tile on a tie. E.g. 64 row blocks at 224 tokens: 256: 1 x (256 + 32); 192: 1 x (192 + 160);
 // 128: 128 tiles, 1 x (128 + 32): 23.
+// A bn-token tile's tokens plus the padding tokens of the last token tile (those past the last token).
+inline long long sm90_padded_tile_tokens(long long n_tokens, int bn) {
+  return bn + (n_tokens + bn - 1) / bn * bn - n_tokens;
+}
 inline long long sm90_tma_work(long long row_blocks, long long n_tokens, int bn, int sms) {
-  const long long token_tiles = (n_tokens + bn - 1) / bn, tiles = row_blocks * token_tiles;
-  return (tiles + sms - 1) / sms * (bn + token_tiles * bn - n_tokens);
+  const long long tiles = row_blocks * ((n_tokens + bn - 1) / bn);
+  return (tiles + sms - 1) / sms * sm90_padded_tile_tokens(n_tokens, bn);
 }
 inline int sm90_fitted_config(long long row_blocks, long long n_tokens, int sms) {
   const long long w256 = sm90_tma_work(row_blocks, n_tokens, 256, sms),
@@ -193,8 +197,7 @@ inline bool sm90_small_tiles(long long rows_padded, long long n_tokens, long lon
   const long long row_blocks = (rows_padded + 127) / 128;
   const int bn = sm90_config_tokens(sm90_fitted_config(row_blocks, n_tokens, sms));
   const Sm90SplitPlan p = sm90_small_plan(rows_padded, n_tokens, k_tiles, sms);
-  const long long small_work = (p.tiles * p.splits + sms - 1) / sms * (p.bn + (n_tokens + p.bn - 1) / p.bn * p.bn -
-                                                                       n_tokens) *
+  const long long small_work = (p.tiles * p.splits + sms - 1) / sms * sm90_padded_tile_tokens(n_tokens, p.bn) *
                                ((k_tiles + p.splits - 1) / p.splits) * kSm90SmallTileCostNum;
   return small_work <= sm90_tma_work(row_blocks, n_tokens, bn, sms) * k_tiles * kSm90SmallTileCostDen;
 }
