@@ -3,6 +3,9 @@
     ncu --clock-control none -k regex:spmm_sm90 --launch-skip 3 --launch-count 1 \
         python benchmarks/profile_spmm.py --k 1024 --r 4096 --tokens 8192 --mode wgmma --config 4
 
+``--flush write|read`` flushes the L2 before every call as ``benchmarks/gpu_timing.py`` does (``write``: do_bench's
+256 MB of zeros, which leaves dirty lines; ``read``: clean lines only); profile it with ``ncu --cache-control none``
+and the ``dram__bytes_write.sum`` metric to see what the timed call writes back.
 ``--config`` (lab build only: ``HF_SPARSE_BUILD_LAB=1``) forces a tile configuration of the 2:4 wgmma kernel
 (``lab.tuning``'s ``sm90_config``). ``--mode dense`` runs ``F.linear`` on the masked bf16 weight (cuBLAS) instead. The inputs are random (never zeros);
 the first call is checked against fp64 so a profile is never taken of a wrong kernel. Used by
@@ -34,6 +37,7 @@ def main() -> int:
         "--pipe", type=int, default=None, help="V:2:M pipeline (lab build's vnm_pipe; default: the product's)"
     )
     ap.add_argument("--calls", type=int, default=4)
+    ap.add_argument("--flush", choices=["none", "write", "read"], default="none", help="L2 flush before every call")
     args = ap.parse_args()
     knobs = {"sm90_config": args.config, "vnm_pipe": args.pipe}
     knobs = {name: value for name, value in knobs.items() if value is not None}
@@ -51,6 +55,15 @@ def run(args: argparse.Namespace) -> int:
     x = torch.randn(args.tokens, args.k, device="cuda").bfloat16()
     ref = F.linear(x.double(), wd.double())
     fn = (lambda: F.linear(x, wd)) if args.mode == "dense" else (lambda: spmm(x, p))
+    buf = torch.empty(256 << 18, dtype=torch.int32, device="cuda") if args.flush != "none" else None
+
+    def flush() -> None:
+        if args.flush == "write":
+            buf.zero_()
+        elif args.flush == "read":
+            buf.sum()
+
+    flush()
     y = fn()
     err = float((y.double() - ref).norm() / ref.norm())
     print(
@@ -58,6 +71,7 @@ def run(args: argparse.Namespace) -> int:
         flush=True,
     )
     for _ in range(args.calls - 1):
+        flush()
         fn()
     torch.cuda.synchronize()
     return 0 if err < 1e-2 else 1

@@ -22,6 +22,7 @@ import sys
 import torch
 import torch.nn.functional as F
 from bench_kernels import checked_error, magnitude_pack, parse_shape, view24_time
+from gpu_timing import chain_us, cold_copies, flushed_us
 from lab.tuning import require_lab_build, tuning
 
 from hf_sparse.ops import force_kernel, spmm
@@ -35,29 +36,24 @@ def bench_us(fn) -> float:
     return 1000.0 * float(do_bench(fn, warmup=5, rep=25, return_mode="median"))
 
 
-def queued_us(fn, reps: int = 25) -> float:
-    """Median GPU time of ``fn`` issued while the GPU is still busy (an L2 flush, then a ~1 ms sleep kernel), so no
-    host time between its launches shows: the kernels' own time and their gaps on the GPU. ``bench_us`` starts its
-    clock right after an L2 flush too, which a slow host's launch path can outlast."""
-    flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        flush.zero_()
-        torch.cuda._sleep(2_000_000)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(1000.0 * start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
-
-
 def timed(x: torch.Tensor, p, ref: torch.Tensor, what: str, **knobs: int) -> float:
     """The pattern's sparse-wgmma kernel with the lab ``knobs`` set (none: any build), checked against ``ref``, in µs."""
     with force_kernel(spmm="wgmma"), tuning(**knobs):
         checked_error(spmm(x, p), ref, what)
         return bench_us(lambda: spmm(x, p))
+
+
+def cold_times(x: torch.Tensor, pattern: str, wb: torch.Tensor, p, copies: list) -> dict[str, float]:
+    """Dense and the product after a clean L2 flush (``read``) and in a chain over ``copies`` (``chain``), in µs;
+    every copy's product checked against its dense product first."""
+    out = {"dense_read": flushed_us(lambda: F.linear(x, wb), flush="read")}
+    with force_kernel(spmm="wgmma"):
+        out["product_read"] = flushed_us(lambda: spmm(x, p), flush="read")
+        for i, (wb_i, p_i) in enumerate(copies):
+            checked_error(spmm(x, p_i), F.linear(x.float(), wb_i.float()), f"{pattern} chain copy {i}")
+        out["product_chain"] = chain_us([lambda p_i=p_i: spmm(x, p_i) for _, p_i in copies])
+    out["dense_chain"] = chain_us([lambda wb_i=wb_i: F.linear(x, wb_i) for wb_i, _ in copies])
+    return out
 
 
 def main() -> int:
@@ -72,7 +68,14 @@ def main() -> int:
         "--configs", type=int, nargs="*", default=[], help="2:4: also each of these tile configurations (sm90_config)"
     )
     ap.add_argument(
-        "--queued", action="store_true", help="also dense and the product issued behind a busy GPU (queued_us)"
+        "--queued",
+        action="store_true",
+        help="also dense and the product issued behind a busy GPU after do_bench's L2 flush (gpu_timing.flushed_us)",
+    )
+    ap.add_argument(
+        "--cold",
+        action="store_true",
+        help="also dense and the product after a clean L2 flush and in a chain over distinct weights (gpu_timing)",
     )
     args = ap.parse_args()
     if not args.product_only:
@@ -87,6 +90,12 @@ def main() -> int:
             w = torch.randn(r, k, device="cuda")
             wm, mask, p = magnitude_pack(w, pattern)
             wb = wm.to(torch.bfloat16)
+            copies = []
+            if args.cold:  # the chain's weights: `p` and `wb` first, then distinct ones until each call is cold
+                copies = [(wb, p)]
+                for _ in range(cold_copies(wb.numel() * wb.element_size() // 2) - 1):
+                    wm_i, _, p_i = magnitude_pack(torch.randn(r, k, device="cuda"), pattern)
+                    copies.append((wm_i.to(torch.bfloat16), p_i))
             for n in args.tokens:
                 x = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
                 ref = F.linear(x.float(), wb.float())
@@ -111,9 +120,11 @@ def main() -> int:
                 row.update(extra)
                 row["dense_again"] = bench_us(lambda: F.linear(x, wb))  # the GPU's clocks after the row's runs
                 if args.queued:
-                    row["dense_queued"] = queued_us(lambda: F.linear(x, wb))
+                    row["dense_queued"] = flushed_us(lambda: F.linear(x, wb))
                     with force_kernel(spmm="wgmma"):
-                        row["product_queued"] = queued_us(lambda: spmm(x, p))
+                        row["product_queued"] = flushed_us(lambda: spmm(x, p))
+                if args.cold:
+                    row.update(cold_times(x, pattern, wb, p, copies))
                 line = (
                     f"{pattern:>8} {k:>5}->{r:<5} n={n:<4} dense {dense:7.1f} product {row['product']:7.1f} "
                     f"({dense / row['product']:.2f}x)"
@@ -121,6 +132,12 @@ def main() -> int:
                 line += f" dense again {row['dense_again']:7.1f}"
                 if args.queued:
                     line += f" queued: dense {row['dense_queued']:7.1f} product {row['product_queued']:7.1f}"
+                if args.cold:
+                    line += "".join(
+                        f" {how}: dense {row['dense_' + how]:7.1f} product {row['product_' + how]:7.1f}"
+                        f" ({row['dense_' + how] / row['product_' + how]:.2f}x)"
+                        for how in ("read", "chain")
+                    )
                 if "view24" in row:
                     line += f" view24 {row['view24']:7.1f} ({dense / row['view24']:.2f}x)"
                 if extra:
