@@ -31,8 +31,9 @@ struct Tuning {
   // Both sparse-wgmma SpMMs' split-K: > 0 forces that many splits of each tile's k-tiles (at most one per k-tile and
   // kSplitKMax) wherever the product's plan could split; 0: the product's count (sm90_split_k in tile_config.h).
   std::atomic<int> split_k{0};
-  // spmm_sm90.cu: 1 runs the few-token tiles at every count up to 256 tokens, 0 never (the persistent configurations
-  // run instead, at any count); -1: the product's rule (sm90_small_tiles in tile_config.h).
+  // spmm_sm90.cu: 1 runs the few-token tiles at every count up to 256 tokens, 0 never (the large configurations and
+  // their split-K run instead); -1: the product's
+  // rule (sm90_small_tiles in tile_config.h).
   std::atomic<int> small_tiles{-1};
 };
 

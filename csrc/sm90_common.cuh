@@ -75,47 +75,58 @@ __device__ __forceinline__ uint64_t desc_k128(uint32_t smem_addr) {
          ((uint64_t)1 << 62);
 }
 
-// Split-K at the end of a CTA of a split tile (gridDim.z splits; tile_config.h sm90_split_k): its partial sums go
-// to the tile's scratch in split_ws, THREADS x FLOATS floats per CTA (FLOATS accumulators per thread, each array at
-// its offset among them), coalesced; the last CTA of the tile to arrive (its counter) reads all of them back in split
-// order, its own included, so the sum does not depend on the arrival order. Use: store() every array, then if last(),
-// sum() every array.
+// Split-K at the end of a split of a tile (tile_config.h sm90_split_k): its partial sums go to the tile's scratch in
+// split_ws, THREADS x FLOATS floats per split (FLOATS accumulators per thread, each array at its offset among them),
+// coalesced; the last split of the tile to arrive (its counter) reads all of them back in split order, its own
+// included, so the sum does not depend on the arrival order. Use: store() every array, then if last(sync), sum() every
+// array. `thread` is the caller's index among the THREADS that take part, `sync` a barrier over exactly them (the
+// whole CTA, or the consumer warpgroups of a warp-specialised one). A CTA may run several splits one after another.
 template <int FLOATS, int THREADS>
 struct SplitK {
-  static constexpr int PER_CTA = FLOATS * THREADS;
-  float* ws;     // this thread's first float of the tile's scratch
-  int* counter;  // the tile's arrival counter, zero between launches
-  __device__ __forceinline__ SplitK(float* split_ws, int* split_counters) {
-    const int tile = blockIdx.y * gridDim.x + blockIdx.x;
-    ws = split_ws + (size_t)tile * gridDim.z * PER_CTA + threadIdx.x;
-    counter = split_counters + tile;
+  static constexpr int PER_SPLIT = FLOATS * THREADS;
+  float* tile_ws;  // this thread's first float of the tile's scratch (split 0)
+  int* counter;    // the tile's arrival counter, zero between launches
+  int split, splits, thread;
+  __device__ __forceinline__ SplitK(float* split_ws, int* split_counters, int tile, int split_, int splits_, int thread_)
+      : tile_ws(split_ws + (size_t)tile * splits_ * PER_SPLIT + thread_), counter(split_counters + tile), split(split_),
+        splits(splits_), thread(thread_) {}
+  // The split of a grid of (tiles along x and y, splits along z) CTAs that this CTA runs (all its threads take part).
+  __device__ __forceinline__ static SplitK of_grid(float* split_ws, int* split_counters) {
+    return SplitK(split_ws, split_counters, blockIdx.y * gridDim.x + blockIdx.x, blockIdx.z, gridDim.z, threadIdx.x);
   }
   template <int N>
   __device__ __forceinline__ void store(const float (&acc)[N], int offset) const {
+    float* ws = tile_ws + (size_t)split * PER_SPLIT;
 #pragma unroll
-    for (int j = 0; j < N; ++j) __stcg(ws + (size_t)blockIdx.z * PER_CTA + (offset + j) * THREADS, acc[j]);
+    for (int j = 0; j < N; ++j) __stcg(ws + (offset + j) * THREADS, acc[j]);
   }
-  // After every thread's store(): true in the last CTA of the tile to arrive, which has reset the counter for the next
-  // launch (the threadfence-reduction pattern: fence, count, fence).
-  __device__ __forceinline__ bool last() const {
+  // After every thread's store(): true in the last split of the tile to arrive, which has reset the counter for the
+  // next launch (the threadfence-reduction pattern: fence, count, fence). A CTA that runs another split later passes
+  // `sync` again before rewriting the flag, so every thread has read it by then.
+  template <typename Sync>
+  __device__ __forceinline__ bool last(Sync sync) const {
     __shared__ int is_last;
     __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      is_last = atomicAdd(counter, 1) == (int)gridDim.z - 1;
+    sync();
+    if (thread == 0) {
+      is_last = atomicAdd(counter, 1) == splits - 1;
       if (is_last) *counter = 0;
     }
-    __syncthreads();
-    if (is_last) __threadfence();
-    return is_last;
+    sync();
+    const bool mine = is_last;
+    if (mine) __threadfence();
+    return mine;
+  }
+  __device__ __forceinline__ bool last() const {
+    return last([] { __syncthreads(); });
   }
   template <int N>
   __device__ __forceinline__ void sum(float (&acc)[N], int offset) const {
 #pragma unroll
     for (int j = 0; j < N; ++j) acc[j] = 0.f;
-    for (int z = 0; z < (int)gridDim.z; ++z)
+    for (int z = 0; z < splits; ++z)
 #pragma unroll
-      for (int j = 0; j < N; ++j) acc[j] += __ldcg(ws + (size_t)z * PER_CTA + (offset + j) * THREADS);
+      for (int j = 0; j < N; ++j) acc[j] += __ldcg(tile_ws + (size_t)z * PER_SPLIT + (offset + j) * THREADS);
   }
 };
 

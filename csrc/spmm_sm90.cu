@@ -290,7 +290,7 @@ spmm_sm90_kernel(const T* __restrict__ x, const uint4* __restrict__ values, cons
     for (int j = 0; j < ND; ++j) asm volatile("" : "+f"(acc[i][j])::"memory");  // reads after the wgmma wait
 
   if (gridDim.z > 1) {  // split-K: the last CTA of the tile to finish stores it (sm90_common.cuh SplitK)
-    const SplitK<WGM * ND, THREADS> split(split_ws, split_counters);
+    const auto split = SplitK<WGM * ND, THREADS>::of_grid(split_ws, split_counters);
 #pragma unroll
     for (int i = 0; i < WGM; ++i) split.store(acc[i], i * ND);
     if (!split.last()) return;
@@ -663,7 +663,8 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
 spmm_sm90_tma_a_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_constant__ CUtensorMap a_map,
                        const __grid_constant__ CUtensorMap e_map, const __grid_constant__ CUtensorMap y_map,
                        const T* __restrict__ bias, T* __restrict__ y, int n_tokens, int rows, int rows_padded,
-                       int steps, int act) {
+                       int steps, int act, int splits, int kt_per_split, float* __restrict__ split_ws,
+                       int* __restrict__ split_counters) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int ND = BN / 2;
   using S = TmaASmem<BN, STAGES, EPI_N, EPI_BUFS>;
@@ -688,8 +689,11 @@ spmm_sm90_tma_a_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_c
   constexpr bool MC = CLUSTER > 1;
   const int row_units = (row_blocks + CLUSTER - 1) / CLUSTER;
   const int n_tiles = row_units * token_tiles;
+  // Split-K (splits > 1, unclustered only): a work unit is split z of a tile, k-tiles [z * kt_per_split, ...) of it;
+  // units walk the tiles fastest, so the splits of one tile run on different SMs at about the same time.
+  const int n_units = n_tiles * splits;
   const uint32_t rank = MC ? cluster_cta_rank() : 0u;
-  const int first_tile = blockIdx.x / CLUSTER, tile_step = PERSIST ? (int)gridDim.x / CLUSTER : n_tiles;
+  const int first_unit = blockIdx.x / CLUSTER, unit_step = PERSIST ? (int)gridDim.x / CLUSTER : n_units;
 
   // TRIM (configs 32/33): the fixed cost per launch, which is a third of the time at K = 1024 (benchmarks/RESULTS.md,
   // "Short-K"), gets two cuts: the tensor maps (Y's too) are prefetched before the barrier set-up, and at exit the
@@ -726,14 +730,15 @@ spmm_sm90_tma_a_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_c
         tma_prefetch_map(&e_map);
       }
       int it = 0;  // k-tiles issued so far (ring position and phase)
-      for (int tile = first_tile; tile < n_tiles; tile += tile_step) {
+      for (int unit = first_unit; unit < n_units; unit += unit_step) {
         int bx, by;
-        tile_coords<GROUP>(tile, row_units, token_tiles, bx, by);
+        tile_coords<GROUP>(unit % n_tiles, row_units, token_tiles, bx, by);
+        const int kt0 = unit / n_tiles * kt_per_split, kt_end = min(k_tiles, kt0 + kt_per_split);
         // A row block past the weight (odd row-block count in a cluster) loads row block 0's A: its warpgroups are
         // inactive (metadata kMetaPad, nothing stored), and no TMA box lies wholly outside the tensor.
         bx = bx * CLUSTER + (int)rank;
         const int a_row = (MC && bx >= row_blocks ? 0 : bx) * 8;
-        for (int kt = 0; kt < k_tiles; ++kt, ++it) {
+        for (int kt = kt0; kt < kt_end; ++kt, ++it) {
           const int slot = it % STAGES;
           const uint32_t dst = smem_u32 + slot * S::STAGE, bar = full_bar + 8 * slot;
           // In a cluster this wait also covers the peer's consumers (they arrive here too): the multicast below
@@ -765,7 +770,7 @@ spmm_sm90_tma_a_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_c
   // SKEW = 2 (configs 17/18, persistent): warpgroup 1 starts its first tile two k-tiles after warpgroup 0 and keeps
   // that distance, so each warpgroup's epilogue overlaps the other's last (or first) k-tiles of a tile instead of
   // both leaving the tensor pipe idle at once. The ring (5 stages) absorbs the distance.
-  if (SKEW && wg == 1 && first_tile < n_tiles) consumers_bar_sync();
+  if (SKEW && wg == 1 && first_unit < n_units) consumers_bar_sync();
   float acc[ND];
   int it = 0;  // k-tiles consumed so far
   int chunks = 0;  // staged-epilogue chunks this warpgroup has stored (RUNBUF)
@@ -778,21 +783,23 @@ spmm_sm90_tma_a_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_c
       if (lane == 1) mbar_arrive_peer<false>(bar, rank ^ 1u);
     }
   };
-  for (int tile = first_tile; tile < n_tiles; tile += tile_step) {
+  for (int unit = first_unit; unit < n_units; unit += unit_step) {
+    const int tile = unit % n_tiles, split = unit / n_tiles;
     int bx, by;
     tile_coords<GROUP>(tile, row_units, token_tiles, bx, by);
     bx = bx * CLUSTER + (int)rank;
     const int cta_row0 = bx * 128;
+    const int kt0 = split * kt_per_split, unit_k_tiles = min(k_tiles, kt0 + kt_per_split) - kt0;
     const bool active = wg * 4 < ((rows_padded - cta_row0) >> 4);
 #pragma unroll
     for (int j = 0; j < ND; ++j) acc[j] = 0.f;
-    // One k-tile: wait for its stage, read this warp's A fragments and metadata from it into (a, e), issue its two
-    // wgmmas, and wait until only they are in flight: k-tile kt - 1 is done with its stage and its register set, so
-    // its stage goes back to the producer. Register sets alternate by k-tile parity (unrolled by two below) because
-    // the wgmmas of kt - 1 still read theirs while kt's are loaded.
-    auto k_tile = [&](int kt, uint4 (&a)[2], uint32_t (&e)[2]) {
-      const int slot = (it + kt) % STAGES;
-      mbar_wait(full_bar + 8 * slot, ((it + kt) / STAGES) & 1);
+    // One k-tile (the unit's i-th, k-tile kt0 + i of the weight): wait for its stage, read this warp's A fragments and
+    // metadata from it into (a, e), issue its two wgmmas, and wait until only they are in flight: k-tile i - 1 is done
+    // with its stage and its register set, so its stage goes back to the producer. Register sets alternate by k-tile
+    // parity (unrolled by two below) because the wgmmas of i - 1 still read theirs while i's are loaded.
+    auto k_tile = [&](int i, uint4 (&a)[2], uint32_t (&e)[2]) {
+      const int slot = (it + i) % STAGES, kt = kt0 + i;
+      mbar_wait(full_bar + 8 * slot, ((it + i) / STAGES) & 1);
       const unsigned char* st = smem + slot * S::STAGE;
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
@@ -806,20 +813,26 @@ spmm_sm90_tma_a_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_c
       for (int j = 0; j < 2; ++j) WgmmaSpTile<BN, T>::run(acc, a[j], desc + j * (64 >> 4), e[j]);
       wgmma_commit();
       wgmma_wait<1>();
-      if (kt > 0) release(it + kt - 1);
+      if (i > 0) release(it + i - 1);
     };
     uint4 a0[2], a1[2];
     uint32_t e0[2], e1[2];
-    for (int kt = 0; kt < k_tiles; kt += 2) {
-      k_tile(kt, a0, e0);
-      if (kt + 1 < k_tiles) k_tile(kt + 1, a1, e1);
-      if (SKEW && wg == 0 && kt == 0 && tile == first_tile) consumers_bar_arrive();  // let warpgroup 1 start
+    for (int i = 0; i < unit_k_tiles; i += 2) {
+      k_tile(i, a0, e0);
+      if (i + 1 < unit_k_tiles) k_tile(i + 1, a1, e1);
+      if (SKEW && wg == 0 && i == 0 && unit == first_unit) consumers_bar_arrive();  // let warpgroup 1 start
     }
     wgmma_wait<0>();
-    it += k_tiles;
+    it += unit_k_tiles;
     release(it - 1);  // the last k-tile's stage
 #pragma unroll
     for (int j = 0; j < ND; ++j) asm volatile("" : "+f"(acc[j])::"memory");  // reads after the wgmma wait
+    if (splits > 1) {  // split-K: the last split of the tile to finish stores it, from every split's partial sums
+      const SplitK<ND, 32 * kTmaConsumerWarps> part(split_ws, split_counters, tile, split, splits, tid);
+      part.store(acc, 0);
+      if (!part.last([] { consumers_bar_sync(); })) continue;
+      part.sum(acc, 0);
+    }
     const int row0 = cta_row0 + 64 * wg + 16 * wq;
     if constexpr (EPI_N > 0) {
       if (active) {
@@ -976,9 +989,12 @@ bool encode_y_map(const SpmmArgs& a, int box_tokens, CUtensorMap* map) {
 
 // Configs 13-27; fall back to config 4 where a tensor map of X or the weight cannot be made (as launch_sm90_tma
 // does), and the staged-epilogue configs (EPI_N > 0) to config 15 (19 for 128- or 192-token tiles) where Y's cannot.
+// splits > 1: split-K over the 128 x BN tiles (a.split_ws / a.split_counters sized for them by spmm_sm90_split_floats;
+// one split where they are null, and in the clustered or skewed lab configurations); the fallbacks split only where
+// their tiles are the same (15 for 20), and run unsplit otherwise.
 template <typename T, int BN, int STAGES, int GROUP, int PERSIST, int SKEW = 0, int EPI_N = 0, int EPI_BUFS = 0,
           bool EVICT_FIRST = false, int CLUSTER = 1, bool XSHARE = true, bool TRIM = false, bool RUNBUF = false>
-cudaError_t launch_sm90_tma_a(const SpmmArgs& a, cudaStream_t stream) {
+cudaError_t launch_sm90_tma_a(const SpmmArgs& a, cudaStream_t stream, int splits = 1) {
   static_assert(CLUSTER == 1 || (PERSIST && !SKEW && GROUP == 1), "clusters: persistent, plain tile order only");
   static_assert(epi_buffers_restart_ok(BN, EPI_N, EPI_BUFS, RUNBUF), "every tile starts at buffer 0");
   CUtensorMap x_map, a_map, e_map, y_map;
@@ -988,7 +1004,8 @@ cudaError_t launch_sm90_tma_a(const SpmmArgs& a, cudaStream_t stream) {
     return launch_sm90<T, Sm90Cfg<256, 1, 6, 0, 1>>(a, stream);  // config 4
   if constexpr (EPI_N > 0) {
     if (!encode_y_map(a, EPI_N, &y_map))  // config 15, or 19 for the smaller token tiles
-      return BN == 256 ? launch_sm90_tma_a<T, 256, 5, 1, 1>(a, stream) : launch_sm90_tma_a<T, 128, 8, 1, 1>(a, stream);
+      return BN == 256 ? launch_sm90_tma_a<T, 256, 5, 1, 1>(a, stream, splits)
+                       : launch_sm90_tma_a<T, 128, 8, 1, 1>(a, stream, BN == 128 ? splits : 1);
   } else {
     y_map = x_map;  // unused by the direct-store epilogue
   }
@@ -1000,14 +1017,18 @@ cudaError_t launch_sm90_tma_a(const SpmmArgs& a, cudaStream_t stream) {
   if (err != cudaSuccess) return err;
   const int row_units = ((a.rows_padded + 127) / 128 + CLUSTER - 1) / CLUSTER;
   const long long tiles = (long long)row_units * ((a.n_tokens + BN - 1) / BN);
-  if (tiles > (1LL << 31) - 1) return cudaErrorInvalidConfiguration;
+  if (a.split_ws == nullptr || a.split_counters == nullptr || CLUSTER > 1 || SKEW) splits = 1;
+  if (splits > 1 && tiles > kSplitKCounters) return cudaErrorInvalidValue;
+  const long long units = tiles * splits;
+  if (units > (1LL << 31) - 1) return cudaErrorInvalidConfiguration;
+  const int k_tiles = (a.steps + 1) / 2, kt_per_split = (k_tiles + splits - 1) / splits;
   int sms = 0;
   if ((err = current_sm_count(&sms)) != cudaSuccess) return err;
   if constexpr (CLUSTER == 1) {
-    const int grid = PERSIST ? (int)std::min<long long>(tiles, sms) : (int)tiles;
+    const int grid = PERSIST ? (int)std::min<long long>(units, sms) : (int)units;
     kernel<<<grid, kTmaThreads, smem, stream>>>(x_map, a_map, e_map, y_map, static_cast<const T*>(a.bias),
                                                 static_cast<T*>(a.y), a.n_tokens, a.rows, a.rows_padded, a.steps,
-                                                a.act);
+                                                a.act, splits, kt_per_split, a.split_ws, a.split_counters);
     return cudaGetLastError();
   } else {
     cudaLaunchAttribute attr[1];
@@ -1026,19 +1047,28 @@ cudaError_t launch_sm90_tma_a(const SpmmArgs& a, cudaStream_t stream) {
     }();
     cfg.gridDim = dim3((unsigned)(CLUSTER * std::min<long long>(tiles, max_clusters)));
     return cudaLaunchKernelEx(&cfg, kernel, x_map, a_map, e_map, y_map, static_cast<const T*>(a.bias),
-                              static_cast<T*>(a.y), a.n_tokens, a.rows, a.rows_padded, a.steps, a.act);
+                              static_cast<T*>(a.y), a.n_tokens, a.rows, a.rows_padded, a.steps, a.act, 1, k_tiles,
+                              static_cast<float*>(nullptr), static_cast<int*>(nullptr));
   }
 }
 
-// The product's large-token configurations (sm90_large_config in tile_config.h picks one of them; the measurements
-// behind the choice are in benchmarks/RESULTS.md, "Staged epilogue" and "Short-K"). Their fallbacks: config 4 where
-// a tensor map of X or the weight cannot be made, 15 / 19 where Y's cannot (see launch_sm90_tma_a).
+// The product's large-token configurations and their split-K (sm90_large_plan in tile_config.h; the measurements
+// behind the choice are in benchmarks/RESULTS.md, "Staged epilogue", "Short-K" and "split-K in the persistent
+// configurations"). Their fallbacks: config 4 where a tensor map of X or the weight cannot be made, 15 / 19 where Y's
+// cannot (see launch_sm90_tma_a).
+Sm90LargePlan large_plan(const SpmmArgs& a, int sms) {
+  Sm90LargePlan p = sm90_large_plan(a.rows_padded, a.n_tokens, (a.steps + 1) / 2, sms);
+#if defined(HF_SPARSE_LAB)
+  p.split.splits = lab::split_k_or(p.split.splits, p.split.tiles, (a.steps + 1) / 2);
+#endif
+  return p;
+}
 template <typename T>
-cudaError_t launch_large(const SpmmArgs& a, cudaStream_t stream, int cfg) {
-  switch (cfg) {
-    case kSm90Config192: return launch_sm90_tma_a<T, 192, 5, 1, 1, 0, 96, 2>(a, stream);  // 27
-    case kSm90Config128: return launch_sm90_tma_a<T, 128, 7, 1, 1, 0, 64, 2>(a, stream);  // 23
-    default: return launch_sm90_tma_a<T, 256, 4, 1, 1, 0, 64, 2>(a, stream);              // 20
+cudaError_t launch_large(const SpmmArgs& a, cudaStream_t stream, const Sm90LargePlan& p) {
+  switch (p.config) {
+    case kSm90Config192: return launch_sm90_tma_a<T, 192, 5, 1, 1, 0, 96, 2>(a, stream, p.split.splits);  // 27
+    case kSm90Config128: return launch_sm90_tma_a<T, 128, 7, 1, 1, 0, 64, 2>(a, stream, p.split.splits);  // 23
+    default: return launch_sm90_tma_a<T, 256, 4, 1, 1, 0, 64, 2>(a, stream, p.split.splits);              // 20
   }
 }
 
@@ -1109,7 +1139,7 @@ cudaError_t dispatch_bn(const SpmmArgs& a, cudaStream_t stream) {
     if (p.bn == 64) return launch_sm90<T, SmallCfg<64>>(a, stream, p.splits, true);
     return launch_sm90<T, SmallCfg<128>>(a, stream, p.splits, true);
   }
-  return launch_large<T>(a, stream, sm90_large_config(a.rows_padded, a.n_tokens, sms));
+  return launch_large<T>(a, stream, large_plan(a, sms));
 }
 
 }  // namespace
@@ -1129,8 +1159,7 @@ bool spmm_sm90_available() {
 int64_t spmm_sm90_split_floats(const SpmmArgs& a) {
   int sms = 0;
   if (a.m != 4 || a.n_tokens <= 0 || current_sm_count(&sms) != cudaSuccess) return 0;  // (the launch reports an error)
-  if (!use_small_tiles(a, sms)) return 0;
-  return small_plan(a, sms).scratch_floats();
+  return use_small_tiles(a, sms) ? small_plan(a, sms).scratch_floats() : large_plan(a, sms).split.scratch_floats();
 }
 
 cudaError_t spmm_sm90(const SpmmArgs& a, cudaStream_t stream) {

@@ -280,7 +280,7 @@ spmm_vnm_sm90_kernel(const T* __restrict__ x, const uint4* __restrict__ values, 
 #pragma unroll
   for (int j = 0; j < ND; ++j) asm volatile("" : "+f"(acc[j])::"memory");  // reads after the wgmma wait
   if (gridDim.z > 1) {  // split-K: the last CTA of the tile to finish stores it (sm90_common.cuh SplitK)
-    const SplitK<ND, kVnmThreads> split(split_ws, split_counters);
+    const auto split = SplitK<ND, kVnmThreads>::of_grid(split_ws, split_counters);
     split.store(acc, 0);
     if (!split.last()) return;
     split.sum(acc, 0);

@@ -169,10 +169,39 @@ struct Sm90SplitPlan {
   long long tiles;
   long long scratch_floats() const { return splits > 1 ? tiles * splits * 128 * bn : 0; }
 };
+// The busiest SM's work in a split plan, in token rows x k-tiles: its rounds of CTAs (ceil(CTAs / SMs), however many
+// share an SM), each a tile's tokens plus its padding tokens (sm90_padded_tile_tokens) over one split's k-tiles.
+inline long long sm90_split_work(const Sm90SplitPlan& p, long long n_tokens, long long k_tiles, int sms) {
+  return (p.tiles * p.splits + sms - 1) / sms * sm90_padded_tile_tokens(n_tokens, p.bn) *
+         ((k_tiles + p.splits - 1) / p.splits);
+}
 inline Sm90SplitPlan sm90_split_plan(long long rows_padded, long long n_tokens, int bn, long long k_tiles,
                                      int sms, int ctas_per_sm, int min_k_tiles = kSplitKMinKTiles) {
   const long long tiles = ((rows_padded + 127) / 128) * ((n_tokens + bn - 1) / bn);
   return {bn, sm90_split_k(tiles, k_tiles, sms, ctas_per_sm, min_k_tiles), tiles};
+}
+// The persistent configurations' plan: the configuration (sm90_large_config) and its split-K. A work unit is a split
+// of a tile, and the CTAs, one per SM, walk the units. They split only where the tiles leave half the SMs or more idle
+// (e.g. 28672 -> 8192 at 192 tokens: 64 tiles of 448 k-tiles on 132 SMs), into as many splits as one round of units
+// fills (2 there), each at least kLargeSplitMinKTiles k-tiles long: the last split of a tile to finish reads back every
+// split's 128 x (tile tokens) fp32 partial tile, 64-128 KB each. More units than SMs measured slower than the
+// unsplit tiles (benchmarks/RESULTS.md, Y2: 8192 -> 28672 at 256 tokens, 224 tiles in 4 splits, 217 against 149 µs).
+constexpr int kLargeSplitMinKTiles = 16;
+inline int sm90_large_split_k(long long tiles, long long k_tiles, int sms) {
+  if (tiles <= 0 || tiles > kSplitKCounters || 2 * tiles > sms) return 1;
+  long long s = sms / tiles;
+  if (s > k_tiles / kLargeSplitMinKTiles) s = k_tiles / kLargeSplitMinKTiles;
+  if (s > kSplitKMax) s = kSplitKMax;
+  return s <= 1 ? 1 : (int)sm90_splits_without_empty(k_tiles, s);
+}
+struct Sm90LargePlan {
+  int config;
+  Sm90SplitPlan split;
+};
+inline Sm90LargePlan sm90_large_plan(long long rows_padded, long long n_tokens, long long k_tiles, int sms) {
+  const int config = sm90_large_config(rows_padded, n_tokens, sms), bn = sm90_config_tokens(config);
+  const long long tiles = ((rows_padded + 127) / 128) * ((n_tokens + bn - 1) / bn);
+  return {config, {bn, sm90_large_split_k(tiles, k_tiles, sms), tiles}};
 }
 
 // The few-token tiles' split-K plan.
@@ -182,24 +211,21 @@ inline Sm90SplitPlan sm90_small_plan(long long rows_padded, long long n_tokens, 
 }
 // Where the few-token tiles run: up to 95 tokens always (a persistent 128-token tile a quarter or more padding was
 // slower than they are at every shape measured: 8192 -> 28672 at 65 tokens, 136 against 104 µs); at 96-256 tokens where
-// the busiest SM's work is no more than in the fitted persistent configuration (sm90_tma_work x k-tiles), the few-token
-// tiles' work counted as ceil(CTAs / SMs) x (128 + padding tokens) x k-tiles per split x kSm90SmallTileCost: two CTAs
-// share an SM, and per token row and k-tile the cp.async kernel is slower than the TMA one, but it splits K where the
-// tiles are few. E.g. 28672 -> 8192 at 256 tokens (64 row blocks, 448 k-tiles): persistent 1 x 128 x 448 = 57344,
-// few-token 128 tiles x 2 splits on 132 SMs 2 x 128 x 224 x 1.5 = 86016: the persistent 128-token tiles (151 µs against
-// 180-203 µs); 13824 -> 5120 at 192 tokens (40 row blocks, 216 k-tiles): persistent 192-token tiles 1 x 192 x 216 =
-// 41472, few-token 80 tiles x 3 splits 2 x 192 x 72 x 1.5 = 41472: the few-token tiles (67 µs against 85 µs). Above 256
-// tokens the persistent configurations (sm90_large_config).
+// the busiest SM's work in them (sm90_split_work) x kSm90SmallTileCost is no more than in the persistent plan
+// (sm90_large_plan: the fitted configuration and its split): two CTAs share an SM, and per token row and k-tile the
+// cp.async kernel is slower than the TMA one. E.g. 28672 -> 8192 at 256 tokens (64 row blocks, 448 k-tiles):
+// persistent 128-token tiles, 128 of them, unsplit, 1 x 128 x 448 = 57344; few-token 128 tiles x 2 splits on 132 SMs
+// 2 x 128 x 224 x 1.5 = 86016: the persistent tiles. 28672 -> 8192 at 128 tokens: persistent 64 tiles x 2 splits,
+// 1 x 128 x 224 = 28672; few-token 64 tiles x 4 splits 2 x 128 x 112 x 1.5 = 43008: the persistent tiles. Above 256
+// tokens the persistent configurations (sm90_large_plan).
 constexpr int kSm90SmallTileCostNum = 3, kSm90SmallTileCostDen = 2;
 inline bool sm90_small_tiles(long long rows_padded, long long n_tokens, long long k_tiles, int sms) {
   if (n_tokens < 96) return true;
   if (n_tokens > 256 || sms <= 0) return false;
-  const long long row_blocks = (rows_padded + 127) / 128;
-  const int bn = sm90_config_tokens(sm90_fitted_config(row_blocks, n_tokens, sms));
-  const Sm90SplitPlan p = sm90_small_plan(rows_padded, n_tokens, k_tiles, sms);
-  const long long small_work = (p.tiles * p.splits + sms - 1) / sms * sm90_padded_tile_tokens(n_tokens, p.bn) *
-                               ((k_tiles + p.splits - 1) / p.splits) * kSm90SmallTileCostNum;
-  return small_work <= sm90_tma_work(row_blocks, n_tokens, bn, sms) * k_tiles * kSm90SmallTileCostDen;
+  const Sm90SplitPlan small = sm90_small_plan(rows_padded, n_tokens, k_tiles, sms);
+  const Sm90SplitPlan large = sm90_large_plan(rows_padded, n_tokens, k_tiles, sms).split;
+  return sm90_split_work(small, n_tokens, k_tiles, sms) * kSm90SmallTileCostNum <=
+         sm90_split_work(large, n_tokens, k_tiles, sms) * kSm90SmallTileCostDen;
 }
 
 }  // namespace hf_sparse

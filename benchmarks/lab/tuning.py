@@ -5,8 +5,8 @@ the product's choice), ``vnm_pipe`` (the V:2:M wgmma SpMM's pipeline: 0 register
 prefetch, 3 warp-specialised, 4 = 3 with one gather for both slabs where they keep the same columns, M = 8), ``vnm_tile`` (64: 64-token tiles at M = 8; 0 the product's), ``sddmm_gather_regs`` (1: the wgmma SDDMM at
 M = 8 loads X into registers; 0 the product's), ``split_k`` (> 0: that many splits of each tile's k-tiles in both
 sparse-wgmma SpMMs wherever they may split; 0 the product's count), ``small_tiles`` (1: the 2:4 wgmma kernel's
-few-token tiles at every count up to 256 tokens, 0: never, the persistent configurations instead; -1 the product's
-rule). They exist only in the lab build: run with ``HF_SPARSE_BUILD_LAB=1``
+few-token tiles up to 256 tokens, 0: never, the persistent large configurations and their split-K instead; -1 the
+product's rule). They exist only in the lab build: run with ``HF_SPARSE_BUILD_LAB=1``
 set before the extension is first built in the process (it is read at build time only).
 """
 

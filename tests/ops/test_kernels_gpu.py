@@ -164,6 +164,46 @@ def test_spmm_wgmma_split_k_at_few_tokens(v, m, dtype, tokens):
         _assert_spmm_matches_reference(x, w, p, b)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", [129, 200, 257, 300])
+def test_spmm_wgmma_split_k_in_the_persistent_configurations(dtype, tokens):
+    """2:4 above 128 tokens on two row blocks and a long K: the persistent TMA configurations' tiles leave most SMs
+    idle, so ``sm90_large_plan`` splits each tile's k-tiles in two work units, each a persistent CTA's turn; poisoned
+    memory, bias, a ragged token tile; the same result on a second call (partial sums added in split order)."""
+    if not _wgmma_runs_here():
+        pytest.skip("sparse wgmma needs a cc 9.0 GPU and an sm_90a build")
+    w, mask, p = _pack_cuda(192, (16 * 40 + 8) * 4, 64, 4, dtype, seed=tokens)
+    x = torch.randn(tokens, w.shape[1], device="cuda").to(dtype)
+    b = torch.randn(192, device="cuda").to(dtype)
+    with force_kernel(spmm="wgmma"):
+        _assert_spmm_matches_reference(x, w, p, b)
+        assert torch.equal(spmm(x, p, b), spmm(x, p, b))
+
+
+@pytest.mark.parametrize(
+    ("rows", "tokens", "cols"),
+    [
+        (4096, 300, 1032),  # configuration 23 (128-token tiles): 32 x 3 tiles
+        (776, 8190, 1040),  # 27 (192-token tiles) by the fill rule; rows % 8 != 0: its fallback 19, unsplit
+        (200, 130, 2600),  # 20 (256-token tiles), rows % 8 == 0
+        (196, 131, 2600),  # 20's fallback 15 (no tensor map of Y), split as 20
+    ],
+)
+@pytest.mark.parametrize("splits", [3, 16])
+def test_spmm_wgmma_forced_split_k_in_each_large_configuration(rows, tokens, cols, splits):
+    """Lab build: every split count forced in each persistent configuration, more work units than SMs (a CTA runs
+    several splits, of different tiles, one after another), ragged rows, tokens and K; poisoned memory, bias; the same
+    result again."""
+    w, mask, p = _pack_cuda(rows, cols, 64, 4, torch.bfloat16, seed=rows + splits)
+    x = torch.randn(tokens, cols, device="cuda").bfloat16()
+    b = torch.randn(rows, device="cuda").bfloat16()
+    if not _wgmma_runs_here():
+        pytest.skip("sparse wgmma needs a cc 9.0 GPU and an sm_90a build")
+    with force_kernel(spmm="wgmma"), lab_knobs(small_tiles=0, split_k=splits):
+        _assert_spmm_matches_reference(x, w, p, b)
+        assert torch.equal(spmm(x, p, b), spmm(x, p, b))
+
+
 @pytest.mark.parametrize(("v", "m"), [(64, 4), (64, 8)])
 def test_spmm_wgmma_split_k_is_deterministic_across_calls_shapes_and_streams(v, m):
     """The last CTA of a tile adds the partial sums in split order, so the result does not depend on which CTA

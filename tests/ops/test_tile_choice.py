@@ -73,10 +73,23 @@ WIDE_SPLIT_CASES = [
     ((80, 216, 132, 2), 3),  # 5120 rows x K 13824 at 256 tokens: 264 // 80 = 3 (13 allowed)
     ((1, 31, 132, 2), 1),  # fewer than 2 x 16 k-tiles: never split
 ]
+# (rows_padded, tokens, k-tiles, SMs) -> splits of the persistent configurations (sm90_large_plan): only where the tiles
+# of the configuration (sm90_large_config) leave half the SMs or more idle, then SMs // tiles, at most k-tiles // 16
+# and 16, as many as the k-tiles per split (rounded up) need.
+LARGE_SPLIT_CASES = [
+    ((8192, 192, 448, 132), 2),  # 28672 -> 8192 at 192 tokens: 192-token tiles, 64 of them: 132 // 64 = 2
+    ((5120, 192, 216, 132), 3),  # 13824 -> 5120 at 192 tokens: 40 tiles of 192 tokens: 3 (216 // 16 = 13 allowed)
+    ((4096, 256, 64, 132), 2),  # 4096 -> 4096 at 256 tokens: 128-token tiles (1 x 128), 64 of them: 2
+    ((4096, 128, 64, 100), 3),  # 100 SMs: 32 tiles, 100 // 32 = 3, 22 k-tiles per split
+    ((4096, 128, 20, 132), 1),  # 20 k-tiles: fewer than 2 x 16
+    ((28672, 256, 128, 132), 1),  # 224 tiles: more than half the SMs
+    ((8192, 256, 448, 132), 1),  # 28672 -> 8192 at 256 tokens: 128 tiles of 128 tokens
+    ((128, 8192, 64, 132), 2),  # one row block at 8192 tokens: 64 tiles of 128 tokens (the fill rule): 2
+]
 # (rows_padded, tokens, k-tiles, SMs) -> few-token tile width in tokens (0: a persistent configuration). Up to 95
 # tokens always; at 96-256 where the few-token tiles' busiest-SM work ceil(CTAs / SMs) x (128 + padding) x k-tiles per
-# split x 3/2 is no more than the fitted persistent configuration's ceil(tiles / SMs) x (tile tokens + padding) x
-# k-tiles (few-token split-K: 264 CTA slots // tiles, at most 16 and at most k-tiles // 16 splits).
+# split x 3/2 is no more than the persistent plan's ceil(units / SMs) x (tile tokens + padding) x k-tiles per split
+# (few-token split-K: 264 CTA slots // tiles, at most 16 and at most k-tiles // 16 splits; persistent: above).
 SMALL_CASES = [
     ((4096, 1, 64, 132), 16),
     ((4096, 16, 64, 132), 16),
@@ -84,19 +97,23 @@ SMALL_CASES = [
     ((8192, 64, 128, 132), 64),  # 64 tokens: always the few-token tiles
     ((28672, 95, 128, 132), 128),  # 95 tokens: always the few-token tiles (8192 -> 28672)
     # 4096 -> 4096 at 96 tokens: 32 tiles x 4 splits = 128 CTAs, 1 x 160 x 16 x 1.5 = 3840; persistent 128-token
-    # tiles 1 x 160 x 64 = 10240
-    ((4096, 96, 64, 132), 128),
-    # 4096 -> 11008 at 96 tokens: 86 tiles x 3 splits = 258 CTAs, 2 x 160 x 22 x 1.5 = 10560; persistent 1 x 160 x 64
-    # = 10240
+    # tiles, 32 x 4 splits, 1 x 160 x 16 = 2560
+    ((4096, 96, 64, 132), 0),
+    # 4096 -> 11008 at 96 tokens: 86 tiles x 3 splits = 258 CTAs, 2 x 160 x 22 x 1.5 = 10560; persistent 86 tiles,
+    # unsplit, 1 x 160 x 64 = 10240
     ((11008, 96, 64, 132), 0),
-    # 13824 -> 5120 at 192 tokens: 80 tiles x 3 splits, 2 x 192 x 72 x 1.5 = 41472; persistent 192-token tiles
-    # 1 x 192 x 216 = 41472: a tie, the few-token tiles
-    ((5120, 192, 216, 132), 128),
+    # 8192 -> 28672 at 96 tokens: 224 tiles, unsplit, 2 x 160 x 128 x 1.5 = 61440; persistent 224 tiles, unsplit,
+    # 2 x 160 x 128 = 40960
+    ((28672, 96, 128, 132), 0),
+    # 13824 -> 5120 at 192 tokens: 80 tiles x 3 splits, 2 x 192 x 72 x 1.5 = 41472; persistent 192-token tiles, 40 x 3
+    # splits, 1 x 192 x 72 = 13824
+    ((5120, 192, 216, 132), 0),
     # 28672 -> 8192 at 256 tokens: 128 tiles x 2 splits, 2 x 128 x 224 x 1.5 = 86016; persistent 128-token tiles
     # 1 x 128 x 448 = 57344
     ((8192, 256, 448, 132), 0),
-    # 28672 -> 8192 at 128 tokens: 64 tiles x 4 splits, 2 x 128 x 112 x 1.5 = 43008; persistent 1 x 128 x 448
-    ((8192, 128, 448, 132), 128),
+    # 28672 -> 8192 at 128 tokens: 64 tiles x 4 splits, 2 x 128 x 112 x 1.5 = 43008; persistent 64 x 2 splits,
+    # 1 x 128 x 224 = 28672
+    ((8192, 128, 448, 132), 0),
     ((4096, 257, 64, 132), 0),  # above 256 tokens: the persistent configurations
 ]
 
@@ -131,6 +148,7 @@ int main(int argc, char** argv) {
     if (fn == 'B')
       std::printf("%d\n", hf_sparse::sm90_small_tiles(a, b, c, (int)d) ? hf_sparse::sm90_small_bn(b) : 0);
     if (fn == 'V') std::printf("%d\n", hf_sparse::sm90_vnm_bn((int)a, b));
+    if (fn == 'P') std::printf("%d\n", hf_sparse::sm90_large_plan(a, b, c, (int)d).split.splits);
   }
   return 0;
 }
@@ -163,6 +181,10 @@ def test_split_k_count_matches_hand_computed_choices(chooser):
     assert _choose(chooser, "S", SPLIT_CASES) == [expected for _, expected in SPLIT_CASES]
     assert _choose(chooser, "T", VNM_SPLIT_CASES) == [expected for _, expected in VNM_SPLIT_CASES]
     assert _choose(chooser, "W", WIDE_SPLIT_CASES) == [expected for _, expected in WIDE_SPLIT_CASES]
+
+
+def test_persistent_split_k_matches_hand_computed_choices(chooser):
+    assert _choose(chooser, "P", LARGE_SPLIT_CASES) == [expected for _, expected in LARGE_SPLIT_CASES]
 
 
 def test_few_token_tiles_match_hand_computed_choices(chooser):
