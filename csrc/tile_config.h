@@ -69,27 +69,13 @@ constexpr int kSm90Config256 = 20, kSm90Config192 = 27, kSm90Config128 = 23;
 inline int sm90_config_tokens(int config) {
   return config == kSm90Config256 ? 256 : config == kSm90Config192 ? 192 : 128;
 }
-// Up to 256 tokens, the tile that fits the tokens: the least work for the busiest SM, ceil(tiles / SMs) x (tile tokens
-// + padding tokens), the padding being the token rows of the last token tile past the last token (zero-filled by TMA,
-// and measured to cost as much as real tokens or more: 8192 -> 28672 at 192 tokens, 256-token tiles 187 µs, 192-token
-// tiles 116 µs); the larger tile on a tie. E.g. 64 row blocks at 224 tokens: 256: 1 x (256 + 32); 192: 1 x (192 + 160);
-// 128: 128 tiles, 1 x (128 + 32): 23.
-// A bn-token tile's tokens plus the padding tokens of the last token tile (those past the last token).
+// A bn-token tile's tokens plus the padding tokens of the last token tile (those past the last token: zero-filled by
+// TMA, and measured to cost as much as real tokens or more: 8192 -> 28672 at 192 tokens, 256-token tiles 187 µs,
+// 192-token tiles 116 µs).
 inline long long sm90_padded_tile_tokens(long long n_tokens, int bn) {
   return bn + (n_tokens + bn - 1) / bn * bn - n_tokens;
 }
-inline long long sm90_tma_work(long long row_blocks, long long n_tokens, int bn, int sms) {
-  const long long tiles = row_blocks * ((n_tokens + bn - 1) / bn);
-  return (tiles + sms - 1) / sms * sm90_padded_tile_tokens(n_tokens, bn);
-}
-inline int sm90_fitted_config(long long row_blocks, long long n_tokens, int sms) {
-  const long long w256 = sm90_tma_work(row_blocks, n_tokens, 256, sms),
-                  w192 = sm90_tma_work(row_blocks, n_tokens, 192, sms),
-                  w128 = sm90_tma_work(row_blocks, n_tokens, 128, sms);
-  if (w128 < w192 && w128 < w256) return kSm90Config128;
-  return w192 < w256 ? kSm90Config192 : kSm90Config256;
-}
-// Above 256 tokens, by how well the last round of tiles fills the SMs: 256 where that fills >= 85% of the SM slots of
+// Above 256 tokens (sm90_large_plan), by how well the last round of tiles fills the SMs: 256 where that fills >= 85% of the SM slots of
 // all rounds, or where neither 192 nor 128 fills more than 10 points better; else 192 when it fills about as well as
 // 128 (192 moves 12% fewer L2 bytes per MAC), else 128. E.g. 3072 -> 768 at 8192 tokens on 132 SMs: 256 fills 73%,
 // 192 98%, 128 97%: 27.
@@ -99,7 +85,6 @@ inline double sm90_fill(long long row_blocks, long long n_tokens, int bn, int sm
 }
 inline int sm90_large_config(long long rows_padded, long long n_tokens, int sms) {
   const long long row_blocks = (rows_padded + 127) / 128;
-  if (n_tokens <= 256) return sm90_fitted_config(row_blocks, n_tokens, sms);
   const double f256 = sm90_fill(row_blocks, n_tokens, 256, sms), f192 = sm90_fill(row_blocks, n_tokens, 192, sms),
                f128 = sm90_fill(row_blocks, n_tokens, 128, sms);
   if (f256 >= 0.85 || (f192 > f128 ? f192 : f128) <= f256 + 0.1) return kSm90Config256;
@@ -180,12 +165,12 @@ inline Sm90SplitPlan sm90_split_plan(long long rows_padded, long long n_tokens, 
   const long long tiles = ((rows_padded + 127) / 128) * ((n_tokens + bn - 1) / bn);
   return {bn, sm90_split_k(tiles, k_tiles, sms, ctas_per_sm, min_k_tiles), tiles};
 }
-// The persistent configurations' plan: the configuration (sm90_large_config) and its split-K. A work unit is a split
-// of a tile, and the CTAs, one per SM, walk the units. They split only where the tiles leave half the SMs or more idle
-// (e.g. 28672 -> 8192 at 192 tokens: 64 tiles of 448 k-tiles on 132 SMs), into as many splits as one round of units
-// fills (2 there), each at least kLargeSplitMinKTiles k-tiles long: the last split of a tile to finish reads back every
-// split's 128 x (tile tokens) fp32 partial tile, 64-128 KB each. More units than SMs measured slower than the
-// unsplit tiles (benchmarks/RESULTS.md, Y2: 8192 -> 28672 at 256 tokens, 224 tiles in 4 splits, 217 against 149 µs).
+// The persistent configurations' plan: the configuration and its split-K. A work unit is a split of a tile, and the
+// CTAs, one per SM, walk the units. A configuration splits only where its tiles leave half the SMs or more idle (e.g.
+// 28672 -> 8192 at 192 tokens: 64 tiles of 448 k-tiles on 132 SMs), into as many splits as one round of units fills (2
+// there), each at least kLargeSplitMinKTiles k-tiles long: the last split of a tile to finish reads back every split's
+// 128 x (tile tokens) fp32 partial tile, 64-128 KB each. More units than SMs measured slower than the unsplit tiles
+// (benchmarks/RESULTS.md, Y2: 8192 -> 28672 at 256 tokens, 224 tiles in 4 splits, 217 against 149 µs).
 constexpr int kLargeSplitMinKTiles = 16;
 inline int sm90_large_split_k(long long tiles, long long k_tiles, int sms) {
   if (tiles <= 0 || tiles > kSplitKCounters || 2 * tiles > sms) return 1;
@@ -198,10 +183,27 @@ struct Sm90LargePlan {
   int config;
   Sm90SplitPlan split;
 };
-inline Sm90LargePlan sm90_large_plan(long long rows_padded, long long n_tokens, long long k_tiles, int sms) {
-  const int config = sm90_large_config(rows_padded, n_tokens, sms), bn = sm90_config_tokens(config);
+inline Sm90LargePlan sm90_config_plan(int config, long long rows_padded, long long n_tokens, long long k_tiles,
+                                      int sms) {
+  const int bn = sm90_config_tokens(config);
   const long long tiles = ((rows_padded + 127) / 128) * ((n_tokens + bn - 1) / bn);
   return {config, {bn, sm90_large_split_k(tiles, k_tiles, sms), tiles}};
+}
+// Up to 256 tokens, the configuration whose plan gives the busiest SM the least work (sm90_split_work: its rounds of
+// units x (tile tokens + padding tokens) x k-tiles per split), the larger tile on a tie; above, the fill rule's
+// (sm90_large_config). E.g. 28672 -> 8192 at 256 tokens (64 row blocks, 448 k-tiles): 256-token tiles, 64 x 2 splits,
+// 1 x 256 x 224; 192: 128 tiles, 1 x (192 + 128) x 448; 128: 128 tiles, 1 x 128 x 448: a tie, 20 in 2 splits.
+inline Sm90LargePlan sm90_large_plan(long long rows_padded, long long n_tokens, long long k_tiles, int sms) {
+  if (n_tokens > 256) return sm90_config_plan(sm90_large_config(rows_padded, n_tokens, sms), rows_padded, n_tokens,
+                                              k_tiles, sms);
+  const int configs[3] = {kSm90Config256, kSm90Config192, kSm90Config128};  // larger tiles first: they win ties
+  Sm90LargePlan best = sm90_config_plan(configs[0], rows_padded, n_tokens, k_tiles, sms);
+  for (int i = 1; i < 3; ++i) {
+    const Sm90LargePlan p = sm90_config_plan(configs[i], rows_padded, n_tokens, k_tiles, sms);
+    if (sm90_split_work(p.split, n_tokens, k_tiles, sms) < sm90_split_work(best.split, n_tokens, k_tiles, sms))
+      best = p;
+  }
+  return best;
 }
 
 // The few-token tiles' split-K plan.
@@ -212,9 +214,9 @@ inline Sm90SplitPlan sm90_small_plan(long long rows_padded, long long n_tokens, 
 // Where the few-token tiles run: up to 95 tokens always (a persistent 128-token tile a quarter or more padding was
 // slower than they are at every shape measured: 8192 -> 28672 at 65 tokens, 136 against 104 µs); at 96-256 tokens where
 // the busiest SM's work in them (sm90_split_work) x kSm90SmallTileCost is no more than in the persistent plan
-// (sm90_large_plan: the fitted configuration and its split): two CTAs share an SM, and per token row and k-tile the
+// (sm90_large_plan: the configuration and its split): two CTAs share an SM, and per token row and k-tile the
 // cp.async kernel is slower than the TMA one. E.g. 28672 -> 8192 at 256 tokens (64 row blocks, 448 k-tiles):
-// persistent 128-token tiles, 128 of them, unsplit, 1 x 128 x 448 = 57344; few-token 128 tiles x 2 splits on 132 SMs
+// persistent 256-token tiles, 64 x 2 splits, 1 x 256 x 224 = 57344; few-token 128 tiles x 2 splits on 132 SMs
 // 2 x 128 x 224 x 1.5 = 86016: the persistent tiles. 28672 -> 8192 at 128 tokens: persistent 64 tiles x 2 splits,
 // 1 x 128 x 224 = 28672; few-token 64 tiles x 4 splits 2 x 128 x 112 x 1.5 = 43008: the persistent tiles. Above 256
 // tokens the persistent configurations (sm90_large_plan).

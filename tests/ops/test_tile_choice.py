@@ -1,5 +1,5 @@
-"""CPU: the sparse-wgmma SpMMs' tile choices in ``csrc/tile_config.h`` (``sm90_large_config`` above 128 tokens, the
-few-token tiles and the split-K count), compiled on their own with the host compiler, against hand-computed choices."""
+"""CPU: the sparse-wgmma SpMMs' tile choices in ``csrc/tile_config.h`` (the persistent configurations and their split,
+the few-token tiles and the split-K count), compiled on their own with the host compiler, against hand-computed choices."""
 
 from __future__ import annotations
 
@@ -11,10 +11,9 @@ import pytest
 
 CSRC = Path(__file__).resolve().parents[2] / "csrc"
 
-# (rows_padded, tokens, SMs) -> config: 20 = 128 x 256 tiles, 27 = 128 x 192, 23 = 128 x 128. Above 256 tokens:
-# fill = tiles / (rounds * SMs) for each token tile; 20 unless 256 fills < 85% and 192 or 128 fills > 10 points better;
-# then 27 unless 128 fills > 2 points better than 192. Up to 256 tokens: the least ceil(tiles / SMs) x (tile tokens +
-# padding tokens of the last token tile), the larger tile on a tie.
+# (rows_padded, tokens, SMs) -> config above 256 tokens (sm90_large_config): 20 = 128 x 256 tiles, 27 = 128 x 192,
+# 23 = 128 x 128. fill = tiles / (rounds * SMs) for each token tile; 20 unless 256 fills < 85% and 192 or 128 fills
+# > 10 points better; then 27 unless 128 fills > 2 points better than 192.
 CASES = [
     # 6 row blocks x 32 token tiles = 192 tiles: 73% of 2 rounds; 192: 258 tiles 98%; 128: 384 tiles 97% -> 27
     ((768, 8192, 132), 27),
@@ -24,19 +23,44 @@ CASES = [
     ((4096, 8190, 132), 20),
     # 32 x 17 = 544 tiles: 82% of 5 rounds; 192: 704 tiles 89%; 128: 1056 tiles 100% -> 23
     ((4096, 4100, 132), 23),
-    # 1 row block at 256 tokens: 256: 1 x 256; 192: 1 x (192 + 128); 128: 2 tiles, 1 x 128 -> 23
-    ((128, 256, 132), 23),
-    # 224 row blocks at 192 tokens: 256: 2 x (256 + 64) = 640; 192: 2 x 192 = 384; 128: 448 tiles 4 x (128 + 64) -> 27
-    ((28672, 192, 132), 27),
-    # 224 row blocks at 256 tokens: 256: 2 x 256 = 512; 192: 448 tiles 4 x (192 + 128); 128: 448 tiles 4 x 128 = 512:
-    # a tie, the larger tile -> 20
-    ((28672, 256, 132), 20),
-    # 64 row blocks at 224 tokens: 256: 1 x (256 + 32); 192: 128 tiles 1 x (192 + 160); 128: 1 x (128 + 32) -> 23
-    ((8192, 224, 132), 23),
-    # 108 row blocks at 96 tokens: 256: 1 x (256 + 160); 192: 1 x (192 + 96); 128: 1 x (128 + 32) -> 23
-    ((13824, 96, 132), 23),
     # 114 SMs: 192 tiles 84% of 2 rounds; 192: 258 tiles 75% of 3; 128: 384 tiles 84% of 4: none 10 points better -> 20
     ((768, 8192, 114), 20),
+]
+
+# (rows_padded, tokens, k-tiles, SMs) -> (config, splits) of the persistent plan (sm90_large_plan). Splits: only where
+# the configuration's tiles leave half the SMs or more idle, then SMs // tiles, at most k-tiles // 16 and 16, as many
+# as the k-tiles per split (rounded up) need. Up to 256 tokens the configuration with the least ceil(units / SMs) x
+# (tile tokens + padding tokens of the last token tile) x k-tiles per split, the larger tile on a tie; above, CASES.
+LARGE_PLAN_CASES = [
+    # 28672 -> 8192 at 192 tokens (64 row blocks): 256: 64 x 2 splits, (256 + 64) x 224; 192: 64 x 2, 192 x 224;
+    # 128: 128 tiles, (128 + 64) x 448 -> 27 in 2
+    ((8192, 192, 448, 132), (27, 2)),
+    # 28672 -> 8192 at 256 tokens: 256: 64 x 2, 256 x 224; 192: 128 tiles, (192 + 128) x 448; 128: 128, 128 x 448:
+    # a tie, the larger tile -> 20 in 2
+    ((8192, 256, 448, 132), (20, 2)),
+    # 28672 -> 8192 at 224 tokens: 256: 64 x 2, (256 + 32) x 224; 192: 128 tiles, (192 + 160) x 448; 128: 128 tiles,
+    # (128 + 32) x 448 -> 20 in 2
+    ((8192, 224, 448, 132), (20, 2)),
+    # 13824 -> 5120 at 192 tokens (40 row blocks, 216 k-tiles): 192: 40 x 3 splits (132 // 40), 192 x 72 -> 27 in 3
+    ((5120, 192, 216, 132), (27, 3)),
+    # 4096 -> 4096 at 256 tokens (32 row blocks, 64 k-tiles): 256: 32 x 4 (64 // 16), 256 x 16; 128: 64 x 2,
+    # 128 x 32: a tie -> 20 in 4
+    ((4096, 256, 64, 132), (20, 4)),
+    # 100 SMs, 128 tokens: 128: 32 x 3 (100 // 32), 128 x 22; 256: 32 x 3, (256 + 128) x 22 -> 23 in 3
+    ((4096, 128, 64, 100), (23, 3)),
+    ((4096, 128, 20, 132), (23, 1)),  # 20 k-tiles: fewer than 2 x 16, never split
+    # 8192 -> 28672 at 256 tokens (224 row blocks): no configuration leaves half the SMs idle; 256: 2 x 256 x 128;
+    # 128: 448 tiles, 4 x 128 x 128: a tie -> 20
+    ((28672, 256, 128, 132), (20, 1)),
+    # 8192 -> 28672 at 192 tokens: 256: 2 x (256 + 64); 192: 2 x 192; 128: 448 tiles, 4 x (128 + 64) -> 27
+    ((28672, 192, 128, 132), (27, 1)),
+    # 5120 -> 13824 at 96 tokens (108 row blocks): 128: 1 x (128 + 32); 192: 1 x (192 + 96); 256: 1 x (256 + 160) -> 23
+    ((13824, 96, 80, 132), (23, 1)),
+    # one row block at 256 tokens, 64 k-tiles: 256: 1 tile x 4, 256 x 16; 192: 2 x 4, (192 + 128) x 16; 128: 2 x 4,
+    # 128 x 16 -> 23 in 4
+    ((128, 256, 64, 132), (23, 4)),
+    # one row block at 8192 tokens: the fill rule's 23 (64 tiles of 128 tokens), 2 splits
+    ((128, 8192, 64, 132), (23, 2)),
 ]
 
 # (tiles, k_tiles, SMs, CTAs per SM) -> splits. Several CTAs per SM: (SMs x CTAs per SM) // tiles, at most 16 and at
@@ -72,19 +96,6 @@ WIDE_SPLIT_CASES = [
     ((32, 64, 132, 2), 4),  # 4096 rows x K 4096 at 128 tokens: 264 // 32 = 8 wanted, 64 // 16 = 4 allowed
     ((80, 216, 132, 2), 3),  # 5120 rows x K 13824 at 256 tokens: 264 // 80 = 3 (13 allowed)
     ((1, 31, 132, 2), 1),  # fewer than 2 x 16 k-tiles: never split
-]
-# (rows_padded, tokens, k-tiles, SMs) -> splits of the persistent configurations (sm90_large_plan): only where the tiles
-# of the configuration (sm90_large_config) leave half the SMs or more idle, then SMs // tiles, at most k-tiles // 16
-# and 16, as many as the k-tiles per split (rounded up) need.
-LARGE_SPLIT_CASES = [
-    ((8192, 192, 448, 132), 2),  # 28672 -> 8192 at 192 tokens: 192-token tiles, 64 of them: 132 // 64 = 2
-    ((5120, 192, 216, 132), 3),  # 13824 -> 5120 at 192 tokens: 40 tiles of 192 tokens: 3 (216 // 16 = 13 allowed)
-    ((4096, 256, 64, 132), 2),  # 4096 -> 4096 at 256 tokens: 128-token tiles (1 x 128), 64 of them: 2
-    ((4096, 128, 64, 100), 3),  # 100 SMs: 32 tiles, 100 // 32 = 3, 22 k-tiles per split
-    ((4096, 128, 20, 132), 1),  # 20 k-tiles: fewer than 2 x 16
-    ((28672, 256, 128, 132), 1),  # 224 tiles: more than half the SMs
-    ((8192, 256, 448, 132), 1),  # 28672 -> 8192 at 256 tokens: 128 tiles of 128 tokens
-    ((128, 8192, 64, 132), 2),  # one row block at 8192 tokens: 64 tiles of 128 tokens (the fill rule): 2
 ]
 # (rows_padded, tokens, k-tiles, SMs) -> few-token tile width in tokens (0: a persistent configuration). Up to 95
 # tokens always; at 96-256 where the few-token tiles' busiest-SM work ceil(CTAs / SMs) x (128 + padding) x k-tiles per
@@ -148,7 +159,10 @@ int main(int argc, char** argv) {
     if (fn == 'B')
       std::printf("%d\n", hf_sparse::sm90_small_tiles(a, b, c, (int)d) ? hf_sparse::sm90_small_bn(b) : 0);
     if (fn == 'V') std::printf("%d\n", hf_sparse::sm90_vnm_bn((int)a, b));
-    if (fn == 'P') std::printf("%d\n", hf_sparse::sm90_large_plan(a, b, c, (int)d).split.splits);
+    if (fn == 'P') {
+      const hf_sparse::Sm90LargePlan p = hf_sparse::sm90_large_plan(a, b, c, (int)d);
+      std::printf("%d %d\n", p.config, p.split.splits);
+    }
   }
   return 0;
 }
@@ -183,8 +197,9 @@ def test_split_k_count_matches_hand_computed_choices(chooser):
     assert _choose(chooser, "W", WIDE_SPLIT_CASES) == [expected for _, expected in WIDE_SPLIT_CASES]
 
 
-def test_persistent_split_k_matches_hand_computed_choices(chooser):
-    assert _choose(chooser, "P", LARGE_SPLIT_CASES) == [expected for _, expected in LARGE_SPLIT_CASES]
+def test_persistent_plan_matches_hand_computed_choices(chooser):
+    got = _choose(chooser, "P", LARGE_PLAN_CASES)
+    assert list(zip(got[::2], got[1::2])) == [expected for _, expected in LARGE_PLAN_CASES]
 
 
 def test_few_token_tiles_match_hand_computed_choices(chooser):
