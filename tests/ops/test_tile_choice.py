@@ -199,7 +199,7 @@ def test_split_k_count_matches_hand_computed_choices(chooser):
 
 def test_persistent_plan_matches_hand_computed_choices(chooser):
     got = _choose(chooser, "P", LARGE_PLAN_CASES)
-    assert list(zip(got[::2], got[1::2])) == [expected for _, expected in LARGE_PLAN_CASES]
+    assert list(zip(got[::2], got[1::2], strict=True)) == [expected for _, expected in LARGE_PLAN_CASES]
 
 
 def test_few_token_tiles_match_hand_computed_choices(chooser):
