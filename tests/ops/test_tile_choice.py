@@ -97,16 +97,24 @@ WIDE_SPLIT_CASES = [
     ((80, 216, 132, 2), 3),  # 5120 rows x K 13824 at 256 tokens: 264 // 80 = 3 (13 allowed)
     ((1, 31, 132, 2), 1),  # fewer than 2 x 16 k-tiles: never split
 ]
-# (rows_padded, tokens, k-tiles, SMs) -> few-token tile width in tokens (0: a persistent configuration). Up to 95
-# tokens always; at 96-256 where the few-token tiles' busiest-SM work ceil(CTAs / SMs) x (128 + padding) x k-tiles per
-# split x 3/2 is no more than the persistent plan's ceil(units / SMs) x (tile tokens + padding) x k-tiles per split
+# (rows_padded, tokens, k-tiles, SMs) -> few-token tile width in tokens (0: a persistent configuration). Up to 64
+# tokens always; at 65-95 where the persistent plan does not split, else as at 96-256; at 96-256 where the few-token
+# tiles' busiest-SM work ceil(CTAs / SMs) x (128 + padding) x k-tiles per split x 3/2 is no more than the persistent plan's ceil(units / SMs) x (tile tokens + padding) x k-tiles per split
 # (few-token split-K: 264 CTA slots // tiles, at most 16 and at most k-tiles // 16 splits; persistent: above).
 SMALL_CASES = [
     ((4096, 1, 64, 132), 16),
     ((4096, 16, 64, 132), 16),
     ((4096, 17, 64, 132), 64),
     ((8192, 64, 128, 132), 64),  # 64 tokens: always the few-token tiles
-    ((28672, 95, 128, 132), 128),  # 95 tokens: always the few-token tiles (8192 -> 28672)
+    ((4096, 64, 64, 132), 64),
+    ((28672, 95, 128, 132), 128),  # 65-95 tokens: the few-token tiles where the persistent plan does not split
+    ((11008, 80, 64, 132), 128),  # 4096 -> 11008 at 80 tokens: 86 tiles, unsplit
+    # 65-95 tokens where it splits, by the work: 4096 -> 4096 at 80 tokens, few-token 32 tiles x 4 splits,
+    # 1 x 176 x 16 x 1.5 = 4224; persistent 128-token tiles, 32 x 4 splits, 1 x 176 x 16 = 2816
+    ((4096, 80, 64, 132), 0),
+    # 28672 -> 8192 at 80 tokens: few-token 64 tiles x 4 splits, 2 x 176 x 112 x 1.5 = 59136; persistent 64 x 2
+    # splits, 1 x 176 x 224 = 39424
+    ((8192, 80, 448, 132), 0),
     # 4096 -> 4096 at 96 tokens: 32 tiles x 4 splits = 128 CTAs, 1 x 160 x 16 x 1.5 = 3840; persistent 128-token
     # tiles, 32 x 4 splits, 1 x 160 x 16 = 2560
     ((4096, 96, 64, 132), 0),
