@@ -211,9 +211,11 @@ inline Sm90SplitPlan sm90_small_plan(long long rows_padded, long long n_tokens, 
   const int bn = sm90_small_bn(n_tokens);
   return sm90_split_plan(rows_padded, n_tokens, bn, k_tiles, sms, kSm90SmallCtasPerSm, sm90_small_min_k_tiles(bn));
 }
-// Where the few-token tiles run: up to 64 tokens always; at 65-95 tokens unless the persistent plan splits (unsplit, a
-// persistent 128-token tile a quarter or more padding was slower than they are at every shape measured: 8192 -> 28672
-// at 65 tokens, 136 against 104 µs) and the work below favours it; at 96-256 tokens where
+// Where the few-token tiles run: up to 64 tokens always; at 65-95 tokens unless the persistent plan splits into units
+// of at most kSm90ShortSplitKTiles k-tiles and the work below favours it (measured, benchmarks/RESULTS.md Z4: its
+// split units were faster at 11008 -> 4096, 43 k-tiles each, 1.2x, and 4096 -> 4096, 16 each; slower at 28672 -> 8192,
+// 224 each, up to 1.2x; unsplit, a persistent 128-token tile a quarter or more padding was slower at every shape:
+// 8192 -> 28672 at 65 tokens, 136 against 104 µs); at 96-256 tokens where
 // the busiest SM's work in them (sm90_split_work) x kSm90SmallTileCost is no more than in the persistent plan
 // (sm90_large_plan: the configuration and its split): two CTAs share an SM, and per token row and k-tile the
 // cp.async kernel is slower than the TMA one. E.g. 28672 -> 8192 at 256 tokens (64 row blocks, 448 k-tiles):
@@ -221,13 +223,14 @@ inline Sm90SplitPlan sm90_small_plan(long long rows_padded, long long n_tokens, 
 // 2 x 128 x 224 x 1.5 = 86016: the persistent tiles. 28672 -> 8192 at 128 tokens: persistent 64 tiles x 2 splits,
 // 1 x 128 x 224 = 28672; few-token 64 tiles x 4 splits 2 x 128 x 112 x 1.5 = 43008: the persistent tiles. Above 256
 // tokens the persistent configurations (sm90_large_plan).
-constexpr int kSm90SmallTileCostNum = 3, kSm90SmallTileCostDen = 2;
+constexpr int kSm90SmallTileCostNum = 3, kSm90SmallTileCostDen = 2, kSm90ShortSplitKTiles = 64;
 inline bool sm90_small_tiles(long long rows_padded, long long n_tokens, long long k_tiles, int sms) {
   if (n_tokens <= 64) return true;
   if (n_tokens > 256 || sms <= 0) return false;
   const Sm90SplitPlan small = sm90_small_plan(rows_padded, n_tokens, k_tiles, sms);
   const Sm90SplitPlan large = sm90_large_plan(rows_padded, n_tokens, k_tiles, sms).split;
-  if (n_tokens < 96 && large.splits == 1) return true;
+  if (n_tokens < 96 && (large.splits == 1 || (k_tiles + large.splits - 1) / large.splits > kSm90ShortSplitKTiles))
+    return true;
   return sm90_split_work(small, n_tokens, k_tiles, sms) * kSm90SmallTileCostNum <=
          sm90_split_work(large, n_tokens, k_tiles, sms) * kSm90SmallTileCostDen;
 }

@@ -98,8 +98,9 @@ WIDE_SPLIT_CASES = [
     ((1, 31, 132, 2), 1),  # fewer than 2 x 16 k-tiles: never split
 ]
 # (rows_padded, tokens, k-tiles, SMs) -> few-token tile width in tokens (0: a persistent configuration). Up to 64
-# tokens always; at 65-95 where the persistent plan does not split, else as at 96-256; at 96-256 where the few-token
-# tiles' busiest-SM work ceil(CTAs / SMs) x (128 + padding) x k-tiles per split x 3/2 is no more than the persistent plan's ceil(units / SMs) x (tile tokens + padding) x k-tiles per split
+# tokens always; at 65-95 where the persistent plan does not split or splits into units of more than 64 k-tiles, else
+# as at 96-256; at 96-256 where the few-token tiles' busiest-SM work ceil(CTAs / SMs) x (128 + padding) x k-tiles per
+# split x 3/2 is no more than the persistent plan's ceil(units / SMs) x (tile tokens + padding) x k-tiles per split
 # (few-token split-K: 264 CTA slots // tiles, at most 16 and at most k-tiles // 16 splits; persistent: above).
 SMALL_CASES = [
     ((4096, 1, 64, 132), 16),
@@ -112,9 +113,15 @@ SMALL_CASES = [
     # 65-95 tokens where it splits, by the work: 4096 -> 4096 at 80 tokens, few-token 32 tiles x 4 splits,
     # 1 x 176 x 16 x 1.5 = 4224; persistent 128-token tiles, 32 x 4 splits, 1 x 176 x 16 = 2816
     ((4096, 80, 64, 132), 0),
-    # 28672 -> 8192 at 80 tokens: few-token 64 tiles x 4 splits, 2 x 176 x 112 x 1.5 = 59136; persistent 64 x 2
-    # splits, 1 x 176 x 224 = 39424
-    ((8192, 80, 448, 132), 0),
+    # 11008 -> 4096 at 80 tokens: persistent 32 tiles x 4 splits of 43 k-tiles, 1 x 176 x 43 = 7568; few-token 32 x 8
+    # splits, 2 x 176 x 22 x 1.5 = 11616
+    ((4096, 80, 172, 132), 0),
+    # splits of more than 64 k-tiles: the few-token tiles below 96 tokens. 28672 -> 8192 at 80 tokens: persistent 64 x
+    # 2 splits of 224 k-tiles; 13824 -> 5120: 40 x 3 of 72
+    ((8192, 80, 448, 132), 128),
+    ((5120, 80, 216, 132), 128),
+    # the same at 96 tokens: by the work (persistent 1 x 160 x 224 = 35840, few-token 2 x 160 x 112 x 1.5 = 53760)
+    ((8192, 96, 448, 132), 0),
     # 4096 -> 4096 at 96 tokens: 32 tiles x 4 splits = 128 CTAs, 1 x 160 x 16 x 1.5 = 3840; persistent 128-token
     # tiles, 32 x 4 splits, 1 x 160 x 16 = 2560
     ((4096, 96, 64, 132), 0),
