@@ -16,7 +16,7 @@ namespace lab {
 
 struct Tuning {
   // spmm_sm90.cu: the tile configuration of the 2:4 wgmma kernel, 0 .. kSm90Configs - 1 (every token count for the
-  // TMA ones, 6 and up; 0-5 above 128 tokens); -1: the product's choice (sm90_large_config in tile_config.h).
+  // TMA ones, 6 and up; 0-5 above 128 tokens); -1: the product's choice (sm90_large_plan in tile_config.h).
   std::atomic<int> sm90_config{-1};
   // spmm_vnm_sm90.cu: 0 X into registers one k-tile ahead (the product's), 1 a cp.async ring of shared-memory stages
   // (where K / M <= 2048, else 0), 2 = 0 with L1 prefetches of the next k-tile, 3 warp-specialised (producer
@@ -31,9 +31,8 @@ struct Tuning {
   // Both sparse-wgmma SpMMs' split-K: > 0 forces that many splits of each tile's k-tiles (at most one per k-tile and
   // kSplitKMax) wherever the product's plan could split; 0: the product's count (sm90_split_k in tile_config.h).
   std::atomic<int> split_k{0};
-  // spmm_sm90.cu: 1 runs the few-token tiles at every count up to 256 tokens, 0 never (the large configurations and
-  // their split-K run instead); -1: the product's
-  // rule (sm90_small_tiles in tile_config.h).
+  // spmm_sm90.cu: 1 runs the few-token tiles at every count up to 256 tokens, 0 never (the persistent configurations
+  // and their split-K run instead, at any count); -1: the product's rule (sm90_small_tiles in tile_config.h).
   std::atomic<int> small_tiles{-1};
 };
 
