@@ -28,8 +28,8 @@
 //    (stmatrix into a token-major shared buffer, TMA stores of Y overlapping the next tile's main loop); 15* / 19*
 //    (256 / 128 tokens) take direct stores, where Y has no tensor map (rows % 8 != 0): 15 for 20, 19 for 23 and 27.
 // Where the few-token tiles do not run (sm90_small_tiles in tile_config.h), the product runs 20, 27 or 23, split K
-// where their tiles leave half the SMs idle (sm90_large_plan). The lab build (HF_SPARSE_LAB) adds every other configuration, run by number (launch_lab); what
-// each measured is in benchmarks/RESULTS.md.
+// where their tiles leave half the SMs idle (sm90_large_plan). The lab build (HF_SPARSE_LAB) adds every other
+// configuration, run by number (launch_lab); what each measured is in benchmarks/RESULTS.md.
 // Epilogue of configs 0-19: accumulators (row r, token n) are written straight to Y[n, r] (+ bias), as spmm.cu does.
 //
 // Only the sm_90a pass compiles the body (__CUDA_ARCH_FEAT_SM90_ALL); other device passes get a trap so a wrong
@@ -1052,9 +1052,10 @@ cudaError_t launch_sm90_tma_a(const SpmmArgs& a, cudaStream_t stream, int splits
   }
 }
 
-// The product's large-token configurations and their split-K (sm90_large_plan in tile_config.h; the measurements
-// behind the choice are in benchmarks/RESULTS.md, "Staged epilogue", "Short-K", Y2-Y3 and Z2-Z4). Their fallbacks: config 4 where a tensor map of X or the weight cannot be made, 15 / 19 where Y's
-// cannot (see launch_sm90_tma_a).
+// The product's large-token configurations and their split-K (sm90_large_plan in tile_config.h; the measurements behind
+// the choice are in benchmarks/RESULTS.md, "Staged epilogue", "Short-K", "tiles that fit the tokens" and "split-K in
+// the persistent 2:4 configurations"). Their fallbacks: config 4 where a tensor map of X or the weight cannot be made,
+// 15 / 19 where Y's cannot (see launch_sm90_tma_a).
 Sm90LargePlan large_plan(const SpmmArgs& a, int sms) {
   Sm90LargePlan p = sm90_large_plan(a.rows_padded, a.n_tokens, (a.steps + 1) / 2, sms);
 #if defined(HF_SPARSE_LAB)

@@ -64,7 +64,7 @@ struct SddmmSm90Tile {
 // The 2:4 sparse-wgmma SpMM's (spmm_sm90.cu) persistent TMA configurations (numbered as in the lab build,
 // csrc/README.md): 128 weight rows x 256 (config 20), 192 (27) or 128 (23) tokens per tile, one CTA per SM walking the
 // tiles. Pure, host-only functions, testable alone; measured on the H200 in benchmarks/RESULTS.md ("Staged epilogue",
-// "Short-K", Y3).
+// "Short-K", "tiles that fit the tokens").
 constexpr int kSm90Config256 = 20, kSm90Config192 = 27, kSm90Config128 = 23;
 inline int sm90_config_tokens(int config) {
   return config == kSm90Config256 ? 256 : config == kSm90Config192 ? 192 : 128;
@@ -75,10 +75,10 @@ inline int sm90_config_tokens(int config) {
 inline long long sm90_padded_tile_tokens(long long n_tokens, int bn) {
   return bn + (n_tokens + bn - 1) / bn * bn - n_tokens;
 }
-// Above 256 tokens (sm90_large_plan), by how well the last round of tiles fills the SMs: 256 where that fills >= 85% of the SM slots of
-// all rounds, or where neither 192 nor 128 fills more than 10 points better; else 192 when it fills about as well as
-// 128 (192 moves 12% fewer L2 bytes per MAC), else 128. E.g. 3072 -> 768 at 8192 tokens on 132 SMs: 256 fills 73%,
-// 192 98%, 128 97%: 27.
+// Above 256 tokens (sm90_large_plan), by how well the last round of tiles fills the SMs: 256 where that fills >= 85% of
+// the SM slots of all rounds, or where neither 192 nor 128 fills more than 10 points better; else 192 when it fills
+// about as well as 128 (192 moves 12% fewer L2 bytes per MAC), else 128. E.g. 3072 -> 768 at 8192 tokens on 132 SMs:
+// 256 fills 73%, 192 98%, 128 97%: 27.
 inline double sm90_fill(long long row_blocks, long long n_tokens, int bn, int sms) {
   const long long tiles = row_blocks * ((n_tokens + bn - 1) / bn), rounds = (tiles + sms - 1) / sms;
   return (double)tiles / (double)(rounds * sms);  // share of the SM slots of all rounds that hold a tile
@@ -170,7 +170,8 @@ inline Sm90SplitPlan sm90_split_plan(long long rows_padded, long long n_tokens, 
 // 28672 -> 8192 at 192 tokens: 64 tiles of 448 k-tiles on 132 SMs), into as many splits as one round of units fills (2
 // there), each at least kLargeSplitMinKTiles k-tiles long: the last split of a tile to finish reads back every split's
 // 128 x (tile tokens) fp32 partial tile, 64-128 KB each. More units than SMs measured slower than the unsplit tiles
-// (benchmarks/RESULTS.md, Y2: 8192 -> 28672 at 256 tokens, 224 tiles in 4 splits, 217 against 149 µs).
+// (benchmarks/RESULTS.md, "split-K in the persistent 2:4 configurations": 8192 -> 28672 at 256 tokens, 224 tiles in 4
+// splits, 217 against 149 µs).
 constexpr int kLargeSplitMinKTiles = 16;
 inline int sm90_large_split_k(long long tiles, long long k_tiles, int sms) {
   if (tiles <= 0 || tiles > kSplitKCounters || 2 * tiles > sms) return 1;
@@ -212,17 +213,17 @@ inline Sm90SplitPlan sm90_small_plan(long long rows_padded, long long n_tokens, 
   return sm90_split_plan(rows_padded, n_tokens, bn, k_tiles, sms, kSm90SmallCtasPerSm, sm90_small_min_k_tiles(bn));
 }
 // Where the few-token tiles run: up to 64 tokens always; at 65-95 tokens unless the persistent plan splits into units
-// of at most kSm90ShortSplitKTiles k-tiles and the work below favours it (measured, benchmarks/RESULTS.md Z4: its
-// split units were faster at 11008 -> 4096, 43 k-tiles each, 1.2x, and 4096 -> 4096, 16 each; slower at 28672 -> 8192,
-// 224 each, up to 1.2x; unsplit, a persistent 128-token tile a quarter or more padding was slower at every shape:
-// 8192 -> 28672 at 65 tokens, 136 against 104 µs); at 96-256 tokens where
-// the busiest SM's work in them (sm90_split_work) x kSm90SmallTileCost is no more than in the persistent plan
-// (sm90_large_plan: the configuration and its split): two CTAs share an SM, and per token row and k-tile the
-// cp.async kernel is slower than the TMA one. E.g. 28672 -> 8192 at 256 tokens (64 row blocks, 448 k-tiles):
-// persistent 256-token tiles, 64 x 2 splits, 1 x 256 x 224 = 57344; few-token 128 tiles x 2 splits on 132 SMs
-// 2 x 128 x 224 x 1.5 = 86016: the persistent tiles. 28672 -> 8192 at 128 tokens: persistent 64 tiles x 2 splits,
-// 1 x 128 x 224 = 28672; few-token 64 tiles x 4 splits 2 x 128 x 112 x 1.5 = 43008: the persistent tiles. Above 256
-// tokens the persistent configurations (sm90_large_plan).
+// of at most kSm90ShortSplitKTiles k-tiles and the work below favours it (benchmarks/RESULTS.md, "split-K in the
+// persistent 2:4 configurations": its split units were faster at 11008 -> 4096, 43 k-tiles each, 1.2x, and 4096 ->
+// 4096, 16 each; slower at 28672 -> 8192, 224 each, up to 1.2x; unsplit, a persistent 128-token tile a quarter or more
+// padding was slower at every shape: 8192 -> 28672 at 65 tokens, 136 against 104 µs); at 96-256 tokens where the
+// busiest SM's work in them (sm90_split_work) x kSm90SmallTileCost is no more than in the persistent plan
+// (sm90_large_plan: the configuration and its split): two CTAs share an SM, and per token row and k-tile the cp.async
+// kernel is slower than the TMA one. E.g. 28672 -> 8192 at 256 tokens (64 row blocks, 448 k-tiles): persistent
+// 256-token tiles, 64 x 2 splits, 1 x 256 x 224 = 57344; few-token 128 tiles x 2 splits on 132 SMs 2 x 128 x 224 x 1.5
+// = 86016: the persistent tiles. 28672 -> 8192 at 128 tokens: persistent 64 tiles x 2 splits, 1 x 128 x 224 = 28672;
+// few-token 64 tiles x 4 splits 2 x 128 x 112 x 1.5 = 43008: the persistent tiles. Above 256 tokens the persistent
+// configurations (sm90_large_plan).
 constexpr int kSm90SmallTileCostNum = 3, kSm90SmallTileCostDen = 2, kSm90ShortSplitKTiles = 64;
 inline bool sm90_small_tiles(long long rows_padded, long long n_tokens, long long k_tiles, int sms) {
   if (n_tokens <= 64) return true;
