@@ -27,7 +27,7 @@
 //    tiles take a check-free epilogue. 20* / 23* / 27* (128 x 256 / 128 / 192 tiles) add a staged epilogue
 //    (stmatrix into a token-major shared buffer, TMA stores of Y overlapping the next tile's main loop); 15* / 19*
 //    (256 / 128 tokens) take direct stores, where Y has no tensor map (rows % 8 != 0): 15 for 20, 19 for 23 and 27.
-// Where the few-token tiles do not run (sm90_small_tiles in tile_config.h), the product runs 20, 27 or 23, split K
+// Where the few-token tiles do not run (sm90_prefer_small in tile_config.h), the product runs 20, 27 or 23, split K
 // where their tiles leave half the SMs idle (sm90_large_plan). The lab build (HF_SPARSE_LAB) adds every other
 // configuration, run by number (launch_lab); what each measured is in benchmarks/RESULTS.md.
 // Epilogue of configs 0-19: accumulators (row r, token n) are written straight to Y[n, r] (+ bias), as spmm.cu does.
@@ -953,20 +953,29 @@ bool encode_u32_rows_map(const void* base, int row_words, int n_rows, int box_wo
 // more stages at 16 tokens (a smaller X tile).
 template <int BN>
 using SmallCfg = Sm90Cfg<BN, 1, BN == 16 ? 6 : 4, 0, 0, kSm90SmallCtasPerSm>;
-Sm90SplitPlan small_plan(const SpmmArgs& a, int sms) {
-  Sm90SplitPlan p = sm90_small_plan(a.rows_padded, a.n_tokens, (a.steps + 1) / 2, sms);
-#if defined(HF_SPARSE_LAB)
-  p.splits = lab::split_k_or(p.splits, p.tiles, (a.steps + 1) / 2);
-#endif
-  return p;
-}
-// Whether the few-token tiles run (sm90_small_tiles; the lab's small_tiles knob forces them up to 256 tokens, or off).
-bool use_small_tiles(const SpmmArgs& a, int sms) {
+// A call's plan, made in one place for the launch and for the split-K scratch the binding allocates before it: the
+// few-token tiles (sm90_small_plan) or a persistent configuration (sm90_large_plan), whichever sm90_prefer_small takes,
+// with its split. In the lab build the small_tiles knob forces the few-token tiles up to 256 tokens, or never, and the
+// split_k knob the split.
+struct CallPlan {
+  bool few_token;
+  int config;  // the persistent configuration, where !few_token
+  Sm90SplitPlan split;
+};
+CallPlan plan_call(const SpmmArgs& a, int sms) {
+  const long long k_tiles = (a.steps + 1) / 2;
+  const Sm90SplitPlan small = sm90_small_plan(a.rows_padded, a.n_tokens, k_tiles, sms);
+  const Sm90LargePlan large = sm90_large_plan(a.rows_padded, a.n_tokens, k_tiles, sms);
+  bool few_token = sm90_prefer_small(small, large.split, a.n_tokens, k_tiles, sms);
 #if defined(HF_SPARSE_LAB)
   const int forced = lab::tuning().small_tiles.load(std::memory_order_relaxed);
-  if (forced >= 0) return forced == 1 && a.n_tokens <= 256;
+  if (forced >= 0) few_token = forced == 1 && a.n_tokens <= 256;
 #endif
-  return sm90_small_tiles(a.rows_padded, a.n_tokens, (a.steps + 1) / 2, sms);
+  CallPlan p = few_token ? CallPlan{true, 0, small} : CallPlan{false, large.config, large.split};
+#if defined(HF_SPARSE_LAB)
+  p.split.splits = lab::split_k_or(p.split.splits, p.split.tiles, k_tiles);
+#endif
+  return p;
 }
 
 // Tensor map of Y (n_tokens x rows, row-major) for the staged epilogue's TMA stores: boxes of 64 rows x box_tokens
@@ -1056,15 +1065,8 @@ cudaError_t launch_sm90_tma_a(const SpmmArgs& a, cudaStream_t stream, int splits
 // the choice are in benchmarks/RESULTS.md, "Staged epilogue", "Short-K", "tiles that fit the tokens" and "split-K in
 // the persistent 2:4 configurations"). Their fallbacks: config 4 where a tensor map of X or the weight cannot be made,
 // 15 / 19 where Y's cannot (see launch_sm90_tma_a).
-Sm90LargePlan large_plan(const SpmmArgs& a, int sms) {
-  Sm90LargePlan p = sm90_large_plan(a.rows_padded, a.n_tokens, (a.steps + 1) / 2, sms);
-#if defined(HF_SPARSE_LAB)
-  p.split.splits = lab::split_k_or(p.split.splits, p.split.tiles, (a.steps + 1) / 2);
-#endif
-  return p;
-}
 template <typename T>
-cudaError_t launch_large(const SpmmArgs& a, cudaStream_t stream, const Sm90LargePlan& p) {
+cudaError_t launch_large(const SpmmArgs& a, cudaStream_t stream, const CallPlan& p) {
   switch (p.config) {
     case kSm90Config192: return launch_sm90_tma_a<T, 192, 5, 1, 1, 0, 96, 2>(a, stream, p.split.splits);  // 27
     case kSm90Config128: return launch_sm90_tma_a<T, 128, 7, 1, 1, 0, 64, 2>(a, stream, p.split.splits);  // 23
@@ -1133,13 +1135,13 @@ cudaError_t dispatch_bn(const SpmmArgs& a, cudaStream_t stream) {
   int sms = 0;
   const cudaError_t err = current_sm_count(&sms);
   if (err != cudaSuccess) return err;
-  if (use_small_tiles(a, sms)) {
-    const Sm90SplitPlan p = small_plan(a, sms);
-    if (p.bn == 16) return launch_sm90<T, SmallCfg<16>>(a, stream, p.splits, true);
-    if (p.bn == 64) return launch_sm90<T, SmallCfg<64>>(a, stream, p.splits, true);
-    return launch_sm90<T, SmallCfg<128>>(a, stream, p.splits, true);
+  const CallPlan p = plan_call(a, sms);
+  if (p.few_token) {
+    if (p.split.bn == 16) return launch_sm90<T, SmallCfg<16>>(a, stream, p.split.splits, true);
+    if (p.split.bn == 64) return launch_sm90<T, SmallCfg<64>>(a, stream, p.split.splits, true);
+    return launch_sm90<T, SmallCfg<128>>(a, stream, p.split.splits, true);
   }
-  return launch_large<T>(a, stream, large_plan(a, sms));
+  return launch_large<T>(a, stream, p);
 }
 
 }  // namespace
@@ -1159,7 +1161,7 @@ bool spmm_sm90_available() {
 int64_t spmm_sm90_split_floats(const SpmmArgs& a) {
   int sms = 0;
   if (a.m != 4 || a.n_tokens <= 0 || current_sm_count(&sms) != cudaSuccess) return 0;  // (the launch reports an error)
-  return use_small_tiles(a, sms) ? small_plan(a, sms).scratch_floats() : large_plan(a, sms).split.scratch_floats();
+  return plan_call(a, sms).split.scratch_floats();
 }
 
 cudaError_t spmm_sm90(const SpmmArgs& a, cudaStream_t stream) {

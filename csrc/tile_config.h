@@ -93,7 +93,7 @@ inline int sm90_large_config(long long rows_padded, long long n_tokens, int sms)
 
 // The cp.async 2:4 wgmma SpMM (spmm_sm90_kernel) at few tokens, and split-K. The few-token tile is 128 rows x
 // sm90_small_bn tokens, kSm90SmallCtasPerSm CTAs per SM, and splits K where its tiles alone would leave SMs idle
-// (sm90_small_tiles says where it runs rather than a persistent configuration).
+// (sm90_prefer_small says where it runs rather than a persistent configuration).
 // Where the tiles cannot keep every SM busy, each tile's k-tiles are split over sm90_split_k CTAs, each k range at
 // least kSplitKMinKTiles k-tiles (64 condensed columns each) long (kVnmSplitMinKTiles for the V:2:M kernel, whose
 // every k-tile waits about one memory round trip); the last CTA of a tile to finish adds every CTA's fp32 partial
@@ -160,9 +160,13 @@ inline long long sm90_split_work(const Sm90SplitPlan& p, long long n_tokens, lon
   return (p.tiles * p.splits + sms - 1) / sms * sm90_padded_tile_tokens(n_tokens, p.bn) *
          ((k_tiles + p.splits - 1) / p.splits);
 }
+// The 128-row x bn-token tiles of an output of rows_padded rows x n_tokens tokens.
+inline long long sm90_tiles(long long rows_padded, long long n_tokens, int bn) {
+  return ((rows_padded + 127) / 128) * ((n_tokens + bn - 1) / bn);
+}
 inline Sm90SplitPlan sm90_split_plan(long long rows_padded, long long n_tokens, int bn, long long k_tiles,
                                      int sms, int ctas_per_sm, int min_k_tiles = kSplitKMinKTiles) {
-  const long long tiles = ((rows_padded + 127) / 128) * ((n_tokens + bn - 1) / bn);
+  const long long tiles = sm90_tiles(rows_padded, n_tokens, bn);
   return {bn, sm90_split_k(tiles, k_tiles, sms, ctas_per_sm, min_k_tiles), tiles};
 }
 // The persistent configurations' plan: the configuration and its split-K. A work unit is a split of a tile, and the
@@ -187,7 +191,7 @@ struct Sm90LargePlan {
 inline Sm90LargePlan sm90_config_plan(int config, long long rows_padded, long long n_tokens, long long k_tiles,
                                       int sms) {
   const int bn = sm90_config_tokens(config);
-  const long long tiles = ((rows_padded + 127) / 128) * ((n_tokens + bn - 1) / bn);
+  const long long tiles = sm90_tiles(rows_padded, n_tokens, bn);
   return {config, {bn, sm90_large_split_k(tiles, k_tiles, sms), tiles}};
 }
 // Up to 256 tokens, the configuration whose plan gives the busiest SM the least work (sm90_split_work: its rounds of
@@ -224,16 +228,15 @@ inline Sm90SplitPlan sm90_small_plan(long long rows_padded, long long n_tokens, 
 // = 86016: the persistent tiles. 28672 -> 8192 at 128 tokens: persistent 64 tiles x 2 splits, 1 x 128 x 224 = 28672;
 // few-token 64 tiles x 4 splits 2 x 128 x 112 x 1.5 = 43008: the persistent tiles. Above 256 tokens the persistent
 // configurations (sm90_large_plan).
+// sm90_prefer_small decides on the two plans (sm90_small_plan, sm90_large_plan), which the launcher makes once.
 constexpr int kSm90SmallTileCostNum = 3, kSm90SmallTileCostDen = 2, kSm90ShortSplitKTiles = 64;
-inline bool sm90_small_tiles(long long rows_padded, long long n_tokens, long long k_tiles, int sms) {
+inline bool sm90_prefer_small(const Sm90SplitPlan& small, const Sm90SplitPlan& large, long long n_tokens,
+                              long long k_tiles, int sms) {
   if (n_tokens <= 64) return true;
   if (n_tokens > 256 || sms <= 0) return false;
-  const Sm90SplitPlan small = sm90_small_plan(rows_padded, n_tokens, k_tiles, sms);
-  const Sm90SplitPlan large = sm90_large_plan(rows_padded, n_tokens, k_tiles, sms).split;
   if (n_tokens < 96 && (large.splits == 1 || (k_tiles + large.splits - 1) / large.splits > kSm90ShortSplitKTiles))
     return true;
   return sm90_split_work(small, n_tokens, k_tiles, sms) * kSm90SmallTileCostNum <=
          sm90_split_work(large, n_tokens, k_tiles, sms) * kSm90SmallTileCostDen;
 }
-
 }  // namespace hf_sparse

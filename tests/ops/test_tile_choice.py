@@ -171,8 +171,11 @@ int main(int argc, char** argv) {
     if (fn == 'T') std::printf("%d\n", hf_sparse::sm90_split_k(a, b, (int)c, (int)d, hf_sparse::kVnmSplitMinKTiles));
     if (fn == 'W')
       std::printf("%d\n", hf_sparse::sm90_split_k(a, b, (int)c, (int)d, hf_sparse::sm90_small_min_k_tiles(128)));
-    if (fn == 'B')
-      std::printf("%d\n", hf_sparse::sm90_small_tiles(a, b, c, (int)d) ? hf_sparse::sm90_small_bn(b) : 0);
+    if (fn == 'B') {
+      const bool small = hf_sparse::sm90_prefer_small(hf_sparse::sm90_small_plan(a, b, c, (int)d),
+                                                     hf_sparse::sm90_large_plan(a, b, c, (int)d).split, b, c, (int)d);
+      std::printf("%d\n", small ? hf_sparse::sm90_small_bn(b) : 0);
+    }
     if (fn == 'V') std::printf("%d\n", hf_sparse::sm90_vnm_bn((int)a, b));
     if (fn == 'P') {
       const hf_sparse::Sm90LargePlan p = hf_sparse::sm90_large_plan(a, b, c, (int)d);
