@@ -660,11 +660,11 @@ __device__ __forceinline__ void tile_coords(int t, int row_blocks, int token_til
 template <typename T, int BN, int STAGES, int GROUP, int PERSIST, int SKEW, int EPI_N, int EPI_BUFS, bool EVICT_FIRST,
           int CLUSTER, bool XSHARE, bool TRIM, bool RUNBUF>
 __global__ void __launch_bounds__(kTmaThreads, 1)
-spmm_sm90_tma_a_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_constant__ CUtensorMap a_map,
-                       const __grid_constant__ CUtensorMap e_map, const __grid_constant__ CUtensorMap y_map,
-                       const T* __restrict__ bias, T* __restrict__ y, int n_tokens, int rows, int rows_padded,
-                       int steps, int act, int splits, int kt_per_split, float* __restrict__ split_ws,
-                       int* __restrict__ split_counters) {
+spmm_sm90_tma_a_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_constant__ CUtensorMap x_tail_map,
+                       const __grid_constant__ CUtensorMap a_map, const __grid_constant__ CUtensorMap e_map,
+                       const __grid_constant__ CUtensorMap y_map, const T* __restrict__ bias, T* __restrict__ y,
+                       int n_tokens, int tail_tokens, int rows, int rows_padded, int steps, int act, int splits,
+                       int kt_per_split, float* __restrict__ split_ws, int* __restrict__ split_counters) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int ND = BN / 2;
   using S = TmaASmem<BN, STAGES, EPI_N, EPI_BUFS>;
@@ -702,6 +702,7 @@ spmm_sm90_tma_a_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_c
   if constexpr (TRIM) {
     if (tid == 32 * kTmaConsumerWarps) {
       tma_prefetch_map(&x_map);
+      if (tail_tokens > 0) tma_prefetch_map(&x_tail_map);
       tma_prefetch_map(&a_map);
       tma_prefetch_map(&e_map);
       if constexpr (EPI_N > 0) tma_prefetch_map(&y_map);
@@ -726,6 +727,7 @@ spmm_sm90_tma_a_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_c
     if (warp == kTmaConsumerWarps && lane == 0) {
       if constexpr (!TRIM) {
         tma_prefetch_map(&x_map);
+        if (tail_tokens > 0) tma_prefetch_map(&x_tail_map);
         tma_prefetch_map(&a_map);
         tma_prefetch_map(&e_map);
       }
@@ -738,19 +740,24 @@ spmm_sm90_tma_a_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_c
         // inactive (metadata kMetaPad, nothing stored), and no TMA box lies wholly outside the tensor.
         bx = bx * CLUSTER + (int)rank;
         const int a_row = (MC && bx >= row_blocks ? 0 : bx) * 8;
+        // The last token tile, where it is partial (tail_tokens > 0, unclustered only): X comes in a box of just its
+        // tokens, so the copy engine does not zero-fill the rest. The stage's rows past them keep what an earlier
+        // k-tile left there; they reach only the accumulators of tokens past the last, which are never stored.
+        const bool tail = !MC && tail_tokens > 0 && by == token_tiles - 1;
+        const uint32_t stage_bytes = tail ? S::STAGE - (BN - tail_tokens) * 128 : S::STAGE;
         for (int kt = kt0; kt < kt_end; ++kt, ++it) {
           const int slot = it % STAGES;
           const uint32_t dst = smem_u32 + slot * S::STAGE, bar = full_bar + 8 * slot;
           // In a cluster this wait also covers the peer's consumers (they arrive here too): the multicast below
           // writes into the peer's stage.
           mbar_wait(empty_bar + 8 * slot, ((it / STAGES) & 1) ^ 1);
-          mbar_arrive_expect_tx(bar, S::STAGE);  // the whole X tile (both halves in a cluster) + this CTA's A, meta
+          mbar_arrive_expect_tx(bar, stage_bytes);  // the X tile (both halves in a cluster) + this CTA's A, meta
           if constexpr (MC && XSHARE) {
             constexpr int PART = BN / CLUSTER;  // tokens this CTA loads for the whole cluster
             tma_load_2d_multicast(dst + rank * PART * 128, &x_map, kt * 64, by * BN + (int)rank * PART, bar,
                                   (uint16_t)((1u << CLUSTER) - 1));
           } else {
-            tma_load_2d(dst, &x_map, kt * 64, by * BN, bar);
+            tma_load_2d(dst, tail ? &x_tail_map : &x_map, kt * 64, by * BN, bar);
           }
           tma_load_2d(dst + S::X_BYTES, &a_map, kt * 256, a_row, bar);  // 2 k-steps x 128 words, 8 m16 tiles
           tma_load_2d(dst + S::X_BYTES + S::A_BYTES, &e_map, kt * 32, a_row, bar);
@@ -1006,8 +1013,12 @@ template <typename T, int BN, int STAGES, int GROUP, int PERSIST, int SKEW = 0, 
 cudaError_t launch_sm90_tma_a(const SpmmArgs& a, cudaStream_t stream, int splits = 1) {
   static_assert(CLUSTER == 1 || (PERSIST && !SKEW && GROUP == 1), "clusters: persistent, plain tile order only");
   static_assert(epi_buffers_restart_ok(BN, EPI_N, EPI_BUFS, RUNBUF), "every tile starts at buffer 0");
-  CUtensorMap x_map, a_map, e_map, y_map;
+  CUtensorMap x_map, x_tail_map, a_map, e_map, y_map;
   const int mts = a.rows_padded / 16;
+  // The last token tile's own X map where it is partial (see the kernel's producer): a full box there is zero-filled
+  // past the last token, which measured as slow as loading real tokens (benchmarks/RESULTS.md, "tail map").
+  int tail_tokens = CLUSTER == 1 ? a.n_tokens % BN : 0;
+  if (tail_tokens > 0 && !encode_x_map(a, tail_tokens, &x_tail_map)) tail_tokens = 0;
   if (!encode_x_map(a, XSHARE ? BN / CLUSTER : BN, &x_map) || !encode_u32_rows_map(a.values, a.steps * 128, mts, 256, &a_map) ||
       !encode_u32_rows_map(a.meta, a.steps * 16, mts, 32, &e_map))
     return launch_sm90<T, Sm90Cfg<256, 1, 6, 0, 1>>(a, stream);  // config 4
@@ -1018,6 +1029,7 @@ cudaError_t launch_sm90_tma_a(const SpmmArgs& a, cudaStream_t stream, int splits
   } else {
     y_map = x_map;  // unused by the direct-store epilogue
   }
+  if (tail_tokens == 0) x_tail_map = x_map;  // unused
   constexpr auto kernel =
       spmm_sm90_tma_a_kernel<T, BN, STAGES, GROUP, PERSIST, SKEW, EPI_N, EPI_BUFS, EVICT_FIRST, CLUSTER, XSHARE, TRIM,
                              RUNBUF>;
@@ -1035,9 +1047,10 @@ cudaError_t launch_sm90_tma_a(const SpmmArgs& a, cudaStream_t stream, int splits
   if ((err = current_sm_count(&sms)) != cudaSuccess) return err;
   if constexpr (CLUSTER == 1) {
     const int grid = PERSIST ? (int)std::min<long long>(units, sms) : (int)units;
-    kernel<<<grid, kTmaThreads, smem, stream>>>(x_map, a_map, e_map, y_map, static_cast<const T*>(a.bias),
-                                                static_cast<T*>(a.y), a.n_tokens, a.rows, a.rows_padded, a.steps,
-                                                a.act, splits, kt_per_split, a.split_ws, a.split_counters);
+    kernel<<<grid, kTmaThreads, smem, stream>>>(x_map, x_tail_map, a_map, e_map, y_map,
+                                                static_cast<const T*>(a.bias), static_cast<T*>(a.y), a.n_tokens,
+                                                tail_tokens, a.rows, a.rows_padded, a.steps, a.act, splits,
+                                                kt_per_split, a.split_ws, a.split_counters);
     return cudaGetLastError();
   } else {
     cudaLaunchAttribute attr[1];
@@ -1055,8 +1068,8 @@ cudaError_t launch_sm90_tma_a(const SpmmArgs& a, cudaStream_t stream, int splits
       return n;
     }();
     cfg.gridDim = dim3((unsigned)(CLUSTER * std::min<long long>(tiles, max_clusters)));
-    return cudaLaunchKernelEx(&cfg, kernel, x_map, a_map, e_map, y_map, static_cast<const T*>(a.bias),
-                              static_cast<T*>(a.y), a.n_tokens, a.rows, a.rows_padded, a.steps, a.act, 1, k_tiles,
+    return cudaLaunchKernelEx(&cfg, kernel, x_map, x_tail_map, a_map, e_map, y_map, static_cast<const T*>(a.bias),
+                              static_cast<T*>(a.y), a.n_tokens, 0, a.rows, a.rows_padded, a.steps, a.act, 1, k_tiles,
                               static_cast<float*>(nullptr), static_cast<int*>(nullptr));
   }
 }

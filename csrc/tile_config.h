@@ -69,12 +69,6 @@ constexpr int kSm90Config256 = 20, kSm90Config192 = 27, kSm90Config128 = 23;
 inline int sm90_config_tokens(int config) {
   return config == kSm90Config256 ? 256 : config == kSm90Config192 ? 192 : 128;
 }
-// A bn-token tile's tokens plus the padding tokens of the last token tile (those past the last token: zero-filled by
-// TMA, and measured to cost as much as real tokens or more: 8192 -> 28672 at 192 tokens, 256-token tiles 187 µs,
-// 192-token tiles 116 µs).
-inline long long sm90_padded_tile_tokens(long long n_tokens, int bn) {
-  return bn + (n_tokens + bn - 1) / bn * bn - n_tokens;
-}
 // Above 256 tokens (sm90_large_plan), by how well the last round of tiles fills the SMs: 256 where that fills >= 85% of
 // the SM slots of all rounds, or where neither 192 nor 128 fills more than 10 points better; else 192 when it fills
 // about as well as 128 (192 moves 12% fewer L2 bytes per MAC), else 128. E.g. 3072 -> 768 at 8192 tokens on 132 SMs:
@@ -155,10 +149,11 @@ struct Sm90SplitPlan {
   long long scratch_floats() const { return splits > 1 ? tiles * splits * 128 * bn : 0; }
 };
 // The busiest SM's work in a split plan, in token rows x k-tiles: its rounds of CTAs (ceil(CTAs / SMs), however many
-// share an SM), each a tile's tokens plus its padding tokens (sm90_padded_tile_tokens) over one split's k-tiles.
-inline long long sm90_split_work(const Sm90SplitPlan& p, long long n_tokens, long long k_tiles, int sms) {
-  return (p.tiles * p.splits + sms - 1) / sms * sm90_padded_tile_tokens(n_tokens, p.bn) *
-         ((k_tiles + p.splits - 1) / p.splits);
+// share an SM), each a whole tile's tokens over one split's k-tiles. The tokens past the last one count as much as the
+// rest (the wgmma computes them) and no more: neither kernel reads them from memory (the TMA kernel loads the last
+// token tile in a box of its own tokens, the cp.async kernel zero-fills them without a read).
+inline long long sm90_split_work(const Sm90SplitPlan& p, long long k_tiles, int sms) {
+  return (p.tiles * p.splits + sms - 1) / sms * p.bn * ((k_tiles + p.splits - 1) / p.splits);
 }
 // The 128-row x bn-token tiles of an output of rows_padded rows x n_tokens tokens.
 inline long long sm90_tiles(long long rows_padded, long long n_tokens, int bn) {
@@ -195,9 +190,9 @@ inline Sm90LargePlan sm90_config_plan(int config, long long rows_padded, long lo
   return {config, {bn, sm90_large_split_k(tiles, k_tiles, sms), tiles}};
 }
 // Up to 256 tokens, the configuration whose plan gives the busiest SM the least work (sm90_split_work: its rounds of
-// units x (tile tokens + padding tokens) x k-tiles per split), the larger tile on a tie; above, the fill rule's
-// (sm90_large_config). E.g. 28672 -> 8192 at 256 tokens (64 row blocks, 448 k-tiles): 256-token tiles, 64 x 2 splits,
-// 1 x 256 x 224; 192: 128 tiles, 1 x (192 + 128) x 448; 128: 128 tiles, 1 x 128 x 448: a tie, 20 in 2 splits.
+// units x tile tokens x k-tiles per split), the larger tile on a tie; above, the fill rule's (sm90_large_config).
+// E.g. 28672 -> 8192 at 256 tokens (64 row blocks, 448 k-tiles): 256-token tiles, 64 x 2 splits, 1 x 256 x 224; 192:
+// 128 tiles, 1 x 192 x 448; 128: 128 tiles, 1 x 128 x 448: a tie, 20 in 2 splits.
 inline Sm90LargePlan sm90_large_plan(long long rows_padded, long long n_tokens, long long k_tiles, int sms) {
   if (n_tokens > 256) return sm90_config_plan(sm90_large_config(rows_padded, n_tokens, sms), rows_padded, n_tokens,
                                               k_tiles, sms);
@@ -205,8 +200,7 @@ inline Sm90LargePlan sm90_large_plan(long long rows_padded, long long n_tokens, 
   Sm90LargePlan best = sm90_config_plan(configs[0], rows_padded, n_tokens, k_tiles, sms);
   for (int i = 1; i < 3; ++i) {
     const Sm90LargePlan p = sm90_config_plan(configs[i], rows_padded, n_tokens, k_tiles, sms);
-    if (sm90_split_work(p.split, n_tokens, k_tiles, sms) < sm90_split_work(best.split, n_tokens, k_tiles, sms))
-      best = p;
+    if (sm90_split_work(p.split, k_tiles, sms) < sm90_split_work(best.split, k_tiles, sms)) best = p;
   }
   return best;
 }
@@ -236,7 +230,7 @@ inline bool sm90_prefer_small(const Sm90SplitPlan& small, const Sm90SplitPlan& l
   if (n_tokens > 256 || sms <= 0) return false;
   if (n_tokens < 96 && (large.splits == 1 || (k_tiles + large.splits - 1) / large.splits > kSm90ShortSplitKTiles))
     return true;
-  return sm90_split_work(small, n_tokens, k_tiles, sms) * kSm90SmallTileCostNum <=
-         sm90_split_work(large, n_tokens, k_tiles, sms) * kSm90SmallTileCostDen;
+  return sm90_split_work(small, k_tiles, sms) * kSm90SmallTileCostNum <=
+         sm90_split_work(large, k_tiles, sms) * kSm90SmallTileCostDen;
 }
 }  // namespace hf_sparse

@@ -204,6 +204,28 @@ def test_spmm_wgmma_forced_split_k_in_each_large_configuration(rows, tokens, col
         assert torch.equal(spmm(x, p, b), spmm(x, p, b))
 
 
+@pytest.mark.parametrize(
+    ("rows", "tokens", "cols"),
+    [
+        (4096, 208, 2112),  # configuration 23 in 2 splits: 64 tiles, the last token tile 80 tokens wide
+        (8192, 1000, 1088),  # 20: 4 token tiles, the last 232 wide; a CTA's second tile follows a full one
+        (28672, 144, 1088),  # 27: one token tile of 144, two per CTA (nothing before it in the ring but itself)
+        (8192, 330, 1088),  # 20: the last token tile 74 wide
+    ],
+)
+def test_spmm_wgmma_partial_last_token_tile(rows, tokens, cols):
+    """The persistent configurations load a partial last token tile in a box of its own tokens (``x_tail_map``): the
+    ring stage's rows past them keep an earlier tile's X or never-written shared memory, which must reach no stored
+    output; the box must hold every real token. Poisoned memory, bias, ragged K."""
+    if not _wgmma_runs_here():
+        pytest.skip("sparse wgmma needs a cc 9.0 GPU and an sm_90a build")
+    w, mask, p = _pack_cuda(rows, cols, 64, 4, torch.bfloat16, seed=rows + tokens)
+    x = torch.randn(tokens, cols, device="cuda").bfloat16()
+    b = torch.randn(rows, device="cuda").bfloat16()
+    with force_kernel(spmm="wgmma"):
+        _assert_spmm_matches_reference(x, w, p, b)
+
+
 @pytest.mark.parametrize(("v", "m"), [(64, 4), (64, 8)])
 def test_spmm_wgmma_split_k_is_deterministic_across_calls_shapes_and_streams(v, m):
     """The last CTA of a tile adds the partial sums in split order, so the result does not depend on which CTA
