@@ -15,7 +15,8 @@
 //    token row r at chunk c ^ (r & 7)), copied by cp.async with zero-fill past K and past the last token;
 //    a descriptor per k-step of 32 (start address + 64 bytes for the second).
 // Kernels and configurations (numbered as in csrc/README.md; the product build compiles those marked *):
-//  * spmm_sm90_kernel (configs 0-5, and the few-token tiles*: 128 rows x 16, 64 or 128 tokens, at <= 256 tokens):
+//  * spmm_sm90_kernel (configs 0-5, and the few-token tiles: 128 rows x 16* or 64* tokens at <= 64 tokens; the lab
+//    forces a 128-token one up to 256):
 //    all 256 threads copy X (and in some configs A and metadata) with cp.async into a ring of shared-memory
 //    stages, both consumer warpgroups compute (rows 0-63 and 64-127) on the shared B tile. Config 4*: 128 x 256, 6
 //    stages, A fragments and metadata from global memory straight into registers two k-tiles ahead (the fallback of
@@ -27,7 +28,7 @@
 //    tiles take a check-free epilogue. 20* / 23* / 27* (128 x 256 / 128 / 192 tiles) add a staged epilogue
 //    (stmatrix into a token-major shared buffer, TMA stores of Y overlapping the next tile's main loop); 15* / 19*
 //    (256 / 128 tokens) take direct stores, where Y has no tensor map (rows % 8 != 0): 15 for 20, 19 for 23 and 27.
-// Where the few-token tiles do not run (sm90_prefer_small in tile_config.h), the product runs 20, 27 or 23, split K
+// Where the few-token tiles do not run (sm90_few_token in tile_config.h), the product runs 20, 27 or 23, split K
 // where their tiles leave half the SMs idle (sm90_large_plan). The lab build (HF_SPARSE_LAB) adds every other
 // configuration, run by number (launch_lab); what each measured is in benchmarks/RESULTS.md.
 // Epilogue of configs 0-19: accumulators (row r, token n) are written straight to Y[n, r] (+ bias), as spmm.cu does.
@@ -961,7 +962,7 @@ bool encode_u32_rows_map(const void* base, int row_words, int n_rows, int box_wo
 template <int BN>
 using SmallCfg = Sm90Cfg<BN, 1, BN == 16 ? 6 : 4, 0, 0, kSm90SmallCtasPerSm>;
 // A call's plan, made in one place for the launch and for the split-K scratch the binding allocates before it: the
-// few-token tiles (sm90_small_plan) or a persistent configuration (sm90_large_plan), whichever sm90_prefer_small takes,
+// few-token tiles (sm90_small_plan) where sm90_few_token takes them, else a persistent configuration (sm90_large_plan),
 // with its split. In the lab build the small_tiles knob forces the few-token tiles up to 256 tokens, or never, and the
 // split_k knob the split.
 struct CallPlan {
@@ -971,14 +972,18 @@ struct CallPlan {
 };
 CallPlan plan_call(const SpmmArgs& a, int sms) {
   const long long k_tiles = (a.steps + 1) / 2;
-  const Sm90SplitPlan small = sm90_small_plan(a.rows_padded, a.n_tokens, k_tiles, sms);
-  const Sm90LargePlan large = sm90_large_plan(a.rows_padded, a.n_tokens, k_tiles, sms);
-  bool few_token = sm90_prefer_small(small, large.split, a.n_tokens, k_tiles, sms);
+  bool few_token = sm90_few_token(a.n_tokens);
 #if defined(HF_SPARSE_LAB)
   const int forced = lab::tuning().small_tiles.load(std::memory_order_relaxed);
   if (forced >= 0) few_token = forced == 1 && a.n_tokens <= 256;
 #endif
-  CallPlan p = few_token ? CallPlan{true, 0, small} : CallPlan{false, large.config, large.split};
+  CallPlan p;
+  if (few_token) {
+    p = {true, 0, sm90_small_plan(a.rows_padded, a.n_tokens, k_tiles, sms)};
+  } else {
+    const Sm90LargePlan large = sm90_large_plan(a.rows_padded, a.n_tokens, k_tiles, sms);
+    p = {false, large.config, large.split};
+  }
 #if defined(HF_SPARSE_LAB)
   p.split.splits = lab::split_k_or(p.split.splits, p.split.tiles, k_tiles);
 #endif
@@ -1151,8 +1156,10 @@ cudaError_t dispatch_bn(const SpmmArgs& a, cudaStream_t stream) {
   const CallPlan p = plan_call(a, sms);
   if (p.few_token) {
     if (p.split.bn == 16) return launch_sm90<T, SmallCfg<16>>(a, stream, p.split.splits, true);
-    if (p.split.bn == 64) return launch_sm90<T, SmallCfg<64>>(a, stream, p.split.splits, true);
-    return launch_sm90<T, SmallCfg<128>>(a, stream, p.split.splits, true);
+#if defined(HF_SPARSE_LAB)
+    if (p.split.bn == 128) return launch_sm90<T, SmallCfg<128>>(a, stream, p.split.splits, true);  // (small_tiles)
+#endif
+    return launch_sm90<T, SmallCfg<64>>(a, stream, p.split.splits, true);
   }
   return launch_large<T>(a, stream, p);
 }

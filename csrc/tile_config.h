@@ -87,7 +87,7 @@ inline int sm90_large_config(long long rows_padded, long long n_tokens, int sms)
 
 // The cp.async 2:4 wgmma SpMM (spmm_sm90_kernel) at few tokens, and split-K. The few-token tile is 128 rows x
 // sm90_small_bn tokens, kSm90SmallCtasPerSm CTAs per SM, and splits K where its tiles alone would leave SMs idle
-// (sm90_prefer_small says where it runs rather than a persistent configuration).
+// (sm90_few_token says where it runs rather than a persistent configuration).
 // Where the tiles cannot keep every SM busy, each tile's k-tiles are split over sm90_split_k CTAs, each k range at
 // least kSplitKMinKTiles k-tiles (64 condensed columns each) long (kVnmSplitMinKTiles for the V:2:M kernel, whose
 // every k-tile waits about one memory round trip); the last CTA of a tile to finish adds every CTA's fp32 partial
@@ -210,27 +210,11 @@ inline Sm90SplitPlan sm90_small_plan(long long rows_padded, long long n_tokens, 
   const int bn = sm90_small_bn(n_tokens);
   return sm90_split_plan(rows_padded, n_tokens, bn, k_tiles, sms, kSm90SmallCtasPerSm, sm90_small_min_k_tiles(bn));
 }
-// Where the few-token tiles run: up to 64 tokens always; at 65-95 tokens unless the persistent plan splits into units
-// of at most kSm90ShortSplitKTiles k-tiles and the work below favours it (benchmarks/RESULTS.md, "split-K in the
-// persistent 2:4 configurations": its split units were faster at 11008 -> 4096, 43 k-tiles each, 1.2x, and 4096 ->
-// 4096, 16 each; slower at 28672 -> 8192, 224 each, up to 1.2x; unsplit, a persistent 128-token tile a quarter or more
-// padding was slower at every shape: 8192 -> 28672 at 65 tokens, 136 against 104 µs); at 96-256 tokens where the
-// busiest SM's work in them (sm90_split_work) x kSm90SmallTileCost is no more than in the persistent plan
-// (sm90_large_plan: the configuration and its split): two CTAs share an SM, and per token row and k-tile the cp.async
-// kernel is slower than the TMA one. E.g. 28672 -> 8192 at 256 tokens (64 row blocks, 448 k-tiles): persistent
-// 256-token tiles, 64 x 2 splits, 1 x 256 x 224 = 57344; few-token 128 tiles x 2 splits on 132 SMs 2 x 128 x 224 x 1.5
-// = 86016: the persistent tiles. 28672 -> 8192 at 128 tokens: persistent 64 tiles x 2 splits, 1 x 128 x 224 = 28672;
-// few-token 64 tiles x 4 splits 2 x 128 x 112 x 1.5 = 43008: the persistent tiles. Above 256 tokens the persistent
-// configurations (sm90_large_plan).
-// sm90_prefer_small decides on the two plans (sm90_small_plan, sm90_large_plan), which the launcher makes once.
-constexpr int kSm90SmallTileCostNum = 3, kSm90SmallTileCostDen = 2, kSm90ShortSplitKTiles = 64;
-inline bool sm90_prefer_small(const Sm90SplitPlan& small, const Sm90SplitPlan& large, long long n_tokens,
-                              long long k_tiles, int sms) {
-  if (n_tokens <= 64) return true;
-  if (n_tokens > 256 || sms <= 0) return false;
-  if (n_tokens < 96 && (large.splits == 1 || (k_tiles + large.splits - 1) / large.splits > kSm90ShortSplitKTiles))
-    return true;
-  return sm90_split_work(small, k_tiles, sms) * kSm90SmallTileCostNum <=
-         sm90_split_work(large, k_tiles, sms) * kSm90SmallTileCostDen;
-}
+// Where the few-token tiles run: up to kSm90FewTokens tokens; above, the persistent plan (sm90_large_plan: the
+// configuration and its split). At 65-95 tokens the persistent plan was faster at the five Llama shapes where the
+// few-token tiles had run there (1.05-1.26x, 1.09-1.42x in a chain over cold weights); at 65-256 tokens a model of both
+// (sm90_split_work, x 1.5 for the cp.async kernel's lower rate per token row and k-tile) preferred the few-token tiles
+// only on exact ties (benchmarks/RESULTS.md, "tail map").
+constexpr int kSm90FewTokens = 64;
+inline bool sm90_few_token(long long n_tokens) { return n_tokens <= kSm90FewTokens; }
 }  // namespace hf_sparse

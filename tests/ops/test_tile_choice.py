@@ -30,35 +30,38 @@ CASES = [
 # (rows_padded, tokens, k-tiles, SMs) -> (config, splits) of the persistent plan (sm90_large_plan). Splits: only where
 # the configuration's tiles leave half the SMs or more idle, then SMs // tiles, at most k-tiles // 16 and 16, as many
 # as the k-tiles per split (rounded up) need. Up to 256 tokens the configuration with the least ceil(units / SMs) x
-# (tile tokens + padding tokens of the last token tile) x k-tiles per split, the larger tile on a tie; above, CASES.
+# tile tokens x k-tiles per split, the larger tile on a tie; above, CASES.
 LARGE_PLAN_CASES = [
-    # 28672 -> 8192 at 192 tokens (64 row blocks): 256: 64 x 2 splits, (256 + 64) x 224; 192: 64 x 2, 192 x 224;
-    # 128: 128 tiles, (128 + 64) x 448 -> 27 in 2
+    # 28672 -> 8192 at 192 tokens (64 row blocks): 256: 64 x 2 splits, 1 x 256 x 224; 192: 64 x 2, 1 x 192 x 224;
+    # 128: 128 tiles, unsplit, 1 x 128 x 448 -> 27 in 2
     ((8192, 192, 448, 132), (27, 2)),
-    # 28672 -> 8192 at 256 tokens: 256: 64 x 2, 256 x 224; 192: 128 tiles, (192 + 128) x 448; 128: 128, 128 x 448:
-    # a tie, the larger tile -> 20 in 2
+    # 28672 -> 8192 at 256 tokens: 256: 64 x 2, 256 x 224; 192: 128 tiles, 192 x 448; 128: 128, 128 x 448: a tie,
+    # the larger tile -> 20 in 2
     ((8192, 256, 448, 132), (20, 2)),
-    # 28672 -> 8192 at 224 tokens: 256: 64 x 2, (256 + 32) x 224; 192: 128 tiles, (192 + 160) x 448; 128: 128 tiles,
-    # (128 + 32) x 448 -> 20 in 2
-    ((8192, 224, 448, 132), (20, 2)),
-    # 13824 -> 5120 at 192 tokens (40 row blocks, 216 k-tiles): 192: 40 x 3 splits (132 // 40), 192 x 72 -> 27 in 3
+    # 13824 -> 5120 at 192 tokens (40 row blocks, 216 k-tiles): 192: 40 x 3 splits (132 // 40), 192 x 72; 256: 40 x 3,
+    # 256 x 72; 128: 80 tiles, unsplit, 128 x 216 -> 27 in 3
     ((5120, 192, 216, 132), (27, 3)),
-    # 4096 -> 4096 at 256 tokens (32 row blocks, 64 k-tiles): 256: 32 x 4 (64 // 16), 256 x 16; 128: 64 x 2,
-    # 128 x 32: a tie -> 20 in 4
+    # 4096 -> 4096 at 256 tokens (32 row blocks, 64 k-tiles): 256: 32 x 4 (64 // 16), 256 x 16; 192: 64 x 2, 192 x 32;
+    # 128: 64 x 2, 128 x 32: a tie -> 20 in 4
     ((4096, 256, 64, 132), (20, 4)),
-    # 100 SMs, 128 tokens: 128: 32 x 3 (100 // 32), 128 x 22; 256: 32 x 3, (256 + 128) x 22 -> 23 in 3
+    # 4096 -> 4096 at 80 tokens: every configuration 32 tiles x 4 splits of 16 -> 23 in 4
+    ((4096, 80, 64, 132), (23, 4)),
+    # 100 SMs, 128 tokens: every configuration 32 tiles x 3 (100 // 32) splits of 22 -> 23 in 3
     ((4096, 128, 64, 100), (23, 3)),
     ((4096, 128, 20, 132), (23, 1)),  # 20 k-tiles: fewer than 2 x 16, never split
     # 8192 -> 28672 at 256 tokens (224 row blocks): no configuration leaves half the SMs idle; 256: 2 x 256 x 128;
-    # 128: 448 tiles, 4 x 128 x 128: a tie -> 20
+    # 192: 448 tiles, 4 x 192 x 128; 128: 448 tiles, 4 x 128 x 128: a tie -> 20
     ((28672, 256, 128, 132), (20, 1)),
-    # 8192 -> 28672 at 192 tokens: 256: 2 x (256 + 64); 192: 2 x 192; 128: 448 tiles, 4 x (128 + 64) -> 27
-    ((28672, 192, 128, 132), (27, 1)),
-    # 5120 -> 13824 at 96 tokens (108 row blocks): 128: 1 x (128 + 32); 192: 1 x (192 + 96); 256: 1 x (256 + 160) -> 23
+    # 8192 -> 28672 at 144 tokens: 256: 2 x 256; 192: 224 tiles, 2 x 192; 128: 448 tiles, 4 x 128 -> 27
+    ((28672, 144, 128, 132), (27, 1)),
+    # 5120 -> 13824 at 96 tokens (108 row blocks, unsplit): 128: 1 x 128; 192: 1 x 192; 256: 1 x 256 -> 23
     ((13824, 96, 80, 132), (23, 1)),
-    # one row block at 256 tokens, 64 k-tiles: 256: 1 tile x 4, 256 x 16; 192: 2 x 4, (192 + 128) x 16; 128: 2 x 4,
-    # 128 x 16 -> 23 in 4
+    # one row block at 256 tokens, 64 k-tiles: 256: 1 tile x 4, 1 x 256 x 16; 192: 2 x 4, 1 x 192 x 16; 128: 2 x 4,
+    # 1 x 128 x 16 -> 23 in 4
     ((128, 256, 64, 132), (23, 4)),
+    # one row block at 129 tokens, 2 k-tiles (never split): 256: 1 tile, 1 x 256 x 2; 192: 1 tile, 1 x 192 x 2; 128: 2
+    # tiles, 1 x 128 x 2 -> 23 (the tokens past the last count as a tile's own: neither kernel loads them)
+    ((128, 129, 2, 132), (23, 1)),
     # one row block at 8192 tokens: the fill rule's 23 (64 tiles of 128 tokens), 2 splits
     ((128, 8192, 64, 132), (23, 2)),
 ]
@@ -97,50 +100,20 @@ WIDE_SPLIT_CASES = [
     ((80, 216, 132, 2), 3),  # 5120 rows x K 13824 at 256 tokens: 264 // 80 = 3 (13 allowed)
     ((1, 31, 132, 2), 1),  # fewer than 2 x 16 k-tiles: never split
 ]
-# (rows_padded, tokens, k-tiles, SMs) -> few-token tile width in tokens (0: a persistent configuration). Up to 64
-# tokens always; at 65-95 where the persistent plan does not split or splits into units of more than 64 k-tiles, else
-# as at 96-256; at 96-256 where the few-token tiles' busiest-SM work ceil(CTAs / SMs) x (128 + padding) x k-tiles per
-# split x 3/2 is no more than the persistent plan's ceil(units / SMs) x (tile tokens + padding) x k-tiles per split
-# (few-token split-K: 264 CTA slots // tiles, at most 16 and at most k-tiles // 16 splits; persistent: above).
+# (rows_padded, tokens, k-tiles, SMs) -> few-token tile width in tokens (0: a persistent configuration): 16 up to 16
+# tokens, 64 up to 64, and the persistent configurations above, whatever the shape.
 SMALL_CASES = [
     ((4096, 1, 64, 132), 16),
     ((4096, 16, 64, 132), 16),
     ((4096, 17, 64, 132), 64),
-    ((8192, 64, 128, 132), 64),  # 64 tokens: always the few-token tiles
+    ((8192, 64, 128, 132), 64),
     ((4096, 64, 64, 132), 64),
-    ((28672, 95, 128, 132), 128),  # 65-95 tokens: the few-token tiles where the persistent plan does not split
-    ((11008, 80, 64, 132), 128),  # 4096 -> 11008 at 80 tokens: 86 tiles, unsplit
-    # 65-95 tokens where it splits, by the work: 4096 -> 4096 at 80 tokens, few-token 32 tiles x 4 splits,
-    # 1 x 176 x 16 x 1.5 = 4224; persistent 128-token tiles, 32 x 4 splits, 1 x 176 x 16 = 2816
-    ((4096, 80, 64, 132), 0),
-    # 11008 -> 4096 at 80 tokens: persistent 32 tiles x 4 splits of 43 k-tiles, 1 x 176 x 43 = 7568; few-token 32 x 8
-    # splits, 2 x 176 x 22 x 1.5 = 11616
-    ((4096, 80, 172, 132), 0),
-    # splits of more than 64 k-tiles: the few-token tiles below 96 tokens. 28672 -> 8192 at 80 tokens: persistent 64 x
-    # 2 splits of 224 k-tiles; 13824 -> 5120: 40 x 3 of 72
-    ((8192, 80, 448, 132), 128),
-    ((5120, 80, 216, 132), 128),
-    # the same at 96 tokens: by the work (persistent 1 x 160 x 224 = 35840, few-token 2 x 160 x 112 x 1.5 = 53760)
-    ((8192, 96, 448, 132), 0),
-    # 4096 -> 4096 at 96 tokens: 32 tiles x 4 splits = 128 CTAs, 1 x 160 x 16 x 1.5 = 3840; persistent 128-token
-    # tiles, 32 x 4 splits, 1 x 160 x 16 = 2560
-    ((4096, 96, 64, 132), 0),
-    # 4096 -> 11008 at 96 tokens: 86 tiles x 3 splits = 258 CTAs, 2 x 160 x 22 x 1.5 = 10560; persistent 86 tiles,
-    # unsplit, 1 x 160 x 64 = 10240
-    ((11008, 96, 64, 132), 0),
-    # 8192 -> 28672 at 96 tokens: 224 tiles, unsplit, 2 x 160 x 128 x 1.5 = 61440; persistent 224 tiles, unsplit,
-    # 2 x 160 x 128 = 40960
-    ((28672, 96, 128, 132), 0),
-    # 13824 -> 5120 at 192 tokens: 80 tiles x 3 splits, 2 x 192 x 72 x 1.5 = 41472; persistent 192-token tiles, 40 x 3
-    # splits, 1 x 192 x 72 = 13824
-    ((5120, 192, 216, 132), 0),
-    # 28672 -> 8192 at 256 tokens: 128 tiles x 2 splits, 2 x 128 x 224 x 1.5 = 86016; persistent 128-token tiles
-    # 1 x 128 x 448 = 57344
-    ((8192, 256, 448, 132), 0),
-    # 28672 -> 8192 at 128 tokens: 64 tiles x 4 splits, 2 x 128 x 112 x 1.5 = 43008; persistent 64 x 2 splits,
-    # 1 x 128 x 224 = 28672
-    ((8192, 128, 448, 132), 0),
-    ((4096, 257, 64, 132), 0),  # above 256 tokens: the persistent configurations
+    ((28672, 64, 448, 132), 64),
+    ((28672, 65, 128, 132), 0),
+    ((11008, 80, 64, 132), 0),
+    ((8192, 95, 448, 132), 0),
+    ((128, 200, 4, 132), 0),
+    ((4096, 257, 64, 132), 0),
 ]
 
 # (M, tokens, unused) -> tokens per CTA of the V:2:M sparse-wgmma SpMM
@@ -172,9 +145,7 @@ int main(int argc, char** argv) {
     if (fn == 'W')
       std::printf("%d\n", hf_sparse::sm90_split_k(a, b, (int)c, (int)d, hf_sparse::sm90_small_min_k_tiles(128)));
     if (fn == 'B') {
-      const bool small = hf_sparse::sm90_prefer_small(hf_sparse::sm90_small_plan(a, b, c, (int)d),
-                                                     hf_sparse::sm90_large_plan(a, b, c, (int)d).split, b, c, (int)d);
-      std::printf("%d\n", small ? hf_sparse::sm90_small_bn(b) : 0);
+      std::printf("%d\n", hf_sparse::sm90_few_token(b) ? hf_sparse::sm90_small_plan(a, b, c, (int)d).bn : 0);
     }
     if (fn == 'V') std::printf("%d\n", hf_sparse::sm90_vnm_bn((int)a, b));
     if (fn == 'P') {
