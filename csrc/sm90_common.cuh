@@ -81,13 +81,6 @@ __device__ __forceinline__ uint64_t desc_k128(uint32_t smem_addr) {
 // included, so the sum does not depend on the arrival order. Use: store() every array, then if last(sync), sum() every
 // array. `thread` is the caller's index among the THREADS that take part, `sync` a barrier over exactly them (the
 // whole CTA, or the consumer warpgroups of a warp-specialised one). A CTA may run several splits one after another.
-// `live` (split_live): how many of an array's accumulators hold real tokens; the others are neither stored nor read.
-template <int N>
-__device__ __forceinline__ int split_live(int tile_tokens) {
-  // acc[4 nt + c] is token 8 nt + 2t + (c & 1) of the tile (the wgmma accumulator layout, store_tile below), so the
-  // real tokens are in the first 4 x ceil(tokens / 8) accumulators. The same bound for every thread.
-  return min(N, 4 * ((tile_tokens + 7) >> 3));
-}
 template <int FLOATS, int THREADS>
 struct SplitK {
   static constexpr int PER_SPLIT = FLOATS * THREADS;
@@ -102,13 +95,10 @@ struct SplitK {
     return SplitK(split_ws, split_counters, blockIdx.y * gridDim.x + blockIdx.x, blockIdx.z, gridDim.z, threadIdx.x);
   }
   template <int N>
-  __device__ __forceinline__ void store(const float (&acc)[N], int offset, int live = N) const {
+  __device__ __forceinline__ void store(const float (&acc)[N], int offset) const {
     float* ws = tile_ws + (size_t)split * PER_SPLIT;
 #pragma unroll
-    for (int j = 0; j < N; ++j) {
-      if (j >= live) break;  // a uniform branch: no predicate per accumulator held in registers
-      __stcg(ws + (offset + j) * THREADS, acc[j]);
-    }
+    for (int j = 0; j < N; ++j) __stcg(ws + (offset + j) * THREADS, acc[j]);
   }
   // After every thread's store(): true in the last split of the tile to arrive, which has reset the counter for the
   // next launch (the threadfence-reduction pattern: fence, count, fence). A CTA that runs another split later passes
@@ -131,15 +121,12 @@ struct SplitK {
     return last([] { __syncthreads(); });
   }
   template <int N>
-  __device__ __forceinline__ void sum(float (&acc)[N], int offset, int live = N) const {
+  __device__ __forceinline__ void sum(float (&acc)[N], int offset) const {
 #pragma unroll
     for (int j = 0; j < N; ++j) acc[j] = 0.f;
     for (int z = 0; z < splits; ++z)
 #pragma unroll
-      for (int j = 0; j < N; ++j) {
-        if (j >= live) break;
-        acc[j] += __ldcg(tile_ws + (size_t)z * PER_SPLIT + (offset + j) * THREADS);
-      }
+      for (int j = 0; j < N; ++j) acc[j] += __ldcg(tile_ws + (size_t)z * PER_SPLIT + (offset + j) * THREADS);
   }
 };
 

@@ -292,12 +292,11 @@ spmm_sm90_kernel(const T* __restrict__ x, const uint4* __restrict__ values, cons
 
   if (gridDim.z > 1) {  // split-K: the last CTA of the tile to finish stores it (sm90_common.cuh SplitK)
     const auto split = SplitK<WGM * ND, THREADS>::of_grid(split_ws, split_counters);
-    const int live = split_live<ND>(n_tokens - n_base);
 #pragma unroll
-    for (int i = 0; i < WGM; ++i) split.store(acc[i], i * ND, live);
+    for (int i = 0; i < WGM; ++i) split.store(acc[i], i * ND);
     if (!split.last()) return;
 #pragma unroll
-    for (int i = 0; i < WGM; ++i) split.sum(acc[i], i * ND, live);
+    for (int i = 0; i < WGM; ++i) split.sum(acc[i], i * ND);
   }
 
 #pragma unroll
@@ -838,10 +837,9 @@ spmm_sm90_tma_a_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_c
     for (int j = 0; j < ND; ++j) asm volatile("" : "+f"(acc[j])::"memory");  // reads after the wgmma wait
     if (splits > 1) {  // split-K: the last split of the tile to finish stores it, from every split's partial sums
       const SplitK<ND, 32 * kTmaConsumerWarps> part(split_ws, split_counters, tile, split, splits, tid);
-      const int live = split_live<ND>(n_tokens - by * BN);
-      part.store(acc, 0, live);
+      part.store(acc, 0);
       if (!part.last([] { consumers_bar_sync(); })) continue;
-      part.sum(acc, 0, live);
+      part.sum(acc, 0);
     }
     const int row0 = cta_row0 + 64 * wg + 16 * wq;
     if constexpr (EPI_N > 0) {

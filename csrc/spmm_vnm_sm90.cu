@@ -281,10 +281,9 @@ spmm_vnm_sm90_kernel(const T* __restrict__ x, const uint4* __restrict__ values, 
   for (int j = 0; j < ND; ++j) asm volatile("" : "+f"(acc[j])::"memory");  // reads after the wgmma wait
   if (gridDim.z > 1) {  // split-K: the last CTA of the tile to finish stores it (sm90_common.cuh SplitK)
     const auto split = SplitK<ND, kVnmThreads>::of_grid(split_ws, split_counters);
-    const int live = split_live<ND>(n_tokens - n_base);
-    split.store(acc, 0, live);
+    split.store(acc, 0);
     if (!split.last()) return;
-    split.sum(acc, 0, live);
+    split.sum(acc, 0);
   }
   if (active) store_tile<T, BN>(acc, cta_row0 + 64 * wg + 16 * wq, n_base, lane, bias, y, rows, n_tokens);
 #elif defined(__CUDA_ARCH__)
