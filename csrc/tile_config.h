@@ -148,12 +148,21 @@ struct Sm90SplitPlan {
   long long tiles;
   long long scratch_floats() const { return splits > 1 ? tiles * splits * 128 * bn : 0; }
 };
-// The busiest SM's work in a split plan, in token rows x k-tiles: its rounds of CTAs (ceil(CTAs / SMs), however many
-// share an SM), each a whole tile's tokens over one split's k-tiles. The tokens past the last one count as much as the
-// rest (the wgmma computes them) and no more: neither kernel reads them from memory (the TMA kernel loads the last
-// token tile in a box of its own tokens, the cp.async kernel zero-fills them without a read).
+// The busiest SM's work in a persistent plan, in token rows x k-tiles: its rounds of work units (ceil(units / SMs)),
+// each one split's k-tiles of a tile plus, where the tile is split, its share of the split-K sum. Per k-tile a tile
+// costs its width in tokens plus kSm90KTileFixedTokens: the wgmma computes every token of the width (those past the
+// last one too; neither kernel reads them from memory: the TMA kernel loads the last token tile in a box of its own
+// tokens), and the A fragments and metadata of a k-tile (9 KB, as many bytes as 72 token rows of X) come whatever the
+// width. The split-K sum costs kSm90SplitSumKTiles k-tiles per fp32 partial tile written or read back (splits + 1 for
+// the last unit of a tile; 512 bytes per token row each). Fitted to the persistent configurations on the H200
+// (benchmarks/RESULTS.md, "tail map"): 4096 -> 4096 at 256 tokens, 20 in 4 splits of 16 k-tiles 26.2 µs against 23 in
+// 2 of 32 21.8 µs; 11008 -> 4096 at 256, the same plans 42.5 against 38.8 µs; 28672 -> 8192 at 256, 20 in 2 splits
+// of 224 k-tiles 130 µs against 23 unsplit 155 µs.
+constexpr int kSm90KTileFixedTokens = 64, kSm90SplitSumKTiles = 3;
 inline long long sm90_split_work(const Sm90SplitPlan& p, long long k_tiles, int sms) {
-  return (p.tiles * p.splits + sms - 1) / sms * p.bn * ((k_tiles + p.splits - 1) / p.splits);
+  const long long sum = p.splits > 1 ? kSm90SplitSumKTiles * (p.splits + 1) : 0;
+  return (p.tiles * p.splits + sms - 1) / sms * (p.bn + kSm90KTileFixedTokens) *
+         ((k_tiles + p.splits - 1) / p.splits + sum);
 }
 // The 128-row x bn-token tiles of an output of rows_padded rows x n_tokens tokens.
 inline long long sm90_tiles(long long rows_padded, long long n_tokens, int bn) {
@@ -190,9 +199,11 @@ inline Sm90LargePlan sm90_config_plan(int config, long long rows_padded, long lo
   return {config, {bn, sm90_large_split_k(tiles, k_tiles, sms), tiles}};
 }
 // Up to 256 tokens, the configuration whose plan gives the busiest SM the least work (sm90_split_work: its rounds of
-// units x tile tokens x k-tiles per split), the larger tile on a tie; above, the fill rule's (sm90_large_config).
-// E.g. 28672 -> 8192 at 256 tokens (64 row blocks, 448 k-tiles): 256-token tiles, 64 x 2 splits, 1 x 256 x 224; 192:
-// 128 tiles, 1 x 192 x 448; 128: 128 tiles, 1 x 128 x 448: a tie, 20 in 2 splits.
+// units x (tile tokens + 64) x (k-tiles per split + 3 x (splits + 1) where split)), the larger tile on a tie; above, the
+// fill rule's (sm90_large_config). E.g. 28672 -> 8192 at 256 tokens (64 row blocks, 448 k-tiles): 256-token tiles,
+// 64 x 2 splits, 1 x 320 x (224 + 9) = 74560; 192: 128 tiles, unsplit, 1 x 256 x 448; 128: 128 tiles, 1 x 192 x 448 =
+// 86016: 20 in 2 splits. 4096 -> 4096 at 256 tokens (32 row blocks, 64 k-tiles): 20: 32 x 4 splits, 1 x 320 x (16 +
+// 15) = 9920; 23: 64 x 2, 1 x 192 x (32 + 9) = 7872: 23 in 2 splits.
 inline Sm90LargePlan sm90_large_plan(long long rows_padded, long long n_tokens, long long k_tiles, int sms) {
   if (n_tokens > 256) return sm90_config_plan(sm90_large_config(rows_padded, n_tokens, sms), rows_padded, n_tokens,
                                               k_tiles, sms);

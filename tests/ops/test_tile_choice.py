@@ -30,37 +30,37 @@ CASES = [
 # (rows_padded, tokens, k-tiles, SMs) -> (config, splits) of the persistent plan (sm90_large_plan). Splits: only where
 # the configuration's tiles leave half the SMs or more idle, then SMs // tiles, at most k-tiles // 16 and 16, as many
 # as the k-tiles per split (rounded up) need. Up to 256 tokens the configuration with the least ceil(units / SMs) x
-# tile tokens x k-tiles per split, the larger tile on a tie; above, CASES.
+# (tile tokens + 64) x (k-tiles per split + 3 x (splits + 1) where split), the larger tile on a tie; above, CASES.
 LARGE_PLAN_CASES = [
-    # 28672 -> 8192 at 192 tokens (64 row blocks): 256: 64 x 2 splits, 1 x 256 x 224; 192: 64 x 2, 1 x 192 x 224;
-    # 128: 128 tiles, unsplit, 1 x 128 x 448 -> 27 in 2
+    # 28672 -> 8192 at 192 tokens (64 row blocks): 256: 64 x 2 splits, 1 x 320 x (224 + 9); 192: 64 x 2,
+    # 1 x 256 x 233; 128: 128 tiles, unsplit, 1 x 192 x 448 -> 27 in 2
     ((8192, 192, 448, 132), (27, 2)),
-    # 28672 -> 8192 at 256 tokens: 256: 64 x 2, 256 x 224; 192: 128 tiles, 192 x 448; 128: 128, 128 x 448: a tie,
-    # the larger tile -> 20 in 2
+    # 28672 -> 8192 at 256 tokens: 256: 64 x 2, 320 x 233 = 74560; 192: 128 tiles, 256 x 448; 128: 128 tiles,
+    # 192 x 448 = 86016 -> 20 in 2 (without the 64 per k-tile, 128 x 448 would beat 256 x 233)
     ((8192, 256, 448, 132), (20, 2)),
-    # 13824 -> 5120 at 192 tokens (40 row blocks, 216 k-tiles): 192: 40 x 3 splits (132 // 40), 192 x 72; 256: 40 x 3,
-    # 256 x 72; 128: 80 tiles, unsplit, 128 x 216 -> 27 in 3
+    # 13824 -> 5120 at 192 tokens (40 row blocks, 216 k-tiles): 192: 40 x 3 splits (132 // 40), 256 x (72 + 12);
+    # 256: 40 x 3, 320 x 84; 128: 80 tiles, unsplit, 192 x 216 -> 27 in 3
     ((5120, 192, 216, 132), (27, 3)),
-    # 4096 -> 4096 at 256 tokens (32 row blocks, 64 k-tiles): 256: 32 x 4 (64 // 16), 256 x 16; 192: 64 x 2, 192 x 32;
-    # 128: 64 x 2, 128 x 32: a tie -> 20 in 4
-    ((4096, 256, 64, 132), (20, 4)),
+    # 4096 -> 4096 at 256 tokens (32 row blocks, 64 k-tiles): 256: 32 x 4 (64 // 16), 320 x (16 + 15) = 9920; 192:
+    # 64 x 2, 256 x (32 + 9); 128: 64 x 2, 192 x 41 = 7872 -> 23 in 2 (without the split-K sum, 20 in 4: 320 x 16)
+    ((4096, 256, 64, 132), (23, 2)),
     # 4096 -> 4096 at 80 tokens: every configuration 32 tiles x 4 splits of 16 -> 23 in 4
     ((4096, 80, 64, 132), (23, 4)),
     # 100 SMs, 128 tokens: every configuration 32 tiles x 3 (100 // 32) splits of 22 -> 23 in 3
     ((4096, 128, 64, 100), (23, 3)),
     ((4096, 128, 20, 132), (23, 1)),  # 20 k-tiles: fewer than 2 x 16, never split
-    # 8192 -> 28672 at 256 tokens (224 row blocks): no configuration leaves half the SMs idle; 256: 2 x 256 x 128;
-    # 192: 448 tiles, 4 x 192 x 128; 128: 448 tiles, 4 x 128 x 128: a tie -> 20
+    # 8192 -> 28672 at 256 tokens (224 row blocks): no configuration leaves half the SMs idle; 256: 2 x 320 x 128;
+    # 192: 448 tiles, 4 x 256 x 128; 128: 448 tiles, 4 x 192 x 128 -> 20
     ((28672, 256, 128, 132), (20, 1)),
-    # 8192 -> 28672 at 144 tokens: 256: 2 x 256; 192: 224 tiles, 2 x 192; 128: 448 tiles, 4 x 128 -> 27
+    # 8192 -> 28672 at 144 tokens: 256: 2 x 320; 192: 224 tiles, 2 x 256; 128: 448 tiles, 4 x 192 -> 27
     ((28672, 144, 128, 132), (27, 1)),
-    # 5120 -> 13824 at 96 tokens (108 row blocks, unsplit): 128: 1 x 128; 192: 1 x 192; 256: 1 x 256 -> 23
+    # 5120 -> 13824 at 96 tokens (108 row blocks, unsplit): 128: 1 x 192; 192: 1 x 256; 256: 1 x 320 -> 23
     ((13824, 96, 80, 132), (23, 1)),
-    # one row block at 256 tokens, 64 k-tiles: 256: 1 tile x 4, 1 x 256 x 16; 192: 2 x 4, 1 x 192 x 16; 128: 2 x 4,
-    # 1 x 128 x 16 -> 23 in 4
+    # one row block at 256 tokens, 64 k-tiles: 256: 1 tile x 4, 1 x 320 x 31; 192: 2 x 4, 1 x 256 x 31; 128: 2 x 4,
+    # 1 x 192 x 31 -> 23 in 4
     ((128, 256, 64, 132), (23, 4)),
-    # one row block at 129 tokens, 2 k-tiles (never split): 256: 1 tile, 1 x 256 x 2; 192: 1 tile, 1 x 192 x 2; 128: 2
-    # tiles, 1 x 128 x 2 -> 23 (the tokens past the last count as a tile's own: neither kernel loads them)
+    # one row block at 129 tokens, 2 k-tiles (never split): 256: 1 tile, 1 x 320 x 2; 192: 1 tile, 1 x 256 x 2; 128: 2
+    # tiles, 1 x 192 x 2 -> 23 (the tokens past the last count as a tile's own: neither kernel loads them)
     ((128, 129, 2, 132), (23, 1)),
     # one row block at 8192 tokens: the fill rule's 23 (64 tiles of 128 tokens), 2 splits
     ((128, 8192, 64, 132), (23, 2)),
