@@ -69,10 +69,10 @@ constexpr int kSm90Config256 = 20, kSm90Config192 = 27, kSm90Config128 = 23;
 inline int sm90_config_tokens(int config) {
   return config == kSm90Config256 ? 256 : config == kSm90Config192 ? 192 : 128;
 }
-// Above 256 tokens (sm90_large_plan), by how well the last round of tiles fills the SMs: 256 where that fills >= 85% of
-// the SM slots of all rounds, or where neither 192 nor 128 fills more than 10 points better; else 192 when it fills
-// about as well as 128 (192 moves 12% fewer L2 bytes per MAC), else 128. E.g. 3072 -> 768 at 8192 tokens on 132 SMs:
-// 256 fills 73%, 192 98%, 128 97%: 27.
+// Above kSm90WorkModelTokens = 512 tokens (sm90_large_plan), by how well the last round of tiles fills the SMs: 256
+// where that fills >= 85% of the SM slots of all rounds, or where neither 192 nor 128 fills more than 10 points better;
+// else 192 when it fills about as well as 128 (192 moves 12% fewer L2 bytes per MAC), else 128. E.g. 3072 -> 768 at
+// 8192 tokens on 132 SMs: 256 fills 73%, 192 98%, 128 97%: 27.
 inline double sm90_fill(long long row_blocks, long long n_tokens, int bn, int sms) {
   const long long tiles = row_blocks * ((n_tokens + bn - 1) / bn), rounds = (tiles + sms - 1) / sms;
   return (double)tiles / (double)(rounds * sms);  // share of the SM slots of all rounds that hold a tile
@@ -198,15 +198,18 @@ inline Sm90LargePlan sm90_config_plan(int config, long long rows_padded, long lo
   const long long tiles = sm90_tiles(rows_padded, n_tokens, bn);
   return {config, {bn, sm90_large_split_k(tiles, k_tiles, sms), tiles}};
 }
-// Up to 256 tokens, the configuration whose plan gives the busiest SM the least work (sm90_split_work: its rounds of
-// units x (tile tokens + 64) x (k-tiles per split + 3 x (splits + 1) where split)), the larger tile on a tie; above, the
-// fill rule's (sm90_large_config). E.g. 28672 -> 8192 at 256 tokens (64 row blocks, 448 k-tiles): 256-token tiles,
+// Up to kSm90WorkModelTokens tokens, the configuration whose plan gives the busiest SM the least work
+// (sm90_split_work: its rounds of units x (tile tokens + 64) x (k-tiles per split + 3 x (splits + 1) where split)), the
+// larger tile on a tie; above, the fill rule's (sm90_large_config), which measured well at thousands of tokens (the
+// work model there was faster than the fill rule at 257-512 tokens: 8192 -> 28672 at 300-500, 1.10-1.18x; benchmarks/
+// RESULTS.md, "tail map"). E.g. 28672 -> 8192 at 256 tokens (64 row blocks, 448 k-tiles): 256-token tiles,
 // 64 x 2 splits, 1 x 320 x (224 + 9) = 74560; 192: 128 tiles, unsplit, 1 x 256 x 448; 128: 128 tiles, 1 x 192 x 448 =
 // 86016: 20 in 2 splits. 4096 -> 4096 at 256 tokens (32 row blocks, 64 k-tiles): 20: 32 x 4 splits, 1 x 320 x (16 +
 // 15) = 9920; 23: 64 x 2, 1 x 192 x (32 + 9) = 7872: 23 in 2 splits.
+constexpr int kSm90WorkModelTokens = 512;
 inline Sm90LargePlan sm90_large_plan(long long rows_padded, long long n_tokens, long long k_tiles, int sms) {
-  if (n_tokens > 256) return sm90_config_plan(sm90_large_config(rows_padded, n_tokens, sms), rows_padded, n_tokens,
-                                              k_tiles, sms);
+  if (n_tokens > kSm90WorkModelTokens)
+    return sm90_config_plan(sm90_large_config(rows_padded, n_tokens, sms), rows_padded, n_tokens, k_tiles, sms);
   const int configs[3] = {kSm90Config256, kSm90Config192, kSm90Config128};  // larger tiles first: they win ties
   Sm90LargePlan best = sm90_config_plan(configs[0], rows_padded, n_tokens, k_tiles, sms);
   for (int i = 1; i < 3; ++i) {

@@ -11,7 +11,7 @@ import pytest
 
 CSRC = Path(__file__).resolve().parents[2] / "csrc"
 
-# (rows_padded, tokens, SMs) -> config above 256 tokens (sm90_large_config): 20 = 128 x 256 tiles, 27 = 128 x 192,
+# (rows_padded, tokens, SMs) -> config above 512 tokens (sm90_large_config): 20 = 128 x 256 tiles, 27 = 128 x 192,
 # 23 = 128 x 128. fill = tiles / (rounds * SMs) for each token tile; 20 unless 256 fills < 85% and 192 or 128 fills
 # > 10 points better; then 27 unless 128 fills > 2 points better than 192.
 CASES = [
@@ -29,7 +29,7 @@ CASES = [
 
 # (rows_padded, tokens, k-tiles, SMs) -> (config, splits) of the persistent plan (sm90_large_plan). Splits: only where
 # the configuration's tiles leave half the SMs or more idle, then SMs // tiles, at most k-tiles // 16 and 16, as many
-# as the k-tiles per split (rounded up) need. Up to 256 tokens the configuration with the least ceil(units / SMs) x
+# as the k-tiles per split (rounded up) need. Up to 512 tokens the configuration with the least ceil(units / SMs) x
 # (tile tokens + 64) x (k-tiles per split + 3 x (splits + 1) where split), the larger tile on a tie; above, CASES.
 LARGE_PLAN_CASES = [
     # 28672 -> 8192 at 192 tokens (64 row blocks): 256: 64 x 2 splits, 1 x 320 x (224 + 9); 192: 64 x 2,
@@ -62,6 +62,9 @@ LARGE_PLAN_CASES = [
     # one row block at 129 tokens, 2 k-tiles (never split): 256: 1 tile, 1 x 320 x 2; 192: 1 tile, 1 x 256 x 2; 128: 2
     # tiles, 1 x 192 x 2 -> 23 (the tokens past the last count as a tile's own: neither kernel loads them)
     ((128, 129, 2, 132), (23, 1)),
+    # 8192 -> 28672 at 300 tokens: 256: 448 tiles, 4 x 320 x 128; 192: 448 tiles, 4 x 256 x 128; 128: 672 tiles,
+    # 6 x 192 x 128 -> 27 (the fill rule, above 512 tokens, would take 20: no tile fills 10 points better than 85%)
+    ((28672, 300, 128, 132), (27, 1)),
     # one row block at 8192 tokens: the fill rule's 23 (64 tiles of 128 tokens), 2 splits
     ((128, 8192, 64, 132), (23, 2)),
 ]
