@@ -105,10 +105,10 @@ inline int sm90_large_config(long long rows_padded, long long n_tokens, int sms)
 constexpr int kSplitKMax = 16, kSplitKMinKTiles = 4, kVnmSplitMinKTiles = 2, kSplitKCounters = 4096;
 constexpr int kSplitKFixedKTiles = 4;
 inline int sm90_small_bn(long long n_tokens) { return n_tokens <= 16 ? 16 : n_tokens <= 64 ? 64 : 128; }
-// The few-token tiles' shortest split in k-tiles: kSplitKMinKTiles, and 16 for the 128-token tile, whose last CTA
-// reads back a 64 KB fp32 partial tile per split (at 4096 -> 4096 and 128 tokens, 4 splits of 16 k-tiles run 1.3x
-// faster than 8 of 8).
-inline int sm90_small_min_k_tiles(int bn) { return bn == 128 ? 16 : kSplitKMinKTiles; }
+// The few-token tiles' shortest split in k-tiles: kSplitKMinKTiles for the 16-token tile, 16 for the 64- and
+// 128-token ones, whose last CTA reads back a 32 / 64 KB fp32 partial tile per split (4096 -> 4096: at 17-64 tokens 4
+// splits of 16 k-tiles ran 1.04-1.17x faster than 8 of 8, benchmarks/RESULTS.md, "tail map"; at 128 tokens 1.3x).
+inline int sm90_small_min_k_tiles(int bn) { return bn >= 64 ? 16 : kSplitKMinKTiles; }
 constexpr int kSm90SmallCtasPerSm = 2;
 // The V:2:M sparse-wgmma SpMM's tokens per CTA: 16 up to 32 tokens (three CTAs per SM: each waits on memory most of
 // the time, more of them keep more loads in flight), 32 up to 64 (two CTAs per SM), above that 64, and at M = 8 128.

@@ -151,7 +151,8 @@ def test_spmm_vnm_ragged_k_and_token_tiles(v, m, dtype, bias, tokens, groups, pi
 @pytest.mark.parametrize("tokens", [1, 3, 16, 17, 33, 64, 65, 200, 256])
 def test_spmm_wgmma_split_k_at_few_tokens(v, m, dtype, tokens):
     """Few rows and a long K: the sparse-wgmma SpMMs split each tile's 40.5 k-tiles (16 groups each, the last one
-    k-step) over ~10 CTAs (``sm90_split_k``, ``csrc/tile_config.h``), the last split shorter; poisoned memory, bias,
+    k-step) over ~10 CTAs (``sm90_split_k``, ``csrc/tile_config.h``; 2 for the 2:4 64-token tile, whose splits are at
+    least 16 k-tiles long), the last split shorter; poisoned memory, bias,
     tokens across the few-token tile widths (2:4: 16, 64; V:2:M: 16, 32, 64 or 128) and past them (2:4 above 64 tokens:
     the persistent configurations, split by ``sm90_large_split_k``; V:2:M: two 128-token tiles at 200 and 256)."""
     if not _wgmma_runs_here():

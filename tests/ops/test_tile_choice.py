@@ -97,10 +97,10 @@ VNM_SPLIT_CASES = [
     ((224, 64, 132, 1), 1),
     ((1, 3, 132, 1), 1),  # fewer than 2 x 2 k-tiles: never split
 ]
-# The 2:4 few-token 128-token tile's minimum of 16 k-tiles per split (two CTAs per SM)
+# The 2:4 few-token 64-token tile's minimum of 16 k-tiles per split (two CTAs per SM)
 WIDE_SPLIT_CASES = [
-    ((32, 64, 132, 2), 4),  # 4096 rows x K 4096 at 128 tokens: 264 // 32 = 8 wanted, 64 // 16 = 4 allowed
-    ((80, 216, 132, 2), 3),  # 5120 rows x K 13824 at 256 tokens: 264 // 80 = 3 (13 allowed)
+    ((32, 64, 132, 2), 4),  # 4096 rows x K 4096 at 17-64 tokens: 264 // 32 = 8 wanted, 64 // 16 = 4 allowed
+    ((40, 216, 132, 2), 6),  # 5120 rows x K 13824: 264 // 40 = 6 (13 allowed)
     ((1, 31, 132, 2), 1),  # fewer than 2 x 16 k-tiles: never split
 ]
 # (rows_padded, tokens, k-tiles, SMs) -> few-token tile width in tokens (0: a persistent configuration): 16 up to 16
@@ -146,7 +146,7 @@ int main(int argc, char** argv) {
     if (fn == 'S') std::printf("%d\n", hf_sparse::sm90_split_k(a, b, (int)c, (int)d));
     if (fn == 'T') std::printf("%d\n", hf_sparse::sm90_split_k(a, b, (int)c, (int)d, hf_sparse::kVnmSplitMinKTiles));
     if (fn == 'W')
-      std::printf("%d\n", hf_sparse::sm90_split_k(a, b, (int)c, (int)d, hf_sparse::sm90_small_min_k_tiles(128)));
+      std::printf("%d\n", hf_sparse::sm90_split_k(a, b, (int)c, (int)d, hf_sparse::sm90_small_min_k_tiles(64)));
     if (fn == 'B') {
       std::printf("%d\n", hf_sparse::sm90_few_token(b) ? hf_sparse::sm90_small_plan(a, b, c, (int)d).bn : 0);
     }
