@@ -30,25 +30,26 @@ LLAMA_SHAPES = ["4096x11008", "11008x4096", "4096x4096", "5120x13824", "13824x51
 
 
 class Recorder:
-    """Wraps :func:`hf_sparse.ops.dispatch.costs` (the compact layer's ranking) to keep, for every ranking it makes,
-    the candidates, the dispatcher's own ``(GPU ms, host ms)`` and each candidate's cold GPU time."""
+    """Wraps :func:`hf_sparse.ops.dispatch.measure`, which the compact layer's ranking (``dispatch.costs``) calls, to
+    keep for every measurement the candidates' ``(GPU ms, host ms)`` the dispatcher ranked on and each candidate's
+    cold GPU time."""
 
     def __init__(self) -> None:
         self.rankings: list[dict] = []
-        self._costs = dispatch.costs
+        self._measure = dispatch.measure
 
     def __enter__(self) -> Recorder:
-        def costs(candidates, rounds=7, host_too=False):
-            measured = dispatch.measure(candidates, rounds)
+        def measure(candidates, rounds=7):
+            measured = self._measure(candidates, rounds)
             cold = {name: flushed_us(candidates[name], flush="read") for name in measured}
             self.rankings.append({"warm": measured, "cold_us": cold})
-            return self._costs(candidates, rounds, host_too)
+            return measured
 
-        dispatch.costs = costs
+        dispatch.measure = measure
         return self
 
     def __exit__(self, *exc) -> None:
-        dispatch.costs = self._costs
+        dispatch.measure = self._measure
 
 
 def main() -> int:

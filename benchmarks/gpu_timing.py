@@ -23,23 +23,23 @@ _FLUSH_BYTES = 256 << 20
 _SLEEP_CYCLES = 2_000_000  # ~1 ms at the H100 / H200 clocks: longer than issuing a few calls on a slow host
 
 
-def _flush_buffer() -> torch.Tensor:
-    return torch.empty(_FLUSH_BYTES // 4, dtype=torch.int32, device="cuda")
+def l2_flusher(flush: str) -> Callable[[], object]:
+    """A call that flushes the L2 by ``flush`` = ``"write"`` (do_bench's 256 MB of zeros, which leaves dirty lines) or
+    ``"read"`` (reading 256 MB: clean lines only); its buffer lives as long as the call."""
+    if flush not in ("write", "read"):
+        raise ValueError(f"flush={flush!r}: expected 'write' or 'read'")
+    buf = torch.empty(_FLUSH_BYTES // 4, dtype=torch.int32, device="cuda")
+    return buf.zero_ if flush == "write" else buf.sum
 
 
 def flushed_us(fn: Callable[[], object], flush: str = "write", reps: int = 25) -> float:
     """Median GPU time of ``fn`` in µs, after an L2 flush by ``flush`` = ``"write"`` (do_bench's) or ``"read"``."""
-    if flush not in ("write", "read"):
-        raise ValueError(f"flush={flush!r}: expected 'write' or 'read'")
-    buf = _flush_buffer()
+    flush_l2 = l2_flusher(flush)
     fn()  # warm-up: plans, kernels loaded
     times = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        if flush == "write":
-            buf.zero_()
-        else:
-            buf.sum()
+        flush_l2()
         torch.cuda._sleep(_SLEEP_CYCLES)
         start.record()
         fn()

@@ -20,6 +20,7 @@ import sys
 import torch
 import torch.nn.functional as F
 from bench_kernels import magnitude_pack
+from gpu_timing import l2_flusher
 from lab.tuning import require_lab_build, tuning
 
 from hf_sparse.ops import force_kernel, spmm
@@ -55,14 +56,7 @@ def run(args: argparse.Namespace) -> int:
     x = torch.randn(args.tokens, args.k, device="cuda").bfloat16()
     ref = F.linear(x.double(), wd.double())
     fn = (lambda: F.linear(x, wd)) if args.mode == "dense" else (lambda: spmm(x, p))
-    buf = torch.empty(256 << 18, dtype=torch.int32, device="cuda") if args.flush != "none" else None
-
-    def flush() -> None:
-        if args.flush == "write":
-            buf.zero_()
-        elif args.flush == "read":
-            buf.sum()
-
+    flush = l2_flusher(args.flush) if args.flush != "none" else (lambda: None)
     flush()
     y = fn()
     err = float((y.double() - ref).norm() / ref.norm())

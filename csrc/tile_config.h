@@ -151,13 +151,13 @@ struct Sm90SplitPlan {
 // The busiest SM's work in a persistent plan, in token rows x k-tiles: its rounds of work units (ceil(units / SMs)),
 // each one split's k-tiles of a tile plus, where the tile is split, its share of the split-K sum. Per k-tile a tile
 // costs its width in tokens plus kSm90KTileFixedTokens: the wgmma computes every token of the width (those past the
-// last one too; neither kernel reads them from memory: the TMA kernel loads the last token tile in a box of its own
-// tokens), and the A fragments and metadata of a k-tile (9 KB, as many bytes as 72 token rows of X) come whatever the
-// width. The split-K sum costs kSm90SplitSumKTiles k-tiles per fp32 partial tile written or read back (splits + 1 for
-// the last unit of a tile; 512 bytes per token row each). Fitted to the persistent configurations on the H200
-// (benchmarks/RESULTS.md, "tail map"): 4096 -> 4096 at 256 tokens, 20 in 4 splits of 16 k-tiles 26.2 µs against 23 in
-// 2 of 32 21.8 µs; 11008 -> 4096 at 256, the same plans 42.5 against 38.8 µs; 28672 -> 8192 at 256, 20 in 2 splits
-// of 224 k-tiles 130 µs against 23 unsplit 155 µs.
+// last one too, which the kernel does not load: it reads the last token tile in a box of its own tokens), and the A
+// fragments and metadata of a k-tile (9 KB, as many bytes as 72 token rows of X) come whatever the width. The split-K
+// sum costs kSm90SplitSumKTiles k-tiles per fp32 partial tile written or read back (splits + 1 for the last unit of a
+// tile; 512 bytes per token row each). Fitted to the persistent configurations on the H200 (benchmarks/RESULTS.md,
+// "tail map"): 4096 -> 4096 at 256 tokens, 20 in 4 splits of 16 k-tiles 26.2 µs against 23 in 2 of 32 21.8 µs; 11008 ->
+// 4096 at 256, the same plans 42.5 against 38.8 µs; 28672 -> 8192 at 256, 20 in 2 splits of 224 k-tiles 130 µs against
+// 23 unsplit 155 µs.
 constexpr int kSm90KTileFixedTokens = 64, kSm90SplitSumKTiles = 3;
 inline long long sm90_split_work(const Sm90SplitPlan& p, long long k_tiles, int sms) {
   const long long sum = p.splits > 1 ? kSm90SplitSumKTiles * (p.splits + 1) : 0;
