@@ -77,45 +77,57 @@ __device__ __forceinline__ uint64_t desc_k128(uint32_t smem_addr) {
 
 // Split-K at the end of a split of a tile (tile_config.h sm90_split_k): its partial sums go to the tile's scratch in
 // split_ws, THREADS x FLOATS floats per split (FLOATS accumulators per thread, each array at its offset among them),
-// coalesced; the last split of the tile to arrive (its counter) reads all of them back in split order, its own
-// included, so the sum does not depend on the arrival order. Use: store() every array, then if last(sync), sum() every
-// array. `thread` is the caller's index among the THREADS that take part, `sync` a barrier over exactly them (the
-// whole CTA, or the consumer warpgroups of a warp-specialised one). A CTA may run several splits one after another.
+// four accumulators of a thread per 16-byte store, coalesced (accumulators 4q..4q+3 of thread i at float (q x THREADS +
+// i) x 4); the last split of the tile to arrive (its counter) reads all of them back in split order, its own included,
+// so the sum does not depend on the arrival order. Use: store() every array, then if last(sync), sum() every array.
+// `thread` is the caller's index among the THREADS that take part, `sync` a barrier over exactly them (the whole CTA,
+// or the consumer warpgroups of a warp-specialised one). A CTA may run several splits one after another.
+// Arrival publishes the split's stores as CUTLASS's split-K semaphore does: a barrier over the threads that stored,
+// then one thread's release fence and atomic (and the last one's acquire fence before the barrier that lets every
+// thread read), instead of a fence in every thread: in a 4096 -> 4096 call at 128 tokens the per-thread fences, the
+// barriers and the atomic held 14% of the warps' stall samples (benchmarks/RESULTS.md, "split-K arrival").
+__device__ __forceinline__ void fence_acq_rel_gpu() { asm volatile("fence.acq_rel.gpu;\n" ::: "memory"); }
 template <int FLOATS, int THREADS>
 struct SplitK {
+  static_assert(FLOATS % 4 == 0, "accumulators are stored four at a time");
   static constexpr int PER_SPLIT = FLOATS * THREADS;
   float* tile_ws;  // this thread's first float of the tile's scratch (split 0)
   int* counter;    // the tile's arrival counter, zero between launches
   int split, splits, thread;
   __device__ __forceinline__ SplitK(float* split_ws, int* split_counters, int tile, int split_, int splits_, int thread_)
-      : tile_ws(split_ws + (size_t)tile * splits_ * PER_SPLIT + thread_), counter(split_counters + tile), split(split_),
-        splits(splits_), thread(thread_) {}
+      : tile_ws(split_ws + (size_t)tile * splits_ * PER_SPLIT + 4 * thread_), counter(split_counters + tile),
+        split(split_), splits(splits_), thread(thread_) {}
   // The split of a grid of (tiles along x and y, splits along z) CTAs that this CTA runs (all its threads take part).
   __device__ __forceinline__ static SplitK of_grid(float* split_ws, int* split_counters) {
     return SplitK(split_ws, split_counters, blockIdx.y * gridDim.x + blockIdx.x, blockIdx.z, gridDim.z, threadIdx.x);
   }
   template <int N>
   __device__ __forceinline__ void store(const float (&acc)[N], int offset) const {
-    float* ws = tile_ws + (size_t)split * PER_SPLIT;
+    static_assert(N % 4 == 0, "accumulators are stored four at a time");
+    float* ws = tile_ws + (size_t)split * PER_SPLIT + offset * THREADS;
 #pragma unroll
-    for (int j = 0; j < N; ++j) __stcg(ws + (offset + j) * THREADS, acc[j]);
+    for (int q = 0; q < N / 4; ++q)
+      __stcg(reinterpret_cast<float4*>(ws + q * 4 * THREADS),
+             make_float4(acc[4 * q], acc[4 * q + 1], acc[4 * q + 2], acc[4 * q + 3]));
   }
   // After every thread's store(): true in the last split of the tile to arrive, which has reset the counter for the
-  // next launch (the threadfence-reduction pattern: fence, count, fence). A CTA that runs another split later passes
-  // `sync` again before rewriting the flag, so every thread has read it by then.
+  // next launch. A CTA that runs another split later passes `sync` again before rewriting the flag, so every thread
+  // has read it by then.
   template <typename Sync>
   __device__ __forceinline__ bool last(Sync sync) const {
     __shared__ int is_last;
-    __threadfence();
-    sync();
+    sync();  // every thread's stores before thread 0's release
     if (thread == 0) {
-      is_last = atomicAdd(counter, 1) == splits - 1;
-      if (is_last) *counter = 0;
+      fence_acq_rel_gpu();
+      const bool mine = atomicAdd(counter, 1) == splits - 1;
+      if (mine) {
+        *counter = 0;
+        fence_acq_rel_gpu();  // acquire: every split's stores before this CTA's reads
+      }
+      is_last = mine;
     }
     sync();
-    const bool mine = is_last;
-    if (mine) __threadfence();
-    return mine;
+    return is_last;
   }
   __device__ __forceinline__ bool last() const {
     return last([] { __syncthreads(); });
@@ -124,9 +136,17 @@ struct SplitK {
   __device__ __forceinline__ void sum(float (&acc)[N], int offset) const {
 #pragma unroll
     for (int j = 0; j < N; ++j) acc[j] = 0.f;
-    for (int z = 0; z < splits; ++z)
+    for (int z = 0; z < splits; ++z) {
+      const float* ws = tile_ws + (size_t)z * PER_SPLIT + offset * THREADS;
 #pragma unroll
-      for (int j = 0; j < N; ++j) acc[j] += __ldcg(tile_ws + (size_t)z * PER_SPLIT + (offset + j) * THREADS);
+      for (int q = 0; q < N / 4; ++q) {
+        const float4 v = __ldcg(reinterpret_cast<const float4*>(ws + q * 4 * THREADS));
+        acc[4 * q] += v.x;
+        acc[4 * q + 1] += v.y;
+        acc[4 * q + 2] += v.z;
+        acc[4 * q + 3] += v.w;
+      }
+    }
   }
 };
 
