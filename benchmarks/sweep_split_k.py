@@ -44,9 +44,9 @@ def timed(x: torch.Tensor, p, ref: torch.Tensor, what: str, **knobs: int) -> flo
         return bench_us(lambda: spmm(x, p))
 
 
-def cold_times(x: torch.Tensor, pattern: str, wb: torch.Tensor, p, copies: list) -> dict[str, float]:
-    """Dense and the product after a clean L2 flush (``read``) and in a chain over ``copies`` (``chain``), in µs;
-    every copy's product checked against its dense product first."""
+def cold_times(x: torch.Tensor, pattern: str, wb: torch.Tensor, p, copies: list, halves: list) -> dict[str, float]:
+    """Dense and the product after a clean L2 flush (``read``) and in a chain over ``copies`` (``chain``), and cuBLAS
+    in a chain over ``halves``, in µs; every copy's product checked against its dense product first."""
     out = {"dense_read": flushed_us(lambda: F.linear(x, wb), flush="read")}
     with force_kernel(spmm="wgmma"):
         out["product_read"] = flushed_us(lambda: spmm(x, p), flush="read")
@@ -54,9 +54,6 @@ def cold_times(x: torch.Tensor, pattern: str, wb: torch.Tensor, p, copies: list)
             checked_error(spmm(x, p_i), F.linear(x.float(), wb_i.float()), f"{pattern} chain copy {i}")
         out["product_chain"] = chain_us([lambda p_i=p_i: spmm(x, p_i) for _, p_i in copies])
     out["dense_chain"] = chain_us([lambda wb_i=wb_i: F.linear(x, wb_i) for wb_i, _ in copies])
-    # cuBLAS on half the output rows: the bytes and the useful arithmetic of a 2:4 weight without its metadata, i.e.
-    # what a sparse kernel as efficient as cuBLAS would take (dense_chain / half_chain: the ratio that allows)
-    halves = [wb_i[: wb_i.shape[0] // 2].clone() for wb_i, _ in copies]
     out["half_chain"] = chain_us([lambda h=h: F.linear(x, h) for h in halves])
     return out
 
@@ -95,12 +92,16 @@ def main() -> int:
             w = torch.randn(r, k, device="cuda")
             wm, mask, p = magnitude_pack(w, pattern)
             wb = wm.to(torch.bfloat16)
-            copies = []
+            copies, halves = [], []
             if args.cold:  # the chain's weights: `p` and `wb` first, then distinct ones until each call is cold
                 copies = [(wb, p)]
                 for _ in range(cold_copies(wb.numel() * wb.element_size() // 2) - 1):
                     wm_i, _, p_i = magnitude_pack(torch.randn(r, k, device="cuda"), pattern)
                     copies.append((wm_i.to(torch.bfloat16), p_i))
+                # cuBLAS on half the output rows of each: the bytes and the useful arithmetic of a 2:4 weight without
+                # its metadata, i.e. what a sparse kernel as efficient as cuBLAS would take (dense_chain / half_chain:
+                # the ratio that allows); made once per shape, as the copies are
+                halves = [wb_i[: wb_i.shape[0] // 2].clone() for wb_i, _ in copies]
             for n in args.tokens:
                 x = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
                 ref = F.linear(x.float(), wb.float())
@@ -129,7 +130,7 @@ def main() -> int:
                     with force_kernel(spmm="wgmma"):
                         row["product_queued"] = flushed_us(lambda: spmm(x, p))
                 if args.cold:
-                    row.update(cold_times(x, pattern, wb, p, copies))
+                    row.update(cold_times(x, pattern, wb, p, copies, halves))
                 line = (
                     f"{pattern:>8} {k:>5}->{r:<5} n={n:<4} dense {dense:7.1f} product {row['product']:7.1f} "
                     f"({dense / row['product']:.2f}x)"
