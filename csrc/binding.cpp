@@ -183,6 +183,18 @@ at::Tensor spmm_wgmma(const at::Tensor& x, const at::Tensor& values, const at::T
 
 bool spmm_wgmma_available() { return hf_sparse::spmm_sm90_available(); }
 
+#if defined(HF_SPARSE_TIMELINE)
+// Timeline build only (benchmarks/timeline_spmm.py): the 2:4 sparse-wgmma calls' stamps since the last read, (ctas,
+// marks) int64, then cleared.
+at::Tensor spmm_timeline(int64_t ctas) {
+  at::Tensor out = at::empty({ctas, hf_sparse::spmm_sm90_timeline_marks()}, at::kLong);
+  const int n = hf_sparse::spmm_sm90_timeline(reinterpret_cast<unsigned long long*>(out.data_ptr<int64_t>()),
+                                              static_cast<int>(ctas));
+  HF_CHECK(n >= 0, "hf_sparse.spmm_timeline: reading the stamps failed");
+  return out.narrow(0, 0, n);
+}
+#endif
+
 at::Tensor sddmm_impl(const char* op, bool wgmma, const at::Tensor& dy, const at::Tensor& x, const at::Tensor& meta,
                       const at::Tensor& columns, int64_t rows, int64_t k, int64_t m) {
   const auto dtype = x.scalar_type();
@@ -836,6 +848,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("spmm_wgmma", &spmm_wgmma, "as spmm, with sparse wgmma (sm_90a; 2:4 and V:2:M)");
   mod.def("spmm_wgmma_available", &spmm_wgmma_available,
           "True on a cc 9.0 GPU when the extension was built with sm_90a");
+#if defined(HF_SPARSE_TIMELINE)
+  mod.def("spmm_timeline", &spmm_timeline,
+          "timeline build: per-CTA stamps of the 2:4 sparse-wgmma calls since the last read, then cleared");
+#endif
   mod.def("sddmm", &sddmm, "dW at kept positions, fp32, logical order (R, 2G)");
   mod.def("sddmm_wgmma", &sddmm_wgmma, "as sddmm, with dense wgmma over the condensed columns (sm_90a)");
   mod.def("pack", &pack, "dense masked weight + mask -> packed (values, meta, columns, valid, error flag)");

@@ -33,6 +33,13 @@ bool spmm_sm90_available();
 cudaError_t spmm_sm90(const SpmmArgs& args, cudaStream_t stream);
 // fp32 elements of split-K scratch spmm_sm90 needs for these arguments (0: it will not split).
 int64_t spmm_sm90_split_floats(const SpmmArgs& args);
+#if defined(HF_SPARSE_TIMELINE)
+// Timeline build only: the stamps of spmm_sm90's CTAs 0 .. ctas - 1 (rows of spmm_sm90_timeline_marks() u64; each
+// row the last call that ran that CTA, zero where none since the last read) into `host`, then every row zeroed; the
+// rows copied, or -1.
+int spmm_sm90_timeline(unsigned long long* host, int ctas);
+int spmm_sm90_timeline_marks();
+#endif
 // V:2:M (m >= 8) SpMM with sparse wgmma (csrc/spmm_vnm_sm90.cu), gathering the kept columns of X into shared
 // memory; same arguments and layout as spmm, same availability as spmm_sm90.
 cudaError_t spmm_vnm_sm90(const SpmmArgs& args, cudaStream_t stream);

@@ -58,6 +58,31 @@ namespace {
 
 constexpr int kSm90Threads = 256;  // two consumer warpgroups
 
+// Timeline build (nvcc -DHF_SPARSE_TIMELINE through HF_SPARSE_NVCC_FLAGS; benchmarks/timeline_spmm.py): one thread
+// of each CTA stamps the global timer at the phases of its first work unit, so a call's time can be cut into launch,
+// set-up, pipeline fill, main loop, split-K and epilogue. The product build compiles none of it.
+enum TimelineMark { kTlEntry, kTlSetUp, kTlFirstIssued, kTlFirstReady, kTlLoopDone, kTlArrived, kTlSummed, kTlEnd,
+                    kTlSm, kTlLast, kTimelineMarks };
+#if defined(HF_SPARSE_TIMELINE)
+constexpr int kTimelineCtas = 4096;
+__device__ unsigned long long g_timeline[kTimelineCtas][kTimelineMarks];
+#endif
+__device__ __forceinline__ void timeline_mark(int mark, unsigned long long value = ~0ull) {
+#if defined(HF_SPARSE_TIMELINE) && defined(__CUDA_ARCH__)
+  const unsigned cta = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+  if (cta >= kTimelineCtas) return;
+  if (value == ~0ull) asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(value));
+  g_timeline[cta][mark] = value;
+#endif
+}
+__device__ __forceinline__ void timeline_sm() {
+#if defined(HF_SPARSE_TIMELINE) && defined(__CUDA_ARCH__)
+  unsigned sm;
+  asm volatile("mov.u32 %0, %%smid;\n" : "=r"(sm));
+  timeline_mark(kTlSm, sm);
+#endif
+}
+
 // CTA tile: 128*WGM weight rows (each warpgroup WGM m64 tiles) x BN tokens, STAGES pipeline stages, and INFLIGHT
 // = 1 keeps one k-tile of wgmmas in flight while the next is issued (0: each iteration waits for its own).
 // AREG = 1: each warp loads its A fragments and metadata straight from global memory into registers, two k-tiles
@@ -116,6 +141,10 @@ spmm_sm90_kernel(const T* __restrict__ x, const uint4* __restrict__ values, cons
   const uint32_t smem_u32 = (uint32_t)__cvta_generic_to_shared(smem);
 
   const int tid = threadIdx.x;
+  if (tid == 0) {
+    timeline_mark(kTlEntry);
+    timeline_sm();
+  }
   const int lane = tid & 31, warp = tid >> 5;
   const int wg = warp >> 2, wq = warp & 3;  // warpgroup, warp within it
   const int g = lane >> 2, t = lane & 3;
@@ -223,6 +252,7 @@ spmm_sm90_kernel(const T* __restrict__ x, const uint4* __restrict__ values, cons
     cp_async_wait<AHEAD - 1>();
     fence_proxy_async();  // this thread's cp.async writes, visible to the async proxy (wgmma) after the barrier
     __syncthreads();
+    if (kt == 0 && tid == 0) timeline_mark(kTlFirstReady);
     const unsigned char* base = smem + slot * Cfg::STAGE;
     const uint4* as = reinterpret_cast<const uint4*>(base + Cfg::B_BYTES);
     const uint32_t* es = reinterpret_cast<const uint32_t*>(base + Cfg::B_BYTES + Cfg::A_BYTES);
@@ -290,13 +320,23 @@ spmm_sm90_kernel(const T* __restrict__ x, const uint4* __restrict__ values, cons
 #pragma unroll
     for (int j = 0; j < ND; ++j) asm volatile("" : "+f"(acc[i][j])::"memory");  // reads after the wgmma wait
 
+  if (tid == 0) timeline_mark(kTlLoopDone);
   if (gridDim.z > 1) {  // split-K: the last CTA of the tile to finish stores it (sm90_common.cuh SplitK)
     const auto split = SplitK<WGM * ND, THREADS>::of_grid(split_ws, split_counters);
 #pragma unroll
     for (int i = 0; i < WGM; ++i) split.store(acc[i], i * ND);
-    if (!split.last()) return;
+    const bool last = split.last();
+    if (tid == 0) {
+      timeline_mark(kTlArrived);
+      timeline_mark(kTlLast, last);
+    }
+    if (!last) {
+      if (tid == 0) timeline_mark(kTlEnd);
+      return;
+    }
 #pragma unroll
     for (int i = 0; i < WGM; ++i) split.sum(acc[i], i * ND);
+    if (tid == 0) timeline_mark(kTlSummed);
   }
 
 #pragma unroll
@@ -309,6 +349,7 @@ spmm_sm90_kernel(const T* __restrict__ x, const uint4* __restrict__ values, cons
       store_tile<T, BN>(acc[i], row0, n_base, lane, bias, y, rows, n_tokens);
     }
   }
+  if (tid == 0) timeline_mark(kTlEnd);
 #elif defined(__CUDA_ARCH__)
   __trap();  // built without sm_90a: the host never launches this (spmm_sm90_available() is false)
 #endif
@@ -680,6 +721,10 @@ spmm_sm90_tma_a_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_c
   const uint32_t full_bar = epi_u32 + S::EPI_BYTES, empty_bar = full_bar + 8 * STAGES;
 
   const int tid = threadIdx.x;
+  if (tid == 0) {
+    timeline_mark(kTlEntry);
+    timeline_sm();
+  }
   const int lane = tid & 31, warp = tid >> 5;
   const int k_tiles = (steps + 1) >> 1;
   const int row_blocks = (rows_padded + 127) / 128, token_tiles = (n_tokens + BN - 1) / BN;
@@ -722,6 +767,7 @@ spmm_sm90_tma_a_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_c
   } else {
     __syncthreads();
   }
+  if (tid == 0) timeline_mark(kTlSetUp);
 
   if (warp >= kTmaConsumerWarps) {  // producer warpgroup: one thread issues every copy, across all of its tiles
     setmaxnreg_dec<kProducerRegs>();
@@ -762,6 +808,7 @@ spmm_sm90_tma_a_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_c
           }
           tma_load_2d(dst + S::X_BYTES, &a_map, kt * 256, a_row, bar);  // 2 k-steps x 128 words, 8 m16 tiles
           tma_load_2d(dst + S::X_BYTES + S::A_BYTES, &e_map, kt * 32, a_row, bar);
+          if (it == 0) timeline_mark(kTlFirstIssued);
         }
       }
     }
@@ -808,6 +855,7 @@ spmm_sm90_tma_a_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_c
     auto k_tile = [&](int i, uint4 (&a)[2], uint32_t (&e)[2]) {
       const int slot = (it + i) % STAGES, kt = kt0 + i;
       mbar_wait(full_bar + 8 * slot, ((it + i) / STAGES) & 1);
+      if (it + i == 0 && tid == 0) timeline_mark(kTlFirstReady);
       const unsigned char* st = smem + slot * S::STAGE;
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
@@ -835,11 +883,19 @@ spmm_sm90_tma_a_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_c
     release(it - 1);  // the last k-tile's stage
 #pragma unroll
     for (int j = 0; j < ND; ++j) asm volatile("" : "+f"(acc[j])::"memory");  // reads after the wgmma wait
+    const bool first = unit == first_unit;
+    if (first && tid == 0) timeline_mark(kTlLoopDone);
     if (splits > 1) {  // split-K: the last split of the tile to finish stores it, from every split's partial sums
       const SplitK<ND, 32 * kTmaConsumerWarps> part(split_ws, split_counters, tile, split, splits, tid);
       part.store(acc, 0);
-      if (!part.last([] { consumers_bar_sync(); })) continue;
+      const bool last = part.last([] { consumers_bar_sync(); });
+      if (first && tid == 0) {
+        timeline_mark(kTlArrived);
+        timeline_mark(kTlLast, last);
+      }
+      if (!last) continue;
       part.sum(acc, 0);
+      if (first && tid == 0) timeline_mark(kTlSummed);
     }
     const int row0 = cta_row0 + 64 * wg + 16 * wq;
     if constexpr (EPI_N > 0) {
@@ -881,6 +937,7 @@ spmm_sm90_tma_a_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_c
     }
   }
   if constexpr (MC) cluster_sync();  // no CTA of the cluster exits while the other may still arrive on its barriers
+  if (tid == 0) timeline_mark(kTlEnd);
 #elif defined(__CUDA_ARCH__)
   __trap();  // built without sm_90a: the host never launches this (spmm_sm90_available() is false)
 #endif
@@ -1183,6 +1240,18 @@ int64_t spmm_sm90_split_floats(const SpmmArgs& a) {
   if (a.m != 4 || a.n_tokens <= 0 || current_sm_count(&sms) != cudaSuccess) return 0;  // (the launch reports an error)
   return plan_call(a, sms).split.scratch_floats();
 }
+
+#if defined(HF_SPARSE_TIMELINE)
+int spmm_sm90_timeline(unsigned long long* host, int ctas) {
+  const int n = std::min(ctas, kTimelineCtas);
+  void* stamps = nullptr;
+  if (cudaMemcpyFromSymbol(host, g_timeline, sizeof(g_timeline[0]) * n) != cudaSuccess ||
+      cudaGetSymbolAddress(&stamps, g_timeline) != cudaSuccess || cudaMemset(stamps, 0, sizeof(g_timeline)) != cudaSuccess)
+    return -1;
+  return n;
+}
+int spmm_sm90_timeline_marks() { return kTimelineMarks; }
+#endif
 
 cudaError_t spmm_sm90(const SpmmArgs& a, cudaStream_t stream) {
   if (a.m != 4) return cudaErrorInvalidValue;

@@ -233,7 +233,8 @@ def load_extension() -> ModuleType:
             name=name,
             sources=[str(src / s) for s in SOURCES],
             # no -std: torch picks its headers' own (C++17 in torch 2.11, C++20 in 2.13)
-            extra_cflags=["-O3", *(["-DHF_SPARSE_LAB"] if lab else [])],
+            # the -D flags of HF_SPARSE_NVCC_FLAGS reach the binding too, so it binds what they compile in
+            extra_cflags=["-O3", *(["-DHF_SPARSE_LAB"] if lab else []), *(f for f in extra if f.startswith("-D"))],
             extra_cuda_cflags=build_flags(lab=lab, extra=extra),
             extra_include_paths=[str(src)],
             build_directory=build_dir,

@@ -279,6 +279,36 @@ def test_spmm_wgmma_split_k_under_cuda_graph_capture(v, m):
     assert torch.equal(after, eager)
 
 
+@pytest.mark.parametrize("tokens", [3, 40, 100, 200])
+def test_spmm_wgmma_chain_reads_each_previous_output(tokens):
+    """A chain of 2:4 sparse-wgmma calls, each on the previous one's output, with a V:2:M call in the middle and the
+    first output's block freed while the calls after it run (the allocator may hand it to the next output): every call
+    reads its input as written and writes only its own output. Few-token tiles (3, 40 tokens) and the persistent
+    configurations, split and not (100, 200)."""
+    if not _wgmma_runs_here():
+        pytest.skip("sparse wgmma needs a cc 9.0 GPU and an sm_90a build")
+    sizes, patterns = [1024, 4096, 1024, 3072, 2048, 1024], [(64, 4), (64, 4), (64, 8), (64, 4), (64, 4)]
+    layers = [
+        _pack_cuda(sizes[i + 1], sizes[i], v, m, torch.bfloat16, seed=40 + i)[::2] for i, (v, m) in enumerate(patterns)
+    ]
+    x = torch.randn(tokens, sizes[0], device="cuda").bfloat16()
+    poison_allocator()
+    with force_kernel(spmm="wgmma"):
+        outs, h = [], x
+        for i, (_, p) in enumerate(layers):
+            h = spmm(h, p)
+            outs.append(h)
+            if i == 1:
+                del outs[0]  # its block is free for the next outputs while the call after it may still run
+                outs.insert(0, None)
+        again = spmm(x, layers[0][1])  # the freed first output, recomputed (deterministic) to check the second
+    inputs = [x, again, *outs[1:-1]]
+    for (w, _), inp, out in zip(layers, inputs, outs, strict=True):
+        if out is not None:
+            assert_linear_matches(out, inp, w)
+    assert_linear_matches(again, x, layers[0][0])
+
+
 @pytest.mark.parametrize(("m", "groups"), [(8, 2056), (16, 2100)])
 @pytest.mark.parametrize("pipe", [1, 0])
 def test_spmm_vnm_long_k_falls_back_to_register_pipeline(m, groups, pipe):
