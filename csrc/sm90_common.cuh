@@ -87,6 +87,11 @@ __device__ __forceinline__ uint64_t desc_k128(uint32_t smem_addr) {
 // thread read), instead of a fence in every thread: in a 4096 -> 4096 call at 128 tokens the per-thread fences, the
 // barriers and the atomic held 14% of the warps' stall samples (benchmarks/RESULTS.md, "split-K arrival").
 __device__ __forceinline__ void fence_acq_rel_gpu() { asm volatile("fence.acq_rel.gpu;\n" ::: "memory"); }
+__device__ __forceinline__ int load_acquire_gpu(const int* p) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
 template <int FLOATS, int THREADS>
 struct SplitK {
   static_assert(FLOATS % 4 == 0, "accumulators are stored four at a time");
@@ -131,6 +136,40 @@ struct SplitK {
   }
   __device__ __forceinline__ bool last() const {
     return last([] { __syncthreads(); });
+  }
+  // The shared sum, where every split of the tile runs at once (a cooperative launch): each split adds up the rows it
+  // owns, from its own accumulators and every other split's partial sums, and stores them. meet(): after the store()
+  // of the rows other splits own, wait until every split of the tile has stored (thread 0 spins, the rest wait at
+  // `sync`). Then add_others(), and leave(): the split that leaves last zeroes the counter for the next launch (all
+  // have passed their wait by then).
+  template <typename Sync>
+  __device__ __forceinline__ void meet(Sync sync) const {
+    sync();  // every thread's stores before thread 0's release
+    if (thread == 0) {
+      fence_acq_rel_gpu();
+      atomicAdd(counter, 1);
+      while (load_acquire_gpu(counter) < splits) {
+      }
+    }
+    sync();
+  }
+  template <int N>
+  __device__ __forceinline__ void add_others(float (&acc)[N], int offset) const {
+    for (int z = 0; z < splits; ++z) {
+      if (z == split) continue;
+      const float* ws = tile_ws + (size_t)z * PER_SPLIT + offset * THREADS;
+#pragma unroll
+      for (int q = 0; q < N / 4; ++q) {
+        const float4 v = __ldcg(reinterpret_cast<const float4*>(ws + q * 4 * THREADS));
+        acc[4 * q] += v.x;
+        acc[4 * q + 1] += v.y;
+        acc[4 * q + 2] += v.z;
+        acc[4 * q + 3] += v.w;
+      }
+    }
+  }
+  __device__ __forceinline__ void leave() const {
+    if (thread == 0 && atomicAdd(counter, 1) == 2 * splits - 1) *counter = 0;
   }
   template <int N>
   __device__ __forceinline__ void sum(float (&acc)[N], int offset) const {

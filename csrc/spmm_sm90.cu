@@ -706,7 +706,8 @@ spmm_sm90_tma_a_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_c
                        const __grid_constant__ CUtensorMap a_map, const __grid_constant__ CUtensorMap e_map,
                        const __grid_constant__ CUtensorMap y_map, const T* __restrict__ bias, T* __restrict__ y,
                        int n_tokens, int tail_tokens, int rows, int rows_padded, int steps, int act, int splits,
-                       int kt_per_split, float* __restrict__ split_ws, int* __restrict__ split_counters) {
+                       int kt_per_split, float* __restrict__ split_ws, int* __restrict__ split_counters,
+                       int shared_sum) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int ND = BN / 2;
   using S = TmaASmem<BN, STAGES, EPI_N, EPI_BUFS>;
@@ -740,6 +741,9 @@ spmm_sm90_tma_a_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_c
   const int n_units = n_tiles * splits;
   const uint32_t rank = MC ? cluster_cta_rank() : 0u;
   const int first_unit = blockIdx.x / CLUSTER, unit_step = PERSIST ? (int)gridDim.x / CLUSTER : n_units;
+  // The shared split-K sum is compiled into the 128-token tiles only: in the 192- and 256-token ones its registers
+  // pushed spills into every call, split or not (benchmarks/RESULTS.md, "shared split-K sum").
+  constexpr bool kSharedSum = PERSIST && CLUSTER == 1 && BN == 128;
 
   // TRIM (configs 32/33): the fixed cost per launch, which is a third of the time at K = 1024 (benchmarks/RESULTS.md,
   // "Short-K"), gets two cuts: the tensor maps (Y's too) are prefetched before the barrier set-up, and at exit the
@@ -885,7 +889,28 @@ spmm_sm90_tma_a_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_c
     for (int j = 0; j < ND; ++j) asm volatile("" : "+f"(acc[j])::"memory");  // reads after the wgmma wait
     const bool first = unit == first_unit;
     if (first && tid == 0) timeline_mark(kTlLoopDone);
-    if (splits > 1) {  // split-K: the last split of the tile to finish stores it, from every split's partial sums
+    const int row0 = cta_row0 + 64 * wg + 16 * wq;
+    bool direct = EPI_N == 0;  // this warp's rows stored straight from its accumulators (no staged epilogue)
+    const bool full_tile = (by + 1) * BN <= n_tokens && cta_row0 + 128 <= rows && (rows & 1) == 0;
+    if (kSharedSum && splits > 1 && shared_sum && full_tile) {
+      // Shared split-K sum (one unit per CTA, at most one CTA per SM: every split of the tile is resident at once):
+      // warp w's rows belong to split w * splits / 8, which adds them up from its own accumulators and every other
+      // split's partial sums and stores them; the other splits write those rows' partial sums to the scratch. Each
+      // split reads and stores 1 / splits of the tile instead of the last one reading all of it. Full tiles only:
+      // their owners store with the check-free epilogue; a partial tile's checked one is thousands of instructions,
+      // fetched cold when the call follows other work, and its tile goes the last-split way with the staged epilogue
+      // (benchmarks/RESULTS.md, "shared split-K sum").
+      const SplitK<ND, 32 * kTmaConsumerWarps> part(split_ws, split_counters, tile, split, splits, tid);
+      const bool mine = warp * splits / kTmaConsumerWarps == split;
+      if (!mine) part.store(acc, 0);
+      part.meet([] { consumers_bar_sync(); });
+      if (first && tid == 0) timeline_mark(kTlArrived);
+      if (mine) part.add_others(acc, 0);
+      part.leave();
+      if (!mine) continue;
+      if (first && tid == 0) timeline_mark(kTlSummed);
+      direct = true;
+    } else if (splits > 1) {  // split-K: the last split of the tile to finish stores it, from every split's partials
       const SplitK<ND, 32 * kTmaConsumerWarps> part(split_ws, split_counters, tile, split, splits, tid);
       part.store(acc, 0);
       const bool last = part.last([] { consumers_bar_sync(); });
@@ -897,22 +922,25 @@ spmm_sm90_tma_a_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_c
       part.sum(acc, 0);
       if (first && tid == 0) timeline_mark(kTlSummed);
     }
-    const int row0 = cta_row0 + 64 * wg + 16 * wq;
     if constexpr (EPI_N > 0) {
-      if (active) {
-        const uint32_t stage = epi_u32 + wg * EPI_BUFS * S::EPI_CHUNK;
-        if (act == kActGelu) {
-          store_tile_staged<T, BN, EPI_N, EPI_BUFS, EVICT_FIRST, kActGelu>(
-              acc, row0, cta_row0 + 64 * wg, by * BN, lane, wq, stage, 2 + wg, bias, rows, n_tokens, &y_map,
-              RUNBUF ? chunks : -1);
-        } else {
-          store_tile_staged<T, BN, EPI_N, EPI_BUFS, EVICT_FIRST>(acc, row0, cta_row0 + 64 * wg, by * BN, lane, wq,
-                                                                 stage, 2 + wg, bias, rows, n_tokens, &y_map,
-                                                                 RUNBUF ? chunks : -1);
+      if (!direct) {
+        if (active) {
+          const uint32_t stage = epi_u32 + wg * EPI_BUFS * S::EPI_CHUNK;
+          if (act == kActGelu) {
+            store_tile_staged<T, BN, EPI_N, EPI_BUFS, EVICT_FIRST, kActGelu>(
+                acc, row0, cta_row0 + 64 * wg, by * BN, lane, wq, stage, 2 + wg, bias, rows, n_tokens, &y_map,
+                RUNBUF ? chunks : -1);
+          } else {
+            store_tile_staged<T, BN, EPI_N, EPI_BUFS, EVICT_FIRST>(acc, row0, cta_row0 + 64 * wg, by * BN, lane, wq,
+                                                                   stage, 2 + wg, bias, rows, n_tokens, &y_map,
+                                                                   RUNBUF ? chunks : -1);
+          }
+          chunks += BN / EPI_N;  // one bulk group per chunk, committed in this order (the rotation's invariant)
         }
-        chunks += BN / EPI_N;  // one bulk group per chunk, committed in this order (the rotation's invariant)
+        continue;
       }
-    } else if ((by + 1) * BN <= n_tokens && cta_row0 + 128 <= rows && (rows & 1) == 0) {
+    }
+    if (full_tile) {
       if (act == kActGelu) {
         store_tile_full<T, BN, kActGelu>(acc, row0, by * BN, lane, bias, y, rows);
       } else {
@@ -1109,10 +1137,15 @@ cudaError_t launch_sm90_tma_a(const SpmmArgs& a, cudaStream_t stream, int splits
   if ((err = current_sm_count(&sms)) != cudaSuccess) return err;
   if constexpr (CLUSTER == 1) {
     const int grid = PERSIST ? (int)std::min<long long>(units, sms) : (int)units;
+    // The shared split-K sum waits for every split of a tile: only where each CTA runs one unit and the grid is at
+    // most the SM count (which MPS and green contexts report as their share), one CTA per SM (shared memory), so the
+    // whole grid is resident once the GPU's other work leaves room; the split-K spin of CUTLASS's persistent kernels
+    // assumes the same.
+    const int shared_sum = PERSIST && CLUSTER == 1 && BN == 128 && splits > 1 && units <= sms;
     kernel<<<grid, kTmaThreads, smem, stream>>>(x_map, x_tail_map, a_map, e_map, y_map,
                                                 static_cast<const T*>(a.bias), static_cast<T*>(a.y), a.n_tokens,
                                                 tail_tokens, a.rows, a.rows_padded, a.steps, a.act, splits,
-                                                kt_per_split, a.split_ws, a.split_counters);
+                                                kt_per_split, a.split_ws, a.split_counters, shared_sum);
     return cudaGetLastError();
   } else {
     cudaLaunchAttribute attr[1];
@@ -1132,7 +1165,7 @@ cudaError_t launch_sm90_tma_a(const SpmmArgs& a, cudaStream_t stream, int splits
     cfg.gridDim = dim3((unsigned)(CLUSTER * std::min<long long>(tiles, max_clusters)));
     return cudaLaunchKernelEx(&cfg, kernel, x_map, x_tail_map, a_map, e_map, y_map, static_cast<const T*>(a.bias),
                               static_cast<T*>(a.y), a.n_tokens, 0, a.rows, a.rows_padded, a.steps, a.act, 1, k_tiles,
-                              static_cast<float*>(nullptr), static_cast<int*>(nullptr));
+                              static_cast<float*>(nullptr), static_cast<int*>(nullptr), 0);
   }
 }
 

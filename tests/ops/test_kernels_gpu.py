@@ -182,6 +182,39 @@ def test_spmm_wgmma_split_k_in_the_persistent_configurations(dtype, tokens):
 
 
 @pytest.mark.parametrize(
+    ("rows", "cols", "tokens", "dtype", "gelu"),
+    [
+        (4096, 4096, 128, torch.bfloat16, False),  # configuration 23, 32 full tiles x 4 splits: 2 warps' rows each
+        (4032, 4096, 128, torch.float16, True),  # the same; the last row block half padding sums the last-split way
+        (4096, 4096, 200, torch.bfloat16, True),  # 64 tiles x 2 splits: full token tiles shared, the partial ones not
+        (5120, 13824, 128, torch.bfloat16, False),  # 40 tiles x 3 splits: 3 / 3 / 2 warps' rows
+        (1024, 16384, 128, torch.bfloat16, True),  # 8 tiles x 16 splits: every other split owns no rows
+    ],
+)
+def test_spmm_wgmma_shared_split_k_sum(rows, cols, tokens, dtype, gelu):
+    """The 128-token persistent configuration's split plans fill one round of CTAs: in a full tile each split adds up
+    and stores the rows of the warps it owns from every split's partial sums (sm90_common.cuh SplitK::meet), in a
+    partial one the last split sums (SplitK::last), in the same launch. Poisoned memory, bias, GELU; the same result
+    on every call (each owner adds in a fixed order), the arrival counters left zero for the next call."""
+    if not _wgmma_runs_here():
+        pytest.skip("sparse wgmma needs a cc 9.0 GPU and an sm_90a build")
+    w, mask, p = _pack_cuda(rows, cols, 64, 4, dtype, seed=rows + tokens)
+    x = (2 * torch.randn(tokens, cols, device="cuda")).to(dtype)
+    b = torch.randn(rows, device="cuda").to(dtype)
+    act = {"activation": "gelu"} if gelu else {}
+    poison_allocator()
+    with force_kernel(spmm="wgmma"):
+        y = spmm(x, p, b, **act)
+        again = [spmm(x, p, b, **act) for _ in range(3)]
+    if gelu:
+        _assert_gelu_linear_matches(y, x, w, b)
+    else:
+        assert_linear_matches(y, x, w, b)
+    for z in again:
+        assert torch.equal(z, y)
+
+
+@pytest.mark.parametrize(
     ("rows", "tokens", "cols"),
     [
         (4096, 300, 1032),  # configuration 23 (128-token tiles): 32 x 3 tiles
