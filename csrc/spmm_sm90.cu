@@ -904,7 +904,10 @@ spmm_sm90_tma_a_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_c
       const bool mine = warp * splits / kTmaConsumerWarps == split;
       if (!mine) part.store(acc, 0);
       part.meet([] { consumers_bar_sync(); });
-      if (first && tid == 0) timeline_mark(kTlArrived);
+      if (first && tid == 0) {
+        timeline_mark(kTlArrived);
+        timeline_mark(kTlLast, mine);  // thread 0's warp: the sum below is its own
+      }
       if (mine) part.add_others(acc, 0);
       part.leave();
       if (!mine) continue;
