@@ -661,6 +661,14 @@ __device__ __forceinline__ void consumers_bar_arrive() { asm volatile("bar.arriv
 __device__ __forceinline__ void consumers_bar_sync() { asm volatile("bar.sync 1, 256;\n" ::: "memory"); }
 #endif
 
+// Whether a configuration has the shared split-K sum compiled in (SplitK::meet): the 128-token persistent tiles only;
+// in the 192- and 256-token ones its registers pushed spills into every call, split or not (benchmarks/RESULTS.md,
+// "shared split-K sum"). The launcher asks it too, for the flag that turns the sum on.
+template <int BN, int PERSIST, int CLUSTER>
+__host__ __device__ constexpr bool has_shared_split_sum() {
+  return PERSIST && CLUSTER == 1 && BN == 128;
+}
+
 // Without RUNBUF a tile's staged epilogue starts at buffer 0, so the buffers must split its chunks evenly.
 constexpr bool epi_buffers_restart_ok(int bn, int epi_n, int bufs, bool runbuf) {
   return runbuf || epi_n == 0 || (bn / epi_n) % bufs == 0;
@@ -741,9 +749,7 @@ spmm_sm90_tma_a_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_c
   const int n_units = n_tiles * splits;
   const uint32_t rank = MC ? cluster_cta_rank() : 0u;
   const int first_unit = blockIdx.x / CLUSTER, unit_step = PERSIST ? (int)gridDim.x / CLUSTER : n_units;
-  // The shared split-K sum is compiled into the 128-token tiles only: in the 192- and 256-token ones its registers
-  // pushed spills into every call, split or not (benchmarks/RESULTS.md, "shared split-K sum").
-  constexpr bool kSharedSum = PERSIST && CLUSTER == 1 && BN == 128;
+  constexpr bool kSharedSum = has_shared_split_sum<BN, PERSIST, CLUSTER>();
 
   // TRIM (configs 32/33): the fixed cost per launch, which is a third of the time at K = 1024 (benchmarks/RESULTS.md,
   // "Short-K"), gets two cuts: the tensor maps (Y's too) are prefetched before the barrier set-up, and at exit the
@@ -1144,7 +1150,7 @@ cudaError_t launch_sm90_tma_a(const SpmmArgs& a, cudaStream_t stream, int splits
     // most the SM count (which MPS and green contexts report as their share), one CTA per SM (shared memory), so the
     // whole grid is resident once the GPU's other work leaves room; the split-K spin of CUTLASS's persistent kernels
     // assumes the same.
-    const int shared_sum = PERSIST && CLUSTER == 1 && BN == 128 && splits > 1 && units <= sms;
+    const int shared_sum = has_shared_split_sum<BN, PERSIST, CLUSTER>() && splits > 1 && units <= sms;
     kernel<<<grid, kTmaThreads, smem, stream>>>(x_map, x_tail_map, a_map, e_map, y_map,
                                                 static_cast<const T*>(a.bias), static_cast<T*>(a.y), a.n_tokens,
                                                 tail_tokens, a.rows, a.rows_padded, a.steps, a.act, splits,
