@@ -156,16 +156,7 @@ struct SplitK {
   template <int N>
   __device__ __forceinline__ void add_others(float (&acc)[N], int offset) const {
     for (int z = 0; z < splits; ++z) {
-      if (z == split) continue;
-      const float* ws = tile_ws + (size_t)z * PER_SPLIT + offset * THREADS;
-#pragma unroll
-      for (int q = 0; q < N / 4; ++q) {
-        const float4 v = __ldcg(reinterpret_cast<const float4*>(ws + q * 4 * THREADS));
-        acc[4 * q] += v.x;
-        acc[4 * q + 1] += v.y;
-        acc[4 * q + 2] += v.z;
-        acc[4 * q + 3] += v.w;
-      }
+      if (z != split) add_split(acc, offset, z);
     }
   }
   __device__ __forceinline__ void leave() const {
@@ -175,16 +166,19 @@ struct SplitK {
   __device__ __forceinline__ void sum(float (&acc)[N], int offset) const {
 #pragma unroll
     for (int j = 0; j < N; ++j) acc[j] = 0.f;
-    for (int z = 0; z < splits; ++z) {
-      const float* ws = tile_ws + (size_t)z * PER_SPLIT + offset * THREADS;
+    for (int z = 0; z < splits; ++z) add_split(acc, offset, z);
+  }
+  // acc += split z's partial sums of this thread (the add of sum() and add_others()).
+  template <int N>
+  __device__ __forceinline__ void add_split(float (&acc)[N], int offset, int z) const {
+    const float* ws = tile_ws + (size_t)z * PER_SPLIT + offset * THREADS;
 #pragma unroll
-      for (int q = 0; q < N / 4; ++q) {
-        const float4 v = __ldcg(reinterpret_cast<const float4*>(ws + q * 4 * THREADS));
-        acc[4 * q] += v.x;
-        acc[4 * q + 1] += v.y;
-        acc[4 * q + 2] += v.z;
-        acc[4 * q + 3] += v.w;
-      }
+    for (int q = 0; q < N / 4; ++q) {
+      const float4 v = __ldcg(reinterpret_cast<const float4*>(ws + q * 4 * THREADS));
+      acc[4 * q] += v.x;
+      acc[4 * q + 1] += v.y;
+      acc[4 * q + 2] += v.z;
+      acc[4 * q + 3] += v.w;
     }
   }
 };
