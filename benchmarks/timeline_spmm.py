@@ -23,6 +23,7 @@ from statistics import median
 
 # TimelineMark in csrc/spmm_sm90.cu, in order
 ENTRY, SET_UP, FIRST_ISSUED, FIRST_READY, LOOP_DONE, ARRIVED, SUMMED, END, SM, LAST = range(10)
+MAX_CTAS = 4096  # kTimelineCtas in csrc/spmm_sm90.cu: the CTAs that stamp
 PHASES = ("launch", "set-up", "fill", "main loop", "arrival", "sum", "epilogue")
 
 
@@ -126,10 +127,10 @@ def main() -> int:
                     checked_error(spmm(x, p), x.float() @ wm.t(), f"{shape} n={n}")
                 calls = [lambda x=x, p=p: spmm(x, p) for _, p in copies]
                 per_call = chain_us(calls)
-                ext.spmm_timeline(4096)  # cleared: the rows read next are the chain's below
+                ext.spmm_timeline(MAX_CTAS)  # cleared: the rows read next are the chain's below
                 chain_us(calls, reps=1)
             torch.cuda.synchronize()
-            s = summarize(ext.spmm_timeline(4096).tolist())
+            s = summarize(ext.spmm_timeline(MAX_CTAS).tolist())
             print(f"{k:>5}->{r:<5} n={n:<4} chain {per_call:6.1f}/call; {describe(s)}", flush=True)
             if out:
                 out.write(json.dumps({"k": k, "r": r, "tokens": n, "chain_us": per_call, **s}) + "\n")
