@@ -78,15 +78,6 @@ struct SdCfg {
   static_assert(!STAGED || XS_ROW == 2 * 512, "the staged X tile is two TMA boxes of 256 columns x BK tokens");
 };
 
-#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-// Descriptor of an MN-major tile with 128-byte swizzle: rows of 64 MN-contiguous 16-bit elements (128 bytes) per k,
-// 8-k groups 1024 bytes apart (stride byte offset), 64-wide MN blocks `lbo` bytes apart (leading byte offset).
-__device__ __forceinline__ uint64_t desc_mn128(uint32_t smem_addr, uint32_t lbo) {
-  return (uint64_t)((smem_addr & 0x3FFFF) >> 4) | ((uint64_t)((lbo >> 4) & 0x3FFF) << 16) |
-         ((uint64_t)(1024 >> 4) << 32) | ((uint64_t)1 << 62);
-}
-#endif
-
 template <typename T, int M, bool STG>
 __global__ void __launch_bounds__(kThreads, 1)
 sddmm_sm90_kernel(const __grid_constant__ CUtensorMap dy_map, const __grid_constant__ CUtensorMap x_map,

@@ -1,6 +1,7 @@
-// Device helpers shared by the sparse-wgmma SpMM kernels (csrc/spmm_sm90.cu: 2:4, csrc/spmm_vnm_sm90.cu: V:2:M):
-// wgmma fence / commit / wait, the generic->async proxy fence, the 128-byte-swizzle K-major matrix descriptor and the
-// epilogue of one m64 x BN accumulator tile. sm_90a only: callers include this under __CUDA_ARCH_FEAT_SM90_ALL.
+// Device helpers shared by the wgmma kernels (csrc/spmm_sm90.cu: 2:4, csrc/spmm_vnm_sm90.cu: V:2:M, csrc/sddmm_sm90.cu,
+// benchmarks/roofline_sm90.cu): wgmma fence / commit / wait, the generic->async proxy fence, the 128-byte-swizzle
+// K-major and MN-major matrix descriptors and the epilogue of one m64 x BN accumulator tile. sm_90a only: callers
+// include this under __CUDA_ARCH_FEAT_SM90_ALL.
 #pragma once
 
 #include "common.cuh"
@@ -73,6 +74,13 @@ struct KeptOf8 {
 __device__ __forceinline__ uint64_t desc_k128(uint32_t smem_addr) {
   return (uint64_t)((smem_addr & 0x3FFFF) >> 4) | ((uint64_t)1 << 16) | ((uint64_t)(1024 >> 4) << 32) |
          ((uint64_t)1 << 62);
+}
+
+// Descriptor of an MN-major tile with 128-byte swizzle: rows of 64 MN-contiguous 16-bit elements (128 bytes) per k,
+// 8-k groups 1024 bytes apart (stride byte offset), 64-wide MN blocks `lbo` bytes apart (leading byte offset).
+__device__ __forceinline__ uint64_t desc_mn128(uint32_t smem_addr, uint32_t lbo) {
+  return (uint64_t)((smem_addr & 0x3FFFF) >> 4) | ((uint64_t)((lbo >> 4) & 0x3FFF) << 16) |
+         ((uint64_t)(1024 >> 4) << 32) | ((uint64_t)1 << 62);
 }
 
 // Split-K at the end of a split of a tile (tile_config.h sm90_split_k): its partial sums go to the tile's scratch in
