@@ -2,10 +2,19 @@
 //
 //  * mma: how fast dense wgmma (A and B from shared memory, as cuBLAS runs it) and sparse wgmma (A from registers, B
 //    from shared memory, as csrc/spmm_sm90.cu runs it) go with nothing else to do: one CTA per SM, two consumer
-//    warpgroups on one B tile, as in the SpMMs. A third warpgroup can add shared-memory traffic in step with them
-//    (bytes written and read per k-tile of 64), which models what feeds the tensor cores in a real kernel: the TMA
-//    writes of X and A, a gather's reads and writes. If the tensor rate falls as that traffic grows, shared memory is
-//    the shared resource that bounds the kernel, not the tensor cores.
+//    warpgroups on one B tile, as in the SpMMs.
+//  * feed: the same sparse wgmmas fed the way an SpMM must feed them, with operands the L2 holds (the best case of a
+//    large-token call, whose X and weight tiles are shared by the CTAs running together). A skeleton, not a kernel:
+//    the bytes it moves, the barriers it waits on and the instructions it issues per k-tile are a real design's, the
+//    values are not (nothing is checked). Three designs, per k-tile of 64 (the wgmma's k: condensed columns for
+//    V:2:M) and 128 weight rows x N tokens:
+//      tma      X tile and A (8 KB fragments + 1 KB metadata) by bulk copies into a ring (csrc/spmm_sm90.cu, 2:4);
+//      compact  the raw X tile (M / 4 times the gathered one: 4 of every M columns are kept) and A by bulk copies; a
+//               compactor warpgroup reads the raw tile and writes the gathered one (V:2:M, X by TMA);
+//      gather   A by bulk copies; gatherer warpgroups load the raw X tile from global memory into registers and
+//               write the gathered one (V:2:M, the lab's warp-specialised pipeline in csrc/spmm_vnm_sm90.cu).
+//    Cycles per k-tile against the dense-wgmma ceiling for the same original columns give the bound of each design,
+//    as a multiple of dense.
 //  * bulk: how many bytes per second the bulk-copy engine (the path of TMA loads) brings from global memory into
 //    shared memory, from a buffer that stays in the L2 and from one that does not (DRAM).
 //  * ldg: the same through 16-byte loads into registers (the path of a register gather).
@@ -35,116 +44,268 @@
 namespace {
 
 using T = __nv_bfloat16;
-constexpr int kMmaThreads = 384;         // consumer warpgroups 0 and 1, traffic warpgroup 2
-constexpr int kTrafficBytes = 64 * 1024;  // the traffic warpgroup's own region (its writes and reads wrap in it)
 constexpr int kSparse = 0, kDense = 1;
+constexpr int kFeedTma = 0, kFeedCompact = 1, kFeedGather = 2;
+constexpr int kK = 20000;               // k-tiles per CTA in the mma and feed runs (a few ms each)
+constexpr size_t kSrcBytes = 32 << 20;  // the feed runs' source buffer: the L2 holds it
+constexpr int kRawRowBytes = 8192;      // row stride of the gather's raw X (4096 bf16 columns)
 
-#define CHECK_CUDA(call)                                                                     \
-  do {                                                                                       \
-    cudaError_t err_ = (call);                                                               \
-    if (err_ != cudaSuccess) {                                                               \
+#define CHECK_CUDA(call)                                                                           \
+  do {                                                                                             \
+    cudaError_t err_ = (call);                                                                     \
+    if (err_ != cudaSuccess) {                                                                     \
       std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(err_)); \
-      std::exit(1);                                                                          \
-    }                                                                                        \
+      std::exit(1);                                                                                \
+    }                                                                                              \
   } while (0)
 
-template <int N>
-struct MmaSmem {
-  static constexpr int B_BYTES = N * 128;          // N tokens x 64 k, bf16, 128-byte swizzle (both kinds)
-  static constexpr int A_BYTES = 2 * 64 * 128;     // dense only: one 64-row x 64-k A tile per consumer warpgroup
-  static constexpr int BYTES = B_BYTES + A_BYTES + kTrafficBytes + 1024 + 16;  // + alignment slack, pacing word
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// Finite bf16 pairs (about 2^-8 .. 2^-7, either sign) from an index, so the tensor cores do real work.
+__device__ __forceinline__ uint32_t operand_word(uint32_t i) { return 0x3B803B80u ^ ((i * 2654435761u) & 0x807F807Fu); }
+
+__device__ __forceinline__ void bulk_load(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
+               "l"(src), "r"(bytes), "r"(bar)
+               : "memory");
+}
+#endif
+
+// Each consumer warpgroup issues, per k-tile, the wgmmas of a 64 x N x 64 product: sparse 2 x m64nNk32 (A in
+// registers, 2:4 metadata), dense 4 x m64nNk16 (A and B MN-major in shared memory), then waits for the previous
+// k-tile's group, as the SpMMs' main loops do. cycles[cta] = the consumers' clock64 span.
+template <int KIND, int N>
+__global__ void __launch_bounds__(256, 1) mma_ceiling(float* out, long long* cycles) {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr int B_BYTES = N * 128, A_BYTES = 2 * 64 * 128;
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  const uint32_t raw_u32 = (uint32_t)__cvta_generic_to_shared(smem_raw);
+  const uint32_t pad = hf_sparse::pad_to_1024(raw_u32);
+  const uint32_t base = raw_u32 + pad;
+  const int tid = threadIdx.x, wg = tid >> 7;
+  for (int i = tid; i < (B_BYTES + A_BYTES) / 4; i += 256) reinterpret_cast<uint32_t*>(smem_raw + pad)[i] = operand_word(i);
+  hf_sparse::fence_proxy_async();  // generic writes, read by the wgmmas (async proxy)
+  __syncthreads();
+  const long long t0 = clock64();
+  float acc[N / 2];
+#pragma unroll
+  for (int j = 0; j < N / 2; ++j) acc[j] = 0.f;
+  if constexpr (KIND == kSparse) {
+    const uint4 a[2] = {make_uint4(operand_word(tid), 0x3B803B80u, 0xBB803B80u, 0x3B80BB80u),
+                        make_uint4(0x3B80BB80u, operand_word(tid + 7), 0x3B803B80u, 0x3B803B80u)};
+    const uint64_t desc = hf_sparse::desc_k128(base);
+    for (int kt = 0; kt < kK; ++kt) {
+      hf_sparse::wgmma_fence();
+#pragma unroll
+      for (int j = 0; j < 2; ++j) hf_sparse::WgmmaSp<N, T>::run(acc, a[j], desc + j * (64 >> 4), 0x44444444u);
+      hf_sparse::wgmma_commit();
+      hf_sparse::wgmma_wait<1>();
+    }
+  } else {
+    const uint64_t da = hf_sparse::desc_mn128(base + B_BYTES + wg * 8192, 8192);
+    const uint64_t db = hf_sparse::desc_mn128(base, 8192);
+    for (int kt = 0; kt < kK; ++kt) {
+      hf_sparse::wgmma_fence();
+#pragma unroll
+      for (int j = 0; j < 4; ++j) hf_sparse::WgmmaMN<N, T>::run(acc, da + j * (2048 >> 4), db + j * (2048 >> 4));
+      hf_sparse::wgmma_commit();
+      hf_sparse::wgmma_wait<1>();
+    }
+  }
+  hf_sparse::wgmma_wait<0>();
+  float s = 0.f;
+#pragma unroll
+  for (int j = 0; j < N / 2; ++j) s += acc[j];
+  out[blockIdx.x * 256 + tid] = s;
+  if (tid == 0) cycles[blockIdx.x] = clock64() - t0;
+#elif defined(__CUDA_ARCH__)
+  __trap();
+#endif
+}
+
+// Shared memory of a feed skeleton's ring stage: [B tile: N tokens x 64 k, 128-byte swizzle][raw X tile (compact):
+// N x 128 x RF bytes][A fragments 8 KB][metadata 1 KB].
+template <int MODE, int N, int RF, int STAGES, int G>
+struct FeedSmem {
+  static constexpr int B_BYTES = N * 128;
+  static constexpr int RAW_BYTES = MODE == kFeedCompact ? N * 128 * RF : 0;
+  static constexpr int A_OFF = B_BYTES + RAW_BYTES;
+  static constexpr int A_BYTES = 8192 + 1024;
+  static constexpr int STAGE = A_OFF + A_BYTES;
+  static constexpr int BYTES = STAGES * STAGE + 1024 + 3 * 8 * STAGES;
+  // Warpgroups after the 2 consumer ones: tma 1 producer; compact 1 producer + G compactors; gather G gatherers
+  // (each also bulk-copies the A tile of its k-tiles). Gatherers take the k-tiles in turn.
+  static constexpr int GATHERERS = MODE == kFeedTma ? 0 : G;
+  static constexpr int FIRST_GATHERER = MODE == kFeedGather ? 2 : 3;
+  static constexpr int THREADS = 128 * (FIRST_GATHERER + GATHERERS);
+  // Over 512 threads the launch leaves 96 registers a thread: the producer gives most of its to the consumers.
+  static constexpr bool REGS_MOVE = MODE == kFeedTma || THREADS > 512;
+  static constexpr int PRODUCER_REGS = MODE == kFeedTma ? 40 : 24, CONSUMER_REGS = MODE == kFeedTma ? 232 : 128;
+  static_assert(MODE != kFeedGather || THREADS <= 512, "gather: at most 2 gatherer warpgroups");
+  static_assert(!REGS_MOVE || 128 * (2 * CONSUMER_REGS + PRODUCER_REGS + 96 * GATHERERS) <= 65536,
+                "the register split must fit the register file");
+  static_assert(STAGE % 1024 == 0 && BYTES <= 227 * 1024, "stage layout");
 };
 
-// Every k-tile (64 k) each consumer warpgroup issues the wgmmas of a 64 x N x 64 product: sparse 2 x m64nNk32 (A in
-// registers, 2:4 metadata for positions 0 and 1), dense 4 x m64nNk16 (A and B MN-major in shared memory), then waits
-// for the previous k-tile's group, as the SpMMs' main loops do. Warp 0 publishes its k-tile count; the traffic
-// warpgroup stays within two k-tiles of it, so its bytes land during the wgmmas and not before or after them.
-// cycles[2 * cta] = the consumers' clock64 span, cycles[2 * cta + 1] = the traffic warpgroup's.
-template <int KIND, int N>
-__global__ void __launch_bounds__(kMmaThreads, 1)
-mma_ceiling(int k_tiles, int write_bytes, int read_bytes, float* out, long long* cycles) {
+// One raw-to-gathered step of a 16-byte output chunk: RF raw chunks in, byte permutes as the M = 8 gather does
+// (csrc/sm90_common.cuh, KeptOf8: two per 8 output bytes), one chunk out.
+template <int RF>
+__device__ __forceinline__ uint4 gather_chunk(const uint4 (&raw)[RF], uint32_t sel) {
+  uint4 o = make_uint4(0, 0, 0, 0);
+#pragma unroll
+  for (int r = 0; r < RF; ++r) {
+    o.x ^= __byte_perm(__byte_perm(raw[r].x, raw[r].y, sel), raw[r].z, sel >> 16);
+    o.y ^= __byte_perm(__byte_perm(raw[r].z, raw[r].w, sel), raw[r].y, sel >> 16);
+    o.z ^= __byte_perm(raw[r].w, raw[r].x, sel);
+    o.w ^= __byte_perm(raw[r].y, raw[r].z, sel);
+  }
+  return o;
+}
+
+// The feed skeleton (see the top of this file). Producer (tma, compact: warp 8, one thread): per k-tile waits for the
+// stage to be free, then bulk-copies what MODE loads that way from `src` (an L2-resident buffer; a CTA's tiles at
+// spread offsets) into it, completing on the stage's "full" barrier. Gatherers (compact: warpgroup 3; gather:
+// warpgroups 2 and 3, taking the k-tiles in turn, each first bulk-copying its k-tile's A): fill the stage's B tile
+// from the raw tile, then fence.proxy.async, a barrier over the warpgroup and one arrive on "ready". Consumers: wait for the stage ("full", and "ready" where there are
+// gatherers), read this warp's A fragments and metadata from it, issue the two sparse wgmmas and release the previous
+// stage ("empty", one arrive per warp), as csrc/spmm_sm90.cu's main loop does. cycles[cta] = the consumers' span.
+template <int MODE, int N, int RF, int STAGES, int G>
+__global__ void __launch_bounds__(FeedSmem<MODE, N, RF, STAGES, G>::THREADS, 1)
+feed_ceiling(const unsigned char* __restrict__ src, float* out, long long* cycles) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  using S = MmaSmem<N>;
+  using S = FeedSmem<MODE, N, RF, STAGES, G>;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   const uint32_t raw_u32 = (uint32_t)__cvta_generic_to_shared(smem_raw);
   const uint32_t pad = hf_sparse::pad_to_1024(raw_u32);
   unsigned char* smem = smem_raw + pad;
   const uint32_t base = raw_u32 + pad;
-  const uint32_t traffic = base + S::B_BYTES + S::A_BYTES;
-  volatile int* progress = reinterpret_cast<volatile int*>(smem + S::B_BYTES + S::A_BYTES + kTrafficBytes);
-  const int tid = threadIdx.x, warp = tid >> 5, wg = warp >> 2;
-  // Finite bf16 values in every operand (about 2^-8 .. 2^-7, either sign), so the tensor cores do real work.
-  for (int i = tid; i < (S::B_BYTES + S::A_BYTES) / 4; i += kMmaThreads) {
-    const uint32_t h = (uint32_t)i * 2654435761u;
-    reinterpret_cast<uint32_t*>(smem)[i] = 0x3B803B80u ^ (h & 0x807F807Fu);
+  const uint32_t full = base + STAGES * S::STAGE, ready = full + 8 * STAGES, empty = ready + 8 * STAGES;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, wg = warp >> 2;
+  const int cta = blockIdx.x;
+  // Spread offsets of this CTA's k-tile kt in the source: the X (or raw X) tile and the A tile.
+  auto x_src = [&](int kt) { return src + (size_t)((cta * 131 + kt * 7) % 200) * (128 << 10); };
+  auto a_src = [&](int kt) { return src + (size_t)((cta * 17 + kt * 13) % 3000) * 9216; };
+  for (int i = tid; i < STAGES * S::STAGE / 4; i += S::THREADS) reinterpret_cast<uint32_t*>(smem)[i] = operand_word(i);
+  if (tid == 0) {
+    for (int s = 0; s < STAGES; ++s) {
+      hf_sparse::mbar_init(full + 8 * s, 1);
+      hf_sparse::mbar_init(ready + 8 * s, 1);
+      hf_sparse::mbar_init(empty + 8 * s, 8);
+    }
+    hf_sparse::mbar_fence_init();
   }
-  if (tid == 0) *progress = 0;
-  hf_sparse::fence_proxy_async();  // generic writes, read by the wgmmas (async proxy)
+  hf_sparse::fence_proxy_async();
   __syncthreads();
   const long long t0 = clock64();
-  if (wg < 2) {
-    float acc[N / 2];
-#pragma unroll
-    for (int j = 0; j < N / 2; ++j) acc[j] = 0.f;
-    if constexpr (KIND == kSparse) {
-      const uint32_t h = 0x9E3779B9u * (uint32_t)(tid + 1);
-      const uint4 a[2] = {make_uint4(0x3B803B80u ^ (h & 0x807F807Fu), 0x3B803B80u, 0xBB803B80u, 0x3B80BB80u),
-                          make_uint4(0x3B80BB80u, 0xBB803B80u ^ (h & 0x007F007Fu), 0x3B803B80u, 0x3B803B80u)};
-      const uint32_t e = 0x44444444u;
-      const uint64_t desc = hf_sparse::desc_k128(base);
-      for (int kt = 0; kt < k_tiles; ++kt) {
-        hf_sparse::wgmma_fence();
-#pragma unroll
-        for (int j = 0; j < 2; ++j) hf_sparse::WgmmaSp<N, T>::run(acc, a[j], desc + j * (64 >> 4), e);
-        hf_sparse::wgmma_commit();
-        hf_sparse::wgmma_wait<1>();
-        if (tid == 0) *progress = kt + 1;
-      }
-    } else {
-      const uint64_t da = hf_sparse::desc_mn128(base + S::B_BYTES + wg * 8192, 8192);
-      const uint64_t db = hf_sparse::desc_mn128(base, 8192);
-      for (int kt = 0; kt < k_tiles; ++kt) {
-        hf_sparse::wgmma_fence();
-#pragma unroll
-        for (int j = 0; j < 4; ++j) hf_sparse::WgmmaMN<N, T>::run(acc, da + j * (2048 >> 4), db + j * (2048 >> 4));
-        hf_sparse::wgmma_commit();
-        hf_sparse::wgmma_wait<1>();
-        if (tid == 0) *progress = kt + 1;
-      }
+
+  if (MODE != kFeedGather && wg == 2) {  // producer
+    if constexpr (S::REGS_MOVE) asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(S::PRODUCER_REGS) : "memory");
+    if (warp != 8 || lane != 0) return;
+    constexpr uint32_t X_BYTES = MODE == kFeedTma ? S::B_BYTES : S::RAW_BYTES;
+    for (int kt = 0; kt < kK; ++kt) {
+      const int slot = kt % STAGES;
+      const uint32_t stage = base + slot * S::STAGE, bar = full + 8 * slot;
+      hf_sparse::mbar_wait(empty + 8 * slot, ((kt / STAGES) & 1) ^ 1);
+      hf_sparse::mbar_arrive_expect_tx(bar, X_BYTES + S::A_BYTES);
+      if constexpr (X_BYTES > 0) bulk_load(stage + (MODE == kFeedTma ? 0 : S::B_BYTES), x_src(kt), X_BYTES, bar);
+      bulk_load(stage + S::A_OFF, a_src(kt), S::A_BYTES, bar);
     }
-    hf_sparse::wgmma_wait<0>();
-    float s = 0.f;
-#pragma unroll
-    for (int j = 0; j < N / 2; ++j) s += acc[j];
-    out[blockIdx.x * kMmaThreads + tid] = s;
-    if (tid == 0) cycles[2 * blockIdx.x] = clock64() - t0;
-  } else if (write_bytes > 0 || read_bytes > 0) {
-    const int t = tid - 256;
-    uint32_t x = 0;
-    for (int kt = 0; kt < k_tiles; ++kt) {
-      if (t == 0) {
-        while (*progress < kt - 2) {
+    return;
+  }
+  if (wg >= S::FIRST_GATHERER) {  // gatherers
+    const int g = wg - S::FIRST_GATHERER, t = tid & 127;
+    uint32_t sel = 0x54103210u ^ (uint32_t)(t & 3);
+    for (int kt = g; kt < kK; kt += S::GATHERERS) {
+      const int slot = kt % STAGES;
+      const uint32_t phase = (kt / STAGES) & 1;
+      unsigned char* stage = smem + slot * S::STAGE;
+      if constexpr (MODE == kFeedCompact) {
+        hf_sparse::mbar_wait(full + 8 * slot, phase);  // the raw tile landed (so the stage was free)
+      } else {
+        hf_sparse::mbar_wait(empty + 8 * slot, phase ^ 1);  // the consumers are done with the stage
+        if (t == 0) {
+          hf_sparse::mbar_arrive_expect_tx(full + 8 * slot, S::A_BYTES);
+          bulk_load(base + slot * S::STAGE + S::A_OFF, a_src(kt), S::A_BYTES, full + 8 * slot);
         }
       }
-      asm volatile("bar.sync 2, 128;\n" ::: "memory");
-      for (int off = 16 * t; off < write_bytes; off += 16 * 128) {
-        const uint32_t addr = traffic + (uint32_t)(off & (kTrafficBytes - 1));
-        asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(kt), "r"(off), "r"(x), "r"(t)
-                     : "memory");
+      // Output chunk c = token c / 8, 16-byte chunk c % 8 of its 128-byte row (swizzled), from raw chunks
+      // (c % 8) x RF .. + RF - 1 of the token's raw row.
+      constexpr int PER_THREAD = N * 8 / 128;
+      if constexpr (MODE == kFeedCompact) {
+#pragma unroll 4
+        for (int i = 0; i < PER_THREAD; ++i) {
+          const int c = t + 128 * i, token = c >> 3, p = c & 7;
+          uint4 raw[RF];
+#pragma unroll
+          for (int r = 0; r < RF; ++r) {
+            const int chunk = p * RF + r;  // raw row: RF x 128 bytes, swizzled per 128-byte box row
+            raw[r] = *reinterpret_cast<const uint4*>(stage + S::B_BYTES + (chunk >> 3) * (N * 128) + token * 128 +
+                                                     (((chunk & 7) ^ (token & 7)) << 4));
+          }
+          *reinterpret_cast<uint4*>(stage + token * 128 + ((p ^ (token & 7)) << 4)) = gather_chunk<RF>(raw, sel);
+        }
+      } else {
+        const unsigned char* xg = x_src(kt);
+        constexpr int BATCH = 16 / RF;  // output chunks whose raw loads are in flight together (16 loads)
+#pragma unroll 1
+        for (int i0 = 0; i0 < PER_THREAD; i0 += BATCH) {
+          uint4 raw[BATCH][RF];
+#pragma unroll
+          for (int b = 0; b < BATCH; ++b) {
+            const int c = t + 128 * (i0 + b), token = c >> 3, p = c & 7;
+#pragma unroll
+            for (int r = 0; r < RF; ++r)
+              raw[b][r] = __ldcg(reinterpret_cast<const uint4*>(xg + (size_t)token * kRawRowBytes + (p * RF + r) * 16));
+          }
+#pragma unroll
+          for (int b = 0; b < BATCH; ++b) {
+            const int c = t + 128 * (i0 + b), token = c >> 3, p = c & 7;
+            *reinterpret_cast<uint4*>(stage + token * 128 + ((p ^ (token & 7)) << 4)) = gather_chunk<RF>(raw[b], sel);
+          }
+        }
       }
-      for (int off = 16 * t; off < read_bytes; off += 16 * 128) {
-        const uint32_t addr = traffic + (uint32_t)(off & (kTrafficBytes - 1));
-        uint32_t v0, v1, v2, v3;
-        asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-                     : "=r"(v0), "=r"(v1), "=r"(v2), "=r"(v3)
-                     : "r"(addr)
-                     : "memory");
-        x ^= v0 ^ v1 ^ v2 ^ v3;
-      }
+      hf_sparse::fence_proxy_async();  // the gathered tile (generic writes) is read by the wgmmas (async proxy)
+      hf_sparse::named_bar_sync(2 + g, 128);
+      if (t == 0) hf_sparse::mbar_arrive(ready + 8 * slot);
+      sel = sel * 0x01000193u + 0x3210u;
     }
-    out[blockIdx.x * kMmaThreads + tid] = (float)x;
-    if (t == 0) cycles[2 * blockIdx.x + 1] = clock64() - t0;
+    return;
   }
+
+  // consumers
+  if constexpr (S::REGS_MOVE) asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(S::CONSUMER_REGS) : "memory");
+  const int wq = warp & 3, mt = wg * 4 + wq, gq = lane >> 2, tq = lane & 3;
+  const int a_off = S::A_OFF + mt * 1024 + lane * 16, e_off = S::A_OFF + 8192 + mt * 128 + (gq * 2 + (tq & 1)) * 4;
+  float acc[N / 2];
+#pragma unroll
+  for (int j = 0; j < N / 2; ++j) acc[j] = 0.f;
+  for (int kt = 0; kt < kK; ++kt) {
+    const int slot = kt % STAGES;
+    const uint32_t phase = (kt / STAGES) & 1;
+    hf_sparse::mbar_wait(full + 8 * slot, phase);
+    if constexpr (MODE != kFeedTma) hf_sparse::mbar_wait(ready + 8 * slot, phase);
+    const unsigned char* stage = smem + slot * S::STAGE;
+    uint4 a[2];
+    uint32_t e[2];
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      a[j] = *reinterpret_cast<const uint4*>(stage + a_off + j * 512);
+      const uint32_t ev = *reinterpret_cast<const uint32_t*>(stage + e_off + j * 64);
+      e[j] = ev == 0xDEADBEEFu ? 0x4E4E4E4Eu : 0x44444444u;  // valid metadata that still waits for the load
+    }
+    const uint64_t desc = hf_sparse::desc_k128(base + slot * S::STAGE);
+    hf_sparse::wgmma_fence();
+#pragma unroll
+    for (int j = 0; j < 2; ++j) hf_sparse::WgmmaSp<N, T>::run(acc, a[j], desc + j * (64 >> 4), e[j]);
+    hf_sparse::wgmma_commit();
+    hf_sparse::wgmma_wait<1>();
+    if (kt > 0 && lane == 0) hf_sparse::mbar_arrive(empty + 8 * ((kt - 1) % STAGES));
+  }
+  hf_sparse::wgmma_wait<0>();
+  float s = 0.f;
+#pragma unroll
+  for (int j = 0; j < N / 2; ++j) s += acc[j];
+  out[blockIdx.x * 256 + tid] = s;
+  if (tid == 0) cycles[blockIdx.x] = clock64() - t0;
 #elif defined(__CUDA_ARCH__)
   __trap();
 #endif
@@ -225,36 +386,53 @@ float median_ms(Launch launch, int reps) {
   return ms[ms.size() / 2];
 }
 
-// One mma configuration: TFLOP/s (dense-equivalent: 2 x 64 x N x 64 per warpgroup and k-tile), the consumers' cycles
-// per k-tile (slowest CTA), and the shared-memory bytes per cycle: what the wgmmas read plus the traffic warpgroup's.
+// Prints one ceiling run: the slowest CTA's cycles per k-tile and, against the dense-wgmma ceiling for the same
+// original columns (4 x RF x N cycles per k-tile: 2 warpgroups x 4 RF m64nNk16), the multiple of dense it bounds.
+void print_run(const char* what, const char* design, int n, int rf, int stages, int gatherers, float ms,
+               const long long* cyc, int sms) {
+  long long worst = 0;
+  for (int c = 0; c < sms; ++c) worst = std::max(worst, cyc[c]);
+  const double per_kt = (double)worst / kK, dense_kt = 4.0 * rf * n;
+  std::printf(
+      "{\"what\": \"%s\", \"design\": \"%s\", \"n\": %d, \"raw_per_gathered\": %d, \"stages\": %d, \"gatherers\": %d, "
+      "\"ms\": %.4f, \"cycles_per_k_tile\": %.1f, \"x_dense_ceiling\": %.3f, \"dense_equiv_tflops\": %.1f}\n",
+      what, design, n, rf, stages, gatherers, ms, per_kt, dense_kt / per_kt, 2.0 * 128 * n * 64 * rf * (double)kK * sms / (ms * 1e9));
+  std::fflush(stdout);
+}
+
 template <int KIND, int N>
-void run_mma(const char* what, int sms, int write_bytes, int read_bytes) {
-  using S = MmaSmem<N>;
-  const int k_tiles = 20000;
+void run_mma(int sms) {
+  constexpr int bytes = N * 128 + 2 * 64 * 128 + 1024;
   float* out;
   long long* cycles;
-  CHECK_CUDA(cudaMalloc(&out, sizeof(float) * sms * kMmaThreads));
-  CHECK_CUDA(cudaMalloc(&cycles, sizeof(long long) * 2 * sms));
-  CHECK_CUDA(cudaMemset(cycles, 0, sizeof(long long) * 2 * sms));
-  CHECK_CUDA(cudaFuncSetAttribute(mma_ceiling<KIND, N>, cudaFuncAttributeMaxDynamicSharedMemorySize, S::BYTES));
-  const float ms = median_ms(
-      [&] { mma_ceiling<KIND, N><<<sms, kMmaThreads, S::BYTES>>>(k_tiles, write_bytes, read_bytes, out, cycles); }, 5);
-  std::vector<long long> cyc(2 * sms);
-  CHECK_CUDA(cudaMemcpy(cyc.data(), cycles, sizeof(long long) * 2 * sms, cudaMemcpyDeviceToHost));
-  long long mma_cyc = 0, traffic_cyc = 0;
-  for (int c = 0; c < sms; ++c) {
-    mma_cyc = std::max(mma_cyc, cyc[2 * c]);
-    traffic_cyc = std::max(traffic_cyc, cyc[2 * c + 1]);
-  }
-  const double flops = 2.0 * 64 * N * 64 * 2 * (double)k_tiles * sms;
-  const int wgmma_bytes = KIND == kSparse ? 2 * 2 * N * 64 : 2 * 4 * (N * 32 + 64 * 32);  // per k-tile, both wgs
-  const double per_kt = (double)mma_cyc / k_tiles;
-  std::printf(
-      "{\"what\": \"mma\", \"case\": \"%s\", \"kind\": \"%s\", \"n\": %d, \"write_bytes\": %d, \"read_bytes\": %d, "
-      "\"ms\": %.4f, \"tflops\": %.1f, \"cycles_per_k_tile\": %.1f, \"traffic_cycles_per_k_tile\": %.1f, "
-      "\"smem_bytes_per_cycle\": %.1f}\n",
-      what, KIND == kSparse ? "sparse" : "dense", N, write_bytes, read_bytes, ms, flops / (ms * 1e-3) / 1e12, per_kt,
-      (double)traffic_cyc / k_tiles, (wgmma_bytes + write_bytes + read_bytes) / per_kt);
+  CHECK_CUDA(cudaMalloc(&out, sizeof(float) * sms * 256));
+  CHECK_CUDA(cudaMalloc(&cycles, sizeof(long long) * sms));
+  CHECK_CUDA(cudaFuncSetAttribute(mma_ceiling<KIND, N>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+  const float ms = median_ms([&] { mma_ceiling<KIND, N><<<sms, 256, bytes>>>(out, cycles); }, 5);
+  std::vector<long long> cyc(sms);
+  CHECK_CUDA(cudaMemcpy(cyc.data(), cycles, sizeof(long long) * sms, cudaMemcpyDeviceToHost));
+  // Sparse: a k-tile is 64 columns of the 2:4 operand, the same original columns as dense's.
+  print_run("mma", KIND == kSparse ? "sparse wgmma alone" : "dense wgmma, A and B from shared memory", N, 1, 0, 0,
+            ms, cyc.data(), sms);
+  cudaFree(out);
+  cudaFree(cycles);
+}
+
+template <int MODE, int N, int RF, int STAGES, int G>
+void run_feed(int sms, const unsigned char* src) {
+  using S = FeedSmem<MODE, N, RF, STAGES, G>;
+  float* out;
+  long long* cycles;
+  CHECK_CUDA(cudaMalloc(&out, sizeof(float) * sms * 256));
+  CHECK_CUDA(cudaMalloc(&cycles, sizeof(long long) * sms));
+  CHECK_CUDA(cudaFuncSetAttribute(feed_ceiling<MODE, N, RF, STAGES, G>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                  S::BYTES));
+  const float ms =
+      median_ms([&] { feed_ceiling<MODE, N, RF, STAGES, G><<<sms, S::THREADS, S::BYTES>>>(src, out, cycles); }, 5);
+  std::vector<long long> cyc(sms);
+  CHECK_CUDA(cudaMemcpy(cyc.data(), cycles, sizeof(long long) * sms, cudaMemcpyDeviceToHost));
+  const char* design = MODE == kFeedTma ? "tma" : MODE == kFeedCompact ? "compact" : "gather";
+  print_run("feed", design, N, RF, STAGES, G, ms, cyc.data(), sms);
   cudaFree(out);
   cudaFree(cycles);
 }
@@ -296,26 +474,24 @@ int main() {
               prop.name, sms, clock_khz / 1000, prop.l2CacheSize / 1048576.0);
   std::fflush(stdout);
 
-  // Tensor cores alone, then with the shared-memory traffic of each way of feeding them, per k-tile of 64 (k of the
-  // wgmmas: condensed columns for V:2:M), 128 weight rows x N tokens:
-  run_mma<kDense, 256>("dense wgmma, A and B from shared memory", sms, 0, 0);
-  run_mma<kDense, 128>("dense wgmma, A and B from shared memory", sms, 0, 0);
-  run_mma<kSparse, 256>("sparse wgmma alone", sms, 0, 0);
-  run_mma<kSparse, 128>("sparse wgmma alone", sms, 0, 0);
-  // 2:4 SpMM (TMA): X tile N x 128 B + A 8 KB + metadata 1 KB written by TMA; the consumers read A and metadata.
-  run_mma<kSparse, 256>("2:4 by TMA: X, A, metadata written; A read", sms, 256 * 128 + 9216, 9216);
-  run_mma<kSparse, 128>("2:4 by TMA: X, A, metadata written; A read", sms, 128 * 128 + 9216, 9216);
-  // V:2:8 with X gathered in registers from global memory: the gathered tile written, A and metadata as above.
-  run_mma<kSparse, 128>("V:2:8 register gather: gathered X, A, metadata written; A read", sms, 128 * 128 + 9216, 9216);
-  // V:2:8 with X by TMA and a shared-memory compaction: the raw X tile (2 x the gathered one) written and read, the
-  // gathered tile written, A and metadata as above.
-  run_mma<kSparse, 128>("V:2:8 TMA + shared compaction", sms, 128 * 256 + 128 * 128 + 9216, 128 * 256 + 9216);
-  run_mma<kSparse, 256>("V:2:8 TMA + shared compaction", sms, 256 * 256 + 256 * 128 + 9216, 256 * 256 + 9216);
-  // V:2:16: the raw X is 4 x the gathered tile.
-  run_mma<kSparse, 128>("V:2:16 TMA + shared compaction", sms, 128 * 512 + 128 * 128 + 9216, 128 * 512 + 9216);
-  // Traffic alone, no wgmma weight: how far the shared-memory port goes (a sweep of written bytes per k-tile).
-  for (int w : {16384, 32768, 65536}) run_mma<kSparse, 128>("sparse wgmma + writes only", sms, w, 0);
-  std::fflush(stdout);
+  // The tensor cores alone (k-tile = 64 columns, 128 weight rows x N tokens).
+  run_mma<kDense, 256>(sms);
+  run_mma<kDense, 128>(sms);
+  run_mma<kSparse, 256>(sms);
+  run_mma<kSparse, 128>(sms);
+  // Fed from the L2: 2:4 by TMA (RF 1); V:2:8 (RF 2) and V:2:16 (RF 4) by TMA + compaction and by register gather.
+  unsigned char* src;
+  CHECK_CUDA(cudaMalloc(&src, kSrcBytes));
+  CHECK_CUDA(cudaMemset(src, 0x3B, kSrcBytes));
+  run_feed<kFeedTma, 256, 1, 4, 0>(sms, src);
+  run_feed<kFeedTma, 128, 1, 6, 0>(sms, src);
+  run_feed<kFeedCompact, 128, 2, 3, 1>(sms, src);
+  run_feed<kFeedCompact, 128, 2, 3, 2>(sms, src);
+  run_feed<kFeedCompact, 128, 4, 2, 1>(sms, src);
+  run_feed<kFeedCompact, 128, 4, 2, 2>(sms, src);
+  run_feed<kFeedGather, 128, 2, 4, 2>(sms, src);
+  run_feed<kFeedGather, 128, 4, 4, 2>(sms, src);
+  cudaFree(src);
 
   // Global memory -> shared memory (bulk copies) and -> registers, from a buffer the L2 holds and from DRAM.
   const size_t l2_bytes = (size_t)16 << 20, dram_bytes = (size_t)2 << 30;
