@@ -122,14 +122,18 @@ __global__ void __launch_bounds__(256, 1) mma_ceiling(float* out, long long* cyc
 #endif
 }
 
-// Shared memory of a feed skeleton's ring stage: [B tile: N tokens x 64 k, 128-byte swizzle][raw X tile (compact):
-// N x 128 x RF bytes][A fragments 8 KB][metadata 1 KB].
-template <int MODE, int N, int RF, int STAGES, int G>
+// Shared memory of a feed skeleton's ring stage: [B tiles: N tokens x 64 k each, 128-byte swizzle][raw X tile
+// (compact): N x 128 x RF bytes][A fragments 8 KB x WGM][metadata 1 KB x WGM]. The CTA has 128 x WGM weight rows,
+// each consumer warpgroup WGM m64 slabs. tma: one X tile for all rows. compact, gather: V = 128, so a 128-row block
+// keeps its own columns: one gathered tile per block (WGM of them, consumer warpgroup w reads tile w % WGM), all from
+// the one raw tile.
+template <int MODE, int N, int RF, int STAGES, int G, int WGM>
 struct FeedSmem {
-  static constexpr int B_BYTES = N * 128;
+  static constexpr int B_TILES = MODE == kFeedTma ? 1 : WGM;
+  static constexpr int B_BYTES = N * 128 * B_TILES;
   static constexpr int RAW_BYTES = MODE == kFeedCompact ? N * 128 * RF : 0;
   static constexpr int A_OFF = B_BYTES + RAW_BYTES;
-  static constexpr int A_BYTES = 8192 + 1024;
+  static constexpr int A_BYTES = (8192 + 1024) * WGM;
   static constexpr int STAGE = A_OFF + A_BYTES;
   static constexpr int BYTES = STAGES * STAGE + 1024 + 3 * 8 * STAGES;
   // Warpgroups after the 2 consumer ones: tma 1 producer; compact 1 producer + G compactors; gather G gatherers
@@ -137,11 +141,14 @@ struct FeedSmem {
   static constexpr int GATHERERS = MODE == kFeedTma ? 0 : G;
   static constexpr int FIRST_GATHERER = MODE == kFeedGather ? 2 : 3;
   static constexpr int THREADS = 128 * (FIRST_GATHERER + GATHERERS);
-  // Over 512 threads the launch leaves 96 registers a thread: the producer gives most of its to the consumers.
-  static constexpr bool REGS_MOVE = MODE == kFeedTma || THREADS > 512;
-  static constexpr int PRODUCER_REGS = MODE == kFeedTma ? 40 : 24, CONSUMER_REGS = MODE == kFeedTma ? 232 : 128;
-  static_assert(MODE != kFeedGather || THREADS <= 512, "gather: at most 2 gatherer warpgroups");
-  static_assert(!REGS_MOVE || 128 * (2 * CONSUMER_REGS + PRODUCER_REGS + 96 * GATHERERS) <= 65536,
+  // Registers (setmaxnreg): the producer gives most of its to the consumers where they need more than the launch's
+  // share (65536 / THREADS): tma (up to 128 x 256 accumulators), over 512 threads (96 a thread), 2 slabs a warpgroup.
+  static constexpr bool REGS_MOVE = MODE == kFeedTma || THREADS > 512 || WGM > 1;
+  static constexpr int PRODUCER_REGS = MODE == kFeedTma ? 40 : 24;
+  static constexpr int CONSUMER_REGS = MODE == kFeedTma ? 232 : (WGM > 1 ? 200 : 128);
+  static constexpr int GATHERER_REGS = WGM > 1 ? 88 : 96;
+  static_assert(MODE != kFeedGather || (THREADS <= 512 && WGM == 1), "gather: 2 gatherer warpgroups, 128 rows");
+  static_assert(!REGS_MOVE || 128 * (2 * CONSUMER_REGS + PRODUCER_REGS + GATHERER_REGS * GATHERERS) <= 65536,
                 "the register split must fit the register file");
   static_assert(STAGE % 1024 == 0 && BYTES <= 227 * 1024, "stage layout");
 };
@@ -168,11 +175,11 @@ __device__ __forceinline__ uint4 gather_chunk(const uint4 (&raw)[RF], uint32_t s
 // from the raw tile, then fence.proxy.async, a barrier over the warpgroup and one arrive on "ready". Consumers: wait for the stage ("full", and "ready" where there are
 // gatherers), read this warp's A fragments and metadata from it, issue the two sparse wgmmas and release the previous
 // stage ("empty", one arrive per warp), as csrc/spmm_sm90.cu's main loop does. cycles[cta] = the consumers' span.
-template <int MODE, int N, int RF, int STAGES, int G>
-__global__ void __launch_bounds__(FeedSmem<MODE, N, RF, STAGES, G>::THREADS, 1)
+template <int MODE, int N, int RF, int STAGES, int G, int WGM>
+__global__ void __launch_bounds__(FeedSmem<MODE, N, RF, STAGES, G, WGM>::THREADS, 1)
 feed_ceiling(const unsigned char* __restrict__ src, float* out, long long* cycles) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  using S = FeedSmem<MODE, N, RF, STAGES, G>;
+  using S = FeedSmem<MODE, N, RF, STAGES, G, WGM>;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   const uint32_t raw_u32 = (uint32_t)__cvta_generic_to_shared(smem_raw);
   const uint32_t pad = hf_sparse::pad_to_1024(raw_u32);
@@ -183,7 +190,7 @@ feed_ceiling(const unsigned char* __restrict__ src, float* out, long long* cycle
   const int cta = blockIdx.x;
   // Spread offsets of this CTA's k-tile kt in the source: the X (or raw X) tile and the A tile.
   auto x_src = [&](int kt) { return src + (size_t)((cta * 131 + kt * 7) % 200) * (128 << 10); };
-  auto a_src = [&](int kt) { return src + (size_t)((cta * 17 + kt * 13) % 3000) * 9216; };
+  auto a_src = [&](int kt) { return src + (size_t)((cta * 17 + kt * 13) % 1500) * 18432; };
   for (int i = tid; i < STAGES * S::STAGE / 4; i += S::THREADS) reinterpret_cast<uint32_t*>(smem)[i] = operand_word(i);
   if (tid == 0) {
     for (int s = 0; s < STAGES; ++s) {
@@ -212,6 +219,7 @@ feed_ceiling(const unsigned char* __restrict__ src, float* out, long long* cycle
     return;
   }
   if (wg >= S::FIRST_GATHERER) {  // gatherers
+    if constexpr (WGM > 1) asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(S::GATHERER_REGS) : "memory");
     const int g = wg - S::FIRST_GATHERER, t = tid & 127;
     uint32_t sel = 0x54103210u ^ (uint32_t)(t & 3);
     for (int kt = g; kt < kK; kt += S::GATHERERS) {
@@ -241,7 +249,10 @@ feed_ceiling(const unsigned char* __restrict__ src, float* out, long long* cycle
             raw[r] = *reinterpret_cast<const uint4*>(stage + S::B_BYTES + (chunk >> 3) * (N * 128) + token * 128 +
                                                      (((chunk & 7) ^ (token & 7)) << 4));
           }
-          *reinterpret_cast<uint4*>(stage + token * 128 + ((p ^ (token & 7)) << 4)) = gather_chunk<RF>(raw, sel);
+#pragma unroll
+          for (int b = 0; b < S::B_TILES; ++b)  // each row block's own columns
+            *reinterpret_cast<uint4*>(stage + b * (N * 128) + token * 128 + ((p ^ (token & 7)) << 4)) =
+                gather_chunk<RF>(raw, sel + b);
         }
       } else {
         const unsigned char* xg = x_src(kt);
@@ -271,31 +282,40 @@ feed_ceiling(const unsigned char* __restrict__ src, float* out, long long* cycle
     return;
   }
 
-  // consumers
+  // consumers: warp wq of warpgroup wg computes m16 tile (wg x WGM + s) x 4 + wq of slab s
   if constexpr (S::REGS_MOVE) asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(S::CONSUMER_REGS) : "memory");
-  const int wq = warp & 3, mt = wg * 4 + wq, gq = lane >> 2, tq = lane & 3;
-  const int a_off = S::A_OFF + mt * 1024 + lane * 16, e_off = S::A_OFF + 8192 + mt * 128 + (gq * 2 + (tq & 1)) * 4;
-  float acc[N / 2];
+  const int wq = warp & 3, gq = lane >> 2, tq = lane & 3;
+  const int a_off = S::A_OFF + (wg * WGM * 4 + wq) * 1024 + lane * 16;
+  const int e_off = S::A_OFF + 8192 * WGM + (wg * WGM * 4 + wq) * 128 + (gq * 2 + (tq & 1)) * 4;
+  const uint32_t b_off = (uint32_t)((wg % S::B_TILES) * (N * 128));
+  float acc[WGM][N / 2];
 #pragma unroll
-  for (int j = 0; j < N / 2; ++j) acc[j] = 0.f;
+  for (int s = 0; s < WGM; ++s)
+#pragma unroll
+    for (int j = 0; j < N / 2; ++j) acc[s][j] = 0.f;
   for (int kt = 0; kt < kK; ++kt) {
     const int slot = kt % STAGES;
     const uint32_t phase = (kt / STAGES) & 1;
     hf_sparse::mbar_wait(full + 8 * slot, phase);
     if constexpr (MODE != kFeedTma) hf_sparse::mbar_wait(ready + 8 * slot, phase);
     const unsigned char* stage = smem + slot * S::STAGE;
-    uint4 a[2];
-    uint32_t e[2];
+    uint4 a[WGM][2];
+    uint32_t e[WGM][2];
 #pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      a[j] = *reinterpret_cast<const uint4*>(stage + a_off + j * 512);
-      const uint32_t ev = *reinterpret_cast<const uint32_t*>(stage + e_off + j * 64);
-      e[j] = ev == 0xDEADBEEFu ? 0x4E4E4E4Eu : 0x44444444u;  // valid metadata that still waits for the load
+    for (int s = 0; s < WGM; ++s) {
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        a[s][j] = *reinterpret_cast<const uint4*>(stage + a_off + s * 4096 + j * 512);
+        const uint32_t ev = *reinterpret_cast<const uint32_t*>(stage + e_off + s * 512 + j * 64);
+        e[s][j] = ev == 0xDEADBEEFu ? 0x4E4E4E4Eu : 0x44444444u;  // valid metadata that still waits for the load
+      }
     }
-    const uint64_t desc = hf_sparse::desc_k128(base + slot * S::STAGE);
+    const uint64_t desc = hf_sparse::desc_k128(base + slot * S::STAGE + b_off);
     hf_sparse::wgmma_fence();
 #pragma unroll
-    for (int j = 0; j < 2; ++j) hf_sparse::WgmmaSp<N, T>::run(acc, a[j], desc + j * (64 >> 4), e[j]);
+    for (int s = 0; s < WGM; ++s)
+#pragma unroll
+      for (int j = 0; j < 2; ++j) hf_sparse::WgmmaSp<N, T>::run(acc[s], a[s][j], desc + j * (64 >> 4), e[s][j]);
     hf_sparse::wgmma_commit();
     hf_sparse::wgmma_wait<1>();
     if (kt > 0 && lane == 0) hf_sparse::mbar_arrive(empty + 8 * ((kt - 1) % STAGES));
@@ -303,7 +323,9 @@ feed_ceiling(const unsigned char* __restrict__ src, float* out, long long* cycle
   hf_sparse::wgmma_wait<0>();
   float s = 0.f;
 #pragma unroll
-  for (int j = 0; j < N / 2; ++j) s += acc[j];
+  for (int r = 0; r < WGM; ++r)
+#pragma unroll
+    for (int j = 0; j < N / 2; ++j) s += acc[r][j];
   out[blockIdx.x * 256 + tid] = s;
   if (tid == 0) cycles[blockIdx.x] = clock64() - t0;
 #elif defined(__CUDA_ARCH__)
@@ -387,16 +409,19 @@ float median_ms(Launch launch, int reps) {
 }
 
 // Prints one ceiling run: the slowest CTA's cycles per k-tile and, against the dense-wgmma ceiling for the same
-// original columns (4 x RF x N cycles per k-tile: 2 warpgroups x 4 RF m64nNk16), the multiple of dense it bounds.
-void print_run(const char* what, const char* design, int n, int rf, int stages, int gatherers, float ms,
+// weight rows, tokens and original columns (4 x RF x N x WGM cycles per k-tile: 2 warpgroups x 4 RF WGM m64nNk16),
+// the multiple of dense it bounds.
+void print_run(const char* what, const char* design, int n, int rf, int stages, int gatherers, int wgm, float ms,
                const long long* cyc, int sms) {
   long long worst = 0;
   for (int c = 0; c < sms; ++c) worst = std::max(worst, cyc[c]);
-  const double per_kt = (double)worst / kK, dense_kt = 4.0 * rf * n;
+  const double per_kt = (double)worst / kK, dense_kt = 4.0 * rf * n * wgm;
   std::printf(
-      "{\"what\": \"%s\", \"design\": \"%s\", \"n\": %d, \"raw_per_gathered\": %d, \"stages\": %d, \"gatherers\": %d, "
-      "\"ms\": %.4f, \"cycles_per_k_tile\": %.1f, \"x_dense_ceiling\": %.3f, \"dense_equiv_tflops\": %.1f}\n",
-      what, design, n, rf, stages, gatherers, ms, per_kt, dense_kt / per_kt, 2.0 * 128 * n * 64 * rf * (double)kK * sms / (ms * 1e9));
+      "{\"what\": \"%s\", \"design\": \"%s\", \"rows\": %d, \"n\": %d, \"raw_per_gathered\": %d, \"stages\": %d, "
+      "\"gatherers\": %d, \"ms\": %.4f, \"cycles_per_k_tile\": %.1f, \"x_dense_ceiling\": %.3f, "
+      "\"dense_equiv_tflops\": %.1f}\n",
+      what, design, 128 * wgm, n, rf, stages, gatherers, ms, per_kt, dense_kt / per_kt,
+      2.0 * 128 * wgm * n * 64 * rf * (double)kK * sms / (ms * 1e9));
   std::fflush(stdout);
 }
 
@@ -413,26 +438,26 @@ void run_mma(int sms) {
   CHECK_CUDA(cudaMemcpy(cyc.data(), cycles, sizeof(long long) * sms, cudaMemcpyDeviceToHost));
   // Sparse: a k-tile is 64 columns of the 2:4 operand, the same original columns as dense's.
   print_run("mma", KIND == kSparse ? "sparse wgmma alone" : "dense wgmma, A and B from shared memory", N, 1, 0, 0,
-            ms, cyc.data(), sms);
+            1, ms, cyc.data(), sms);
   cudaFree(out);
   cudaFree(cycles);
 }
 
-template <int MODE, int N, int RF, int STAGES, int G>
+template <int MODE, int N, int RF, int STAGES, int G, int WGM = 1>
 void run_feed(int sms, const unsigned char* src) {
-  using S = FeedSmem<MODE, N, RF, STAGES, G>;
+  using S = FeedSmem<MODE, N, RF, STAGES, G, WGM>;
   float* out;
   long long* cycles;
   CHECK_CUDA(cudaMalloc(&out, sizeof(float) * sms * 256));
   CHECK_CUDA(cudaMalloc(&cycles, sizeof(long long) * sms));
-  CHECK_CUDA(cudaFuncSetAttribute(feed_ceiling<MODE, N, RF, STAGES, G>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+  CHECK_CUDA(cudaFuncSetAttribute(feed_ceiling<MODE, N, RF, STAGES, G, WGM>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                   S::BYTES));
   const float ms =
-      median_ms([&] { feed_ceiling<MODE, N, RF, STAGES, G><<<sms, S::THREADS, S::BYTES>>>(src, out, cycles); }, 5);
+      median_ms([&] { feed_ceiling<MODE, N, RF, STAGES, G, WGM><<<sms, S::THREADS, S::BYTES>>>(src, out, cycles); }, 5);
   std::vector<long long> cyc(sms);
   CHECK_CUDA(cudaMemcpy(cyc.data(), cycles, sizeof(long long) * sms, cudaMemcpyDeviceToHost));
   const char* design = MODE == kFeedTma ? "tma" : MODE == kFeedCompact ? "compact" : "gather";
-  print_run("feed", design, N, RF, STAGES, G, ms, cyc.data(), sms);
+  print_run("feed", design, N, RF, STAGES, G, WGM, ms, cyc.data(), sms);
   cudaFree(out);
   cudaFree(cycles);
 }
@@ -485,8 +510,10 @@ int main() {
   CHECK_CUDA(cudaMemset(src, 0x3B, kSrcBytes));
   run_feed<kFeedTma, 256, 1, 4, 0>(sms, src);
   run_feed<kFeedTma, 128, 1, 6, 0>(sms, src);
+  run_feed<kFeedTma, 128, 1, 6, 0, 2>(sms, src);  // 256 rows x 128 tokens: the bytes of 128 x 256, 17% fewer a MAC
   run_feed<kFeedCompact, 128, 2, 3, 1>(sms, src);
   run_feed<kFeedCompact, 128, 2, 3, 2>(sms, src);
+  run_feed<kFeedCompact, 128, 2, 2, 1, 2>(sms, src);  // 256 rows: one raw tile, two gathered ones
   run_feed<kFeedCompact, 128, 4, 2, 1>(sms, src);
   run_feed<kFeedCompact, 128, 4, 2, 2>(sms, src);
   run_feed<kFeedGather, 128, 2, 4, 2>(sms, src);
