@@ -720,7 +720,7 @@ spmm_sm90_tma_a_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_c
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int ND = BN / 2;
   constexpr int BM = 128 * WGM;  // weight rows per tile
-  static_assert(WGM == 1 || (CLUSTER == 1 && PERSIST && !SKEW && GROUP == 1 && EPI_N > 0 && !RUNBUF),
+  static_assert(WGM == 1 || (CLUSTER == 1 && PERSIST && !SKEW && EPI_N > 0 && !RUNBUF),
                 "256-row tiles: persistent, unclustered, staged epilogue");
   using S = TmaASmem<BN, STAGES, EPI_N, EPI_BUFS, WGM>;
   constexpr int kProducerRegs = 40, kConsumerRegs = 232;
@@ -1175,7 +1175,8 @@ cudaError_t launch_sm90_tma_a(const SpmmArgs& a, cudaStream_t stream, int splits
   if (err != cudaSuccess) return err;
   const int row_units = ((a.rows_padded + 128 * WGM - 1) / (128 * WGM) + CLUSTER - 1) / CLUSTER;
   const long long tiles = (long long)row_units * ((a.n_tokens + BN - 1) / BN);
-  if (a.split_ws == nullptr || a.split_counters == nullptr || CLUSTER > 1 || SKEW) splits = 1;
+  // (The split-K scratch is sized for 128-row tiles: the 256-row lab configurations run unsplit.)
+  if (a.split_ws == nullptr || a.split_counters == nullptr || CLUSTER > 1 || SKEW || WGM > 1) splits = 1;
   if (splits > 1 && tiles > kSplitKCounters) return cudaErrorInvalidValue;
   const long long units = tiles * splits;
   if (units > (1LL << 31) - 1) return cudaErrorInvalidConfiguration;
@@ -1223,8 +1224,6 @@ cudaError_t launch_sm90_tma_a(const SpmmArgs& a, cudaStream_t stream, int splits
 template <typename T>
 cudaError_t launch_large(const SpmmArgs& a, cudaStream_t stream, const CallPlan& p) {
   switch (p.config) {
-    case kSm90Config256Rows:  // 36
-      return launch_sm90_tma_a<T, 128, 5, 1, 1, 0, 64, 2, false, 1, true, false, false, 2>(a, stream, p.split.splits);
     case kSm90Config192: return launch_sm90_tma_a<T, 192, 5, 1, 1, 0, 96, 2>(a, stream, p.split.splits);  // 27
     case kSm90Config128: return launch_sm90_tma_a<T, 128, 7, 1, 1, 0, 64, 2>(a, stream, p.split.splits);  // 23
     default: return launch_sm90_tma_a<T, 256, 4, 1, 1, 0, 64, 2>(a, stream, p.split.splits);              // 20
@@ -1276,7 +1275,11 @@ cudaError_t launch_lab(const SpmmArgs& a, cudaStream_t stream, int cfg) {
     case 33: return launch_sm90_tma_a<T, 192, 5, 1, 1, 0, 96, 2, false, 1, true, true>(a, stream);
     case 34: return launch_sm90_tma_a<T, 256, 4, 1, 1, 0, 64, 3, false, 1, true, false, true>(a, stream);
     case 35: return launch_sm90_tma_a<T, 256, 4, 1, 1, 0, 32, 7, false, 1, true, false, true>(a, stream);
-    case 36: return launch_large<T>(a, stream, {false, kSm90Config256Rows, {128, 1, 0, 256}});
+    // 256 rows x 128 tokens (each consumer warpgroup two 64-row slabs), unsplit; 37 / 38: the same with GROUP 2 / 4
+    // token tiles walking the row blocks together (each weight tile read from DRAM once per group)
+    case 36: return launch_sm90_tma_a<T, 128, 5, 1, 1, 0, 64, 2, false, 1, true, false, false, 2>(a, stream);
+    case 37: return launch_sm90_tma_a<T, 128, 5, 2, 1, 0, 64, 2, false, 1, true, false, false, 2>(a, stream);
+    case 38: return launch_sm90_tma_a<T, 128, 5, 4, 1, 0, 64, 2, false, 1, true, false, false, 2>(a, stream);
     default: return launch_sm90<T, Sm90Cfg<256, 1, 6, 0, 1>>(a, stream);  // 4
   }
 }

@@ -62,15 +62,13 @@ struct SddmmSm90Tile {
 };
 
 // The 2:4 sparse-wgmma SpMM's (spmm_sm90.cu) persistent TMA configurations (numbered as in the lab build,
-// csrc/README.md): 128 weight rows x 256 (config 20), 192 (27) or 128 (23) tokens per tile, or 256 rows x 128 tokens
-// (36: each consumer warpgroup two 64-row slabs), one CTA per SM walking the tiles. Pure, host-only functions,
-// testable alone; measured on the H200 in benchmarks/RESULTS.md ("Staged epilogue", "Short-K", "tiles that fit the
-// tokens", "Ceilings").
-constexpr int kSm90Config256 = 20, kSm90Config192 = 27, kSm90Config128 = 23, kSm90Config256Rows = 36;
+// csrc/README.md): 128 weight rows x 256 (config 20), 192 (27) or 128 (23) tokens per tile, one CTA per SM walking the
+// tiles. Pure, host-only functions, testable alone; measured on the H200 in benchmarks/RESULTS.md ("Staged epilogue",
+// "Short-K", "tiles that fit the tokens").
+constexpr int kSm90Config256 = 20, kSm90Config192 = 27, kSm90Config128 = 23;
 inline int sm90_config_tokens(int config) {
   return config == kSm90Config256 ? 256 : config == kSm90Config192 ? 192 : 128;
 }
-inline int sm90_config_rows(int config) { return config == kSm90Config256Rows ? 256 : 128; }
 // Above kSm90WorkModelTokens = 512 tokens (sm90_large_plan), by how well the last round of tiles fills the SMs: 256
 // where that fills >= 85% of the SM slots of all rounds, or where neither 192 nor 128 fills more than 10 points better;
 // else 192 when it fills about as well as 128 (192 moves 12% fewer L2 bytes per MAC), else 128. E.g. 3072 -> 768 at
@@ -142,14 +140,13 @@ inline int sm90_split_k(long long tiles, long long k_tiles, int sms, int ctas_pe
   }
   return (int)best;
 }
-// The split-K plan of a grid of rows x bn-token tiles (128 rows unless said) with k_tiles k-tiles each on `sms` SMs
-// running ctas_per_sm CTAs each: the splits (sm90_split_k) and the fp32 scratch their partial sums take, one rows x bn
-// accumulator tile per CTA (0 unsplit).
+// The split-K plan of a grid of 128-row x bn-token tiles with k_tiles k-tiles each on `sms` SMs running ctas_per_sm
+// CTAs each: the splits (sm90_split_k) and the fp32 scratch their partial sums take, one 128 x bn accumulator tile
+// per CTA (0 unsplit).
 struct Sm90SplitPlan {
   int bn, splits;
   long long tiles;
-  int rows = 128;
-  long long scratch_floats() const { return splits > 1 ? tiles * splits * rows * bn : 0; }
+  long long scratch_floats() const { return splits > 1 ? tiles * splits * 128 * bn : 0; }
 };
 // The busiest SM's work in a persistent plan, in token rows x k-tiles: its rounds of work units (ceil(units / SMs)),
 // each one split's k-tiles of a tile plus, where the tile is split, its share of the split-K sum. Per k-tile a tile
@@ -167,9 +164,9 @@ inline long long sm90_split_work(const Sm90SplitPlan& p, long long k_tiles, int 
   return (p.tiles * p.splits + sms - 1) / sms * (p.bn + kSm90KTileFixedTokens) *
          ((k_tiles + p.splits - 1) / p.splits + sum);
 }
-// The tile_rows x bn-token tiles of an output of rows_padded rows x n_tokens tokens.
-inline long long sm90_tiles(long long rows_padded, long long n_tokens, int bn, int tile_rows = 128) {
-  return ((rows_padded + tile_rows - 1) / tile_rows) * ((n_tokens + bn - 1) / bn);
+// The 128-row x bn-token tiles of an output of rows_padded rows x n_tokens tokens.
+inline long long sm90_tiles(long long rows_padded, long long n_tokens, int bn) {
+  return ((rows_padded + 127) / 128) * ((n_tokens + bn - 1) / bn);
 }
 inline Sm90SplitPlan sm90_split_plan(long long rows_padded, long long n_tokens, int bn, long long k_tiles,
                                      int sms, int ctas_per_sm, int min_k_tiles = kSplitKMinKTiles) {
@@ -197,9 +194,9 @@ struct Sm90LargePlan {
 };
 inline Sm90LargePlan sm90_config_plan(int config, long long rows_padded, long long n_tokens, long long k_tiles,
                                       int sms) {
-  const int bn = sm90_config_tokens(config), rows = sm90_config_rows(config);
-  const long long tiles = sm90_tiles(rows_padded, n_tokens, bn, rows);
-  return {config, {bn, sm90_large_split_k(tiles, k_tiles, sms), tiles, rows}};
+  const int bn = sm90_config_tokens(config);
+  const long long tiles = sm90_tiles(rows_padded, n_tokens, bn);
+  return {config, {bn, sm90_large_split_k(tiles, k_tiles, sms), tiles}};
 }
 // Up to kSm90WorkModelTokens tokens, the configuration whose plan gives the busiest SM the least work
 // (sm90_split_work: its rounds of units x (tile tokens + 64) x (k-tiles per split + 3 x (splits + 1) where split)), the

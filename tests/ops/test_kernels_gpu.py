@@ -529,7 +529,7 @@ def _check_wgmma_config(config, dtype, bias, tokens, rows, cols, seed):
         _assert_spmm_matches_reference(x, w, p, b)
 
 
-@pytest.mark.parametrize("config", list(range(37)))
+@pytest.mark.parametrize("config", list(range(39)))
 @pytest.mark.parametrize(("tokens", "rows", "cols"), [(300, 448, 136), (8191, 192, 1000)])
 def test_spmm_wgmma_tile_configs(config, tokens, rows, cols):
     # Every large-token tile configuration of the sm_90a kernel (lab build): 448 rows leave some m64
@@ -537,7 +537,7 @@ def test_spmm_wgmma_tile_configs(config, tokens, rows, cols):
     _check_wgmma_config(config, torch.bfloat16, True, tokens, rows, cols, config + tokens)
 
 
-@pytest.mark.parametrize("config", list(range(6, 37)))
+@pytest.mark.parametrize("config", list(range(6, 39)))
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize(
@@ -579,7 +579,7 @@ def test_spmm_wgmma_tma_a_configs_many_tiles(config, dtype, bias, tokens, rows, 
     _check_wgmma_config(config, dtype, bias, tokens, rows, cols, config + rows + cols)
 
 
-STAGED_EPILOGUE_CONFIGS = [20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35, 36]
+STAGED_EPILOGUE_CONFIGS = [20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35, 36, 37, 38]
 
 
 @pytest.mark.parametrize("config", STAGED_EPILOGUE_CONFIGS)
