@@ -41,7 +41,7 @@ inline Tuning& tuning() {
   return t;
 }
 
-constexpr int kSm90Configs = 39;
+constexpr int kSm90Configs = 36;
 
 // The split count of a split-K plan: the product's (`product`), or split_k where set, capped as sm90_split_k caps it
 // (<= kSplitKMax, >= one k-tile per split, no split left empty, no split above kSplitKCounters tiles).

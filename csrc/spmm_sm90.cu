@@ -661,12 +661,12 @@ __device__ __forceinline__ void consumers_bar_arrive() { asm volatile("bar.arriv
 __device__ __forceinline__ void consumers_bar_sync() { asm volatile("bar.sync 1, 256;\n" ::: "memory"); }
 #endif
 
-// Whether a configuration has the shared split-K sum compiled in (SplitK::meet): the 128 x 128 persistent tiles only;
+// Whether a configuration has the shared split-K sum compiled in (SplitK::meet): the 128-token persistent tiles only;
 // in the 192- and 256-token ones its registers pushed spills into every call, split or not (benchmarks/RESULTS.md,
 // "shared split-K sum"). The launcher asks it too, for the flag that turns the sum on.
-template <int BN, int PERSIST, int CLUSTER, int WGM>
+template <int BN, int PERSIST, int CLUSTER>
 __host__ __device__ constexpr bool has_shared_split_sum() {
-  return PERSIST && CLUSTER == 1 && BN == 128 && WGM == 1;
+  return PERSIST && CLUSTER == 1 && BN == 128;
 }
 
 // Without RUNBUF a tile's staged epilogue starts at buffer 0, so the buffers must split its chunks evenly.
@@ -674,14 +674,13 @@ constexpr bool epi_buffers_restart_ok(int bn, int epi_n, int bufs, bool runbuf) 
   return runbuf || epi_n == 0 || (bn / epi_n) % bufs == 0;
 }
 
-// EPI_N > 0 (configs 20-27, 36): after the ring, a staging area of EPI_BUFS buffers per consumer warpgroup, each one
-// chunk of the output tile (EPI_N tokens x one of the warpgroup's 64-row slabs, 128 bytes per token, 128-byte
-// swizzle). WGM: m64 slabs per consumer warpgroup (128 x WGM weight rows per tile).
-template <int BN, int STAGES, int EPI_N = 0, int EPI_BUFS = 0, int WGM = 1>
+// EPI_N > 0 (configs 20-27): after the ring, a staging area of EPI_BUFS buffers per consumer warpgroup, each one
+// chunk of the output tile (EPI_N tokens x the warpgroup's 64 rows, 128 bytes per token, 128-byte swizzle).
+template <int BN, int STAGES, int EPI_N = 0, int EPI_BUFS = 0>
 struct TmaASmem {
   static constexpr int X_BYTES = BN * 128;  // BN tokens x 64 k, bf16/fp16
-  static constexpr int A_BYTES = WGM * 8 * 2 * 512;  // 8 WGM m16 tiles x 2 k-steps x 32 lanes x 16 B
-  static constexpr int E_BYTES = WGM * 8 * 2 * 64;   // 8 WGM m16 tiles x 2 k-steps x 16 words
+  static constexpr int A_BYTES = 8 * 2 * 512;  // 8 m16 tiles x 2 k-steps x 32 lanes x 16 B
+  static constexpr int E_BYTES = 8 * 2 * 64;   // 8 m16 tiles x 2 k-steps x 16 words
   static constexpr int STAGE = X_BYTES + A_BYTES + E_BYTES;
   static constexpr int EPI_CHUNK = EPI_N * 128;             // one staging buffer
   static constexpr int EPI_BYTES = 2 * EPI_BUFS * EPI_CHUNK;  // both consumer warpgroups
@@ -709,7 +708,7 @@ __device__ __forceinline__ void tile_coords(int t, int row_blocks, int token_til
 }
 
 template <typename T, int BN, int STAGES, int GROUP, int PERSIST, int SKEW, int EPI_N, int EPI_BUFS, bool EVICT_FIRST,
-          int CLUSTER, bool XSHARE, bool TRIM, bool RUNBUF, int WGM>
+          int CLUSTER, bool XSHARE, bool TRIM, bool RUNBUF>
 __global__ void __launch_bounds__(kTmaThreads, 1)
 spmm_sm90_tma_a_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_constant__ CUtensorMap x_tail_map,
                        const __grid_constant__ CUtensorMap a_map, const __grid_constant__ CUtensorMap e_map,
@@ -719,10 +718,7 @@ spmm_sm90_tma_a_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_c
                        int shared_sum) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int ND = BN / 2;
-  constexpr int BM = 128 * WGM;  // weight rows per tile
-  static_assert(WGM == 1 || (CLUSTER == 1 && PERSIST && !SKEW && EPI_N > 0 && !RUNBUF),
-                "256-row tiles: persistent, unclustered, staged epilogue");
-  using S = TmaASmem<BN, STAGES, EPI_N, EPI_BUFS, WGM>;
+  using S = TmaASmem<BN, STAGES, EPI_N, EPI_BUFS>;
   constexpr int kProducerRegs = 40, kConsumerRegs = 232;
   constexpr uint32_t kMetaPad = 0x44444444u;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -740,7 +736,7 @@ spmm_sm90_tma_a_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_c
   }
   const int lane = tid & 31, warp = tid >> 5;
   const int k_tiles = (steps + 1) >> 1;
-  const int row_blocks = (rows_padded + BM - 1) / BM, token_tiles = (n_tokens + BN - 1) / BN;
+  const int row_blocks = (rows_padded + 127) / 128, token_tiles = (n_tokens + BN - 1) / BN;
   // CLUSTER = 2 (configs 28-30): a tile is CLUSTER adjacent row blocks x BN tokens, one row block per CTA of the
   // cluster (rank r: row block CLUSTER * unit + r); the cluster's CTAs walk the same tiles in the same order.
   // XSHARE = false (config 31, diagnostic): the same, but each CTA loads the whole X tile itself (no multicast); the
@@ -753,7 +749,7 @@ spmm_sm90_tma_a_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_c
   const int n_units = n_tiles * splits;
   const uint32_t rank = MC ? cluster_cta_rank() : 0u;
   const int first_unit = blockIdx.x / CLUSTER, unit_step = PERSIST ? (int)gridDim.x / CLUSTER : n_units;
-  constexpr bool kSharedSum = has_shared_split_sum<BN, PERSIST, CLUSTER, WGM>();
+  constexpr bool kSharedSum = has_shared_split_sum<BN, PERSIST, CLUSTER>();
 
   // TRIM (configs 32/33): the fixed cost per launch, which is a third of the time at K = 1024 (benchmarks/RESULTS.md,
   // "Short-K"), gets two cuts: the tensor maps (Y's too) are prefetched before the barrier set-up, and at exit the
@@ -800,10 +796,7 @@ spmm_sm90_tma_a_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_c
         // A row block past the weight (odd row-block count in a cluster) loads row block 0's A: its warpgroups are
         // inactive (metadata kMetaPad, nothing stored), and no TMA box lies wholly outside the tensor.
         bx = bx * CLUSTER + (int)rank;
-        const int a_row = (MC && bx >= row_blocks ? 0 : bx) * 8 * WGM;
-        // WGM = 2: the second 128 rows' A in a box of its own; where they lie past the weight (an odd count of
-        // 128-row blocks), row block 0's instead (that slab is inactive, as above).
-        const int a_row2 = a_row + 8 < rows_padded / 16 ? a_row + 8 : 0;
+        const int a_row = (MC && bx >= row_blocks ? 0 : bx) * 8;
         // The last token tile, where it is partial (tail_tokens > 0, unclustered only): X comes in a box of just its
         // tokens, so the copy engine does not zero-fill the rest. The stage's rows past them keep what an earlier
         // k-tile left there; they reach only the accumulators of tokens past the last, which are never stored.
@@ -825,10 +818,6 @@ spmm_sm90_tma_a_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_c
           }
           tma_load_2d(dst + S::X_BYTES, &a_map, kt * 256, a_row, bar);  // 2 k-steps x 128 words, 8 m16 tiles
           tma_load_2d(dst + S::X_BYTES + S::A_BYTES, &e_map, kt * 32, a_row, bar);
-          if constexpr (WGM == 2) {
-            tma_load_2d(dst + S::X_BYTES + S::A_BYTES / 2, &a_map, kt * 256, a_row2, bar);
-            tma_load_2d(dst + S::X_BYTES + S::A_BYTES + S::E_BYTES / 2, &e_map, kt * 32, a_row2, bar);
-          }
           if (it == 0) timeline_mark(kTlFirstIssued);
         }
       }
@@ -840,14 +829,14 @@ spmm_sm90_tma_a_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_c
   setmaxnreg_inc<kConsumerRegs>();
   const int wg = warp >> 2, wq = warp & 3;
   const int g = lane >> 2, t = lane & 3;
-  const int mt = wg * WGM * 4 + wq;  // this warp's m16 tile of its first slab within the CTA's 8 WGM (slab s: + 4 s)
+  const int mt = wg * 4 + wq;  // this warp's m16 tile within the CTA's 8
   const int a_off = mt * 1024 + lane * 16, e_off = mt * 128 + (g * 2 + (t & 1)) * 4;
 
   // SKEW = 2 (configs 17/18, persistent): warpgroup 1 starts its first tile two k-tiles after warpgroup 0 and keeps
   // that distance, so each warpgroup's epilogue overlaps the other's last (or first) k-tiles of a tile instead of
   // both leaving the tensor pipe idle at once. The ring (5 stages) absorbs the distance.
   if (SKEW && wg == 1 && first_unit < n_units) consumers_bar_sync();
-  float acc[WGM][ND];
+  float acc[ND];
   int it = 0;  // k-tiles consumed so far
   int chunks = 0;  // staged-epilogue chunks this warpgroup has stored (RUNBUF)
   // Releases the stage of k-tile `done` (ring position): this warp's arrive on this CTA's "empty" barrier and, in a
@@ -864,47 +853,36 @@ spmm_sm90_tma_a_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_c
     int bx, by;
     tile_coords<GROUP>(tile, row_units, token_tiles, bx, by);
     bx = bx * CLUSTER + (int)rank;
-    const int cta_row0 = bx * BM;
+    const int cta_row0 = bx * 128;
     const int kt0 = split * kt_per_split, unit_k_tiles = min(k_tiles, kt0 + kt_per_split) - kt0;
-    bool active[WGM];  // slab s of this warpgroup has weight rows
+    const bool active = wg * 4 < ((rows_padded - cta_row0) >> 4);
 #pragma unroll
-    for (int s = 0; s < WGM; ++s) {
-      active[s] = (wg * WGM + s) * 4 < ((rows_padded - cta_row0) >> 4);
-#pragma unroll
-      for (int j = 0; j < ND; ++j) acc[s][j] = 0.f;
-    }
+    for (int j = 0; j < ND; ++j) acc[j] = 0.f;
     // One k-tile (the unit's i-th, k-tile kt0 + i of the weight): wait for its stage, read this warp's A fragments and
     // metadata from it into (a, e), issue its two wgmmas, and wait until only they are in flight: k-tile i - 1 is done
     // with its stage and its register set, so its stage goes back to the producer. Register sets alternate by k-tile
     // parity (unrolled by two below) because the wgmmas of i - 1 still read theirs while i's are loaded.
-    auto k_tile = [&](int i, uint4 (&a)[WGM][2], uint32_t (&e)[WGM][2]) {
+    auto k_tile = [&](int i, uint4 (&a)[2], uint32_t (&e)[2]) {
       const int slot = (it + i) % STAGES, kt = kt0 + i;
       mbar_wait(full_bar + 8 * slot, ((it + i) / STAGES) & 1);
       if (it + i == 0 && tid == 0) timeline_mark(kTlFirstReady);
       const unsigned char* st = smem + slot * S::STAGE;
 #pragma unroll
-      for (int s = 0; s < WGM; ++s) {
-#pragma unroll
-        for (int j = 0; j < 2; ++j) {
-          a[s][j] = *reinterpret_cast<const uint4*>(st + S::X_BYTES + a_off + s * 4096 + j * 512);
-          const uint32_t ev =
-              *reinterpret_cast<const uint32_t*>(st + S::X_BYTES + S::A_BYTES + e_off + s * 512 + j * 64);
-          e[s][j] = (active[s] && 2 * kt + j < steps) ? ev : kMetaPad;
-        }
+      for (int j = 0; j < 2; ++j) {
+        a[j] = *reinterpret_cast<const uint4*>(st + S::X_BYTES + a_off + j * 512);
+        const uint32_t ev = *reinterpret_cast<const uint32_t*>(st + S::X_BYTES + S::A_BYTES + e_off + j * 64);
+        e[j] = (active && 2 * kt + j < steps) ? ev : kMetaPad;
       }
       const uint64_t desc = desc_k128(smem_u32 + slot * S::STAGE);
       wgmma_fence();
 #pragma unroll
-      for (int s = 0; s < WGM; ++s) {
-#pragma unroll
-        for (int j = 0; j < 2; ++j) WgmmaSpTile<BN, T>::run(acc[s], a[s][j], desc + j * (64 >> 4), e[s][j]);
-      }
+      for (int j = 0; j < 2; ++j) WgmmaSpTile<BN, T>::run(acc, a[j], desc + j * (64 >> 4), e[j]);
       wgmma_commit();
       wgmma_wait<1>();
       if (i > 0) release(it + i - 1);
     };
-    uint4 a0[WGM][2], a1[WGM][2];
-    uint32_t e0[WGM][2], e1[WGM][2];
+    uint4 a0[2], a1[2];
+    uint32_t e0[2], e1[2];
     for (int i = 0; i < unit_k_tiles; i += 2) {
       k_tile(i, a0, e0);
       if (i + 1 < unit_k_tiles) k_tile(i + 1, a1, e1);
@@ -914,16 +892,12 @@ spmm_sm90_tma_a_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_c
     it += unit_k_tiles;
     release(it - 1);  // the last k-tile's stage
 #pragma unroll
-    for (int s = 0; s < WGM; ++s) {
-#pragma unroll
-      for (int j = 0; j < ND; ++j) asm volatile("" : "+f"(acc[s][j])::"memory");  // reads after the wgmma wait
-    }
+    for (int j = 0; j < ND; ++j) asm volatile("" : "+f"(acc[j])::"memory");  // reads after the wgmma wait
     const bool first = unit == first_unit;
     if (first && tid == 0) timeline_mark(kTlLoopDone);
-    // Slab s of this warpgroup: weight rows slab_row0(s) .. + 63, this warp's 16 of them from slab_row0(s) + 16 wq.
-    auto slab_row0 = [&](int s) { return cta_row0 + 64 * (wg * WGM + s); };
+    const int row0 = cta_row0 + 64 * wg + 16 * wq;
     bool direct = EPI_N == 0;  // this warp's rows stored straight from its accumulators (no staged epilogue)
-    const bool full_tile = (by + 1) * BN <= n_tokens && cta_row0 + BM <= rows && (rows & 1) == 0;
+    const bool full_tile = (by + 1) * BN <= n_tokens && cta_row0 + 128 <= rows && (rows & 1) == 0;
     if (kSharedSum && splits > 1 && shared_sum && full_tile) {
       // Shared split-K sum (one unit per CTA, at most one CTA per SM: every split of the tile is resident at once):
       // warp w's rows belong to split w * splits / 8, which adds them up from its own accumulators and every other
@@ -934,46 +908,39 @@ spmm_sm90_tma_a_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_c
       // (benchmarks/RESULTS.md, "shared split-K sum").
       const SplitK<ND, 32 * kTmaConsumerWarps> part(split_ws, split_counters, tile, split, splits, tid);
       const bool mine = warp * splits / kTmaConsumerWarps == split;
-      if (!mine) part.store(acc[0], 0);  // (WGM = 1 here: has_shared_split_sum)
+      if (!mine) part.store(acc, 0);
       part.meet([] { consumers_bar_sync(); });
       if (first && tid == 0) {
         timeline_mark(kTlArrived);
         timeline_mark(kTlLast, mine);  // thread 0's warp: the sum below is its own
       }
-      if (mine) part.add_others(acc[0], 0);
+      if (mine) part.add_others(acc, 0);
       part.leave();
       if (!mine) continue;
       if (first && tid == 0) timeline_mark(kTlSummed);
       direct = true;
     } else if (splits > 1) {  // split-K: the last split of the tile to finish stores it, from every split's partials
-      const SplitK<WGM * ND, 32 * kTmaConsumerWarps> part(split_ws, split_counters, tile, split, splits, tid);
-#pragma unroll
-      for (int s = 0; s < WGM; ++s) part.store(acc[s], s * ND);
+      const SplitK<ND, 32 * kTmaConsumerWarps> part(split_ws, split_counters, tile, split, splits, tid);
+      part.store(acc, 0);
       const bool last = part.last([] { consumers_bar_sync(); });
       if (first && tid == 0) {
         timeline_mark(kTlArrived);
         timeline_mark(kTlLast, last);
       }
       if (!last) continue;
-#pragma unroll
-      for (int s = 0; s < WGM; ++s) part.sum(acc[s], s * ND);
+      part.sum(acc, 0);
       if (first && tid == 0) timeline_mark(kTlSummed);
     }
     if constexpr (EPI_N > 0) {
       if (!direct) {
-        // The slabs one after another through the warpgroup's staging buffers (BN / EPI_N chunks each, a multiple
-        // of EPI_BUFS: each slab starts at buffer 0, as a tile does).
-#pragma unroll
-        for (int s = 0; s < WGM; ++s) {
-          if (!active[s]) continue;
+        if (active) {
           const uint32_t stage = epi_u32 + wg * EPI_BUFS * S::EPI_CHUNK;
-          const int row0 = slab_row0(s) + 16 * wq;
           if (act == kActGelu) {
             store_tile_staged<T, BN, EPI_N, EPI_BUFS, EVICT_FIRST, kActGelu>(
-                acc[s], row0, slab_row0(s), by * BN, lane, wq, stage, 2 + wg, bias, rows, n_tokens, &y_map,
+                acc, row0, cta_row0 + 64 * wg, by * BN, lane, wq, stage, 2 + wg, bias, rows, n_tokens, &y_map,
                 RUNBUF ? chunks : -1);
           } else {
-            store_tile_staged<T, BN, EPI_N, EPI_BUFS, EVICT_FIRST>(acc[s], row0, slab_row0(s), by * BN, lane, wq,
+            store_tile_staged<T, BN, EPI_N, EPI_BUFS, EVICT_FIRST>(acc, row0, cta_row0 + 64 * wg, by * BN, lane, wq,
                                                                    stage, 2 + wg, bias, rows, n_tokens, &y_map,
                                                                    RUNBUF ? chunks : -1);
           }
@@ -982,21 +949,17 @@ spmm_sm90_tma_a_kernel(const __grid_constant__ CUtensorMap x_map, const __grid_c
         continue;
       }
     }
-#pragma unroll
-    for (int s = 0; s < WGM; ++s) {
-      const int row0 = slab_row0(s) + 16 * wq;
-      if (full_tile) {
-        if (act == kActGelu) {
-          store_tile_full<T, BN, kActGelu>(acc[s], row0, by * BN, lane, bias, y, rows);
-        } else {
-          store_tile_full<T, BN>(acc[s], row0, by * BN, lane, bias, y, rows);
-        }
-      } else if (active[s]) {
-        if (act == kActGelu) {
-          store_tile<T, BN, kActGelu>(acc[s], row0, by * BN, lane, bias, y, rows, n_tokens);
-        } else {
-          store_tile<T, BN>(acc[s], row0, by * BN, lane, bias, y, rows, n_tokens);
-        }
+    if (full_tile) {
+      if (act == kActGelu) {
+        store_tile_full<T, BN, kActGelu>(acc, row0, by * BN, lane, bias, y, rows);
+      } else {
+        store_tile_full<T, BN>(acc, row0, by * BN, lane, bias, y, rows);
+      }
+    } else if (active) {
+      if (act == kActGelu) {
+        store_tile<T, BN, kActGelu>(acc, row0, by * BN, lane, bias, y, rows, n_tokens);
+      } else {
+        store_tile<T, BN>(acc, row0, by * BN, lane, bias, y, rows, n_tokens);
       }
     }
   }
@@ -1145,8 +1108,7 @@ bool encode_y_map(const SpmmArgs& a, int box_tokens, CUtensorMap* map) {
 // one split where they are null, and in the clustered or skewed lab configurations); the fallbacks split only where
 // their tiles are the same (15 for 20), and run unsplit otherwise.
 template <typename T, int BN, int STAGES, int GROUP, int PERSIST, int SKEW = 0, int EPI_N = 0, int EPI_BUFS = 0,
-          bool EVICT_FIRST = false, int CLUSTER = 1, bool XSHARE = true, bool TRIM = false, bool RUNBUF = false,
-          int WGM = 1>
+          bool EVICT_FIRST = false, int CLUSTER = 1, bool XSHARE = true, bool TRIM = false, bool RUNBUF = false>
 cudaError_t launch_sm90_tma_a(const SpmmArgs& a, cudaStream_t stream, int splits = 1) {
   static_assert(CLUSTER == 1 || (PERSIST && !SKEW && GROUP == 1), "clusters: persistent, plain tile order only");
   static_assert(epi_buffers_restart_ok(BN, EPI_N, EPI_BUFS, RUNBUF), "every tile starts at buffer 0");
@@ -1162,21 +1124,20 @@ cudaError_t launch_sm90_tma_a(const SpmmArgs& a, cudaStream_t stream, int splits
   if constexpr (EPI_N > 0) {
     if (!encode_y_map(a, EPI_N, &y_map))  // config 15, or 19 for the smaller token tiles
       return BN == 256 ? launch_sm90_tma_a<T, 256, 5, 1, 1>(a, stream, splits)
-                       : launch_sm90_tma_a<T, 128, 8, 1, 1>(a, stream, BN == 128 && WGM == 1 ? splits : 1);
+                       : launch_sm90_tma_a<T, 128, 8, 1, 1>(a, stream, BN == 128 ? splits : 1);
   } else {
     y_map = x_map;  // unused by the direct-store epilogue
   }
   if (tail_tokens == 0) x_tail_map = x_map;  // unused
   constexpr auto kernel =
       spmm_sm90_tma_a_kernel<T, BN, STAGES, GROUP, PERSIST, SKEW, EPI_N, EPI_BUFS, EVICT_FIRST, CLUSTER, XSHARE, TRIM,
-                             RUNBUF, WGM>;
-  constexpr int smem = TmaASmem<BN, STAGES, EPI_N, EPI_BUFS, WGM>::BYTES;
+                             RUNBUF>;
+  constexpr int smem = TmaASmem<BN, STAGES, EPI_N, EPI_BUFS>::BYTES;
   cudaError_t err = raise_smem_limit_once<kernel>(smem);
   if (err != cudaSuccess) return err;
-  const int row_units = ((a.rows_padded + 128 * WGM - 1) / (128 * WGM) + CLUSTER - 1) / CLUSTER;
+  const int row_units = ((a.rows_padded + 127) / 128 + CLUSTER - 1) / CLUSTER;
   const long long tiles = (long long)row_units * ((a.n_tokens + BN - 1) / BN);
-  // (The split-K scratch is sized for 128-row tiles: the 256-row lab configurations run unsplit.)
-  if (a.split_ws == nullptr || a.split_counters == nullptr || CLUSTER > 1 || SKEW || WGM > 1) splits = 1;
+  if (a.split_ws == nullptr || a.split_counters == nullptr || CLUSTER > 1 || SKEW) splits = 1;
   if (splits > 1 && tiles > kSplitKCounters) return cudaErrorInvalidValue;
   const long long units = tiles * splits;
   if (units > (1LL << 31) - 1) return cudaErrorInvalidConfiguration;
@@ -1189,7 +1150,7 @@ cudaError_t launch_sm90_tma_a(const SpmmArgs& a, cudaStream_t stream, int splits
     // most the SM count (which MPS and green contexts report as their share), one CTA per SM (shared memory), so the
     // whole grid is resident once the GPU's other work leaves room; the split-K spin of CUTLASS's persistent kernels
     // assumes the same.
-    const int shared_sum = has_shared_split_sum<BN, PERSIST, CLUSTER, WGM>() && splits > 1 && units <= sms;
+    const int shared_sum = has_shared_split_sum<BN, PERSIST, CLUSTER>() && splits > 1 && units <= sms;
     kernel<<<grid, kTmaThreads, smem, stream>>>(x_map, x_tail_map, a_map, e_map, y_map,
                                                 static_cast<const T*>(a.bias), static_cast<T*>(a.y), a.n_tokens,
                                                 tail_tokens, a.rows, a.rows_padded, a.steps, a.act, splits,
@@ -1275,11 +1236,6 @@ cudaError_t launch_lab(const SpmmArgs& a, cudaStream_t stream, int cfg) {
     case 33: return launch_sm90_tma_a<T, 192, 5, 1, 1, 0, 96, 2, false, 1, true, true>(a, stream);
     case 34: return launch_sm90_tma_a<T, 256, 4, 1, 1, 0, 64, 3, false, 1, true, false, true>(a, stream);
     case 35: return launch_sm90_tma_a<T, 256, 4, 1, 1, 0, 32, 7, false, 1, true, false, true>(a, stream);
-    // 256 rows x 128 tokens (each consumer warpgroup two 64-row slabs), unsplit; 37 / 38: the same with GROUP 2 / 4
-    // token tiles walking the row blocks together (each weight tile read from DRAM once per group)
-    case 36: return launch_sm90_tma_a<T, 128, 5, 1, 1, 0, 64, 2, false, 1, true, false, false, 2>(a, stream);
-    case 37: return launch_sm90_tma_a<T, 128, 5, 2, 1, 0, 64, 2, false, 1, true, false, false, 2>(a, stream);
-    case 38: return launch_sm90_tma_a<T, 128, 5, 4, 1, 0, 64, 2, false, 1, true, false, false, 2>(a, stream);
     default: return launch_sm90<T, Sm90Cfg<256, 1, 6, 0, 1>>(a, stream);  // 4
   }
 }

@@ -529,7 +529,7 @@ def _check_wgmma_config(config, dtype, bias, tokens, rows, cols, seed):
         _assert_spmm_matches_reference(x, w, p, b)
 
 
-@pytest.mark.parametrize("config", list(range(39)))
+@pytest.mark.parametrize("config", list(range(36)))
 @pytest.mark.parametrize(("tokens", "rows", "cols"), [(300, 448, 136), (8191, 192, 1000)])
 def test_spmm_wgmma_tile_configs(config, tokens, rows, cols):
     # Every large-token tile configuration of the sm_90a kernel (lab build): 448 rows leave some m64
@@ -537,7 +537,7 @@ def test_spmm_wgmma_tile_configs(config, tokens, rows, cols):
     _check_wgmma_config(config, torch.bfloat16, True, tokens, rows, cols, config + tokens)
 
 
-@pytest.mark.parametrize("config", list(range(6, 39)))
+@pytest.mark.parametrize("config", list(range(6, 36)))
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize(
@@ -579,7 +579,7 @@ def test_spmm_wgmma_tma_a_configs_many_tiles(config, dtype, bias, tokens, rows, 
     _check_wgmma_config(config, dtype, bias, tokens, rows, cols, config + rows + cols)
 
 
-STAGED_EPILOGUE_CONFIGS = [20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35, 36, 37, 38]
+STAGED_EPILOGUE_CONFIGS = [20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35]
 
 
 @pytest.mark.parametrize("config", STAGED_EPILOGUE_CONFIGS)
@@ -641,7 +641,7 @@ def _assert_gelu_linear_matches(y, x, w, b):
     assert rel_err(y, ref) <= 2 * rel_err(F.gelu(F.linear(x, wq, b)), ref) + 1e-6
 
 
-@pytest.mark.parametrize("config", [None, 15, 19, 20, 23, 27, 36, 6, 13, 0])
+@pytest.mark.parametrize("config", [None, 15, 19, 20, 23, 27, 6, 13, 0])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize(("tokens", "rows", "cols"), [(1, 64, 40), (7, 192, 96), (300, 448, 136), (8191, 256, 1000)])
