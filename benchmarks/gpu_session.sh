@@ -4,9 +4,10 @@
 #
 #   LIMIT=570 bash benchmarks/gpu_session.sh "TESTS" "STAGE" ["STAGE" ...]
 #
-# TESTS: the pytest arguments of the GPU tests ("" for none; "tests/" for the whole suite). LIMIT: seconds the whole
-# call may take (default 570, under the device's 600 s a command). Each stage is killed 10 s before the limit, so the
-# files under $OUT still come back. The build goes to .carry/build (HF_SPARSE_BUILD_DIR), which a warm machine keeps
+# TESTS: the pytest arguments of the GPU tests, as a shell command line ("" for none; "tests/" for the whole suite;
+# quote a -k expression inside it: "tests/ops -k 'split and not vnm'"). LIMIT: seconds the whole call may take
+# (default 570, under the device's 600 s a command). Each stage is killed 10 s before the limit, so the files under
+# $OUT still come back. The build goes to .carry/build (HF_SPARSE_BUILD_DIR), which a warm machine keeps
 # between calls. Example:
 #
 #   bash benchmarks/gpu_session.sh "tests/" \
@@ -34,8 +35,8 @@ tests=${1:-}
 shift || true
 if [ -n "$tests" ]; then
   s=$(date +%s)
-  # shellcheck disable=SC2086  # TESTS is a list of pytest arguments
-  timeout $(($(left) - 10)) python -m pytest -q -m gpu $tests -p no:cacheprovider -rfE 2>&1 |
+  # TESTS is parsed as a shell command line, so a quoted -k expression stays one argument
+  timeout $(($(left) - 10)) bash -c "python -m pytest -q -m gpu $tests -p no:cacheprovider -rfE" 2>&1 |
     tee "$out/gputests.log" | tail -25
   echo "GPU tests: $(($(date +%s) - s)) s" | tee -a "$out/session.log"
 fi
