@@ -412,16 +412,16 @@ float median_ms(Launch launch, int reps) {
 // weight rows, tokens and original columns (4 x RF x N x WGM cycles per k-tile: 2 warpgroups x 4 RF WGM m64nNk16),
 // the multiple of dense it bounds.
 void print_run(const char* what, const char* design, int n, int rf, int stages, int gatherers, int wgm, float ms,
-               const long long* cyc, int sms) {
+               const long long* cyc, int ctas) {
   long long worst = 0;
-  for (int c = 0; c < sms; ++c) worst = std::max(worst, cyc[c]);
+  for (int c = 0; c < ctas; ++c) worst = std::max(worst, cyc[c]);
   const double per_kt = (double)worst / kK, dense_kt = 4.0 * rf * n * wgm;
   std::printf(
-      "{\"what\": \"%s\", \"design\": \"%s\", \"rows\": %d, \"n\": %d, \"raw_per_gathered\": %d, \"stages\": %d, "
-      "\"gatherers\": %d, \"ms\": %.4f, \"cycles_per_k_tile\": %.1f, \"x_dense_ceiling\": %.3f, "
+      "{\"what\": \"%s\", \"design\": \"%s\", \"ctas\": %d, \"rows\": %d, \"n\": %d, \"raw_per_gathered\": %d, "
+      "\"stages\": %d, \"gatherers\": %d, \"ms\": %.4f, \"cycles_per_k_tile\": %.1f, \"x_dense_ceiling\": %.3f, "
       "\"dense_equiv_tflops\": %.1f}\n",
-      what, design, 128 * wgm, n, rf, stages, gatherers, ms, per_kt, dense_kt / per_kt,
-      2.0 * 128 * wgm * n * 64 * rf * (double)kK * sms / (ms * 1e9));
+      what, design, ctas, 128 * wgm, n, rf, stages, gatherers, ms, per_kt, dense_kt / per_kt,
+      2.0 * 128 * wgm * n * 64 * rf * (double)kK * ctas / (ms * 1e9));
   std::fflush(stdout);
 }
 
@@ -443,21 +443,22 @@ void run_mma(int sms) {
   cudaFree(cycles);
 }
 
+// `ctas` CTAs, one per SM (fewer than the SMs: the feed of a call whose tiles leave SMs idle).
 template <int MODE, int N, int RF, int STAGES, int G, int WGM = 1>
-void run_feed(int sms, const unsigned char* src) {
+void run_feed(int ctas, const unsigned char* src) {
   using S = FeedSmem<MODE, N, RF, STAGES, G, WGM>;
   float* out;
   long long* cycles;
-  CHECK_CUDA(cudaMalloc(&out, sizeof(float) * sms * 256));
-  CHECK_CUDA(cudaMalloc(&cycles, sizeof(long long) * sms));
+  CHECK_CUDA(cudaMalloc(&out, sizeof(float) * ctas * 256));
+  CHECK_CUDA(cudaMalloc(&cycles, sizeof(long long) * ctas));
   CHECK_CUDA(cudaFuncSetAttribute(feed_ceiling<MODE, N, RF, STAGES, G, WGM>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                   S::BYTES));
   const float ms =
-      median_ms([&] { feed_ceiling<MODE, N, RF, STAGES, G, WGM><<<sms, S::THREADS, S::BYTES>>>(src, out, cycles); }, 5);
-  std::vector<long long> cyc(sms);
-  CHECK_CUDA(cudaMemcpy(cyc.data(), cycles, sizeof(long long) * sms, cudaMemcpyDeviceToHost));
+      median_ms([&] { feed_ceiling<MODE, N, RF, STAGES, G, WGM><<<ctas, S::THREADS, S::BYTES>>>(src, out, cycles); }, 5);
+  std::vector<long long> cyc(ctas);
+  CHECK_CUDA(cudaMemcpy(cyc.data(), cycles, sizeof(long long) * ctas, cudaMemcpyDeviceToHost));
   const char* design = MODE == kFeedTma ? "tma" : MODE == kFeedCompact ? "compact" : "gather";
-  print_run("feed", design, N, RF, STAGES, G, WGM, ms, cyc.data(), sms);
+  print_run("feed", design, N, RF, STAGES, G, WGM, ms, cyc.data(), ctas);
   cudaFree(out);
   cudaFree(cycles);
 }
@@ -511,6 +512,9 @@ int main() {
   run_feed<kFeedTma, 256, 1, 4, 0>(sms, src);
   run_feed<kFeedTma, 128, 1, 6, 0>(sms, src);
   run_feed<kFeedTma, 128, 1, 6, 0, 2>(sms, src);  // 256 rows x 128 tokens: the bytes of 128 x 256, 17% fewer a MAC
+  // Fewer tiles than SMs (e.g. 4096 -> 11008 at 128-256 tokens: 86 unsplit 128-row tiles): the feed per busy SM.
+  for (int ctas : {99, 86, 66, 33}) run_feed<kFeedTma, 256, 1, 4, 0>(std::min(ctas, sms), src);
+  for (int ctas : {86, 66, 33}) run_feed<kFeedTma, 128, 1, 6, 0>(std::min(ctas, sms), src);
   run_feed<kFeedCompact, 128, 2, 3, 1>(sms, src);
   run_feed<kFeedCompact, 128, 2, 3, 2>(sms, src);
   run_feed<kFeedCompact, 128, 2, 2, 1, 2>(sms, src);  // 256 rows: one raw tile, two gathered ones
