@@ -7,7 +7,7 @@
 //    large-token call, whose X and weight tiles are shared by the CTAs running together). A skeleton, not a kernel:
 //    the bytes it moves, the barriers it waits on and the instructions it issues per k-tile are a real design's, the
 //    values are not (nothing is checked). Three designs, per k-tile of 64 (the wgmma's k: condensed columns for
-//    V:2:M) and 128 weight rows x N tokens:
+//    V:2:M) and 128 weight rows (256 where a run says: two 64-row slabs per consumer warpgroup) x N tokens:
 //      tma      X tile and A (8 KB fragments + 1 KB metadata) by bulk copies into a ring (csrc/spmm_sm90.cu, 2:4);
 //      compact  the raw X tile (M / 4 times the gathered one: 4 of every M columns are kept) and A by bulk copies; a
 //               compactor warpgroup reads the raw tile and writes the gathered one (V:2:M, X by TMA);
@@ -24,7 +24,8 @@
 //   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Icsrc benchmarks/roofline_sm90.cu -o roofline
 //   ./roofline > roofline.jsonl
 //
-// One JSON object per line. What the figures gave and the bounds drawn from them: benchmarks/RESULTS.md ("Ceilings").
+// One JSON object per line. What the figures gave and the bounds drawn from them: benchmarks/RESULTS.md ("Runs E1-E7:
+// the ceilings that bound the sparse-wgmma SpMMs").
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
