@@ -206,7 +206,7 @@ feed_ceiling(const unsigned char* __restrict__ src, float* out, long long* cycle
   const long long t0 = clock64();
 
   if (MODE != kFeedGather && wg == 2) {  // producer
-    if constexpr (S::REGS_MOVE) asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(S::PRODUCER_REGS) : "memory");
+    if constexpr (S::REGS_MOVE) hf_sparse::setmaxnreg_dec<S::PRODUCER_REGS>();
     if (warp != 8 || lane != 0) return;
     constexpr uint32_t X_BYTES = MODE == kFeedTma ? S::B_BYTES : S::RAW_BYTES;
     for (int kt = 0; kt < kK; ++kt) {
@@ -220,7 +220,7 @@ feed_ceiling(const unsigned char* __restrict__ src, float* out, long long* cycle
     return;
   }
   if (wg >= S::FIRST_GATHERER) {  // gatherers
-    if constexpr (WGM > 1) asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(S::GATHERER_REGS) : "memory");
+    if constexpr (WGM > 1) hf_sparse::setmaxnreg_dec<S::GATHERER_REGS>();
     const int g = wg - S::FIRST_GATHERER, t = tid & 127;
     uint32_t sel = 0x54103210u ^ (uint32_t)(t & 3);
     for (int kt = g; kt < kK; kt += S::GATHERERS) {
@@ -284,7 +284,7 @@ feed_ceiling(const unsigned char* __restrict__ src, float* out, long long* cycle
   }
 
   // consumers: warp wq of warpgroup wg computes m16 tile (wg x WGM + s) x 4 + wq of slab s
-  if constexpr (S::REGS_MOVE) asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(S::CONSUMER_REGS) : "memory");
+  if constexpr (S::REGS_MOVE) hf_sparse::setmaxnreg_inc<S::CONSUMER_REGS>();
   const int wq = warp & 3, gq = lane >> 2, tq = lane & 3;
   const int a_off = S::A_OFF + (wg * WGM * 4 + wq) * 1024 + lane * 16;
   const int e_off = S::A_OFF + 8192 * WGM + (wg * WGM * 4 + wq) * 128 + (gq * 2 + (tq & 1)) * 4;
@@ -426,42 +426,41 @@ void print_run(const char* what, const char* design, int n, int rf, int stages, 
   std::fflush(stdout);
 }
 
+// Times one ceiling kernel (its last two parameters: an output per thread that keeps the work live, and its CTAs'
+// cycles) on `ctas` CTAs of `threads` threads, after `args`; the median ms, and each CTA's cycles in `cycles`.
+template <typename... Params, typename... Args>
+float time_ceiling(void (*kernel)(Params...), int ctas, int threads, int smem, std::vector<long long>& cycles,
+                   Args... args) {
+  float* out;
+  long long* cyc;
+  CHECK_CUDA(cudaMalloc(&out, sizeof(float) * ctas * threads));
+  CHECK_CUDA(cudaMalloc(&cyc, sizeof(long long) * ctas));
+  CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  const float ms = median_ms([&] { kernel<<<ctas, threads, smem>>>(args..., out, cyc); }, 5);
+  cycles.resize(ctas);
+  CHECK_CUDA(cudaMemcpy(cycles.data(), cyc, sizeof(long long) * ctas, cudaMemcpyDeviceToHost));
+  cudaFree(out);
+  cudaFree(cyc);
+  return ms;
+}
+
 template <int KIND, int N>
 void run_mma(int sms) {
-  constexpr int bytes = N * 128 + 2 * 64 * 128 + 1024;
-  float* out;
-  long long* cycles;
-  CHECK_CUDA(cudaMalloc(&out, sizeof(float) * sms * 256));
-  CHECK_CUDA(cudaMalloc(&cycles, sizeof(long long) * sms));
-  CHECK_CUDA(cudaFuncSetAttribute(mma_ceiling<KIND, N>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
-  const float ms = median_ms([&] { mma_ceiling<KIND, N><<<sms, 256, bytes>>>(out, cycles); }, 5);
-  std::vector<long long> cyc(sms);
-  CHECK_CUDA(cudaMemcpy(cyc.data(), cycles, sizeof(long long) * sms, cudaMemcpyDeviceToHost));
+  std::vector<long long> cyc;
+  const float ms = time_ceiling(mma_ceiling<KIND, N>, sms, 256, N * 128 + 2 * 64 * 128 + 1024, cyc);
   // Sparse: a k-tile is 64 columns of the 2:4 operand, the same original columns as dense's.
   print_run("mma", KIND == kSparse ? "sparse wgmma alone" : "dense wgmma, A and B from shared memory", N, 1, 0, 0,
             1, ms, cyc.data(), sms);
-  cudaFree(out);
-  cudaFree(cycles);
 }
 
 // `ctas` CTAs, one per SM (fewer than the SMs: the feed of a call whose tiles leave SMs idle).
 template <int MODE, int N, int RF, int STAGES, int G, int WGM = 1>
 void run_feed(int ctas, const unsigned char* src) {
   using S = FeedSmem<MODE, N, RF, STAGES, G, WGM>;
-  float* out;
-  long long* cycles;
-  CHECK_CUDA(cudaMalloc(&out, sizeof(float) * ctas * 256));
-  CHECK_CUDA(cudaMalloc(&cycles, sizeof(long long) * ctas));
-  CHECK_CUDA(cudaFuncSetAttribute(feed_ceiling<MODE, N, RF, STAGES, G, WGM>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                  S::BYTES));
-  const float ms =
-      median_ms([&] { feed_ceiling<MODE, N, RF, STAGES, G, WGM><<<ctas, S::THREADS, S::BYTES>>>(src, out, cycles); }, 5);
-  std::vector<long long> cyc(ctas);
-  CHECK_CUDA(cudaMemcpy(cyc.data(), cycles, sizeof(long long) * ctas, cudaMemcpyDeviceToHost));
+  std::vector<long long> cyc;
+  const float ms = time_ceiling(feed_ceiling<MODE, N, RF, STAGES, G, WGM>, ctas, S::THREADS, S::BYTES, cyc, src);
   const char* design = MODE == kFeedTma ? "tma" : MODE == kFeedCompact ? "compact" : "gather";
   print_run("feed", design, N, RF, STAGES, G, WGM, ms, cyc.data(), ctas);
-  cudaFree(out);
-  cudaFree(cycles);
 }
 
 template <int CHUNK, int STAGES>
