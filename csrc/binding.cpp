@@ -162,6 +162,14 @@ at::Tensor spmm_impl(const char* op, bool wgmma, const at::Tensor& x, const at::
       a.split_ws = split_ws.data_ptr<float>();
     }
   }
+  at::Tensor xt;  // X^T of the V:2:M kernel's large-token path, alive until the launches are queued
+  if (wgmma && m != 4) {
+    const int64_t elems = hf_sparse::spmm_vnm_sm90_xt_elems(a);
+    if (elems > 0) {
+      xt = at::empty({elems}, x.options());
+      a.xt = xt.data_ptr();
+    }
+  }
   // wgmma: plain 2:4 on spmm_sm90, V:2:M (m >= 8) on spmm_vnm_sm90 (the same packed layout over the kept columns)
   check_cuda(wgmma ? (m == 4 ? hf_sparse::spmm_sm90(a, stream) : hf_sparse::spmm_vnm_sm90(a, stream))
                    : hf_sparse::spmm(a, stream),

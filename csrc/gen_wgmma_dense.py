@@ -38,7 +38,7 @@ struct WgmmaMN<{n}, {cxx_type}> {{
 
 
 def main() -> None:
-    write_header("wgmma_dense.cuh", "gen_wgmma_dense.py", COMMENT, "WgmmaMN", wrapper, NS)
+    write_header("wgmma_dense.cuh", "gen_wgmma_dense.py", COMMENT, [("WgmmaMN", wrapper, NS)])
 
 
 if __name__ == "__main__":

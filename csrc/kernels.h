@@ -24,6 +24,9 @@ struct SpmmArgs {
   // stream that has no counters yet, which it cannot allocate and zero there).
   float* split_ws = nullptr;
   int* split_counters = nullptr;
+  // X^T scratch of the V:2:M sparse-wgmma SpMM's large-token path (tile_config.h sm90_vnm_xt):
+  // spmm_vnm_sm90_xt_elems(args) elements of x's dtype; null: that path is not taken.
+  void* xt = nullptr;
 };
 cudaError_t spmm(const SpmmArgs& args, cudaStream_t stream);
 // Plain 2:4 (m == 4) SpMM with sparse wgmma (csrc/spmm_sm90.cu); same arguments and layout as spmm (columns
@@ -44,6 +47,7 @@ int spmm_sm90_timeline_marks();
 // memory; same arguments and layout as spmm, same availability as spmm_sm90.
 cudaError_t spmm_vnm_sm90(const SpmmArgs& args, cudaStream_t stream);
 int64_t spmm_vnm_sm90_split_floats(const SpmmArgs& args);  // as spmm_sm90_split_floats
+int64_t spmm_vnm_sm90_xt_elems(const SpmmArgs& args);      // X^T scratch elements it needs (0: not that path)
 
 struct SddmmArgs {
   const void* dy;         // (n_tokens, rows) row-major

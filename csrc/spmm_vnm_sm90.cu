@@ -46,10 +46,8 @@
 #endif
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #include "sm90_common.cuh"
+#include "tma_sm90.cuh"  // mbarrier wrappers and setmaxnreg of the warp-specialised pipelines
 #include "wgmma_sp.cuh"
-#if defined(HF_SPARSE_LAB)
-#include "tma_sm90.cuh"  // mbarrier wrappers of the warp-specialised pipeline
-#endif
 #endif
 
 namespace hf_sparse {
@@ -696,6 +694,230 @@ spmm_vnm_sm90_ws_kernel(const T* __restrict__ x, const uint4* __restrict__ value
 
 #endif  // HF_SPARSE_LAB
 
+// ---------------------------------------------------------------------------------------------------------------
+// Large-token path (tile_config.h sm90_vnm_xt): X transposed first (X^T, K rows x ld tokens, token-contiguous), so a
+// kept column is one contiguous row and only the kept columns cross L2 -> SM.
+//
+// Why: gathering 4 of every M columns out of row-major X brings every raw byte through L2 -> SM (32-byte sectors
+// hold 16 columns), which is what bounds a row-major V:2:M kernel: at M = 8 a k-tile then moves 1.12x fewer bytes
+// than 2:4 for the same original columns, at M = 16 1.20x (benchmarks/RESULTS.md, runs E1-E7). From X^T a k-tile of
+// 64 condensed columns moves the bytes of one 2:4 k-tile (32 KB of X at 256 tokens, 9 KB of A) for M / 4 times the
+// original columns; the feed skeleton of that design (benchmarks/roofline_sm90.cu, rows_cp) runs at the 2:4
+// skeleton's cycles per k-tile.
+//
+// Kernel: 128 weight rows x 256 tokens per CTA, one CTA per SM. Producer warpgroup (warps 8-11): per step, warp w
+// copies kept column w of each of the k-tile's 16 groups (64 rows of X^T), lane l its 16-byte chunk l (tokens 8l ..),
+// by cp.async into the B tile (64 condensed k x 256 tokens, MN-major, 128-byte swizzle: 4 blocks of 64 tokens, k-row
+// r of a block at r x 128 bytes, chunk c at c ^ (r & 7)), plus the k-tile's A fragments and metadata of the CTA's 8
+// m16 tiles; each thread's cp.async.mbarrier.arrive.noinc completes the stage's "full" barrier. Consumer warpgroups
+// (0, 1: slabs 0, 1): wait, fence.proxy.async (cp.async writes through the generic proxy), read their A fragments and
+// metadata from the stage, two sparse wgmmas with B transposed (WgmmaSpT), release the previous stage per warp. Where
+// the CTA's two slabs keep the same columns (V = 128, checked at the start) one B tile feeds both; otherwise a
+// k-tile takes two steps, one per slab, and each consumer warpgroup skips the other's. Tokens past n_tokens are
+// zeros of X^T's padding or zero-filled (src-size 0); groups past G read group G - 1's columns (their A values are
+// zero); a missing second k-step of an odd step count multiplies zeros with valid metadata.
+constexpr int kXtThreads = 384;
+constexpr int kXtBN = 256;
+constexpr int kXtProducerRegs = 40, kXtConsumerRegs = 232;
+struct XtCfg {
+  static constexpr int B_BYTES = kXtBN * 128;      // 64 condensed k-rows x 256 tokens
+  static constexpr int A_OFF = B_BYTES;
+  static constexpr int A_BYTES = 8 * 2 * 32 * 16;  // 8 m16 tiles x 2 k-steps x 32 lanes x 16 bytes
+  static constexpr int E_OFF = A_OFF + A_BYTES;
+  static constexpr int E_BYTES = 8 * 2 * 16 * 4;   // 8 m16 tiles x 2 k-steps x 16 words
+  static constexpr int STAGE = E_OFF + E_BYTES;
+  static constexpr int STAGES = 5;
+  static constexpr int SMEM = STAGES * STAGE + 2 * 8 * STAGES + 1024;  // + full / empty barriers + alignment slack
+  static_assert(STAGE % 1024 == 0, "stages must start on 1024-byte boundaries (128-byte swizzle atoms)");
+  static_assert(SMEM <= 227 * 1024, "over the sm_90 shared-memory limit");
+};
+
+// X (n_tokens x k) -> X^T (k x ld), tokens n_tokens .. ld - 1 zero: 64 x 64 tiles through shared memory, 16-byte
+// loads and stores (k % 8 == 0, ld % 8 == 0).
+template <typename T>
+__global__ void __launch_bounds__(256) transpose_tokens_kernel(const T* __restrict__ x, T* __restrict__ xt,
+                                                               int n_tokens, int k, int ld) {
+  __shared__ uint32_t tile[64][33];  // [token][column pair]: 33 words a row, so a column read spreads over the banks
+  const int c0 = blockIdx.x * 64, n0 = blockIdx.y * 64, tid = threadIdx.x;
+#pragma unroll
+  for (int i = tid; i < 512; i += 256) {
+    const int r = i >> 3, ch = i & 7, n = n0 + r, c = c0 + ch * 8;
+    uint4 v = make_uint4(0, 0, 0, 0);
+    if (n < n_tokens && c < k) v = *reinterpret_cast<const uint4*>(x + (size_t)n * k + c);
+    tile[r][4 * ch] = v.x;
+    tile[r][4 * ch + 1] = v.y;
+    tile[r][4 * ch + 2] = v.z;
+    tile[r][4 * ch + 3] = v.w;
+  }
+  __syncthreads();
+#pragma unroll
+  for (int i = tid; i < 512; i += 256) {
+    const int cr = i >> 3, ch = i & 7, c = c0 + cr, n = n0 + ch * 8;
+    if (c >= k || n >= ld) continue;
+    const int half = 16 * (cr & 1);
+    uint32_t w[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+      w[j] = ((tile[ch * 8 + 2 * j][cr >> 1] >> half) & 0xFFFFu) | ((tile[ch * 8 + 2 * j + 1][cr >> 1] >> half) << 16);
+    *reinterpret_cast<uint4*>(xt + (size_t)c * ld + n) = make_uint4(w[0], w[1], w[2], w[3]);
+  }
+}
+
+template <typename T, int M>
+__global__ void __launch_bounds__(kXtThreads, 1)
+spmm_vnm_sm90_xt_kernel(const T* __restrict__ xt, int ld, const uint4* __restrict__ values,
+                        const uint32_t* __restrict__ meta, const uint32_t* __restrict__ columns,
+                        const T* __restrict__ bias, T* __restrict__ y, int n_tokens, int rows, int rows_padded, int k,
+                        int steps) {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using Cfg = XtCfg;
+  constexpr int STAGES = Cfg::STAGES;
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  const uint32_t raw_u32 = (uint32_t)__cvta_generic_to_shared(smem_raw);
+  const uint32_t pad = pad_to_1024(raw_u32);
+  unsigned char* smem = smem_raw + pad;
+  const uint32_t base = raw_u32 + pad;
+  const uint32_t full = base + STAGES * Cfg::STAGE, empty = full + 8 * STAGES;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = warp >> 2;
+  const int n_base = blockIdx.y * kXtBN, cta_row0 = blockIdx.x * 128;
+  const int mt_cta = cta_row0 >> 4, mt_last = (rows_padded >> 4) - 1;
+  const int mt_valid = (rows_padded - cta_row0) >> 4;
+  const int k_tiles = (steps + 1) >> 1, groups = k / M, groups_padded = 8 * steps;
+  const uint32_t* col0 = columns + (size_t)(cta_row0 >> 6) * groups_padded;
+  const bool two_slabs = mt_valid > 4;
+  const uint32_t* col1 = two_slabs ? col0 + groups_padded : col0;
+  int differ = 0;
+  if (two_slabs)
+    for (int i = tid; i < groups_padded; i += kXtThreads) differ |= col0[i] != col1[i];
+  const bool share = !__syncthreads_or(differ);
+  const int n_steps = share ? k_tiles : 2 * k_tiles;
+  if (tid == 0) {
+    for (int s = 0; s < STAGES; ++s) {
+      mbar_init(full + 8 * s, 128);  // one cp.async arrival per producer thread
+      mbar_init(empty + 8 * s, 8);   // one per consumer warp
+    }
+    mbar_fence_init();
+  }
+  __syncthreads();
+
+  if (wg == 2) {  // producer
+    setmaxnreg_dec<kXtProducerRegs>();
+    const int t = tid & 127, w = warp & 3;
+    const int n = n_base + lane * 8;
+    const bool tok_ok = n < ld;
+    for (int s = 0; s < n_steps; ++s) {
+      const int slot = s % STAGES, kt = share ? s : s >> 1;
+      const uint32_t* col = share || (s & 1) == 0 ? col0 : col1;
+      unsigned char* stage = smem + slot * Cfg::STAGE;
+      const uint32_t cw = lane < 16 ? col[min(kt * 16 + lane, groups - 1)] : 0u;
+      mbar_wait(empty + 8 * slot, ((s / STAGES) & 1) ^ 1);
+#pragma unroll 4
+      for (int i = 0; i < 16; ++i) {
+        const uint32_t cwi = __shfl_sync(0xffffffffu, cw, i);
+        const int r = 4 * i + w;  // the B row: condensed column r of the k-tile
+        const int column = min(kt * 16 + i, groups - 1) * M + (int)((cwi >> (8 * w)) & 0xFFu);
+        cp_async_16(stage + (lane >> 3) * 8192 + r * 128 + (((lane & 7) ^ (r & 7)) << 4),
+                    xt + (size_t)column * ld + (tok_ok ? n : 0), tok_ok);
+      }
+      // A fragments (chunk c < 512: m16 tile c / 64, k-step (c / 32) % 2, lane c % 32) and metadata (c - 512: m16
+      // tile / 8, k-step / 4 % 2, words 4 x (/ 1 % 4) ..); a k-step past `steps` is zero-filled.
+#pragma unroll
+      for (int c = t; c < 576; c += 128) {
+        const bool is_a = c < 512;
+        const int e = c - 512;
+        const int mt = min(mt_cta + (is_a ? c >> 6 : e >> 3), mt_last);
+        const int st = 2 * kt + (is_a ? (c >> 5) & 1 : (e >> 2) & 1);
+        const bool ok = st < steps;
+        const void* src = is_a ? static_cast<const void*>(values + ((size_t)mt * steps + (ok ? st : 0)) * 32 + (c & 31))
+                               : static_cast<const void*>(meta + ((size_t)mt * steps + (ok ? st : 0)) * 16 + 4 * (e & 3));
+        cp_async_16(stage + Cfg::A_OFF + c * 16, src, ok);
+      }
+      asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(full + 8 * slot) : "memory");
+    }
+    asm volatile("cp.async.wait_all;\n" ::: "memory");
+    return;
+  }
+
+  setmaxnreg_inc<kXtConsumerRegs>();
+  constexpr uint32_t kMetaPad = 0x44444444u;
+  const int wq = warp & 3, g = lane >> 2, t4 = lane & 3;
+  const int mt = wg * 4 + wq;
+  float acc[kXtBN / 2];
+#pragma unroll
+  for (int j = 0; j < kXtBN / 2; ++j) acc[j] = 0.f;
+  int held = -1;  // the slot of this warpgroup's last step, released once its wgmmas are done
+  auto compute = [&](int s, int kt) {
+    const int slot = s % STAGES;
+    mbar_wait(full + 8 * slot, (s / STAGES) & 1);
+    fence_proxy_async();  // the stage was written by cp.async (generic proxy); the wgmmas read it (async proxy)
+    const unsigned char* stage = smem + slot * Cfg::STAGE;
+    uint4 a[2];
+    uint32_t e[2];
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      a[j] = *reinterpret_cast<const uint4*>(stage + Cfg::A_OFF + mt * 1024 + j * 512 + lane * 16);
+      const uint32_t ev = *reinterpret_cast<const uint32_t*>(stage + Cfg::E_OFF + mt * 128 + j * 64 +
+                                                             (g * 2 + (t4 & 1)) * 4);
+      e[j] = 2 * kt + j < steps ? ev : kMetaPad;
+    }
+    const uint64_t desc = desc_mn128(base + slot * Cfg::STAGE, 8192);
+    wgmma_fence();
+#pragma unroll
+    for (int j = 0; j < 2; ++j) WgmmaSpT<kXtBN, T>::run(acc, a[j], desc + j * (4096 >> 4), e[j]);
+    wgmma_commit();
+    wgmma_wait<1>();
+    if (held >= 0 && lane == 0) mbar_arrive(empty + 8 * held);
+    held = slot;
+  };
+  // The other slab's step (two slabs with their own columns): wait for it, so every phase of its barrier is waited
+  // in order, and release it at once.
+  auto pass = [&](int s) {
+    mbar_wait(full + 8 * (s % STAGES), (s / STAGES) & 1);
+    if (lane == 0) mbar_arrive(empty + 8 * (s % STAGES));
+  };
+  // Each path drains its wgmmas before the paths join (ptxas serializes wgmmas whose accumulators a join moves).
+  if (share) {
+    for (int kt = 0; kt < k_tiles; ++kt) compute(kt, kt);
+    wgmma_wait<0>();
+  } else {
+    for (int kt = 0; kt < k_tiles; ++kt) {
+      if (wg == 1) pass(2 * kt);
+      compute(2 * kt + wg, kt);
+      if (wg == 0) pass(2 * kt + 1);
+    }
+    wgmma_wait<0>();
+  }
+#pragma unroll
+  for (int j = 0; j < kXtBN / 2; ++j) asm volatile("" : "+f"(acc[j])::"memory");  // reads after the wgmma wait
+  if (wg * 4 < mt_valid) store_tile<T, kXtBN>(acc, cta_row0 + 64 * wg + 16 * wq, n_base, lane, bias, y, rows, n_tokens);
+#elif defined(__CUDA_ARCH__)
+  __trap();  // built without sm_90a: the host never launches this (spmm_sm90_available() is false)
+#endif
+}
+
+// X^T's leading dimension: the tokens rounded up to 8 (16-byte rows).
+inline int xt_ld(const SpmmArgs& a) { return (a.n_tokens + 7) / 8 * 8; }
+
+template <typename T, int M>
+cudaError_t launch_xt(const SpmmArgs& a, cudaStream_t stream) {
+  constexpr auto kernel = spmm_vnm_sm90_xt_kernel<T, M>;
+  cudaError_t err = raise_smem_limit_once<kernel>(XtCfg::SMEM);
+  if (err != cudaSuccess) return err;
+  const int ld = xt_ld(a);
+  T* xt = static_cast<T*>(a.xt);
+  const dim3 tgrid((a.k + 63) / 64, (ld + 63) / 64);
+  if (tgrid.y > 65535) return cudaErrorInvalidConfiguration;
+  transpose_tokens_kernel<T><<<tgrid, 256, 0, stream>>>(static_cast<const T*>(a.x), xt, a.n_tokens, a.k, ld);
+  // Row blocks vary fastest: CTAs resident together share a token tile of X^T and walk W.
+  const dim3 grid((a.rows_padded + 127) / 128, (a.n_tokens + kXtBN - 1) / kXtBN);
+  if (grid.y > 65535) return cudaErrorInvalidConfiguration;
+  kernel<<<grid, kXtThreads, XtCfg::SMEM, stream>>>(
+      xt, ld, static_cast<const uint4*>(a.values), static_cast<const uint32_t*>(a.meta),
+      reinterpret_cast<const uint32_t*>(a.columns), static_cast<const T*>(a.bias), static_cast<T*>(a.y), a.n_tokens,
+      a.rows, a.rows_padded, a.k, a.steps);
+  return cudaGetLastError();
+}
+
 // Tokens per CTA (tile_config.h sm90_vnm_bn; the lab's vnm_tile = 64 forces 64 above 64 tokens at M = 8), and the
 // split-K plan of the register pipeline (sm90_split_k: one round of CTA slots for the 16-token tile, three per SM; the
 // least per-SM work for the larger ones, one per SM). At few tokens a CTA waits about one L2/DRAM round trip per
@@ -778,6 +1000,7 @@ cudaError_t launch_pipe(const SpmmArgs& a, cudaStream_t stream) {
 
 template <typename T, int M>
 cudaError_t dispatch_tile(const SpmmArgs& a, cudaStream_t stream) {
+  if (a.xt != nullptr && sm90_vnm_xt(a.m, a.n_tokens, a.rows)) return launch_xt<T, M>(a, stream);
   const int bn = vnm_bn(a);
   if (bn == 16) return launch_vnm<T, M, 16, false>(a, stream);  // the register pipeline only
   if (bn == 32) return launch_vnm<T, M, 32, false>(a, stream);
@@ -805,8 +1028,13 @@ cudaError_t dispatch_m(const SpmmArgs& a, cudaStream_t stream) {
 }  // namespace
 
 int64_t spmm_vnm_sm90_split_floats(const SpmmArgs& a) {
-  if (a.m < 8 || a.n_tokens <= 0) return 0;
+  if (a.m < 8 || a.n_tokens <= 0 || sm90_vnm_xt(a.m, a.n_tokens, a.rows)) return 0;
   return vnm_plan(a).scratch_floats();
+}
+
+int64_t spmm_vnm_sm90_xt_elems(const SpmmArgs& a) {
+  if (a.m < 8 || a.n_tokens <= 0 || !sm90_vnm_xt(a.m, a.n_tokens, a.rows)) return 0;
+  return (int64_t)a.k * xt_ld(a);
 }
 
 cudaError_t spmm_vnm_sm90(const SpmmArgs& a, cudaStream_t stream) {

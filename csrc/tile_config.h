@@ -117,6 +117,15 @@ inline int sm90_vnm_bn(int m, long long n_tokens) {
   if (n_tokens <= 64) return 32;
   return m == 8 ? 128 : 64;
 }
+// Whether the V:2:M sparse-wgmma SpMM transposes X and gathers whole kept rows of X^T (spmm_vnm_sm90.cu, the
+// large-token path): only the kept columns then cross L2 -> SM, for one extra pass over X. Taken from
+// kVnmXtMinTokens tokens, where its 256-token tiles fill the SMs, and from kVnmXtMinRows weight rows, where the GEMM
+// is long enough against the transpose (which reads and writes X once).
+constexpr long long kVnmXtMinTokens = 1024;
+constexpr int kVnmXtMinRows = 1024;
+inline bool sm90_vnm_xt(int m, long long n_tokens, int rows) {
+  return m >= 8 && n_tokens >= kVnmXtMinTokens && rows >= kVnmXtMinRows;
+}
 // `s` splits of k_tiles k-tiles, fewer where the k-tiles per split (rounded up) would leave the last ones empty.
 inline long long sm90_splits_without_empty(long long k_tiles, long long s) {
   const long long per = (k_tiles + s - 1) / s;

@@ -146,6 +146,36 @@ def test_spmm_vnm_ragged_k_and_token_tiles(v, m, dtype, bias, tokens, groups, pi
         _assert_spmm_matches_reference(x, w, p, b)
 
 
+@pytest.mark.parametrize(("v", "m"), [(64, 8), (128, 8), (64, 16), (128, 16), (128, 32)])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    ("tokens", "groups", "blocks"),
+    # 1024 tokens: four full 256-token tiles; 1061: a last tile of 37 tokens, not a multiple of 8 (X^T's padding);
+    # 17 groups: an odd step count (the last k-tile one k-step, 15 padded groups); 40 groups: 2.5 k-tiles
+    [(1024, 17, 16), (1061, 40, 17), (2309, 25, 18)],
+)
+def test_spmm_vnm_large_token_path(v, m, dtype, tokens, groups, blocks):
+    """The V:2:M sparse-wgmma SpMM's large-token path (``sm90_vnm_xt`` in ``csrc/tile_config.h``: X transposed, the
+    kept rows of X^T copied whole): against the reference on poisoned memory, with bias. ``blocks`` x 64 rows: 17 x 64
+    (V = 64) ends in a 128-row block with one slab; V = 64 slabs keep their own columns (two steps per k-tile), V = 128
+    share one B tile (V = 128 takes ``blocks`` rounded up to even)."""
+    if not _wgmma_runs_here():
+        pytest.skip("sparse wgmma needs a cc 9.0 GPU and an sm_90a build")
+    rows = (blocks + (blocks % 2 if v == 128 else 0)) * 64
+    cols = groups * m
+    w, mask, p = _pack_cuda(rows, cols, v, m, dtype, seed=tokens + groups + m + v)
+    x = torch.randn(tokens, cols, device="cuda").to(dtype)
+    b = torch.randn(rows, device="cuda").to(dtype)
+    with force_kernel(spmm="wgmma"):
+        _assert_spmm_matches_reference(x, w, p, b)
+    if v == 64:  # every slab pair keeps different columns: the two-step k-tiles, each slab from its own
+        mask = _mask_with_distinct_slab_columns(rows, cols, v, m, seed=m).cuda()
+        w = torch.randn(rows, cols, device="cuda") * mask
+        p = pack(w, mask, v, m, dtype)
+        with force_kernel(spmm="wgmma"):
+            _assert_spmm_matches_reference(x, w, p)
+
+
 @pytest.mark.parametrize(("v", "m"), [(64, 4), (64, 8), (128, 8), (64, 16), (128, 64)])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tokens", [1, 3, 16, 17, 33, 64, 65, 200, 256])

@@ -135,6 +135,16 @@ VNM_CASES = [
     ((128, 8192, 0), 64),
 ]
 
+# (M, tokens, rows) -> whether the V:2:M sparse-wgmma SpMM takes its large-token path (X transposed): M >= 8, from
+# 1024 tokens and 1024 weight rows
+VNM_XT_CASES = [
+    ((8, 1024, 1024), 1),
+    ((16, 8192, 11008), 1),
+    ((8, 1023, 4096), 0),
+    ((8, 8192, 768), 0),
+    ((4, 8192, 4096), 0),  # 2:4 has its own kernel
+]
+
 PROGRAM = r"""
 #include <cstdio>
 #include "tile_config.h"
@@ -151,6 +161,7 @@ int main(int argc, char** argv) {
       std::printf("%d\n", hf_sparse::sm90_few_token(b) ? hf_sparse::sm90_small_plan(a, b, c, (int)d).bn : 0);
     }
     if (fn == 'V') std::printf("%d\n", hf_sparse::sm90_vnm_bn((int)a, b));
+    if (fn == 'X') std::printf("%d\n", hf_sparse::sm90_vnm_xt((int)a, b, (int)c) ? 1 : 0);
     if (fn == 'P') {
       const hf_sparse::Sm90LargePlan p = hf_sparse::sm90_large_plan(a, b, c, (int)d);
       std::printf("%d %d\n", p.config, p.split.splits);
@@ -200,3 +211,7 @@ def test_few_token_tiles_match_hand_computed_choices(chooser):
 
 def test_vnm_token_tiles_match_hand_computed_choices(chooser):
     assert _choose(chooser, "V", VNM_CASES) == [expected for _, expected in VNM_CASES]
+
+
+def test_vnm_large_token_path_matches_hand_computed_choices(chooser):
+    assert _choose(chooser, "X", VNM_XT_CASES) == [expected for _, expected in VNM_XT_CASES]
