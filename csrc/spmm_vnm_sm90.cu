@@ -705,7 +705,7 @@ spmm_vnm_sm90_ws_kernel(const T* __restrict__ x, const uint4* __restrict__ value
 // original columns; the feed skeleton of that design (benchmarks/roofline_sm90.cu, rows_cp) runs at the 2:4
 // skeleton's cycles per k-tile.
 //
-// Kernel: 128 weight rows x 256 tokens per CTA, one CTA per SM. Producer warpgroup (warps 8-11): per step, warp w
+// Kernel: tiles of 128 weight rows x 256 tokens, one persistent CTA per SM. Producer warpgroup (warps 8-11): per step, warp w
 // copies kept column w of each of the k-tile's 16 groups (64 rows of X^T), lane l its 16-byte chunk l (tokens 8l ..),
 // by cp.async into the B tile (64 condensed k x 256 tokens, MN-major, 128-byte swizzle: 4 blocks of 64 tokens, k-row
 // r of a block at r x 128 bytes, chunk c at c ^ (r & 7)), plus the k-tile's A fragments and metadata of the CTA's 8
@@ -718,7 +718,7 @@ spmm_vnm_sm90_ws_kernel(const T* __restrict__ x, const uint4* __restrict__ value
 // zero); a missing second k-step of an odd step count multiplies zeros with valid metadata.
 constexpr int kXtThreads = 384;
 constexpr int kXtBN = 256;
-constexpr int kXtProducerRegs = 40, kXtConsumerRegs = 232;
+constexpr int kXtProducerRegs = 56, kXtConsumerRegs = 224;  // setmaxnreg: 128 x (2 x 224 + 56) <= 64 K
 struct XtCfg {
   static constexpr int B_BYTES = kXtBN * 128;      // 64 condensed k-rows x 256 tokens
   static constexpr int A_OFF = B_BYTES;
@@ -727,7 +727,8 @@ struct XtCfg {
   static constexpr int E_BYTES = 8 * 2 * 16 * 4;   // 8 m16 tiles x 2 k-steps x 16 words
   static constexpr int STAGE = E_OFF + E_BYTES;
   static constexpr int STAGES = 5;
-  static constexpr int SMEM = STAGES * STAGE + 2 * 8 * STAGES + 1024;  // + full / empty barriers + alignment slack
+  // + full / empty barriers, 16 bytes of step info per stage, alignment slack
+  static constexpr int SMEM = STAGES * STAGE + 2 * 8 * STAGES + 16 * STAGES + 1024;
   static_assert(STAGE % 1024 == 0, "stages must start on 1024-byte boundaries (128-byte swizzle atoms)");
   static_assert(SMEM <= 227 * 1024, "over the sm_90 shared-memory limit");
 };
@@ -763,6 +764,25 @@ __global__ void __launch_bounds__(256) transpose_tokens_kernel(const T* __restri
   }
 }
 
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// OR of `v` over the `threads` threads of named barrier `id` (all of them must call it).
+__device__ __forceinline__ bool bar_red_or(int id, int threads, bool v) {
+  uint32_t r;
+  asm volatile(
+      "{\n.reg .pred p, q;\nsetp.ne.u32 q, %1, 0;\nbar.red.or.pred p, %2, %3, q;\nselp.u32 %0, 1, 0, p;\n}\n"
+      : "=r"(r)
+      : "r"((uint32_t)v), "r"(id), "r"(threads)
+      : "memory");
+  return r != 0;
+}
+#endif
+
+// What the producer tells the consumers with every stage (16 bytes copied into the stage's info slot by cp.async, so
+// the stage's "full" barrier covers it): whether the tile's two slabs share one B tile.
+__device__ const uint4 kXtShareWord[2] = {{0u, 0u, 0u, 0u}, {1u, 1u, 1u, 1u}};
+
+// Persistent: CTA b takes tiles b, b + gridDim.x, ... (row blocks fastest); the ring, its barriers and the step
+// count run on across tiles, so the producer fills the next tile's first stages while the consumers store the last.
 template <typename T, int M>
 __global__ void __launch_bounds__(kXtThreads, 1)
 spmm_vnm_sm90_xt_kernel(const T* __restrict__ xt, int ld, const uint4* __restrict__ values,
@@ -778,19 +798,11 @@ spmm_vnm_sm90_xt_kernel(const T* __restrict__ xt, int ld, const uint4* __restric
   unsigned char* smem = smem_raw + pad;
   const uint32_t base = raw_u32 + pad;
   const uint32_t full = base + STAGES * Cfg::STAGE, empty = full + 8 * STAGES;
+  unsigned char* info = smem + STAGES * Cfg::STAGE + 16 * STAGES;  // 16 bytes per stage, after the barriers
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = warp >> 2;
-  const int n_base = blockIdx.y * kXtBN, cta_row0 = blockIdx.x * 128;
-  const int mt_cta = cta_row0 >> 4, mt_last = (rows_padded >> 4) - 1;
-  const int mt_valid = (rows_padded - cta_row0) >> 4;
+  const int row_blocks = (rows_padded + 127) >> 7, n_tiles = row_blocks * ((n_tokens + kXtBN - 1) / kXtBN);
+  const int mt_last = (rows_padded >> 4) - 1;
   const int k_tiles = (steps + 1) >> 1, groups = k / M, groups_padded = 8 * steps;
-  const uint32_t* col0 = columns + (size_t)(cta_row0 >> 6) * groups_padded;
-  const bool two_slabs = mt_valid > 4;
-  const uint32_t* col1 = two_slabs ? col0 + groups_padded : col0;
-  int differ = 0;
-  if (two_slabs)
-    for (int i = tid; i < groups_padded; i += kXtThreads) differ |= col0[i] != col1[i];
-  const bool share = !__syncthreads_or(differ);
-  const int n_steps = share ? k_tiles : 2 * k_tiles;
   if (tid == 0) {
     for (int s = 0; s < STAGES; ++s) {
       mbar_init(full + 8 * s, 128);  // one cp.async arrival per producer thread
@@ -803,36 +815,63 @@ spmm_vnm_sm90_xt_kernel(const T* __restrict__ xt, int ld, const uint4* __restric
   if (wg == 2) {  // producer
     setmaxnreg_dec<kXtProducerRegs>();
     const int t = tid & 127, w = warp & 3;
-    const int n = n_base + lane * 8;
-    const bool tok_ok = n < ld;
-    for (int s = 0; s < n_steps; ++s) {
-      const int slot = s % STAGES, kt = share ? s : s >> 1;
-      const uint32_t* col = share || (s & 1) == 0 ? col0 : col1;
-      unsigned char* stage = smem + slot * Cfg::STAGE;
-      const uint32_t cw = lane < 16 ? col[min(kt * 16 + lane, groups - 1)] : 0u;
-      mbar_wait(empty + 8 * slot, ((s / STAGES) & 1) ^ 1);
+    int gs = 0;  // steps issued so far, over all tiles
+    for (int tile = blockIdx.x; tile < n_tiles; tile += gridDim.x) {
+      const int cta_row0 = (tile % row_blocks) * 128, n_base = (tile / row_blocks) * kXtBN;
+      const int mt_cta = cta_row0 >> 4;
+      const uint32_t* col0 = columns + (size_t)(cta_row0 >> 6) * groups_padded;
+      const bool two_slabs = ((rows_padded - cta_row0) >> 4) > 4;
+      const uint32_t* col1 = two_slabs ? col0 + groups_padded : col0;
+      bool differ = false;
+      if (two_slabs)  // groups_padded is a multiple of 8: whole 16-byte words
+        for (int i = t; i < groups_padded / 4; i += 128) {
+          const uint4 a = reinterpret_cast<const uint4*>(col0)[i], b = reinterpret_cast<const uint4*>(col1)[i];
+          differ |= a.x != b.x || a.y != b.y || a.z != b.z || a.w != b.w;
+        }
+      const bool share = !bar_red_or(1, 128, differ);
+      const int n_steps = share ? k_tiles : 2 * k_tiles;
+      const int n = n_base + lane * 8;
+      const bool tok_ok = n < ld;
+      // Lane i < 16 holds the column word of group i of a step's k-tile, loaded two steps ahead.
+      auto column_word = [&](int ls) -> uint32_t {
+        if (ls >= n_steps || lane >= 16) return 0u;
+        const int kt = share ? ls : ls >> 1;
+        const uint32_t* col = share || (ls & 1) == 0 ? col0 : col1;
+        return col[min(kt * 16 + lane, groups - 1)];
+      };
+      uint32_t cw_next = column_word(0), cw_after = column_word(1);
+      for (int ls = 0; ls < n_steps; ++ls, ++gs) {
+        const int slot = gs % STAGES, kt = share ? ls : ls >> 1;
+        const uint32_t cw = cw_next;
+        cw_next = cw_after;
+        cw_after = column_word(ls + 2);
+        unsigned char* stage = smem + slot * Cfg::STAGE;
+        mbar_wait(empty + 8 * slot, ((gs / STAGES) & 1) ^ 1);
 #pragma unroll 4
-      for (int i = 0; i < 16; ++i) {
-        const uint32_t cwi = __shfl_sync(0xffffffffu, cw, i);
-        const int r = 4 * i + w;  // the B row: condensed column r of the k-tile
-        const int column = min(kt * 16 + i, groups - 1) * M + (int)((cwi >> (8 * w)) & 0xFFu);
-        cp_async_16(stage + (lane >> 3) * 8192 + r * 128 + (((lane & 7) ^ (r & 7)) << 4),
-                    xt + (size_t)column * ld + (tok_ok ? n : 0), tok_ok);
-      }
-      // A fragments (chunk c < 512: m16 tile c / 64, k-step (c / 32) % 2, lane c % 32) and metadata (c - 512: m16
-      // tile / 8, k-step / 4 % 2, words 4 x (/ 1 % 4) ..); a k-step past `steps` is zero-filled.
+        for (int i = 0; i < 16; ++i) {
+          const uint32_t cwi = __shfl_sync(0xffffffffu, cw, i);
+          const int r = 4 * i + w;  // the B row: condensed column r of the k-tile
+          const int column = min(kt * 16 + i, groups - 1) * M + (int)((cwi >> (8 * w)) & 0xFFu);
+          cp_async_16(stage + (lane >> 3) * 8192 + r * 128 + (((lane & 7) ^ (r & 7)) << 4),
+                      xt + (size_t)column * ld + (tok_ok ? n : 0), tok_ok);
+        }
+        // A fragments (chunk c < 512: m16 tile c / 64, k-step (c / 32) % 2, lane c % 32) and metadata (c - 512: m16
+        // tile / 8, k-step / 4 % 2, words 4 x (/ 1 % 4) ..); a k-step past `steps` is zero-filled.
 #pragma unroll
-      for (int c = t; c < 576; c += 128) {
-        const bool is_a = c < 512;
-        const int e = c - 512;
-        const int mt = min(mt_cta + (is_a ? c >> 6 : e >> 3), mt_last);
-        const int st = 2 * kt + (is_a ? (c >> 5) & 1 : (e >> 2) & 1);
-        const bool ok = st < steps;
-        const void* src = is_a ? static_cast<const void*>(values + ((size_t)mt * steps + (ok ? st : 0)) * 32 + (c & 31))
-                               : static_cast<const void*>(meta + ((size_t)mt * steps + (ok ? st : 0)) * 16 + 4 * (e & 3));
-        cp_async_16(stage + Cfg::A_OFF + c * 16, src, ok);
+        for (int c = t; c < 576; c += 128) {
+          const bool is_a = c < 512;
+          const int e = c - 512;
+          const int mt = min(mt_cta + (is_a ? c >> 6 : e >> 3), mt_last);
+          const int st = 2 * kt + (is_a ? (c >> 5) & 1 : (e >> 2) & 1);
+          const bool ok = st < steps;
+          const void* src =
+              is_a ? static_cast<const void*>(values + ((size_t)mt * steps + (ok ? st : 0)) * 32 + (c & 31))
+                   : static_cast<const void*>(meta + ((size_t)mt * steps + (ok ? st : 0)) * 16 + 4 * (e & 3));
+          cp_async_16(stage + Cfg::A_OFF + c * 16, src, ok);
+        }
+        if (t == 0) cp_async_16(info + slot * 16, &kXtShareWord[share ? 1 : 0], true);
+        asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(full + 8 * slot) : "memory");
       }
-      asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(full + 8 * slot) : "memory");
     }
     asm volatile("cp.async.wait_all;\n" ::: "memory");
     return;
@@ -843,8 +882,7 @@ spmm_vnm_sm90_xt_kernel(const T* __restrict__ xt, int ld, const uint4* __restric
   const int wq = warp & 3, g = lane >> 2, t4 = lane & 3;
   const int mt = wg * 4 + wq;
   float acc[kXtBN / 2];
-#pragma unroll
-  for (int j = 0; j < kXtBN / 2; ++j) acc[j] = 0.f;
+  int gs = 0;     // steps consumed so far, over all tiles
   int held = -1;  // the slot of this warpgroup's last step, released once its wgmmas are done
   auto compute = [&](int s, int kt) {
     const int slot = s % STAGES;
@@ -875,21 +913,34 @@ spmm_vnm_sm90_xt_kernel(const T* __restrict__ xt, int ld, const uint4* __restric
     mbar_wait(full + 8 * (s % STAGES), (s / STAGES) & 1);
     if (lane == 0) mbar_arrive(empty + 8 * (s % STAGES));
   };
-  // Each path drains its wgmmas before the paths join (ptxas serializes wgmmas whose accumulators a join moves).
-  if (share) {
-    for (int kt = 0; kt < k_tiles; ++kt) compute(kt, kt);
-    wgmma_wait<0>();
-  } else {
-    for (int kt = 0; kt < k_tiles; ++kt) {
-      if (wg == 1) pass(2 * kt);
-      compute(2 * kt + wg, kt);
-      if (wg == 0) pass(2 * kt + 1);
-    }
-    wgmma_wait<0>();
-  }
+  for (int tile = blockIdx.x; tile < n_tiles; tile += gridDim.x) {
+    const int cta_row0 = (tile % row_blocks) * 128, n_base = (tile / row_blocks) * kXtBN;
 #pragma unroll
-  for (int j = 0; j < kXtBN / 2; ++j) asm volatile("" : "+f"(acc[j])::"memory");  // reads after the wgmma wait
-  if (wg * 4 < mt_valid) store_tile<T, kXtBN>(acc, cta_row0 + 64 * wg + 16 * wq, n_base, lane, bias, y, rows, n_tokens);
+    for (int j = 0; j < kXtBN / 2; ++j) acc[j] = 0.f;
+    // The tile's first step is slab 0's first k-tile either way; its info slot says how the rest goes.
+    mbar_wait(full + 8 * (gs % STAGES), (gs / STAGES) & 1);
+    const bool share = *reinterpret_cast<const uint32_t*>(info + (gs % STAGES) * 16) != 0u;
+    // Each path drains its wgmmas before the paths join (ptxas serializes wgmmas whose accumulators a join moves).
+    if (share) {
+      for (int kt = 0; kt < k_tiles; ++kt) compute(gs + kt, kt);
+      wgmma_wait<0>();
+      gs += k_tiles;
+    } else {
+      for (int kt = 0; kt < k_tiles; ++kt) {
+        if (wg == 1) pass(gs + 2 * kt);
+        compute(gs + 2 * kt + wg, kt);
+        if (wg == 0) pass(gs + 2 * kt + 1);
+      }
+      wgmma_wait<0>();
+      gs += 2 * k_tiles;
+    }
+    if (lane == 0) mbar_arrive(empty + 8 * held);
+    held = -1;
+#pragma unroll
+    for (int j = 0; j < kXtBN / 2; ++j) asm volatile("" : "+f"(acc[j])::"memory");  // reads after the wgmma wait
+    if (wg * 4 < ((rows_padded - cta_row0) >> 4))
+      store_tile<T, kXtBN>(acc, cta_row0 + 64 * wg + 16 * wq, n_base, lane, bias, y, rows, n_tokens);
+  }
 #elif defined(__CUDA_ARCH__)
   __trap();  // built without sm_90a: the host never launches this (spmm_sm90_available() is false)
 #endif
@@ -908,10 +959,11 @@ cudaError_t launch_xt(const SpmmArgs& a, cudaStream_t stream) {
   const dim3 tgrid((a.k + 63) / 64, (ld + 63) / 64);
   if (tgrid.y > 65535) return cudaErrorInvalidConfiguration;
   transpose_tokens_kernel<T><<<tgrid, 256, 0, stream>>>(static_cast<const T*>(a.x), xt, a.n_tokens, a.k, ld);
-  // Row blocks vary fastest: CTAs resident together share a token tile of X^T and walk W.
-  const dim3 grid((a.rows_padded + 127) / 128, (a.n_tokens + kXtBN - 1) / kXtBN);
-  if (grid.y > 65535) return cudaErrorInvalidConfiguration;
-  kernel<<<grid, kXtThreads, XtCfg::SMEM, stream>>>(
+  int sms = 0;
+  err = current_sm_count(&sms);
+  if (err != cudaSuccess) return err;
+  const long long tiles = (long long)((a.rows_padded + 127) / 128) * ((a.n_tokens + kXtBN - 1) / kXtBN);
+  kernel<<<(unsigned)std::min<long long>(tiles, sms), kXtThreads, XtCfg::SMEM, stream>>>(
       xt, ld, static_cast<const uint4*>(a.values), static_cast<const uint32_t*>(a.meta),
       reinterpret_cast<const uint32_t*>(a.columns), static_cast<const T*>(a.bias), static_cast<T*>(a.y), a.n_tokens,
       a.rows, a.rows_padded, a.k, a.steps);
