@@ -55,9 +55,9 @@
 namespace {
 
 using T = __nv_bfloat16;
-constexpr int kSparse = 0, kDense = 1;
-constexpr int kFeedTma = 0, kFeedCompact = 1, kFeedGather = 2, kFeedRowsTma = 3, kFeedRowsCp = 4;
-__host__ __device__ constexpr bool rows_mode(int mode) { return mode == kFeedRowsTma || mode == kFeedRowsCp; }
+constexpr int kSparse = 0, kDense = 1, kSparseT = 2;  // kSparseT: sparse wgmma with B MN-major (WgmmaSpT)
+constexpr int kFeedTma = 0, kFeedCompact = 1, kFeedGather = 2, kFeedRowsTma = 3, kFeedRowsCp = 4, kFeedRowsCpT = 5;
+__host__ __device__ constexpr bool rows_mode(int mode) { return mode >= kFeedRowsTma; }
 constexpr int kK = 20000;               // k-tiles per CTA in the mma and feed runs (a few ms each)
 constexpr size_t kSrcBytes = 32 << 20;  // the feed runs' source buffer: the L2 holds it
 constexpr int kRawRowBytes = 8192;      // row stride of the gather's raw X (4096 bf16 columns)
@@ -101,7 +101,18 @@ __global__ void __launch_bounds__(256, 1) mma_ceiling(float* out, long long* cyc
   float acc[N / 2];
 #pragma unroll
   for (int j = 0; j < N / 2; ++j) acc[j] = 0.f;
-  if constexpr (KIND == kSparse) {
+  if constexpr (KIND == kSparseT) {  // B as the X^T path holds it: MN-major, 64-token blocks 8 KB apart
+    const uint4 a[2] = {make_uint4(operand_word(tid), 0x3B803B80u, 0xBB803B80u, 0x3B80BB80u),
+                        make_uint4(0x3B80BB80u, operand_word(tid + 7), 0x3B803B80u, 0x3B803B80u)};
+    const uint64_t desc = hf_sparse::desc_mn128(base, 8192);
+    for (int kt = 0; kt < kK; ++kt) {
+      hf_sparse::wgmma_fence();
+#pragma unroll
+      for (int j = 0; j < 2; ++j) hf_sparse::WgmmaSpT<N, T>::run(acc, a[j], desc + j * (4096 >> 4), 0x44444444u);
+      hf_sparse::wgmma_commit();
+      hf_sparse::wgmma_wait<1>();
+    }
+  } else if constexpr (KIND == kSparse) {
     const uint4 a[2] = {make_uint4(operand_word(tid), 0x3B803B80u, 0xBB803B80u, 0x3B80BB80u),
                         make_uint4(0x3B80BB80u, operand_word(tid + 7), 0x3B803B80u, 0x3B803B80u)};
     const uint64_t desc = hf_sparse::desc_k128(base);
@@ -208,7 +219,7 @@ feed_ceiling(const unsigned char* __restrict__ src, const __grid_constant__ CUte
   for (int i = tid; i < STAGES * S::STAGE / 4; i += S::THREADS) reinterpret_cast<uint32_t*>(smem)[i] = operand_word(i);
   if (tid == 0) {
     for (int s = 0; s < STAGES; ++s) {
-      hf_sparse::mbar_init(full + 8 * s, MODE == kFeedRowsCp ? 1 + 128 : 1);  // rows_cp: + one per copying thread
+      hf_sparse::mbar_init(full + 8 * s, MODE == kFeedRowsCp || MODE == kFeedRowsCpT ? 1 + 128 : 1);  // rows_cp: + one per copying thread
       hf_sparse::mbar_init(ready + 8 * s, 1);
       hf_sparse::mbar_init(empty + 8 * s, 8);
     }
@@ -253,7 +264,7 @@ feed_ceiling(const unsigned char* __restrict__ src, const __grid_constant__ CUte
         asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
       }
     }
-    if constexpr (MODE == kFeedRowsCp) asm volatile("cp.async.wait_all;\n" ::: "memory");
+    if constexpr (MODE != kFeedRowsTma) asm volatile("cp.async.wait_all;\n" ::: "memory");
     return;
   }
   if (MODE != kFeedGather && wg == 2) {  // producer
@@ -350,7 +361,7 @@ feed_ceiling(const unsigned char* __restrict__ src, const __grid_constant__ CUte
     const uint32_t phase = (kt / STAGES) & 1;
     hf_sparse::mbar_wait(full + 8 * slot, phase);
     if constexpr (MODE != kFeedTma && !rows_mode(MODE)) hf_sparse::mbar_wait(ready + 8 * slot, phase);
-    if constexpr (MODE == kFeedRowsCp) hf_sparse::fence_proxy_async();  // cp.async wrote the tile (generic proxy)
+    if constexpr (MODE == kFeedRowsCp || MODE == kFeedRowsCpT) hf_sparse::fence_proxy_async();  // cp.async wrote the tile (generic proxy)
     const unsigned char* stage = smem + slot * S::STAGE;
     uint4 a[WGM][2];
     uint32_t e[WGM][2];
@@ -363,12 +374,18 @@ feed_ceiling(const unsigned char* __restrict__ src, const __grid_constant__ CUte
         e[s][j] = ev == 0xDEADBEEFu ? 0x4E4E4E4Eu : 0x44444444u;  // valid metadata that still waits for the load
       }
     }
-    const uint64_t desc = hf_sparse::desc_k128(base + slot * S::STAGE + b_off);
     hf_sparse::wgmma_fence();
+    if constexpr (MODE == kFeedRowsCpT) {  // the X^T path's B: MN-major
+      const uint64_t desc = hf_sparse::desc_mn128(base + slot * S::STAGE + b_off, 8192);
 #pragma unroll
-    for (int s = 0; s < WGM; ++s)
+      for (int j = 0; j < 2; ++j) hf_sparse::WgmmaSpT<N, T>::run(acc[0], a[0][j], desc + j * (4096 >> 4), e[0][j]);
+    } else {
+      const uint64_t desc = hf_sparse::desc_k128(base + slot * S::STAGE + b_off);
 #pragma unroll
-      for (int j = 0; j < 2; ++j) hf_sparse::WgmmaSp<N, T>::run(acc[s], a[s][j], desc + j * (64 >> 4), e[s][j]);
+      for (int s = 0; s < WGM; ++s)
+#pragma unroll
+        for (int j = 0; j < 2; ++j) hf_sparse::WgmmaSp<N, T>::run(acc[s], a[s][j], desc + j * (64 >> 4), e[s][j]);
+    }
     hf_sparse::wgmma_commit();
     hf_sparse::wgmma_wait<1>();
     if (kt > 0 && lane == 0) hf_sparse::mbar_arrive(empty + 8 * ((kt - 1) % STAGES));
@@ -529,8 +546,11 @@ void run_mma(int sms) {
   std::vector<long long> cyc;
   const float ms = time_ceiling(mma_ceiling<KIND, N>, sms, 256, N * 128 + 2 * 64 * 128 + 1024, cyc);
   // Sparse: a k-tile is 64 columns of the 2:4 operand, the same original columns as dense's.
-  print_run("mma", KIND == kSparse ? "sparse wgmma alone" : "dense wgmma, A and B from shared memory", N, 1, 0, 0,
-            1, ms, cyc.data(), sms);
+  print_run("mma",
+            KIND == kSparse    ? "sparse wgmma alone"
+            : KIND == kSparseT ? "sparse wgmma alone, B MN-major"
+                               : "dense wgmma, A and B from shared memory",
+            N, 1, 0, 0, 1, ms, cyc.data(), sms);
 }
 
 // A 2-D bf16 tensor map over `rows` rows of `row_elems` contiguous elements, box `box_elems` x `box_rows`, 128-byte
@@ -563,7 +583,8 @@ void run_feed(int ctas, const unsigned char* src) {
                        : MODE == kFeedCompact ? "compact"
                        : MODE == kFeedGather  ? "gather"
                        : MODE == kFeedRowsTma ? "rows_tma"
-                                              : "rows_cp";
+                       : MODE == kFeedRowsCp  ? "rows_cp"
+                                              : "rows_cp, B MN-major";
   print_run("feed", design, N, RF, STAGES, G, WGM, ms, cyc.data(), ctas);
 }
 
@@ -609,6 +630,7 @@ int main() {
   run_mma<kDense, 128>(sms);
   run_mma<kSparse, 256>(sms);
   run_mma<kSparse, 128>(sms);
+  run_mma<kSparseT, 256>(sms);
   // Fed from the L2: 2:4 by TMA (RF 1); V:2:8 (RF 2) and V:2:16 (RF 4) by TMA + compaction and by register gather.
   unsigned char* src;
   CHECK_CUDA(cudaMalloc(&src, kSrcBytes));
@@ -633,6 +655,8 @@ int main() {
   run_feed<kFeedRowsCp, 128, 2, 6, 0>(sms, src);
   run_feed<kFeedRowsTma, 256, 4, 4, 0>(sms, src);
   run_feed<kFeedRowsCp, 256, 4, 4, 0>(sms, src);
+  run_feed<kFeedRowsCpT, 256, 2, 4, 0>(sms, src);
+  run_feed<kFeedRowsCpT, 256, 2, 5, 0>(sms, src);
   cudaFree(src);
 
   {  // rowbox: a 64 x 64 bf16 tile of distinct values, loaded whole and row by row

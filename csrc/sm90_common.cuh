@@ -5,6 +5,7 @@
 #pragma once
 
 #include "common.cuh"
+#include "tma_sm90.cuh"
 
 namespace hf_sparse {
 
@@ -208,6 +209,69 @@ __device__ __forceinline__ void store_tile(const float (&acc)[BN / 2], int row0,
     for (int nt = 0; nt < BN / 8; ++nt)  // tokens n, n+1
       store_row_pair<T, ACT>(y, acc[4 * nt + 2 * half], acc[4 * nt + 2 * half + 1], odd, n_base + nt * 8 + 2 * t,
                              r_even, b0, b1, rows, n_tokens);
+  }
+}
+
+// Staged epilogue (the 2:4 kernel's configurations 20-27, the V:2:M X^T path) of one warpgroup's m64 x BN
+// accumulator tile: this warp's rows are row0 .. row0 + 15
+// (g and g + 8 of each 8 x 8 block), the warpgroup's are wg_row0 .. + 63. Why: the direct epilogue writes Y[n, r]
+// with 4-byte stores, 16 of each 32-byte sector per store, which throttled the LSU (LG throttle) for thousands of
+// cycles per tile while the tensor pipe waited (benchmarks/RESULTS.md, "Profile"). Here the tile goes out in chunks of
+// EPI_N tokens: + bias, cast, and stmatrix.trans of 8 x 8 blocks (rows x tokens) into a staging buffer that holds
+// the chunk token-major, as Y is (16-byte lines of 8 rows; 128 bytes = the warpgroup's 64 rows per token, 128-byte
+// swizzle: conflict-free), then one TMA store of the 64 x EPI_N box by the warpgroup's first thread. The store runs
+// asynchronously: the warpgroup goes on to the next chunk (EPI_BUFS buffers in rotation; a buffer is rewritten only
+// after the copy engine has read it, bulk_wait_group_read) and to the next tile's main loop. The tensor map clips
+// rows >= rows and tokens >= n_tokens, so partial tiles need no checks. Named barrier bar_id (128 threads) orders the
+// warpgroup's buffer writes against the store (fence.proxy.async: generic writes, read by the async proxy).
+template <typename T, int BN, int EPI_N, int EPI_BUFS, bool EVICT_FIRST, int ACT = kActNone>
+__device__ __forceinline__ void store_tile_staged(const float (&acc)[BN / 2], int row0, int wg_row0, int n_base,
+                                                  int lane, int wq, uint32_t stage_u32, int bar_id,
+                                                  const T* __restrict__ bias, int rows, int n_tokens,
+                                                  const CUtensorMap* y_map, int chunk0 = -1) {
+  // chunk0 < 0: every tile starts at buffer 0. chunk0 >= 0 (configs 34/35, RUNBUF): the buffers rotate on across
+  // tiles, chunk0 = chunks this warpgroup stored before this tile, so a tile's first chunks go to the buffers whose
+  // stores were issued longest ago (the previous tile's, drained during this tile's main loop).
+  static_assert(BN % EPI_N == 0 && EPI_N % 16 == 0 && EPI_N <= 256, "chunks of 16..256 tokens that split the tile");
+  const int g = lane >> 2;
+  float b_lo = 0.f, b_hi = 0.f;
+  if (bias != nullptr) {
+    if (row0 + g < rows) b_lo = MmaType<T>::to_float(bias[row0 + g]);
+    if (row0 + g + 8 < rows) b_hi = MmaType<T>::to_float(bias[row0 + g + 8]);
+  }
+  // stmatrix x4 of blocks (nt, rows g), (nt, rows g + 8), (nt + 1, g), (nt + 1, g + 8): lane i addresses row i % 8
+  // (token 8 (nt + (i / 16)) + i % 8) of block i / 8; the 16-byte chunk of the rows is 2 wq + (i / 8) % 2.
+  const int mi = lane >> 3, j = lane & 7;
+  const uint32_t lane_off = (uint32_t)((8 * (mi >> 1) + j) * 128 + (((2 * wq + (mi & 1)) ^ j) << 4));
+  const bool leader = (threadIdx.x & 127) == 0;
+#pragma unroll
+  for (int c = 0; c < BN / EPI_N; ++c) {
+    const uint32_t buf = stage_u32 + ((chunk0 < 0 ? c : chunk0 + c) % EPI_BUFS) * (EPI_N * 128);
+    if (leader) bulk_wait_group_read<EPI_BUFS - 1>();  // the store that used this buffer last has read it
+    named_bar_sync(bar_id, 128);
+#pragma unroll
+    for (int q = 0; q < EPI_N / 16; ++q) {
+      const int nt = c * (EPI_N / 8) + 2 * q;
+      auto pk = [&](float v0, float v1, float b) {
+        return MmaType<T>::pack(MmaType<T>::from_float(activate<ACT>(v0 + b)),
+                                MmaType<T>::from_float(activate<ACT>(v1 + b)));
+      };
+      stmatrix_x4_trans(buf + q * 16 * 128 + lane_off, pk(acc[4 * nt], acc[4 * nt + 1], b_lo),
+                        pk(acc[4 * nt + 2], acc[4 * nt + 3], b_hi), pk(acc[4 * nt + 4], acc[4 * nt + 5], b_lo),
+                        pk(acc[4 * nt + 6], acc[4 * nt + 7], b_hi));
+    }
+    fence_proxy_async();  // this thread's stmatrix writes, visible to the copy engine after the barrier
+    named_bar_sync(bar_id, 128);
+    if (leader) {
+      if (n_base + c * EPI_N < n_tokens) {  // a chunk wholly past the last token is skipped
+        if constexpr (EVICT_FIRST) {
+          tma_store_2d_hint(y_map, wg_row0, n_base + c * EPI_N, buf, l2_policy_evict_first());
+        } else {
+          tma_store_2d(y_map, wg_row0, n_base + c * EPI_N, buf);
+        }
+      }
+      bulk_commit_group();  // (an empty group past the last token keeps the buffer rotation's count)
+    }
   }
 }
 

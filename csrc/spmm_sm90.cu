@@ -576,68 +576,6 @@ __device__ __forceinline__ void store_tile_full(const float (&acc)[BN / 2], int 
   }
 }
 
-// Staged epilogue (configs 20-27) of one warpgroup's m64 x BN accumulator tile: this warp's rows are row0 .. row0 + 15
-// (g and g + 8 of each 8 x 8 block), the warpgroup's are wg_row0 .. + 63. Why: the direct epilogue writes Y[n, r]
-// with 4-byte stores, 16 of each 32-byte sector per store, which throttled the LSU (LG throttle) for thousands of
-// cycles per tile while the tensor pipe waited (benchmarks/RESULTS.md, "Profile"). Here the tile goes out in chunks of
-// EPI_N tokens: + bias, cast, and stmatrix.trans of 8 x 8 blocks (rows x tokens) into a staging buffer that holds
-// the chunk token-major, as Y is (16-byte lines of 8 rows; 128 bytes = the warpgroup's 64 rows per token, 128-byte
-// swizzle: conflict-free), then one TMA store of the 64 x EPI_N box by the warpgroup's first thread. The store runs
-// asynchronously: the warpgroup goes on to the next chunk (EPI_BUFS buffers in rotation; a buffer is rewritten only
-// after the copy engine has read it, bulk_wait_group_read) and to the next tile's main loop. The tensor map clips
-// rows >= rows and tokens >= n_tokens, so partial tiles need no checks. Named barrier bar_id (128 threads) orders the
-// warpgroup's buffer writes against the store (fence.proxy.async: generic writes, read by the async proxy).
-template <typename T, int BN, int EPI_N, int EPI_BUFS, bool EVICT_FIRST, int ACT = kActNone>
-__device__ __forceinline__ void store_tile_staged(const float (&acc)[BN / 2], int row0, int wg_row0, int n_base,
-                                                  int lane, int wq, uint32_t stage_u32, int bar_id,
-                                                  const T* __restrict__ bias, int rows, int n_tokens,
-                                                  const CUtensorMap* y_map, int chunk0 = -1) {
-  // chunk0 < 0: every tile starts at buffer 0. chunk0 >= 0 (configs 34/35, RUNBUF): the buffers rotate on across
-  // tiles, chunk0 = chunks this warpgroup stored before this tile, so a tile's first chunks go to the buffers whose
-  // stores were issued longest ago (the previous tile's, drained during this tile's main loop).
-  static_assert(BN % EPI_N == 0 && EPI_N % 16 == 0 && EPI_N <= 256, "chunks of 16..256 tokens that split the tile");
-  const int g = lane >> 2;
-  float b_lo = 0.f, b_hi = 0.f;
-  if (bias != nullptr) {
-    if (row0 + g < rows) b_lo = MmaType<T>::to_float(bias[row0 + g]);
-    if (row0 + g + 8 < rows) b_hi = MmaType<T>::to_float(bias[row0 + g + 8]);
-  }
-  // stmatrix x4 of blocks (nt, rows g), (nt, rows g + 8), (nt + 1, g), (nt + 1, g + 8): lane i addresses row i % 8
-  // (token 8 (nt + (i / 16)) + i % 8) of block i / 8; the 16-byte chunk of the rows is 2 wq + (i / 8) % 2.
-  const int mi = lane >> 3, j = lane & 7;
-  const uint32_t lane_off = (uint32_t)((8 * (mi >> 1) + j) * 128 + (((2 * wq + (mi & 1)) ^ j) << 4));
-  const bool leader = (threadIdx.x & 127) == 0;
-#pragma unroll
-  for (int c = 0; c < BN / EPI_N; ++c) {
-    const uint32_t buf = stage_u32 + ((chunk0 < 0 ? c : chunk0 + c) % EPI_BUFS) * (EPI_N * 128);
-    if (leader) bulk_wait_group_read<EPI_BUFS - 1>();  // the store that used this buffer last has read it
-    named_bar_sync(bar_id, 128);
-#pragma unroll
-    for (int q = 0; q < EPI_N / 16; ++q) {
-      const int nt = c * (EPI_N / 8) + 2 * q;
-      auto pk = [&](float v0, float v1, float b) {
-        return MmaType<T>::pack(MmaType<T>::from_float(activate<ACT>(v0 + b)),
-                                MmaType<T>::from_float(activate<ACT>(v1 + b)));
-      };
-      stmatrix_x4_trans(buf + q * 16 * 128 + lane_off, pk(acc[4 * nt], acc[4 * nt + 1], b_lo),
-                        pk(acc[4 * nt + 2], acc[4 * nt + 3], b_hi), pk(acc[4 * nt + 4], acc[4 * nt + 5], b_lo),
-                        pk(acc[4 * nt + 6], acc[4 * nt + 7], b_hi));
-    }
-    fence_proxy_async();  // this thread's stmatrix writes, visible to the copy engine after the barrier
-    named_bar_sync(bar_id, 128);
-    if (leader) {
-      if (n_base + c * EPI_N < n_tokens) {  // a chunk wholly past the last token is skipped
-        if constexpr (EVICT_FIRST) {
-          tma_store_2d_hint(y_map, wg_row0, n_base + c * EPI_N, buf, l2_policy_evict_first());
-        } else {
-          tma_store_2d(y_map, wg_row0, n_base + c * EPI_N, buf);
-        }
-      }
-      bulk_commit_group();  // (an empty group past the last token keeps the buffer rotation's count)
-    }
-  }
-}
-
 // One sparse wgmma k-step over a BN-token B tile: the generated m64nBNk32 wrapper, or for BN = 192 (config 27, which
 // wgmma_sp.cuh does not generate) an m64n128k32 on tokens 0-127 and an m64n64k32 on tokens 128-191 (16 KB further
 // into the tile: whole 1024-byte swizzle atoms, so the same descriptor layout), with the same A fragment and metadata.
@@ -1084,23 +1022,6 @@ CallPlan plan_call(const SpmmArgs& a, int sms) {
   return p;
 }
 
-// Tensor map of Y (n_tokens x rows, row-major) for the staged epilogue's TMA stores: boxes of 64 rows x box_tokens
-// tokens, 128-byte swizzle. False where TMA cannot address Y (rows % 8 != 0: the row stride is not a multiple of 16
-// bytes; unaligned base) or the driver refuses: the caller takes a configuration with direct stores.
-bool encode_y_map(const SpmmArgs& a, int box_tokens, CUtensorMap* map) {
-  if (reinterpret_cast<uintptr_t>(a.y) % 16 != 0 || a.rows % 8 != 0) return false;
-  PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
-  if (encode == nullptr) return false;
-  const cuuint64_t dims[2] = {(cuuint64_t)a.rows, (cuuint64_t)a.n_tokens};
-  const cuuint64_t strides[1] = {(cuuint64_t)a.rows * 2};
-  const cuuint32_t box[2] = {64, (cuuint32_t)box_tokens};
-  const cuuint32_t elem_strides[2] = {1, 1};
-  const CUresult res =
-      encode(map, a.is_bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2, a.y, dims,
-             strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-             CU_TENSOR_MAP_L2_PROMOTION_NONE, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  return res == CUDA_SUCCESS;
-}
 
 // Configs 13-27; fall back to config 4 where a tensor map of X or the weight cannot be made (as launch_sm90_tma
 // does), and the staged-epilogue configs (EPI_N > 0) to config 15 (19 for 128- or 192-token tiles) where Y's cannot.

@@ -40,6 +40,7 @@
 #include "common.cuh"
 #include "kernels.h"
 #include "launch.h"
+#include "tensor_map.h"
 #include "tile_config.h"
 #if defined(HF_SPARSE_LAB)
 #include "lab.h"
@@ -726,9 +727,13 @@ struct XtCfg {
   static constexpr int E_OFF = A_OFF + A_BYTES;
   static constexpr int E_BYTES = 8 * 2 * 16 * 4;   // 8 m16 tiles x 2 k-steps x 16 words
   static constexpr int STAGE = E_OFF + E_BYTES;
-  static constexpr int STAGES = 5;
-  // + full / empty barriers, 16 bytes of step info per stage, alignment slack
-  static constexpr int SMEM = STAGES * STAGE + 2 * 8 * STAGES + 16 * STAGES + 1024;
+  static constexpr int STAGES = 4;
+  // The staged epilogue (sm90_common.cuh store_tile_staged): per consumer warpgroup EPI_BUFS buffers of 64 rows x
+  // EPI_N tokens.
+  static constexpr int EPI_N = 64, EPI_BUFS = 2, EPI_CHUNK = EPI_N * 128;
+  static constexpr int EPI_OFF = STAGES * STAGE;
+  // + the staging buffers, full / empty barriers, 16 bytes of step info per stage, alignment slack
+  static constexpr int SMEM = EPI_OFF + 2 * EPI_BUFS * EPI_CHUNK + 2 * 8 * STAGES + 16 * STAGES + 1024;
   static_assert(STAGE % 1024 == 0, "stages must start on 1024-byte boundaries (128-byte swizzle atoms)");
   static_assert(SMEM <= 227 * 1024, "over the sm_90 shared-memory limit");
 };
@@ -788,7 +793,7 @@ __global__ void __launch_bounds__(kXtThreads, 1)
 spmm_vnm_sm90_xt_kernel(const T* __restrict__ xt, int ld, const uint4* __restrict__ values,
                         const uint32_t* __restrict__ meta, const uint32_t* __restrict__ columns,
                         const T* __restrict__ bias, T* __restrict__ y, int n_tokens, int rows, int rows_padded, int k,
-                        int steps) {
+                        int steps, const __grid_constant__ CUtensorMap y_map, bool staged) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using Cfg = XtCfg;
   constexpr int STAGES = Cfg::STAGES;
@@ -797,8 +802,9 @@ spmm_vnm_sm90_xt_kernel(const T* __restrict__ xt, int ld, const uint4* __restric
   const uint32_t pad = pad_to_1024(raw_u32);
   unsigned char* smem = smem_raw + pad;
   const uint32_t base = raw_u32 + pad;
-  const uint32_t full = base + STAGES * Cfg::STAGE, empty = full + 8 * STAGES;
-  unsigned char* info = smem + STAGES * Cfg::STAGE + 16 * STAGES;  // 16 bytes per stage, after the barriers
+  const uint32_t epi = base + Cfg::EPI_OFF;
+  const uint32_t full = epi + 2 * Cfg::EPI_BUFS * Cfg::EPI_CHUNK, empty = full + 8 * STAGES;
+  unsigned char* info = smem + (empty + 8 * STAGES - base);  // 16 bytes per stage, after the barriers
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = warp >> 2;
   const int row_blocks = (rows_padded + 127) >> 7, n_tiles = row_blocks * ((n_tokens + kXtBN - 1) / kXtBN);
   const int mt_last = (rows_padded >> 4) - 1;
@@ -938,9 +944,18 @@ spmm_vnm_sm90_xt_kernel(const T* __restrict__ xt, int ld, const uint4* __restric
     held = -1;
 #pragma unroll
     for (int j = 0; j < kXtBN / 2; ++j) asm volatile("" : "+f"(acc[j])::"memory");  // reads after the wgmma wait
-    if (wg * 4 < ((rows_padded - cta_row0) >> 4))
-      store_tile<T, kXtBN>(acc, cta_row0 + 64 * wg + 16 * wq, n_base, lane, bias, y, rows, n_tokens);
+    if (wg * 4 < ((rows_padded - cta_row0) >> 4)) {
+      const int row0 = cta_row0 + 64 * wg + 16 * wq;
+      if (staged) {  // named barriers 2, 3: one per consumer warpgroup (1 is the producer's)
+        store_tile_staged<T, kXtBN, Cfg::EPI_N, Cfg::EPI_BUFS, false>(
+            acc, row0, cta_row0 + 64 * wg, n_base, lane, wq, epi + wg * Cfg::EPI_BUFS * Cfg::EPI_CHUNK, 2 + wg, bias,
+            rows, n_tokens, &y_map);
+      } else {
+        store_tile<T, kXtBN>(acc, row0, n_base, lane, bias, y, rows, n_tokens);
+      }
+    }
   }
+  if (staged && (tid & 127) == 0) bulk_wait_group<0>();  // the last stores have left shared memory
 #elif defined(__CUDA_ARCH__)
   __trap();  // built without sm_90a: the host never launches this (spmm_sm90_available() is false)
 #endif
@@ -963,10 +978,12 @@ cudaError_t launch_xt(const SpmmArgs& a, cudaStream_t stream) {
   err = current_sm_count(&sms);
   if (err != cudaSuccess) return err;
   const long long tiles = (long long)((a.rows_padded + 127) / 128) * ((a.n_tokens + kXtBN - 1) / kXtBN);
+  CUtensorMap y_map{};
+  const bool staged = encode_y_map(a, XtCfg::EPI_N, &y_map);  // else the direct epilogue (rows % 8 != 0)
   kernel<<<(unsigned)std::min<long long>(tiles, sms), kXtThreads, XtCfg::SMEM, stream>>>(
       xt, ld, static_cast<const uint4*>(a.values), static_cast<const uint32_t*>(a.meta),
       reinterpret_cast<const uint32_t*>(a.columns), static_cast<const T*>(a.bias), static_cast<T*>(a.y), a.n_tokens,
-      a.rows, a.rows_padded, a.k, a.steps);
+      a.rows, a.rows_padded, a.k, a.steps, y_map, staged);
   return cudaGetLastError();
 }
 
