@@ -838,19 +838,16 @@ spmm_vnm_sm90_xt_kernel(const T* __restrict__ xt, int ld, const uint4* __restric
       const int n_steps = share ? k_tiles : 2 * k_tiles;
       const int n = n_base + lane * 8;
       const bool tok_ok = n < ld;
-      // Lane i < 16 holds the column word of group i of a step's k-tile, loaded two steps ahead.
+      // Lane i < 16 holds the column word of group i of a step's k-tile, loaded three steps ahead into one of three
+      // registers that the unrolled loop names statically (a register rotation would wait for each load at once).
       auto column_word = [&](int ls) -> uint32_t {
         if (ls >= n_steps || lane >= 16) return 0u;
         const int kt = share ? ls : ls >> 1;
         const uint32_t* col = share || (ls & 1) == 0 ? col0 : col1;
         return col[min(kt * 16 + lane, groups - 1)];
       };
-      uint32_t cw_next = column_word(0), cw_after = column_word(1);
-      for (int ls = 0; ls < n_steps; ++ls, ++gs) {
+      auto issue = [&](int ls, uint32_t cw) {
         const int slot = gs % STAGES, kt = share ? ls : ls >> 1;
-        const uint32_t cw = cw_next;
-        cw_next = cw_after;
-        cw_after = column_word(ls + 2);
         unsigned char* stage = smem + slot * Cfg::STAGE;
         mbar_wait(empty + 8 * slot, ((gs / STAGES) & 1) ^ 1);
 #pragma unroll 4
@@ -861,8 +858,8 @@ spmm_vnm_sm90_xt_kernel(const T* __restrict__ xt, int ld, const uint4* __restric
           cp_async_16(stage + (lane >> 3) * 8192 + r * 128 + (((lane & 7) ^ (r & 7)) << 4),
                       xt + (size_t)column * ld + (tok_ok ? n : 0), tok_ok);
         }
-        // A fragments (chunk c < 512: m16 tile c / 64, k-step (c / 32) % 2, lane c % 32) and metadata (c - 512: m16
-        // tile / 8, k-step / 4 % 2, words 4 x (/ 1 % 4) ..); a k-step past `steps` is zero-filled.
+        // A fragments (chunk c < 512: m16 tile c / 64, k-step (c / 32) % 2, lane c % 32) and metadata (c - 512:
+        // m16 tile / 8, k-step / 4 % 2, words 4 x (/ 1 % 4) ..); a k-step past `steps` is zero-filled.
 #pragma unroll
         for (int c = t; c < 576; c += 128) {
           const bool is_a = c < 512;
@@ -877,6 +874,20 @@ spmm_vnm_sm90_xt_kernel(const T* __restrict__ xt, int ld, const uint4* __restric
         }
         if (t == 0) cp_async_16(info + slot * 16, &kXtShareWord[share ? 1 : 0], true);
         asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(full + 8 * slot) : "memory");
+        ++gs;
+      };
+      uint32_t cw0 = column_word(0), cw1 = column_word(1), cw2 = column_word(2);
+      for (int ls = 0; ls < n_steps; ls += 3) {
+        issue(ls, cw0);
+        cw0 = column_word(ls + 3);
+        if (ls + 1 < n_steps) {
+          issue(ls + 1, cw1);
+          cw1 = column_word(ls + 4);
+        }
+        if (ls + 2 < n_steps) {
+          issue(ls + 2, cw2);
+          cw2 = column_word(ls + 5);
+        }
       }
     }
     asm volatile("cp.async.wait_all;\n" ::: "memory");
