@@ -719,7 +719,7 @@ spmm_vnm_sm90_ws_kernel(const T* __restrict__ x, const uint4* __restrict__ value
 // zero); a missing second k-step of an odd step count multiplies zeros with valid metadata.
 constexpr int kXtThreads = 384;
 constexpr int kXtBN = 256;
-constexpr int kXtProducerRegs = 56, kXtConsumerRegs = 224;  // setmaxnreg: 128 x (2 x 224 + 56) <= 64 K
+constexpr int kXtProducerRegs = 88, kXtConsumerRegs = 208;  // setmaxnreg: 128 x (2 x 208 + 88) <= 64 K
 struct XtCfg {
   static constexpr int B_BYTES = kXtBN * 128;      // 64 condensed k-rows x 256 tokens
   static constexpr int A_OFF = B_BYTES;
@@ -836,41 +836,59 @@ spmm_vnm_sm90_xt_kernel(const T* __restrict__ xt, int ld, const uint4* __restric
         }
       const bool share = !bar_red_or(1, 128, differ);
       const int n_steps = share ? k_tiles : 2 * k_tiles;
-      const int n = n_base + lane * 8;
-      const bool tok_ok = n < ld;
-      // Lane i < 16 holds the column word of group i of a step's k-tile, loaded three steps ahead into one of three
-      // registers that the unrolled loop names statically (a register rotation would wait for each load at once).
+      // Roles: warp w copies B rows 16w .. 16w + 15 (groups 4w .. 4w + 3 of the k-tile, their 4 kept columns each),
+      // lane l rows 16w + 4s + l / 8 for s = 0..3 (group 4w + s, kept column l / 8), 16-byte chunks l % 8 + 8q of
+      // them (q = 0..3: tokens 64q ..): a warp instruction covers 4 rows x 128 contiguous bytes, and each lane works
+      // out 4 row addresses per step.
+      const int kept = lane >> 3, part = lane & 7;
+      const int n = n_base + part * 8;  // the first token of this lane's chunks (+ 64q)
+      bool tok_ok[4];
+#pragma unroll
+      for (int q = 0; q < 4; ++q) tok_ok[q] = n + 64 * q < ld;
+      // A fragments and metadata: chunk c = t + 128u (u = 0..4) of the stage's 576 (c < 512: m16 tile c / 64, k-step
+      // (c / 32) % 2, lane c % 32; then metadata: m16 tile / 8, k-step / 4 % 2, words 4 x (/ 1 % 4) ..), at a fixed
+      // offset from k-tile 0's (in 16-byte words); a k-step past `steps` (k-step 1 of the last k-tile) is zero-filled.
+      uint32_t a_off[5];
+      bool a_second[5];
+#pragma unroll
+      for (int u = 0; u < 5; ++u) {
+        const int c = t + 128 * u, e = c - 512;
+        const bool is_a = c < 512;
+        const int mt = min(mt_cta + (is_a ? c >> 6 : max(e, 0) >> 3), mt_last);
+        a_second[u] = is_a ? (c >> 5) & 1 : (e >> 2) & 1;
+        a_off[u] = is_a ? ((uint32_t)mt * steps + a_second[u]) * 32 + (c & 31)
+                        : ((uint32_t)mt * steps + a_second[u]) * 4 + (e & 3);
+      }
+      // Lane s < 4 holds the column word of group 4w + s of a step's k-tile, loaded three steps ahead into one of
+      // three registers that the unrolled loop names statically (a register rotation would wait for each load at once).
       auto column_word = [&](int ls) -> uint32_t {
-        if (ls >= n_steps || lane >= 16) return 0u;
+        if (ls >= n_steps || lane >= 4) return 0u;
         const int kt = share ? ls : ls >> 1;
         const uint32_t* col = share || (ls & 1) == 0 ? col0 : col1;
-        return col[min(kt * 16 + lane, groups - 1)];
+        return col[min(kt * 16 + 4 * w + lane, groups - 1)];
       };
       auto issue = [&](int ls, uint32_t cw) {
         const int slot = gs % STAGES, kt = share ? ls : ls >> 1;
         unsigned char* stage = smem + slot * Cfg::STAGE;
         mbar_wait(empty + 8 * slot, ((gs / STAGES) & 1) ^ 1);
-#pragma unroll 4
-        for (int i = 0; i < 16; ++i) {
-          const uint32_t cwi = __shfl_sync(0xffffffffu, cw, i);
-          const int r = 4 * i + w;  // the B row: condensed column r of the k-tile
-          const int column = min(kt * 16 + i, groups - 1) * M + (int)((cwi >> (8 * w)) & 0xFFu);
-          cp_async_16(stage + (lane >> 3) * 8192 + r * 128 + (((lane & 7) ^ (r & 7)) << 4),
-                      xt + (size_t)column * ld + (tok_ok ? n : 0), tok_ok);
-        }
-        // A fragments (chunk c < 512: m16 tile c / 64, k-step (c / 32) % 2, lane c % 32) and metadata (c - 512:
-        // m16 tile / 8, k-step / 4 % 2, words 4 x (/ 1 % 4) ..); a k-step past `steps` is zero-filled.
 #pragma unroll
-        for (int c = t; c < 576; c += 128) {
-          const bool is_a = c < 512;
-          const int e = c - 512;
-          const int mt = min(mt_cta + (is_a ? c >> 6 : e >> 3), mt_last);
-          const int st = 2 * kt + (is_a ? (c >> 5) & 1 : (e >> 2) & 1);
-          const bool ok = st < steps;
-          const void* src =
-              is_a ? static_cast<const void*>(values + ((size_t)mt * steps + (ok ? st : 0)) * 32 + (c & 31))
-                   : static_cast<const void*>(meta + ((size_t)mt * steps + (ok ? st : 0)) * 16 + 4 * (e & 3));
-          cp_async_16(stage + Cfg::A_OFF + c * 16, src, ok);
+        for (int s4 = 0; s4 < 4; ++s4) {
+          const uint32_t word = __shfl_sync(0xffffffffu, cw, s4);
+          const int r = 16 * w + 4 * s4 + kept;  // the B row: condensed column r of the k-tile
+          const int column = min(kt * 16 + 4 * w + s4, groups - 1) * M + (int)((word >> (8 * kept)) & 0xFFu);
+          const T* src = xt + (size_t)column * ld + n;
+          unsigned char* dst = stage + r * 128 + ((part ^ (r & 7)) << 4);
+#pragma unroll
+          for (int q = 0; q < 4; ++q) cp_async_16(dst + q * 8192, tok_ok[q] ? src + 64 * q : xt, tok_ok[q]);
+        }
+#pragma unroll
+        for (int u = 0; u < 5; ++u) {
+          if (u == 4 && t >= 64) break;
+          const bool ok = 2 * kt + a_second[u] < steps;
+          const void* src = u < 4 ? static_cast<const void*>(values + a_off[u] + (size_t)kt * 64)
+                                  : static_cast<const void*>(reinterpret_cast<const uint4*>(meta) + a_off[u] +
+                                                             (size_t)kt * 8);
+          cp_async_16(stage + Cfg::A_OFF + (t + 128 * u) * 16, ok ? src : values, ok);
         }
         if (t == 0) cp_async_16(info + slot * 16, &kXtShareWord[share ? 1 : 0], true);
         asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(full + 8 * slot) : "memory");
