@@ -770,6 +770,11 @@ __global__ void __launch_bounds__(256) transpose_tokens_kernel(const T* __restri
 }
 
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// 16-byte global -> shared copy of `bytes` (16, or 0: zeros, nothing read) source bytes; dst a shared address.
+__device__ __forceinline__ void cp_async_16_bytes(uint32_t dst, const void* src, uint32_t bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
+}
+
 // OR of `v` over the `threads` threads of named barrier `id` (all of them must call it).
 __device__ __forceinline__ bool bar_red_or(int id, int threads, bool v) {
   uint32_t r;
@@ -839,26 +844,35 @@ spmm_vnm_sm90_xt_kernel(const T* __restrict__ xt, int ld, const uint4* __restric
       // Roles: warp w copies B rows 16w .. 16w + 15 (groups 4w .. 4w + 3 of the k-tile, their 4 kept columns each),
       // lane l rows 16w + 4s + l / 8 for s = 0..3 (group 4w + s, kept column l / 8), 16-byte chunks l % 8 + 8q of
       // them (q = 0..3: tokens 64q ..): a warp instruction covers 4 rows x 128 contiguous bytes, and each lane works
-      // out 4 row addresses per step.
+      // out 4 row addresses per step. Chunks past X^T's tokens copy 0 bytes (zero fill) from addresses inside its
+      // padding (spmm_vnm_sm90_xt_elems).
       const int kept = lane >> 3, part = lane & 7;
       const int n = n_base + part * 8;  // the first token of this lane's chunks (+ 64q)
-      bool tok_ok[4];
+      uint32_t bytes[4], dst_off[4];
 #pragma unroll
-      for (int q = 0; q < 4; ++q) tok_ok[q] = n + 64 * q < ld;
+      for (int q = 0; q < 4; ++q) {
+        bytes[q] = n + 64 * q < ld ? 16u : 0u;
+        const int r = 16 * w + 4 * q + kept;  // (q as s here: the row of this lane's s-th group)
+        dst_off[q] = (uint32_t)(r * 128 + ((part ^ (r & 7)) << 4));
+      }
+      const unsigned char* xt_lane = reinterpret_cast<const unsigned char*>(xt + n);
+      const size_t ld_bytes = (size_t)ld * sizeof(T);
       // A fragments and metadata: chunk c = t + 128u (u = 0..4) of the stage's 576 (c < 512: m16 tile c / 64, k-step
-      // (c / 32) % 2, lane c % 32; then metadata: m16 tile / 8, k-step / 4 % 2, words 4 x (/ 1 % 4) ..), at a fixed
-      // offset from k-tile 0's (in 16-byte words); a k-step past `steps` (k-step 1 of the last k-tile) is zero-filled.
-      uint32_t a_off[5];
-      bool a_second[5];
+      // (c / 32) % 2, lane c % 32; then metadata: m16 tile / 8, k-step / 4 % 2, words 4 x (/ 1 % 4) ..): source =
+      // base (in 16-byte words) + k-step x stride; a k-step past `steps` (k-step 1 of the last k-tile) copies 0
+      // bytes from k-step steps - 1.
+      uint32_t a_base[5], a_stride[5];
+      int a_second[5];
 #pragma unroll
       for (int u = 0; u < 5; ++u) {
         const int c = t + 128 * u, e = c - 512;
         const bool is_a = c < 512;
         const int mt = min(mt_cta + (is_a ? c >> 6 : max(e, 0) >> 3), mt_last);
         a_second[u] = is_a ? (c >> 5) & 1 : (e >> 2) & 1;
-        a_off[u] = is_a ? ((uint32_t)mt * steps + a_second[u]) * 32 + (c & 31)
-                        : ((uint32_t)mt * steps + a_second[u]) * 4 + (e & 3);
+        a_stride[u] = is_a ? 32u : 4u;
+        a_base[u] = is_a ? (uint32_t)mt * steps * 32 + (c & 31) : (uint32_t)mt * steps * 4 + (e & 3);
       }
+      const uint4* meta4 = reinterpret_cast<const uint4*>(meta);
       // Lane s < 4 holds the column word of group 4w + s of a step's k-tile, loaded three steps ahead into one of
       // three registers that the unrolled loop names statically (a register rotation would wait for each load at once).
       auto column_word = [&](int ls) -> uint32_t {
@@ -869,28 +883,26 @@ spmm_vnm_sm90_xt_kernel(const T* __restrict__ xt, int ld, const uint4* __restric
       };
       auto issue = [&](int ls, uint32_t cw) {
         const int slot = gs % STAGES, kt = share ? ls : ls >> 1;
-        unsigned char* stage = smem + slot * Cfg::STAGE;
+        const uint32_t stage = base + slot * Cfg::STAGE;
         mbar_wait(empty + 8 * slot, ((gs / STAGES) & 1) ^ 1);
 #pragma unroll
         for (int s4 = 0; s4 < 4; ++s4) {
           const uint32_t word = __shfl_sync(0xffffffffu, cw, s4);
-          const int r = 16 * w + 4 * s4 + kept;  // the B row: condensed column r of the k-tile
-          const int column = min(kt * 16 + 4 * w + s4, groups - 1) * M + (int)((word >> (8 * kept)) & 0xFFu);
-          const T* src = xt + (size_t)column * ld + n;
-          unsigned char* dst = stage + r * 128 + ((part ^ (r & 7)) << 4);
+          const uint32_t column =
+              (uint32_t)min(kt * 16 + 4 * w + s4, groups - 1) * M + ((word >> (8 * kept)) & 0xFFu);
+          const unsigned char* src = xt_lane + column * ld_bytes;
 #pragma unroll
-          for (int q = 0; q < 4; ++q) cp_async_16(dst + q * 8192, tok_ok[q] ? src + 64 * q : xt, tok_ok[q]);
+          for (int q = 0; q < 4; ++q) cp_async_16_bytes(stage + dst_off[s4] + q * 8192, src + q * 128, bytes[q]);
         }
 #pragma unroll
         for (int u = 0; u < 5; ++u) {
           if (u == 4 && t >= 64) break;
-          const bool ok = 2 * kt + a_second[u] < steps;
-          const void* src = u < 4 ? static_cast<const void*>(values + a_off[u] + (size_t)kt * 64)
-                                  : static_cast<const void*>(reinterpret_cast<const uint4*>(meta) + a_off[u] +
-                                                             (size_t)kt * 8);
-          cp_async_16(stage + Cfg::A_OFF + (t + 128 * u) * 16, ok ? src : values, ok);
+          const int st = 2 * kt + a_second[u];
+          const uint32_t word = a_base[u] + (uint32_t)min(st, steps - 1) * a_stride[u];
+          cp_async_16_bytes(stage + Cfg::A_OFF + (t + 128 * u) * 16, u < 4 ? values + word : meta4 + word,
+                            st < steps ? 16u : 0u);
         }
-        if (t == 0) cp_async_16(info + slot * 16, &kXtShareWord[share ? 1 : 0], true);
+        if (t == 0) cp_async_16_bytes(base + (uint32_t)(info - smem) + slot * 16, &kXtShareWord[share ? 1 : 0], 16u);
         asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(full + 8 * slot) : "memory");
         ++gs;
       };
@@ -1132,7 +1144,7 @@ int64_t spmm_vnm_sm90_split_floats(const SpmmArgs& a) {
 
 int64_t spmm_vnm_sm90_xt_elems(const SpmmArgs& a) {
   if (a.m < 8 || a.n_tokens <= 0 || !sm90_vnm_xt(a.m, a.n_tokens, a.rows)) return 0;
-  return (int64_t)a.k * xt_ld(a);
+  return (int64_t)a.k * xt_ld(a) + kXtBN;  // + a tile's tokens: the zero-byte copies past the last row stay inside
 }
 
 cudaError_t spmm_vnm_sm90(const SpmmArgs& a, cudaStream_t stream) {
