@@ -1,8 +1,8 @@
 // Ceilings of one Hopper GPU (sm_90a) that bound the sparse-wgmma SpMMs, measured with none of their code paths:
 //
 //  * mma: how fast dense wgmma (A and B from shared memory, as cuBLAS runs it) and sparse wgmma (A from registers, B
-//    from shared memory, as csrc/spmm_sm90.cu runs it) go with nothing else to do: one CTA per SM, two consumer
-//    warpgroups on one B tile, as in the SpMMs.
+//    from shared memory, K-major as csrc/spmm_sm90.cu runs it, or MN-major as the V:2:M X^T path does) go with
+//    nothing else to do: one CTA per SM, two consumer warpgroups on one B tile, as in the SpMMs.
 //  * feed: the same sparse wgmmas fed the way an SpMM must feed them, with operands the L2 holds (the best case of a
 //    large-token call, whose X and weight tiles are shared by the CTAs running together). A skeleton, not a kernel:
 //    the bytes it moves, the barriers it waits on and the instructions it issues per k-tile are a real design's, the
@@ -17,8 +17,9 @@
 //               only the kept columns cross L2 -> SM, a k-tile's 64 of them as 64 rows of the B tile (MN-major,
 //               128-byte swizzle), and A by bulk copies. Two ways to fetch the rows: rows_tma, one TMA box of
 //               64 tokens x 1 row per row and 64 tokens (32 lanes of the producer warp issue them); rows_cp, a
-//               producer warpgroup's cp.async 16-byte copies, one warp instruction per row and 256 tokens.
-//               A k-tile then moves the bytes of a 2:4 k-tile for M / 4 times the original columns.
+//               producer warpgroup's cp.async 16-byte copies, one warp instruction per row and 256 tokens (the
+//               consumers' wgmmas reading B K-major, or MN-major as csrc/spmm_vnm_sm90.cu's X^T path does). A k-tile
+//               then moves the bytes of a 2:4 k-tile for M / 4 times the original columns.
 //    Cycles per k-tile against the dense-wgmma ceiling for the same original columns give the bound of each design,
 //    as a multiple of dense.
 //  * bulk: how many bytes per second the bulk-copy engine (the path of TMA loads) brings from global memory into
@@ -219,7 +220,8 @@ feed_ceiling(const unsigned char* __restrict__ src, const __grid_constant__ CUte
   for (int i = tid; i < STAGES * S::STAGE / 4; i += S::THREADS) reinterpret_cast<uint32_t*>(smem)[i] = operand_word(i);
   if (tid == 0) {
     for (int s = 0; s < STAGES; ++s) {
-      hf_sparse::mbar_init(full + 8 * s, MODE == kFeedRowsCp || MODE == kFeedRowsCpT ? 1 + 128 : 1);  // rows_cp: + one per copying thread
+      // rows_cp: one arrival more per copying thread
+      hf_sparse::mbar_init(full + 8 * s, MODE == kFeedRowsCp || MODE == kFeedRowsCpT ? 1 + 128 : 1);
       hf_sparse::mbar_init(ready + 8 * s, 1);
       hf_sparse::mbar_init(empty + 8 * s, 8);
     }
