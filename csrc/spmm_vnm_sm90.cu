@@ -719,7 +719,6 @@ spmm_vnm_sm90_ws_kernel(const T* __restrict__ x, const uint4* __restrict__ value
 // zero); a missing second k-step of an odd step count multiplies zeros with valid metadata.
 constexpr int kXtThreads = 384;
 constexpr int kXtBN = 256;
-constexpr int kXtProducerRegs = 88, kXtConsumerRegs = 208;  // setmaxnreg: 128 x (2 x 208 + 88) <= 64 K
 struct XtCfg {
   static constexpr int B_BYTES = kXtBN * 128;      // 64 condensed k-rows x 256 tokens
   static constexpr int A_OFF = B_BYTES;
@@ -728,6 +727,8 @@ struct XtCfg {
   static constexpr int E_BYTES = 8 * 2 * 16 * 4;   // 8 m16 tiles x 2 k-steps x 16 words
   static constexpr int STAGE = E_OFF + E_BYTES;
   static constexpr int STAGES = 4;
+  static constexpr int PRODUCER_REGS = 88, CONSUMER_REGS = 208;  // setmaxnreg
+  static_assert(128 * (2 * CONSUMER_REGS + PRODUCER_REGS) <= 65536, "the register split must fit the register file");
   // The staged epilogue (sm90_common.cuh store_tile_staged): per consumer warpgroup EPI_BUFS buffers of 64 rows x
   // EPI_N tokens.
   static constexpr int EPI_N = 64, EPI_BUFS = 2, EPI_CHUNK = EPI_N * 128;
@@ -785,11 +786,11 @@ __device__ __forceinline__ bool bar_red_or(int id, int threads, bool v) {
       : "memory");
   return r != 0;
 }
-#endif
 
 // What the producer tells the consumers with every stage (16 bytes copied into the stage's info slot by cp.async, so
 // the stage's "full" barrier covers it): whether the tile's two slabs share one B tile.
 __device__ const uint4 kXtShareWord[2] = {{0u, 0u, 0u, 0u}, {1u, 1u, 1u, 1u}};
+#endif
 
 // Persistent: CTA b takes tiles b, b + gridDim.x, ... (row blocks fastest); the ring, its barriers and the step
 // count run on across tiles, so the producer fills the next tile's first stages while the consumers store the last.
@@ -824,7 +825,7 @@ spmm_vnm_sm90_xt_kernel(const T* __restrict__ xt, int ld, const uint4* __restric
   __syncthreads();
 
   if (wg == 2) {  // producer
-    setmaxnreg_dec<kXtProducerRegs>();
+    setmaxnreg_dec<Cfg::PRODUCER_REGS>();
     const int t = tid & 127, w = warp & 3;
     int gs = 0;  // steps issued so far, over all tiles
     for (int tile = blockIdx.x; tile < n_tiles; tile += gridDim.x) {
@@ -924,7 +925,7 @@ spmm_vnm_sm90_xt_kernel(const T* __restrict__ xt, int ld, const uint4* __restric
     return;
   }
 
-  setmaxnreg_inc<kXtConsumerRegs>();
+  setmaxnreg_inc<Cfg::CONSUMER_REGS>();
   constexpr uint32_t kMetaPad = 0x44444444u;
   const int wq = warp & 3, g = lane >> 2, t4 = lane & 3;
   const int mt = wg * 4 + wq;
