@@ -31,10 +31,12 @@ __all__ = [
 #: op -> (its sm_80+ kernel, its sm_90a kernel): the names :func:`force_kernel` takes besides ``"auto"``
 KERNELS = {"spmm": ("mma_sp", "wgmma"), "sddmm": ("mma", "wgmma")}
 
-# Group sizes M at which the wgmma kernel was measured faster on the H200 at 8192 tokens at every shape of
-# benchmarks/bench_kernels.py (benchmarks/RESULTS.md). SpMM, "V:2:M sparse wgmma": 1.14-1.46x at M = 8; at M = 16 and
-# 32 it is 0.64-0.81x of mma.sp; M = 64 and 128 are not measured.
-SPMM_WGMMA_M = frozenset({4, 8})
+# Group sizes M at which the wgmma kernel runs where it can (benchmarks/RESULTS.md, "Runs H1-H13"). SpMM: every M.
+# At M >= 16 against mma.sp (H12, H13): 1.1-4.8x at 16-64 tokens, and from 1024 tokens and 1024 rows (the V:2:M
+# kernel's X^T path) 2-6x; at 256-512 tokens and where fewer rows keep it off that path it is 0.6-2.1x of mma.sp,
+# there a compact layer's measured plan takes the weight's 2:4 view, which is faster than both in every such cell
+# measured. SDDMM: see below.
+SPMM_WGMMA_M = frozenset({4, 8, 16, 32, 64, 128})
 # SDDMM, "SDDMM with dense wgmma": 3.8-5.2x at M = 4, 1.7-2.2x at 8, 1.5-1.9x at 16, 0.98-1.6x at 32; M = 64 and 128
 # are not timed.
 SDDMM_WGMMA_M = frozenset({4, 8, 16, 32})

@@ -146,7 +146,7 @@ def test_spmm_vnm_ragged_k_and_token_tiles(v, m, dtype, bias, tokens, groups, pi
         _assert_spmm_matches_reference(x, w, p, b)
 
 
-@pytest.mark.parametrize(("v", "m"), [(64, 8), (128, 8), (64, 16), (128, 16), (128, 32)])
+@pytest.mark.parametrize(("v", "m"), [(64, 8), (128, 8), (64, 16), (128, 16), (128, 32), (128, 64), (64, 128)])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
     ("tokens", "groups", "blocks"),

@@ -13,8 +13,8 @@ M_VALUES = (4, 8, 16, 32, 64, 128)
 @pytest.mark.parametrize(
     ("op", "wgmma_ok", "expected"),
     [
-        # SpMM: wgmma at 2:4 and M = 8 where it runs (measured faster there), mma.sp at M >= 16 and where it cannot
-        ("spmm", True, ["wgmma", "wgmma", "mma_sp", "mma_sp", "mma_sp", "mma_sp"]),
+        # SpMM: wgmma at every M where it runs, mma.sp where it cannot
+        ("spmm", True, ["wgmma"] * 6),
         ("spmm", False, ["mma_sp"] * 6),
         # SDDMM: wgmma up to M = 32 where it runs, mma.sync at 64 and 128 (not timed) and where it cannot
         ("sddmm", True, ["wgmma", "wgmma", "wgmma", "wgmma", "mma", "mma"]),
@@ -60,8 +60,7 @@ def test_force_kernel_nests_and_restores():
 
 def test_device_choice_without_a_gpu_needs_no_extension():
     # forced, and at group sizes the wgmma kernel is not chosen for, the answer needs no device query or build
-    with force_kernel(spmm="wgmma", sddmm="mma"):
-        assert device_kernel("spmm", 16, None) == "wgmma"
+    with force_kernel(spmm="mma_sp", sddmm="mma"):
+        assert device_kernel("spmm", 16, None) == "mma_sp"
         assert device_kernel("sddmm", 4, None) == "mma"
-    assert device_kernel("spmm", 16, None) == "mma_sp"
     assert device_kernel("sddmm", 64, None) == "mma"
