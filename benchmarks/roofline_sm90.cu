@@ -33,8 +33,8 @@
 //   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Icsrc benchmarks/roofline_sm90.cu -o roofline
 //   ./roofline > roofline.jsonl
 //
-// One JSON object per line. What the figures gave and the bounds drawn from them: benchmarks/RESULTS.md ("Runs E1-E7:
-// the ceilings that bound the sparse-wgmma SpMMs").
+// One JSON object per line. What the figures gave and the bounds drawn from them: benchmarks/RESULTS.md (the sections
+// on "the ceilings that bound the sparse-wgmma SpMMs" and "the V:2:M X^T path").
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -261,12 +261,12 @@ feed_ceiling(const unsigned char* __restrict__ src, const __grid_constant__ CUte
           const int r = (j * 4 + (warp & 3)) * ROWS_PER_WARP_OP + lane / CHUNKS;
           const unsigned char* g = src + (size_t)xt_row(kt, r) * (N * 2) + ch * 16;
           const uint32_t dst = stage + (ch >> 3) * 8192 + r * 128 + ((q ^ (r & 7)) << 4);
-          asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(g) : "memory");
+          hf_sparse::cp_async_16_bytes(dst, g, 16);
         }
-        asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+        hf_sparse::cp_async_arrive_noinc(bar);
       }
     }
-    if constexpr (MODE != kFeedRowsTma) asm volatile("cp.async.wait_all;\n" ::: "memory");
+    if constexpr (MODE != kFeedRowsTma) hf_sparse::cp_async_wait_all();
     return;
   }
   if (MODE != kFeedGather && wg == 2) {  // producer

@@ -76,12 +76,20 @@ __device__ __forceinline__ void mma_16816<__half>(float (&d)[4], const uint32_t 
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
-// 16-byte global->shared copy; `valid == false` writes zeros (so padding past K or past the tokens reads 0).
-__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool valid) {
-  uint32_t s = (uint32_t)__cvta_generic_to_shared(smem);
-  int bytes = valid ? 16 : 0;
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(bytes));
+// 16-byte global->shared copy of `bytes` (16, or 0: zeros, nothing read) source bytes to shared address `smem`.
+__device__ __forceinline__ void cp_async_16_bytes(uint32_t smem, const void* gmem, uint32_t bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem), "l"(gmem), "r"(bytes));
 }
+// The same from a generic pointer; `valid == false` writes zeros (so padding past K or past the tokens reads 0).
+__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool valid) {
+  cp_async_16_bytes((uint32_t)__cvta_generic_to_shared(smem), gmem, valid ? 16u : 0u);
+}
+// One arrival on the mbarrier at shared address `bar` once this thread's cp.asyncs so far have landed, not counted
+// in advance (.noinc: the barrier's expected count includes it).
+__device__ __forceinline__ void cp_async_arrive_noinc(uint32_t bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }

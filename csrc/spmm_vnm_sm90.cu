@@ -701,7 +701,7 @@ spmm_vnm_sm90_ws_kernel(const T* __restrict__ x, const uint4* __restrict__ value
 //
 // Why: gathering 4 of every M columns out of row-major X brings every raw byte through L2 -> SM (32-byte sectors
 // hold 16 columns), which is what bounds a row-major V:2:M kernel: at M = 8 a k-tile then moves 1.12x fewer bytes
-// than 2:4 for the same original columns, at M = 16 1.20x (benchmarks/RESULTS.md, runs E1-E7). From X^T a k-tile of
+// than 2:4 for the same original columns, at M = 16 1.20x (benchmarks/RESULTS.md, "the ceilings that bound the sparse-wgmma SpMMs"). From X^T a k-tile of
 // 64 condensed columns moves the bytes of one 2:4 k-tile (32 KB of X at 256 tokens, 9 KB of A) for M / 4 times the
 // original columns; the feed skeleton of that design (benchmarks/roofline_sm90.cu, rows_cp) runs at the 2:4
 // skeleton's cycles per k-tile.
@@ -771,11 +771,6 @@ __global__ void __launch_bounds__(256) transpose_tokens_kernel(const T* __restri
 }
 
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-// 16-byte global -> shared copy of `bytes` (16, or 0: zeros, nothing read) source bytes; dst a shared address.
-__device__ __forceinline__ void cp_async_16_bytes(uint32_t dst, const void* src, uint32_t bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
-}
-
 // OR of `v` over the `threads` threads of named barrier `id` (all of them must call it).
 __device__ __forceinline__ bool bar_red_or(int id, int threads, bool v) {
   uint32_t r;
@@ -810,7 +805,7 @@ spmm_vnm_sm90_xt_kernel(const T* __restrict__ xt, int ld, const uint4* __restric
   const uint32_t base = raw_u32 + pad;
   const uint32_t epi = base + Cfg::EPI_OFF;
   const uint32_t full = epi + 2 * Cfg::EPI_BUFS * Cfg::EPI_CHUNK, empty = full + 8 * STAGES;
-  unsigned char* info = smem + (empty + 8 * STAGES - base);  // 16 bytes per stage, after the barriers
+  const uint32_t info = empty + 8 * STAGES;  // 16 bytes per stage, after the barriers
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = warp >> 2;
   const int row_blocks = (rows_padded + 127) >> 7, n_tiles = row_blocks * ((n_tokens + kXtBN - 1) / kXtBN);
   const int mt_last = (rows_padded >> 4) - 1;
@@ -903,8 +898,8 @@ spmm_vnm_sm90_xt_kernel(const T* __restrict__ xt, int ld, const uint4* __restric
           cp_async_16_bytes(stage + Cfg::A_OFF + (t + 128 * u) * 16, u < 4 ? values + word : meta4 + word,
                             st < steps ? 16u : 0u);
         }
-        if (t == 0) cp_async_16_bytes(base + (uint32_t)(info - smem) + slot * 16, &kXtShareWord[share ? 1 : 0], 16u);
-        asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(full + 8 * slot) : "memory");
+        if (t == 0) cp_async_16_bytes(info + slot * 16, &kXtShareWord[share ? 1 : 0], 16u);
+        cp_async_arrive_noinc(full + 8 * slot);
         ++gs;
       };
       uint32_t cw0 = column_word(0), cw1 = column_word(1), cw2 = column_word(2);
@@ -921,7 +916,7 @@ spmm_vnm_sm90_xt_kernel(const T* __restrict__ xt, int ld, const uint4* __restric
         }
       }
     }
-    asm volatile("cp.async.wait_all;\n" ::: "memory");
+    cp_async_wait_all();
     return;
   }
 
@@ -967,7 +962,7 @@ spmm_vnm_sm90_xt_kernel(const T* __restrict__ xt, int ld, const uint4* __restric
     for (int j = 0; j < kXtBN / 2; ++j) acc[j] = 0.f;
     // The tile's first step is slab 0's first k-tile either way; its info slot says how the rest goes.
     mbar_wait(full + 8 * (gs % STAGES), (gs / STAGES) & 1);
-    const bool share = *reinterpret_cast<const uint32_t*>(info + (gs % STAGES) * 16) != 0u;
+    const bool share = *reinterpret_cast<const uint32_t*>(smem + (info - base) + (gs % STAGES) * 16) != 0u;
     // Each path drains its wgmmas before the paths join (ptxas serializes wgmmas whose accumulators a join moves).
     if (share) {
       for (int kt = 0; kt < k_tiles; ++kt) compute(gs + kt, kt);
