@@ -8,7 +8,8 @@ For every (pattern, shape, token count) it times dense cuBLAS (``F.linear`` on t
 choice of the pattern's sparse-``wgmma`` kernel, and that kernel with each split count of ``--splits`` forced
 (``lab.tuning``'s ``split_k``). For 2:4 it also times the few-token tiles forced at every count up to 256 tokens
 (``small_tiles=1``) and the persistent large configurations (``small_tiles=0``) with their own split rule
-(``large``) and with each split count forced (``Ls<count>``). ``--product-only`` times dense and the product's choice alone, so that two
+(``large``) and with each split count forced (``Ls<count>``); with ``--vnm-xt``, V:2:M with its X^T path forced on
+(``xts<count>``) and off (``rgs<count>``). ``--product-only`` times dense and the product's choice alone, so that two
 checkouts (``PYTHONPATH``) can be compared in one session with any build. Every configuration is checked against the dense product before it is timed.
 Times are ``triton.testing.do_bench`` medians (CUDA events, GPU time), in µs; ratios are cuBLAS time / ours.
 """
@@ -70,6 +71,12 @@ def main() -> int:
         "--configs", type=int, nargs="*", default=[], help="2:4: also each of these tile configurations (sm90_config)"
     )
     ap.add_argument(
+        "--vnm-xt",
+        action="store_true",
+        help="V:2:M: the kernel with its X^T path forced on (xt) and off (rg) instead of the product's choice alone "
+        "(vnm_xt), each with every split count of --splits (0: the product's count)",
+    )
+    ap.add_argument(
         "--queued",
         action="store_true",
         help="also dense and the product issued behind a busy GPU after do_bench's L2 flush (gpu_timing.flushed_us)",
@@ -118,6 +125,8 @@ def main() -> int:
                     extra["large"] = timed(x, p, ref, "large", small_tiles=0)  # with their own split rule
                     for c in args.configs:
                         extra[f"c{c}"] = timed(x, p, ref, f"configuration {c}", sm90_config=c)
+                elif args.vnm_xt:
+                    variants = [("xt", {"vnm_xt": 1}), ("rg", {"vnm_xt": 0})]
                 else:
                     variants = [("", {})]
                 for name, knobs in variants:

@@ -28,17 +28,20 @@ int64_t lab_set(const std::string& name, int64_t value) {
   std::atomic<int>* knob = name == "sm90_config"         ? &t.sm90_config
                            : name == "vnm_pipe"          ? &t.vnm_pipe
                            : name == "vnm_tile"          ? &t.vnm_tile
+                           : name == "vnm_xt"            ? &t.vnm_xt
                            : name == "sddmm_gather_regs" ? &t.sddmm_gather_regs
                            : name == "split_k"           ? &t.split_k
                            : name == "small_tiles"       ? &t.small_tiles
                                                          : nullptr;
   HF_CHECK(knob != nullptr, "hf_sparse.lab_set: no knob ", name,
-              "; use sm90_config, vnm_pipe, vnm_tile, sddmm_gather_regs, split_k or small_tiles");
+              "; use sm90_config, vnm_pipe, vnm_tile, vnm_xt, sddmm_gather_regs, split_k or small_tiles");
   HF_CHECK(name != "sm90_config" || (value >= -1 && value < hf_sparse::lab::kSm90Configs),
               "hf_sparse.lab_set: sm90_config=", value, " is not -1 (the product's choice) or 0..",
               hf_sparse::lab::kSm90Configs - 1);
   HF_CHECK(name != "vnm_pipe" || (value >= 0 && value <= 4), "hf_sparse.lab_set: vnm_pipe=", value,
               " is not 0 (the product's register pipeline) or 1..4 (csrc/lab.h)");
+  HF_CHECK(name != "vnm_xt" || (value >= -1 && value <= 1), "hf_sparse.lab_set: vnm_xt=", value,
+              " is not -1 (the product's rule), 0 (never) or 1 (always)");
   return knob->exchange((int)value);
 }
 #endif

@@ -25,6 +25,9 @@ struct Tuning {
   std::atomic<int> vnm_pipe{0};
   // spmm_vnm_sm90.cu: 64 forces 64-token tiles at M = 8; 0: the product's (128 above 64 tokens).
   std::atomic<int> vnm_tile{0};
+  // spmm_vnm_sm90.cu: 1 takes the X^T path at every token count and weight size, 0 never; -1: the product's rule
+  // (sm90_vnm_xt in tile_config.h).
+  std::atomic<int> vnm_xt{-1};
   // sddmm_sm90.cu at M = 8: 0 X staged densely by TMA and gathered from shared memory (the product's), 1 X from global
   // memory into registers.
   std::atomic<int> sddmm_gather_regs{0};

@@ -794,7 +794,8 @@ __global__ void __launch_bounds__(kXtThreads, 1)
 spmm_vnm_sm90_xt_kernel(const T* __restrict__ xt, int ld, const uint4* __restrict__ values,
                         const uint32_t* __restrict__ meta, const uint32_t* __restrict__ columns,
                         const T* __restrict__ bias, T* __restrict__ y, int n_tokens, int rows, int rows_padded, int k,
-                        int steps, const __grid_constant__ CUtensorMap y_map, bool staged) {
+                        int steps, int splits, float* __restrict__ split_ws, int* __restrict__ split_counters,
+                        const __grid_constant__ CUtensorMap y_map, bool staged) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using Cfg = XtCfg;
   constexpr int STAGES = Cfg::STAGES;
@@ -808,8 +809,10 @@ spmm_vnm_sm90_xt_kernel(const T* __restrict__ xt, int ld, const uint4* __restric
   const uint32_t info = empty + 8 * STAGES;  // 16 bytes per stage, after the barriers
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = warp >> 2;
   const int row_blocks = (rows_padded + 127) >> 7, n_tiles = row_blocks * ((n_tokens + kXtBN - 1) / kXtBN);
+  const int n_units = n_tiles * splits;
   const int mt_last = (rows_padded >> 4) - 1;
-  const int k_tiles = (steps + 1) >> 1, groups = k / M, groups_padded = 8 * steps;
+  const int all_k_tiles = (steps + 1) >> 1, groups = k / M, groups_padded = 8 * steps;
+  const int kt_per_split = (all_k_tiles + splits - 1) / splits;
   if (tid == 0) {
     for (int s = 0; s < STAGES; ++s) {
       mbar_init(full + 8 * s, 128);  // one cp.async arrival per producer thread
@@ -823,7 +826,9 @@ spmm_vnm_sm90_xt_kernel(const T* __restrict__ xt, int ld, const uint4* __restric
     setmaxnreg_dec<Cfg::PRODUCER_REGS>();
     const int t = tid & 127, w = warp & 3;
     int gs = 0;  // steps issued so far, over all tiles
-    for (int tile = blockIdx.x; tile < n_tiles; tile += gridDim.x) {
+    for (int unit = blockIdx.x; unit < n_units; unit += gridDim.x) {
+      const int tile = unit % n_tiles, kt0 = (unit / n_tiles) * kt_per_split;
+      const int k_tiles = min(all_k_tiles, kt0 + kt_per_split) - kt0;
       const int cta_row0 = (tile % row_blocks) * 128, n_base = (tile / row_blocks) * kXtBN;
       const int mt_cta = cta_row0 >> 4;
       const uint32_t* col0 = columns + (size_t)(cta_row0 >> 6) * groups_padded;
@@ -873,12 +878,12 @@ spmm_vnm_sm90_xt_kernel(const T* __restrict__ xt, int ld, const uint4* __restric
       // three registers that the unrolled loop names statically (a register rotation would wait for each load at once).
       auto column_word = [&](int ls) -> uint32_t {
         if (ls >= n_steps || lane >= 4) return 0u;
-        const int kt = share ? ls : ls >> 1;
+        const int kt = kt0 + (share ? ls : ls >> 1);
         const uint32_t* col = share || (ls & 1) == 0 ? col0 : col1;
         return col[min(kt * 16 + 4 * w + lane, groups - 1)];
       };
       auto issue = [&](int ls, uint32_t cw) {
-        const int slot = gs % STAGES, kt = share ? ls : ls >> 1;
+        const int slot = gs % STAGES, kt = kt0 + (share ? ls : ls >> 1);
         const uint32_t stage = base + slot * Cfg::STAGE;
         mbar_wait(empty + 8 * slot, ((gs / STAGES) & 1) ^ 1);
 #pragma unroll
@@ -890,9 +895,13 @@ spmm_vnm_sm90_xt_kernel(const T* __restrict__ xt, int ld, const uint4* __restric
 #pragma unroll
           for (int q = 0; q < 4; ++q) cp_async_16_bytes(stage + dst_off[s4] + q * 8192, src + q * 128, bytes[q]);
         }
+        // A step of one slab (its own columns) copies that slab's A fragments (u = 2 x slab, + 1) and metadata
+        // (threads 32 x slab ..) only: the other consumer warpgroup skips the step.
+        const int slab = share ? -1 : ls & 1;
 #pragma unroll
         for (int u = 0; u < 5; ++u) {
           if (u == 4 && t >= 64) break;
+          if (slab >= 0 && (u < 4 ? u >> 1 : t >> 5) != slab) continue;
           const int st = 2 * kt + a_second[u];
           const uint32_t word = a_base[u] + (uint32_t)min(st, steps - 1) * a_stride[u];
           cp_async_16_bytes(stage + Cfg::A_OFF + (t + 128 * u) * 16, u < 4 ? values + word : meta4 + word,
@@ -956,7 +965,9 @@ spmm_vnm_sm90_xt_kernel(const T* __restrict__ xt, int ld, const uint4* __restric
     mbar_wait(full + 8 * (s % STAGES), (s / STAGES) & 1);
     if (lane == 0) mbar_arrive(empty + 8 * (s % STAGES));
   };
-  for (int tile = blockIdx.x; tile < n_tiles; tile += gridDim.x) {
+  for (int unit = blockIdx.x; unit < n_units; unit += gridDim.x) {
+    const int tile = unit % n_tiles, split = unit / n_tiles, kt0 = split * kt_per_split;
+    const int k_tiles = min(all_k_tiles, kt0 + kt_per_split) - kt0;
     const int cta_row0 = (tile % row_blocks) * 128, n_base = (tile / row_blocks) * kXtBN;
 #pragma unroll
     for (int j = 0; j < kXtBN / 2; ++j) acc[j] = 0.f;
@@ -965,13 +976,13 @@ spmm_vnm_sm90_xt_kernel(const T* __restrict__ xt, int ld, const uint4* __restric
     const bool share = *reinterpret_cast<const uint32_t*>(smem + (info - base) + (gs % STAGES) * 16) != 0u;
     // Each path drains its wgmmas before the paths join (ptxas serializes wgmmas whose accumulators a join moves).
     if (share) {
-      for (int kt = 0; kt < k_tiles; ++kt) compute(gs + kt, kt);
+      for (int kt = 0; kt < k_tiles; ++kt) compute(gs + kt, kt0 + kt);
       wgmma_wait<0>();
       gs += k_tiles;
     } else {
       for (int kt = 0; kt < k_tiles; ++kt) {
         if (wg == 1) pass(gs + 2 * kt);
-        compute(gs + 2 * kt + wg, kt);
+        compute(gs + 2 * kt + wg, kt0 + kt);
         if (wg == 0) pass(gs + 2 * kt + 1);
       }
       wgmma_wait<0>();
@@ -981,6 +992,12 @@ spmm_vnm_sm90_xt_kernel(const T* __restrict__ xt, int ld, const uint4* __restric
     held = -1;
 #pragma unroll
     for (int j = 0; j < kXtBN / 2; ++j) asm volatile("" : "+f"(acc[j])::"memory");  // reads after the wgmma wait
+    if (splits > 1) {  // split-K: the last split of the tile to arrive adds every split's partial sums and stores
+      const SplitK<kXtBN / 2, 256> sk(split_ws, split_counters, tile, split, splits, tid);
+      sk.store(acc, 0);
+      if (!sk.last([] { named_bar_sync(4, 256); })) continue;  // named barrier 4: both consumer warpgroups
+      sk.sum(acc, 0);
+    }
     if (wg * 4 < ((rows_padded - cta_row0) >> 4)) {
       const int row0 = cta_row0 + 64 * wg + 16 * wq;
       if (staged) {  // named barriers 2, 3: one per consumer warpgroup (1 is the producer's)
@@ -1001,6 +1018,30 @@ spmm_vnm_sm90_xt_kernel(const T* __restrict__ xt, int ld, const uint4* __restric
 // X^T's leading dimension: the tokens rounded up to 8 (16-byte rows).
 inline int xt_ld(const SpmmArgs& a) { return (a.n_tokens + 7) / 8 * 8; }
 
+// Whether this call takes the X^T path: tile_config.h sm90_vnm_xt (the lab build's vnm_xt knob forces it on or off).
+bool takes_xt(const SpmmArgs& a) {
+  if (a.m < 8 || a.n_tokens <= 0) return false;
+#if defined(HF_SPARSE_LAB)
+  const int forced = lab::tuning().vnm_xt.load(std::memory_order_relaxed);
+  if (forced >= 0) return forced == 1;
+#endif
+  return sm90_vnm_xt(a.m, a.n_tokens, a.rows);
+}
+
+// The X^T path's work units: 128-row x kXtBN-token tiles, split along K where they leave half the SMs or more idle
+// (tile_config.h sm90_large_split_k, as the 2:4 kernel's persistent configurations; `splits` 1 where the binding
+// passed no split-K scratch).
+Sm90SplitPlan xt_plan(const SpmmArgs& a) {
+  int sms = 0;
+  if (current_sm_count(&sms) != cudaSuccess) sms = 0;  // no split (the launch reports the error)
+  const long long tiles = sm90_tiles(a.rows_padded, a.n_tokens, kXtBN);
+  Sm90SplitPlan p{kXtBN, sms > 0 ? sm90_large_split_k(tiles, (a.steps + 1) / 2, sms) : 1, tiles};
+#if defined(HF_SPARSE_LAB)
+  p.splits = lab::split_k_or(p.splits, p.tiles, (a.steps + 1) / 2);
+#endif
+  return p;
+}
+
 template <typename T, int M>
 cudaError_t launch_xt(const SpmmArgs& a, cudaStream_t stream) {
   constexpr auto kernel = spmm_vnm_sm90_xt_kernel<T, M>;
@@ -1014,13 +1055,14 @@ cudaError_t launch_xt(const SpmmArgs& a, cudaStream_t stream) {
   int sms = 0;
   err = current_sm_count(&sms);
   if (err != cudaSuccess) return err;
-  const long long tiles = (long long)((a.rows_padded + 127) / 128) * ((a.n_tokens + kXtBN - 1) / kXtBN);
+  const Sm90SplitPlan plan = xt_plan(a);
+  const int splits = a.split_ws != nullptr && a.split_counters != nullptr ? plan.splits : 1;  // see SpmmArgs
   CUtensorMap y_map{};
   const bool staged = encode_y_map(a, XtCfg::EPI_N, &y_map);  // else the direct epilogue (rows % 8 != 0)
-  kernel<<<(unsigned)std::min<long long>(tiles, sms), kXtThreads, XtCfg::SMEM, stream>>>(
+  kernel<<<(unsigned)std::min<long long>(plan.tiles * splits, sms), kXtThreads, XtCfg::SMEM, stream>>>(
       xt, ld, static_cast<const uint4*>(a.values), static_cast<const uint32_t*>(a.meta),
       reinterpret_cast<const uint32_t*>(a.columns), static_cast<const T*>(a.bias), static_cast<T*>(a.y), a.n_tokens,
-      a.rows, a.rows_padded, a.k, a.steps, y_map, staged);
+      a.rows, a.rows_padded, a.k, a.steps, splits, a.split_ws, a.split_counters, y_map, staged);
   return cudaGetLastError();
 }
 
@@ -1106,7 +1148,7 @@ cudaError_t launch_pipe(const SpmmArgs& a, cudaStream_t stream) {
 
 template <typename T, int M>
 cudaError_t dispatch_tile(const SpmmArgs& a, cudaStream_t stream) {
-  if (a.xt != nullptr && sm90_vnm_xt(a.m, a.n_tokens, a.rows)) return launch_xt<T, M>(a, stream);
+  if (a.xt != nullptr && takes_xt(a)) return launch_xt<T, M>(a, stream);
   const int bn = vnm_bn(a);
   if (bn == 16) return launch_vnm<T, M, 16, false>(a, stream);  // the register pipeline only
   if (bn == 32) return launch_vnm<T, M, 32, false>(a, stream);
@@ -1134,12 +1176,12 @@ cudaError_t dispatch_m(const SpmmArgs& a, cudaStream_t stream) {
 }  // namespace
 
 int64_t spmm_vnm_sm90_split_floats(const SpmmArgs& a) {
-  if (a.m < 8 || a.n_tokens <= 0 || sm90_vnm_xt(a.m, a.n_tokens, a.rows)) return 0;
-  return vnm_plan(a).scratch_floats();
+  if (a.m < 8 || a.n_tokens <= 0) return 0;
+  return takes_xt(a) ? xt_plan(a).scratch_floats() : vnm_plan(a).scratch_floats();
 }
 
 int64_t spmm_vnm_sm90_xt_elems(const SpmmArgs& a) {
-  if (a.m < 8 || a.n_tokens <= 0 || !sm90_vnm_xt(a.m, a.n_tokens, a.rows)) return 0;
+  if (!takes_xt(a)) return 0;
   return (int64_t)a.k * xt_ld(a) + kXtBN;  // + a tile's tokens: the zero-byte copies past the last row stay inside
 }
 

@@ -2,7 +2,8 @@
 
 Knobs: ``sm90_config`` (the 2:4 sparse-wgmma SpMM's tile configuration, 0-35 as numbered in ``csrc/README.md``; -1
 the product's choice), ``vnm_pipe`` (the V:2:M wgmma SpMM's pipeline: 0 registers, 1 staged, 2 registers + L1
-prefetch, 3 warp-specialised, 4 = 3 with one gather for both slabs where they keep the same columns, M = 8), ``vnm_tile`` (64: 64-token tiles at M = 8; 0 the product's), ``sddmm_gather_regs`` (1: the wgmma SDDMM at
+prefetch, 3 warp-specialised, 4 = 3 with one gather for both slabs where they keep the same columns, M = 8), ``vnm_tile`` (64: 64-token tiles at M = 8; 0 the product's), ``vnm_xt`` (1: the V:2:M kernel's X^T path at every
+token count and weight size, 0: never, -1: the product's rule), ``sddmm_gather_regs`` (1: the wgmma SDDMM at
 M = 8 loads X into registers; 0 the product's), ``split_k`` (> 0: that many splits of each tile's k-tiles in both
 sparse-wgmma SpMMs wherever they may split; 0 the product's count), ``small_tiles`` (1: the 2:4 wgmma kernel's
 few-token tiles up to 256 tokens, 0: never, the persistent large configurations and their split-K instead; -1 the
@@ -19,7 +20,7 @@ from hf_sparse.ops._build import KernelUnavailableError, lab_build, load_extensi
 
 __all__ = ["KNOBS", "require_lab_build", "tuning"]
 
-KNOBS = ("sm90_config", "vnm_pipe", "vnm_tile", "sddmm_gather_regs", "split_k", "small_tiles")
+KNOBS = ("sm90_config", "vnm_pipe", "vnm_tile", "vnm_xt", "sddmm_gather_regs", "split_k", "small_tiles")
 SM90_CONFIGS = range(36)  # the tile configurations of the lab build (csrc/lab.h kSm90Configs)
 
 

@@ -151,12 +151,14 @@ def test_spmm_vnm_ragged_k_and_token_tiles(v, m, dtype, bias, tokens, groups, pi
 @pytest.mark.parametrize(
     ("tokens", "groups", "blocks"),
     # 1024 tokens: four full 256-token tiles; 1061: a last tile of 37 tokens, not a multiple of 8 (X^T's padding);
-    # 17 groups: an odd step count (the last k-tile one k-step, 15 padded groups); 40 groups: 2.5 k-tiles
-    [(1024, 17, 16), (1061, 40, 17), (2309, 25, 18)],
+    # 17 groups: an odd step count (the last k-tile one k-step, 15 padded groups); 40 groups: 2.5 k-tiles; 520
+    # groups on 9 row blocks x 5 token tiles: 45 tiles leave most SMs idle, so K is split in two (17 + 16 k-tiles)
+    [(1024, 17, 16), (1061, 40, 17), (2309, 25, 18), (1061, 520, 17)],
 )
 def test_spmm_vnm_large_token_path(v, m, dtype, tokens, groups, blocks):
     """The V:2:M sparse-wgmma SpMM's large-token path (``sm90_vnm_xt`` in ``csrc/tile_config.h``: X transposed, the
-    kept rows of X^T copied whole): against the reference on poisoned memory, with bias. ``blocks`` x 64 rows: 17 x 64
+    kept rows of X^T copied whole; K split where the tiles leave SMs idle): against the reference on poisoned memory,
+    with bias, the same result on a second call. ``blocks`` x 64 rows: 17 x 64
     (V = 64) ends in a 128-row block with one slab; V = 64 slabs keep their own columns (two steps per k-tile), V = 128
     share one B tile (V = 128 takes ``blocks`` rounded up to even)."""
     if not _wgmma_runs_here():
@@ -168,6 +170,7 @@ def test_spmm_vnm_large_token_path(v, m, dtype, tokens, groups, blocks):
     b = torch.randn(rows, device="cuda").to(dtype)
     with force_kernel(spmm="wgmma"):
         _assert_spmm_matches_reference(x, w, p, b)
+        assert torch.equal(spmm(x, p, b), spmm(x, p, b))  # split partial sums are added in split order
     if v == 64:  # every slab pair keeps different columns: the two-step k-tiles, each slab from its own
         mask = _mask_with_distinct_slab_columns(rows, cols, v, m, seed=m).cuda()
         w = torch.randn(rows, cols, device="cuda") * mask
