@@ -118,10 +118,12 @@ inline int sm90_vnm_bn(int m, long long n_tokens) {
   return m == 8 ? 128 : 64;
 }
 // Whether the V:2:M sparse-wgmma SpMM transposes X and gathers whole kept rows of X^T (spmm_vnm_sm90.cu, the
-// large-token path): only the kept columns then cross L2 -> SM, for one extra pass over X. Taken from
-// kVnmXtMinTokens tokens, where its 256-token tiles fill the SMs, and from kVnmXtMinRows weight rows, where the GEMM
-// is long enough against the transpose (which reads and writes X once).
-constexpr long long kVnmXtMinTokens = 1024;
+// X^T path): only the kept columns then cross L2 -> SM, for one extra pass over X. Taken from kVnmXtMinTokens
+// tokens and from kVnmXtMinRows weight rows, where the GEMM is long enough against the transpose (which reads and
+// writes X once). At 256-768 tokens it was faster than the register gather in 34 of the 36 cells measured (up to
+// 5.0x; 64:2:8 / 128:2:8 / 64:2:16 / 128:2:16 at 4096 <-> 11008 and 4096 -> 4096; 0.79x and 0.98x at 4096 -> 4096
+// with 256 tokens, M = 8), at 128 tokens slower in 8 of 12 (benchmarks/RESULTS.md, "the X^T path below 1024 tokens").
+constexpr long long kVnmXtMinTokens = 256;
 constexpr int kVnmXtMinRows = 1024;
 inline bool sm90_vnm_xt(int m, long long n_tokens, int rows) {
   return m >= 8 && n_tokens >= kVnmXtMinTokens && rows >= kVnmXtMinRows;
