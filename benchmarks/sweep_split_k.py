@@ -9,7 +9,7 @@ choice of the pattern's sparse-``wgmma`` kernel, and that kernel with each split
 (``lab.tuning``'s ``split_k``). For 2:4 it also times the few-token tiles forced at every count up to 256 tokens
 (``small_tiles=1``) and the persistent large configurations (``small_tiles=0``) with their own split rule
 (``large``) and with each split count forced (``Ls<count>``); with ``--vnm-xt``, V:2:M with its X^T path forced on
-(``xts<count>``) and off (``rgs<count>``). ``--product-only`` times dense and the product's choice alone, so that two
+(``xts<count>``), and with ``--vnm-rg`` off (``rgs<count>``). ``--product-only`` times dense and the product's choice alone, so that two
 checkouts (``PYTHONPATH``) can be compared in one session with any build. Every configuration is checked against the dense product before it is timed.
 Times are ``triton.testing.do_bench`` medians (CUDA events, GPU time), in µs; ratios are cuBLAS time / ours.
 """
@@ -73,8 +73,11 @@ def main() -> int:
     ap.add_argument(
         "--vnm-xt",
         action="store_true",
-        help="V:2:M: the kernel with its X^T path forced on (xt) and off (rg) instead of the product's choice alone "
-        "(vnm_xt), each with every split count of --splits (0: the product's count)",
+        help="V:2:M: the kernel with its X^T path forced on (xt) instead of the product's choice, with every split "
+        "count of --splits (0: the product's count); --vnm-rg adds the register gather forced (rg)",
+    )
+    ap.add_argument(
+        "--vnm-rg", action="store_true", help="with --vnm-xt: also the register gather forced (vnm_xt=0, rg)"
     )
     ap.add_argument(
         "--queued",
@@ -126,7 +129,7 @@ def main() -> int:
                     for c in args.configs:
                         extra[f"c{c}"] = timed(x, p, ref, f"configuration {c}", sm90_config=c)
                 elif args.vnm_xt:
-                    variants = [("xt", {"vnm_xt": 1}), ("rg", {"vnm_xt": 0})]
+                    variants = [("xt", {"vnm_xt": 1})] + ([("rg", {"vnm_xt": 0})] if args.vnm_rg else [])
                 else:
                     variants = [("", {})]
                 for name, knobs in variants:
