@@ -718,9 +718,8 @@ spmm_vnm_sm90_ws_kernel(const T* __restrict__ x, const uint4* __restrict__ value
 // zeros of X^T's padding or zero-filled (src-size 0); groups past G read group G - 1's columns (their A values are
 // zero); a missing second k-step of an odd step count multiplies zeros with valid metadata.
 constexpr int kXtThreads = 384;
-constexpr int kXtBN = 256;
 struct XtCfg {
-  static constexpr int B_BYTES = kXtBN * 128;      // 64 condensed k-rows x 256 tokens
+  static constexpr int B_BYTES = kVnmXtBN * 128;      // 64 condensed k-rows x 256 tokens
   static constexpr int A_OFF = B_BYTES;
   static constexpr int A_BYTES = 8 * 2 * 32 * 16;  // 8 m16 tiles x 2 k-steps x 32 lanes x 16 bytes
   static constexpr int E_OFF = A_OFF + A_BYTES;
@@ -808,7 +807,7 @@ spmm_vnm_sm90_xt_kernel(const T* __restrict__ xt, int ld, const uint4* __restric
   const uint32_t full = epi + 2 * Cfg::EPI_BUFS * Cfg::EPI_CHUNK, empty = full + 8 * STAGES;
   const uint32_t info = empty + 8 * STAGES;  // 16 bytes per stage, after the barriers
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = warp >> 2;
-  const int row_blocks = (rows_padded + 127) >> 7, n_tiles = row_blocks * ((n_tokens + kXtBN - 1) / kXtBN);
+  const int row_blocks = (rows_padded + 127) >> 7, n_tiles = row_blocks * ((n_tokens + kVnmXtBN - 1) / kVnmXtBN);
   const int n_units = n_tiles * splits;
   const int mt_last = (rows_padded >> 4) - 1;
   const int all_k_tiles = (steps + 1) >> 1, groups = k / M, groups_padded = 8 * steps;
@@ -829,7 +828,7 @@ spmm_vnm_sm90_xt_kernel(const T* __restrict__ xt, int ld, const uint4* __restric
     for (int unit = blockIdx.x; unit < n_units; unit += gridDim.x) {
       const int tile = unit % n_tiles, kt0 = (unit / n_tiles) * kt_per_split;
       const int k_tiles = min(all_k_tiles, kt0 + kt_per_split) - kt0;
-      const int cta_row0 = (tile % row_blocks) * 128, n_base = (tile / row_blocks) * kXtBN;
+      const int cta_row0 = (tile % row_blocks) * 128, n_base = (tile / row_blocks) * kVnmXtBN;
       const int mt_cta = cta_row0 >> 4;
       const uint32_t* col0 = columns + (size_t)(cta_row0 >> 6) * groups_padded;
       const bool two_slabs = ((rows_padded - cta_row0) >> 4) > 4;
@@ -933,7 +932,7 @@ spmm_vnm_sm90_xt_kernel(const T* __restrict__ xt, int ld, const uint4* __restric
   constexpr uint32_t kMetaPad = 0x44444444u;
   const int wq = warp & 3, g = lane >> 2, t4 = lane & 3;
   const int mt = wg * 4 + wq;
-  float acc[kXtBN / 2];
+  float acc[kVnmXtBN / 2];
   int gs = 0;     // steps consumed so far, over all tiles
   int held = -1;  // the slot of this warpgroup's last step, released once its wgmmas are done
   auto compute = [&](int s, int kt) {
@@ -953,7 +952,7 @@ spmm_vnm_sm90_xt_kernel(const T* __restrict__ xt, int ld, const uint4* __restric
     const uint64_t desc = desc_mn128(base + slot * Cfg::STAGE, 8192);
     wgmma_fence();
 #pragma unroll
-    for (int j = 0; j < 2; ++j) WgmmaSpT<kXtBN, T>::run(acc, a[j], desc + j * (4096 >> 4), e[j]);
+    for (int j = 0; j < 2; ++j) WgmmaSpT<kVnmXtBN, T>::run(acc, a[j], desc + j * (4096 >> 4), e[j]);
     wgmma_commit();
     wgmma_wait<1>();
     if (held >= 0 && lane == 0) mbar_arrive(empty + 8 * held);
@@ -968,9 +967,9 @@ spmm_vnm_sm90_xt_kernel(const T* __restrict__ xt, int ld, const uint4* __restric
   for (int unit = blockIdx.x; unit < n_units; unit += gridDim.x) {
     const int tile = unit % n_tiles, split = unit / n_tiles, kt0 = split * kt_per_split;
     const int k_tiles = min(all_k_tiles, kt0 + kt_per_split) - kt0;
-    const int cta_row0 = (tile % row_blocks) * 128, n_base = (tile / row_blocks) * kXtBN;
+    const int cta_row0 = (tile % row_blocks) * 128, n_base = (tile / row_blocks) * kVnmXtBN;
 #pragma unroll
-    for (int j = 0; j < kXtBN / 2; ++j) acc[j] = 0.f;
+    for (int j = 0; j < kVnmXtBN / 2; ++j) acc[j] = 0.f;
     // The tile's first step is slab 0's first k-tile either way; its info slot says how the rest goes.
     mbar_wait(full + 8 * (gs % STAGES), (gs / STAGES) & 1);
     const bool share = *reinterpret_cast<const uint32_t*>(smem + (info - base) + (gs % STAGES) * 16) != 0u;
@@ -991,9 +990,9 @@ spmm_vnm_sm90_xt_kernel(const T* __restrict__ xt, int ld, const uint4* __restric
     if (lane == 0) mbar_arrive(empty + 8 * held);
     held = -1;
 #pragma unroll
-    for (int j = 0; j < kXtBN / 2; ++j) asm volatile("" : "+f"(acc[j])::"memory");  // reads after the wgmma wait
+    for (int j = 0; j < kVnmXtBN / 2; ++j) asm volatile("" : "+f"(acc[j])::"memory");  // reads after the wgmma wait
     if (splits > 1) {  // split-K: the last split of the tile to arrive adds every split's partial sums and stores
-      const SplitK<kXtBN / 2, 256> sk(split_ws, split_counters, tile, split, splits, tid);
+      const SplitK<kVnmXtBN / 2, 256> sk(split_ws, split_counters, tile, split, splits, tid);
       sk.store(acc, 0);
       if (!sk.last([] { named_bar_sync(4, 256); })) continue;  // named barrier 4: both consumer warpgroups
       sk.sum(acc, 0);
@@ -1001,11 +1000,11 @@ spmm_vnm_sm90_xt_kernel(const T* __restrict__ xt, int ld, const uint4* __restric
     if (wg * 4 < ((rows_padded - cta_row0) >> 4)) {
       const int row0 = cta_row0 + 64 * wg + 16 * wq;
       if (staged) {  // named barriers 2, 3: one per consumer warpgroup (1 is the producer's)
-        store_tile_staged<T, kXtBN, Cfg::EPI_N, Cfg::EPI_BUFS, false>(
+        store_tile_staged<T, kVnmXtBN, Cfg::EPI_N, Cfg::EPI_BUFS, false>(
             acc, row0, cta_row0 + 64 * wg, n_base, lane, wq, epi + wg * Cfg::EPI_BUFS * Cfg::EPI_CHUNK, 2 + wg, bias,
             rows, n_tokens, &y_map);
       } else {
-        store_tile<T, kXtBN>(acc, row0, n_base, lane, bias, y, rows, n_tokens);
+        store_tile<T, kVnmXtBN>(acc, row0, n_base, lane, bias, y, rows, n_tokens);
       }
     }
   }
@@ -1028,14 +1027,13 @@ bool takes_xt(const SpmmArgs& a) {
   return sm90_vnm_xt(a.m, a.n_tokens, a.rows);
 }
 
-// The X^T path's work units: 128-row x kXtBN-token tiles, split along K where they leave half the SMs or more idle
-// (tile_config.h sm90_large_split_k, as the 2:4 kernel's persistent configurations; `splits` 1 where the binding
-// passed no split-K scratch).
+// The X^T path's work units: 128-row x kVnmXtBN-token tiles, each split along K in sm90_vnm_xt_split_k parts
+// (tile_config.h; the launch takes 1 where the binding passed no split-K scratch).
 Sm90SplitPlan xt_plan(const SpmmArgs& a) {
   int sms = 0;
   if (current_sm_count(&sms) != cudaSuccess) sms = 0;  // no split (the launch reports the error)
-  const long long tiles = sm90_tiles(a.rows_padded, a.n_tokens, kXtBN);
-  Sm90SplitPlan p{kXtBN, sms > 0 ? sm90_large_split_k(tiles, (a.steps + 1) / 2, sms) : 1, tiles};
+  const long long tiles = sm90_tiles(a.rows_padded, a.n_tokens, kVnmXtBN);
+  Sm90SplitPlan p{kVnmXtBN, sm90_vnm_xt_split_k(tiles, (a.steps + 1) / 2, sms), tiles};
 #if defined(HF_SPARSE_LAB)
   p.splits = lab::split_k_or(p.splits, p.tiles, (a.steps + 1) / 2);
 #endif
@@ -1182,7 +1180,7 @@ int64_t spmm_vnm_sm90_split_floats(const SpmmArgs& a) {
 
 int64_t spmm_vnm_sm90_xt_elems(const SpmmArgs& a) {
   if (!takes_xt(a)) return 0;
-  return (int64_t)a.k * xt_ld(a) + kXtBN;  // + a tile's tokens: the zero-byte copies past the last row stay inside
+  return (int64_t)a.k * xt_ld(a) + kVnmXtBN;  // + a tile's tokens: the zero-byte copies past the last row stay inside
 }
 
 cudaError_t spmm_vnm_sm90(const SpmmArgs& a, cudaStream_t stream) {

@@ -124,6 +124,7 @@ inline int sm90_vnm_bn(int m, long long n_tokens) {
 // 5.0x; 64:2:8 / 128:2:8 / 64:2:16 / 128:2:16 at 4096 <-> 11008 and 4096 -> 4096; 0.79x and 0.98x at 4096 -> 4096
 // with 256 tokens, M = 8), at 128 tokens slower in 8 of 12 (benchmarks/RESULTS.md, "the X^T path below 1024 tokens").
 constexpr long long kVnmXtMinTokens = 256;
+constexpr int kVnmXtBN = 256;  // the X^T path's tokens per tile (128 weight rows x 256 tokens)
 constexpr int kVnmXtMinRows = 1024;
 inline bool sm90_vnm_xt(int m, long long n_tokens, int rows) {
   return m >= 8 && n_tokens >= kVnmXtMinTokens && rows >= kVnmXtMinRows;
@@ -174,6 +175,24 @@ inline long long sm90_split_work(const Sm90SplitPlan& p, long long k_tiles, int 
   const long long sum = p.splits > 1 ? kSm90SplitSumKTiles * (p.splits + 1) : 0;
   return (p.tiles * p.splits + sms - 1) / sms * (p.bn + kSm90KTileFixedTokens) *
          ((k_tiles + p.splits - 1) / p.splits + sum);
+}
+// The V:2:M X^T path's split-K (spmm_vnm_sm90.cu): its 128 x kVnmXtBN tiles, each split in this many parts, are the
+// work units its persistent CTAs (one per SM) walk. The count whose plan gives the busiest SM the least work
+// (sm90_split_work), fewer splits on a tie, each split at least kSplitKMinKTiles k-tiles (16 groups each) long. Unlike
+// the 2:4 configurations' rule it may leave more units than SMs: at 768 tokens, 28672 -> 8192 (192 tiles) ran 1.2-1.4x
+// faster in 2 splits (3 rounds of units) than unsplit (2 rounds, the second 45% full). Over the 48 cells measured
+// (V:2:M, 256-768 tokens, 4096 -> 4096, 11008 <-> 4096, 28672 -> 8192; benchmarks/RESULTS.md, "the X^T path below
+// 1024 tokens") its choices took 1.001x the time of the best split count of each cell, at worst 1.07x.
+inline int sm90_vnm_xt_split_k(long long tiles, long long k_tiles, int sms) {
+  if (tiles <= 0 || tiles > kSplitKCounters || sms <= 0) return 1;
+  long long most = k_tiles / kSplitKMinKTiles;
+  if (most > kSplitKMax) most = kSplitKMax;
+  Sm90SplitPlan best{kVnmXtBN, 1, tiles};
+  for (long long s = 2; s <= most; ++s) {
+    const Sm90SplitPlan p{kVnmXtBN, (int)sm90_splits_without_empty(k_tiles, s), tiles};
+    if (sm90_split_work(p, k_tiles, sms) < sm90_split_work(best, k_tiles, sms)) best = p;
+  }
+  return best.splits;
 }
 // The 128-row x bn-token tiles of an output of rows_padded rows x n_tokens tokens.
 inline long long sm90_tiles(long long rows_padded, long long n_tokens, int bn) {

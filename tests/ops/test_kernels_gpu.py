@@ -153,8 +153,8 @@ def test_spmm_vnm_ragged_k_and_token_tiles(v, m, dtype, bias, tokens, groups, pi
     # 256 tokens: the fewest the path takes, one tile; 1024: four full 256-token tiles; 1061: a last tile of 37
     # tokens, not a multiple of 8 (X^T's padding); 17 groups: an odd step count (the last k-tile one k-step, 15
     # padded groups); 40 groups: 2.5 k-tiles; 520 groups on 9 row blocks x 5 token tiles: 45 tiles leave most SMs
-    # idle, so K is split in two (17 + 16 k-tiles); 1032 groups at 300 tokens: 18 tiles, K in four (17, 17, 17, 14)
-    [(256, 17, 16), (1024, 17, 16), (1061, 40, 17), (2309, 25, 18), (1061, 520, 17), (300, 1032, 17)],
+    # idle, so K is split in two (17 + 16 k-tiles); 1000 groups at 300 tokens: 18 tiles, K in four (16, 16, 16, 15)
+    [(256, 17, 16), (1024, 17, 16), (1061, 40, 17), (2309, 25, 18), (1061, 520, 17), (300, 1000, 17)],
 )
 def test_spmm_vnm_large_token_path(v, m, dtype, tokens, groups, blocks):
     """The V:2:M sparse-wgmma SpMM's large-token path (``sm90_vnm_xt`` in ``csrc/tile_config.h``: X transposed, the

@@ -147,6 +147,19 @@ VNM_XT_CASES = [
     ((4, 8192, 4096), 0),  # 2:4 has its own kernel
 ]
 
+# (tiles, k-tiles, SMs) -> the V:2:M X^T path's split count: the least busiest-SM work, ceil(tiles x splits / SMs)
+# x (256 + 64) x (k-tiles per split + 3 x (splits + 1) where split), fewer splits on a tie
+VNM_XT_SPLIT_CASES = [
+    ((32, 43, 132), 4),  # 11008 -> 4096, M = 16, 256 tokens: 1 x 320 x (11 + 15) = 8320 < 3 splits' 8640
+    ((32, 32, 132), 3),  # 4096 -> 4096, M = 8: 3 and 4 splits tie at 7360 (2: 8000, 5: two rounds, 16000)
+    ((32, 16, 132), 1),  # M = 16: 5120 unsplit, 5440 in 2
+    ((192, 224, 132), 2),  # 28672 -> 8192 at 768 tokens: 3 rounds x 320 x (112 + 9) < 2 rounds x 320 x 224
+    ((128, 224, 132), 1),  # the same at 512 tokens: one full round unsplit
+    ((2752, 32, 132), 1),  # 4096 -> 11008 at 8192 tokens
+    ((4097, 448, 132), 1),  # more tiles than split-K counters
+    ((32, 3, 132), 1),  # fewer k-tiles than two splits' minimum
+]
+
 PROGRAM = r"""
 #include <cstdio>
 #include "tile_config.h"
@@ -164,6 +177,7 @@ int main(int argc, char** argv) {
     }
     if (fn == 'V') std::printf("%d\n", hf_sparse::sm90_vnm_bn((int)a, b));
     if (fn == 'X') std::printf("%d\n", hf_sparse::sm90_vnm_xt((int)a, b, (int)c) ? 1 : 0);
+    if (fn == 'Y') std::printf("%d\n", hf_sparse::sm90_vnm_xt_split_k(a, b, (int)c));
     if (fn == 'P') {
       const hf_sparse::Sm90LargePlan p = hf_sparse::sm90_large_plan(a, b, c, (int)d);
       std::printf("%d %d\n", p.config, p.split.splits);
@@ -217,3 +231,7 @@ def test_vnm_token_tiles_match_hand_computed_choices(chooser):
 
 def test_vnm_large_token_path_matches_hand_computed_choices(chooser):
     assert _choose(chooser, "X", VNM_XT_CASES) == [expected for _, expected in VNM_XT_CASES]
+
+
+def test_vnm_xt_split_matches_hand_computed_choices(chooser):
+    assert _choose(chooser, "Y", VNM_XT_SPLIT_CASES) == [expected for _, expected in VNM_XT_SPLIT_CASES]
