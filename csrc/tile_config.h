@@ -124,7 +124,7 @@ inline int sm90_vnm_bn(int m, long long n_tokens) {
 // 5.0x; 64:2:8 / 128:2:8 / 64:2:16 / 128:2:16 at 4096 <-> 11008 and 4096 -> 4096; 0.79x and 0.98x at 4096 -> 4096
 // with 256 tokens, M = 8), at 128 tokens slower in 8 of 12 (benchmarks/RESULTS.md, "the X^T path below 1024 tokens").
 constexpr long long kVnmXtMinTokens = 256;
-constexpr int kVnmXtBN = 256;  // the X^T path's tokens per tile (128 weight rows x 256 tokens)
+constexpr int kVnmXtBN = 256;  // the X^T path's widest tile: 128 weight rows x 256 tokens (sm90_vnm_xt_plan)
 constexpr int kVnmXtMinRows = 1024;
 inline bool sm90_vnm_xt(int m, long long n_tokens, int rows) {
   return m >= 8 && n_tokens >= kVnmXtMinTokens && rows >= kVnmXtMinRows;
@@ -176,27 +176,43 @@ inline long long sm90_split_work(const Sm90SplitPlan& p, long long k_tiles, int 
   return (p.tiles * p.splits + sms - 1) / sms * (p.bn + kSm90KTileFixedTokens) *
          ((k_tiles + p.splits - 1) / p.splits + sum);
 }
-// The V:2:M X^T path's split-K (spmm_vnm_sm90.cu): its 128 x kVnmXtBN tiles, each split in this many parts, are the
-// work units its persistent CTAs (one per SM) walk. The count whose plan gives the busiest SM the least work
+// The 128-row x bn-token tiles of an output of rows_padded rows x n_tokens tokens.
+inline long long sm90_tiles(long long rows_padded, long long n_tokens, int bn) {
+  return ((rows_padded + 127) / 128) * ((n_tokens + bn - 1) / bn);
+}
+// The V:2:M X^T path's split-K (spmm_vnm_sm90.cu): its 128 x bn tiles, each split in this many parts, are the work
+// units its persistent CTAs (one per SM) walk. The count whose plan gives the busiest SM the least work
 // (sm90_split_work), fewer splits on a tie, each split at least kSplitKMinKTiles k-tiles (16 groups each) long. Unlike
 // the 2:4 configurations' rule it may leave more units than SMs: at 768 tokens, 28672 -> 8192 (192 tiles) ran 1.2-1.4x
 // faster in 2 splits (3 rounds of units) than unsplit (2 rounds, the second 45% full). Over the 48 cells measured
 // (V:2:M, 256-768 tokens, 4096 -> 4096, 11008 <-> 4096, 28672 -> 8192; benchmarks/RESULTS.md, "the X^T path below
 // 1024 tokens") its choices took 1.001x the time of the best split count of each cell, at worst 1.07x.
-inline int sm90_vnm_xt_split_k(long long tiles, long long k_tiles, int sms) {
+inline int sm90_vnm_xt_split_k(long long tiles, long long k_tiles, int sms, int bn = kVnmXtBN) {
   if (tiles <= 0 || tiles > kSplitKCounters || sms <= 0) return 1;
   long long most = k_tiles / kSplitKMinKTiles;
   if (most > kSplitKMax) most = kSplitKMax;
-  Sm90SplitPlan best{kVnmXtBN, 1, tiles};
+  Sm90SplitPlan best{bn, 1, tiles};
   for (long long s = 2; s <= most; ++s) {
-    const Sm90SplitPlan p{kVnmXtBN, (int)sm90_splits_without_empty(k_tiles, s), tiles};
+    const Sm90SplitPlan p{bn, (int)sm90_splits_without_empty(k_tiles, s), tiles};
     if (sm90_split_work(p, k_tiles, sms) < sm90_split_work(best, k_tiles, sms)) best = p;
   }
   return best.splits;
 }
-// The 128-row x bn-token tiles of an output of rows_padded rows x n_tokens tokens.
-inline long long sm90_tiles(long long rows_padded, long long n_tokens, int bn) {
-  return ((rows_padded + 127) / 128) * ((n_tokens + bn - 1) / bn);
+// The X^T path's plan: tiles of kVnmXtBN or 128 tokens, each with its split count (sm90_vnm_xt_split_k), whichever
+// gives the busiest SM the least work (sm90_split_work), the wider tile on a tie. E.g. 4096 -> 11008 at 512 tokens, M =
+// 8 (86 row blocks, 32 k-tiles): 256 tokens, 172 tiles, 2 rounds x 320 x 32 = 20480; 128 tokens, 344 tiles, 3 rounds x
+// 192 x 32 = 18432: 128. At 1024 tokens: 3 x 320 x 32 = 30720 against 6 x 192 x 32 = 36864: 256.
+inline Sm90SplitPlan sm90_vnm_xt_plan(long long rows_padded, long long n_tokens, long long k_tiles, int sms) {
+  Sm90SplitPlan best{};
+  long long best_work = -1;
+  const int widths[2] = {kVnmXtBN, 128};
+  for (const int bn : widths) {
+    const long long tiles = sm90_tiles(rows_padded, n_tokens, bn);
+    const Sm90SplitPlan p{bn, sm90_vnm_xt_split_k(tiles, k_tiles, sms, bn), tiles};
+    const long long work = sm90_split_work(p, k_tiles, sms > 0 ? sms : 1);
+    if (best_work < 0 || work < best_work) best = p, best_work = work;
+  }
+  return best;
 }
 inline Sm90SplitPlan sm90_split_plan(long long rows_padded, long long n_tokens, int bn, long long k_tiles,
                                      int sms, int ctas_per_sm, int min_k_tiles = kSplitKMinKTiles) {

@@ -54,6 +54,7 @@ SOURCES = (
     "spmm.cu",
     "spmm_sm90.cu",
     "spmm_vnm_sm90.cu",
+    "spmm_vnm_xt_sm90.cu",
     "sddmm.cu",
     "sddmm_sm90.cu",
     "pack.cu",

@@ -150,10 +150,10 @@ def test_spmm_vnm_ragged_k_and_token_tiles(v, m, dtype, bias, tokens, groups, pi
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
     ("tokens", "groups", "blocks"),
-    # 256 tokens: the fewest the path takes, one tile; 1024: four full 256-token tiles; 1061: a last tile of 37
-    # tokens, not a multiple of 8 (X^T's padding); 17 groups: an odd step count (the last k-tile one k-step, 15
-    # padded groups); 40 groups: 2.5 k-tiles; 520 groups on 9 row blocks x 5 token tiles: 45 tiles leave most SMs
-    # idle, so K is split in two (17 + 16 k-tiles); 1000 groups at 300 tokens: 18 tiles, K in four (16, 16, 16, 15)
+    # (sm90_vnm_xt_plan on 132 SMs) 256 tokens, the fewest the path takes: two 128-token tiles; 1024: eight; 1061: a
+    # last tile of 37 tokens, not a multiple of 8 (X^T's padding); 2309: 256-token tiles; 17 groups: an odd step count
+    # (the last k-tile one k-step, 15 padded groups); 40 groups: 2.5 k-tiles; 520: 33 k-tiles; 1000 groups at 300
+    # tokens: 27 tiles of 128 tokens leave most SMs idle, so K is split in four (16, 16, 16, 15 k-tiles)
     [(256, 17, 16), (1024, 17, 16), (1061, 40, 17), (2309, 25, 18), (1061, 520, 17), (300, 1000, 17)],
 )
 def test_spmm_vnm_large_token_path(v, m, dtype, tokens, groups, blocks):
@@ -178,6 +178,22 @@ def test_spmm_vnm_large_token_path(v, m, dtype, tokens, groups, blocks):
         p = pack(w, mask, v, m, dtype)
         with force_kernel(spmm="wgmma"):
             _assert_spmm_matches_reference(x, w, p)
+
+
+@pytest.mark.parametrize(("v", "m"), [(64, 8), (128, 16)])
+def test_spmm_vnm_xt_path_splits_256_token_tiles(v, m):
+    """The X^T path's plan where 256-token tiles split beat 128-token ones: 7680 rows (60 row blocks) x 256 tokens and
+    1544 groups (97 k-tiles, the last one k-step) take 60 tiles of 256 tokens in two splits (49 + 48 k-tiles); poisoned
+    memory, bias, the same result on a second call."""
+    if not _wgmma_runs_here():
+        pytest.skip("sparse wgmma needs a cc 9.0 GPU and an sm_90a build")
+    rows, cols = 7680, 1544 * m
+    w, mask, p = _pack_cuda(rows, cols, v, m, torch.bfloat16, seed=m)
+    x = torch.randn(256, cols, device="cuda").to(torch.bfloat16)
+    b = torch.randn(rows, device="cuda").to(torch.bfloat16)
+    with force_kernel(spmm="wgmma"):
+        _assert_spmm_matches_reference(x, w, p, b)
+        assert torch.equal(spmm(x, p, b), spmm(x, p, b))
 
 
 @pytest.mark.parametrize(("v", "m"), [(64, 4), (64, 8), (128, 8), (64, 16), (128, 64)])

@@ -160,6 +160,16 @@ VNM_XT_SPLIT_CASES = [
     ((32, 3, 132), 1),  # fewer k-tiles than two splits' minimum
 ]
 
+# (rows, tokens, k-tiles, SMs) -> the X^T path's (tile tokens, splits): the width (256 or 128) and split whose
+# busiest SM has the least work, the wider tile on a tie
+VNM_XT_PLAN_CASES = [
+    ((11008, 512, 32, 132), (128, 1)),  # 256: 172 tiles, 2 x 320 x 32 = 20480; 128: 344 tiles, 3 x 192 x 32 = 18432
+    ((11008, 1024, 32, 132), (256, 1)),  # 3 x 320 x 32 = 30720 against 6 x 192 x 32 = 36864
+    ((8192, 256, 224, 132), (256, 2)),  # 256 in 2 splits: 320 x (112 + 9) = 38720; 128 unsplit: 192 x 224 = 43008
+    ((4096, 256, 16, 132), (128, 1)),  # 32 tiles: 320 x 16 = 5120; 64 tiles: 192 x 16 = 3072
+    ((4096, 256, 32, 132), (128, 2)),  # 128 tiles in 2 splits: 192 x (16 + 9) = 4800 < 6144 unsplit, 7360 at 256
+]
+
 PROGRAM = r"""
 #include <cstdio>
 #include "tile_config.h"
@@ -178,6 +188,10 @@ int main(int argc, char** argv) {
     if (fn == 'V') std::printf("%d\n", hf_sparse::sm90_vnm_bn((int)a, b));
     if (fn == 'X') std::printf("%d\n", hf_sparse::sm90_vnm_xt((int)a, b, (int)c) ? 1 : 0);
     if (fn == 'Y') std::printf("%d\n", hf_sparse::sm90_vnm_xt_split_k(a, b, (int)c));
+    if (fn == 'Z') {
+      const hf_sparse::Sm90SplitPlan p = hf_sparse::sm90_vnm_xt_plan(a, b, c, (int)d);
+      std::printf("%d %d\n", p.bn, p.splits);
+    }
     if (fn == 'P') {
       const hf_sparse::Sm90LargePlan p = hf_sparse::sm90_large_plan(a, b, c, (int)d);
       std::printf("%d %d\n", p.config, p.split.splits);
@@ -231,6 +245,11 @@ def test_vnm_token_tiles_match_hand_computed_choices(chooser):
 
 def test_vnm_large_token_path_matches_hand_computed_choices(chooser):
     assert _choose(chooser, "X", VNM_XT_CASES) == [expected for _, expected in VNM_XT_CASES]
+
+
+def test_vnm_xt_plan_matches_hand_computed_choices(chooser):
+    out = _choose(chooser, "Z", VNM_XT_PLAN_CASES)
+    assert [tuple(out[2 * i : 2 * i + 2]) for i in range(len(VNM_XT_PLAN_CASES))] == [e for _, e in VNM_XT_PLAN_CASES]
 
 
 def test_vnm_xt_split_matches_hand_computed_choices(chooser):

@@ -1,0 +1,428 @@
+// The V:2:M sparse-wgmma SpMM's X^T path (sm_90a only; spmm_vnm_sm90 takes it where spmm_vnm_sm90_takes_xt, from
+// tile_config.h sm90_vnm_xt): X transposed first (X^T, K rows x ld tokens, token-contiguous), so a kept column is
+// one contiguous row and only the kept columns cross L2 -> SM. Same arguments and layouts as spmm_vnm_sm90.cu (the
+// packed V:2:M weight: the 2:4 layout over the 4 kept columns of each group, per 64-row slab).
+//
+// Why: gathering 4 of every M columns out of row-major X brings every raw byte through L2 -> SM (32-byte sectors
+// hold 16 columns), which is what bounds a row-major V:2:M kernel: at M = 8 a k-tile then moves 1.12x fewer bytes
+// than 2:4 for the same original columns, at M = 16 1.20x (benchmarks/RESULTS.md, "the ceilings that bound the
+// sparse-wgmma SpMMs"). From X^T a k-tile of 64 condensed columns moves the bytes of one 2:4 k-tile (32 KB of X at
+// 256 tokens, 9 KB of A) for M / 4 times the original columns; the feed skeleton of that design
+// (benchmarks/roofline_sm90.cu, rows_cp) runs at the 2:4 skeleton's cycles per k-tile.
+//
+// Kernel: tiles of 128 weight rows x BN (256 or 128) tokens (tile_config.h sm90_vnm_xt_plan, split along K where the
+// tiles are few), one persistent CTA per SM walking the work units. Producer warpgroup (warps 8-11): per step, warp
+// w copies kept column w of each of the k-tile's 16 groups (64 rows of X^T), lane l its 16-byte chunk l (tokens 8l
+// ..), by cp.async into the B tile (64 condensed k x BN tokens, MN-major, 128-byte swizzle: BN / 64 blocks of 64
+// tokens, k-row r of a block at r x 128 bytes, chunk c at c ^ (r & 7)), plus the k-tile's A fragments and metadata
+// of the CTA's 8 m16 tiles; each thread's cp.async.mbarrier.arrive.noinc completes the stage's "full" barrier.
+// Consumer warpgroups (0, 1: slabs 0, 1): wait, fence.proxy.async (cp.async writes through the generic proxy), read
+// their A fragments and metadata from the stage, two sparse wgmmas with B transposed (WgmmaSpT), release the
+// previous stage per warp. Where the CTA's two slabs keep the same columns (V = 128, checked at the start) one B
+// tile feeds both; otherwise a k-tile takes two steps, one per slab, and each consumer warpgroup skips the other's.
+// Tokens past n_tokens are zeros of X^T's padding or zero-filled (src-size 0); groups past G read group G - 1's
+// columns (their A values are zero); a missing second k-step of an odd step count multiplies zeros with valid
+// metadata.
+
+#include <algorithm>
+
+#include "common.cuh"
+#include "kernels.h"
+#include "launch.h"
+#include "tensor_map.h"
+#include "tile_config.h"
+#if defined(HF_SPARSE_LAB)
+#include "lab.h"
+#endif
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#include "sm90_common.cuh"
+#include "tma_sm90.cuh"  // mbarrier wrappers, setmaxnreg, named barriers
+#include "wgmma_sp.cuh"
+#endif
+
+namespace hf_sparse {
+namespace {
+constexpr int kXtThreads = 384;
+template <int BN>
+struct XtCfg {
+  static constexpr int B_BYTES = BN * 128;         // 64 condensed k-rows x BN tokens
+  static constexpr int A_OFF = B_BYTES;
+  static constexpr int A_BYTES = 8 * 2 * 32 * 16;  // 8 m16 tiles x 2 k-steps x 32 lanes x 16 bytes
+  static constexpr int E_OFF = A_OFF + A_BYTES;
+  static constexpr int E_BYTES = 8 * 2 * 16 * 4;   // 8 m16 tiles x 2 k-steps x 16 words
+  static constexpr int STAGE = E_OFF + E_BYTES;
+  static constexpr int STAGES = BN == 256 ? 4 : 6;  // 128-token stages: more of them in flight in the same memory
+  static constexpr int PRODUCER_REGS = 88, CONSUMER_REGS = 208;  // setmaxnreg
+  static_assert(128 * (2 * CONSUMER_REGS + PRODUCER_REGS) <= 65536, "the register split must fit the register file");
+  // The staged epilogue (sm90_common.cuh store_tile_staged): per consumer warpgroup EPI_BUFS buffers of 64 rows x
+  // EPI_N tokens.
+  static constexpr int EPI_N = 64, EPI_BUFS = 2, EPI_CHUNK = EPI_N * 128;
+  static constexpr int EPI_OFF = STAGES * STAGE;
+  // + the staging buffers, full / empty barriers, 16 bytes of step info per stage, alignment slack
+  static constexpr int SMEM = EPI_OFF + 2 * EPI_BUFS * EPI_CHUNK + 2 * 8 * STAGES + 16 * STAGES + 1024;
+  static_assert(STAGE % 1024 == 0, "stages must start on 1024-byte boundaries (128-byte swizzle atoms)");
+  static_assert(SMEM <= 227 * 1024, "over the sm_90 shared-memory limit");
+};
+
+// X (n_tokens x k) -> X^T (k x ld), tokens n_tokens .. ld - 1 zero: 64 x 64 tiles through shared memory, 16-byte
+// loads and stores (k % 8 == 0, ld % 8 == 0).
+template <typename T>
+__global__ void __launch_bounds__(256) transpose_tokens_kernel(const T* __restrict__ x, T* __restrict__ xt,
+                                                               int n_tokens, int k, int ld) {
+  __shared__ uint32_t tile[64][33];  // [token][column pair]: 33 words a row, so a column read spreads over the banks
+  const int c0 = blockIdx.x * 64, n0 = blockIdx.y * 64, tid = threadIdx.x;
+#pragma unroll
+  for (int i = tid; i < 512; i += 256) {
+    const int r = i >> 3, ch = i & 7, n = n0 + r, c = c0 + ch * 8;
+    uint4 v = make_uint4(0, 0, 0, 0);
+    if (n < n_tokens && c < k) v = *reinterpret_cast<const uint4*>(x + (size_t)n * k + c);
+    tile[r][4 * ch] = v.x;
+    tile[r][4 * ch + 1] = v.y;
+    tile[r][4 * ch + 2] = v.z;
+    tile[r][4 * ch + 3] = v.w;
+  }
+  __syncthreads();
+#pragma unroll
+  for (int i = tid; i < 512; i += 256) {
+    const int cr = i >> 3, ch = i & 7, c = c0 + cr, n = n0 + ch * 8;
+    if (c >= k || n >= ld) continue;
+    const int half = 16 * (cr & 1);
+    uint32_t w[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+      w[j] = ((tile[ch * 8 + 2 * j][cr >> 1] >> half) & 0xFFFFu) | ((tile[ch * 8 + 2 * j + 1][cr >> 1] >> half) << 16);
+    *reinterpret_cast<uint4*>(xt + (size_t)c * ld + n) = make_uint4(w[0], w[1], w[2], w[3]);
+  }
+}
+
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// OR of `v` over the `threads` threads of named barrier `id` (all of them must call it).
+__device__ __forceinline__ bool bar_red_or(int id, int threads, bool v) {
+  uint32_t r;
+  asm volatile(
+      "{\n.reg .pred p, q;\nsetp.ne.u32 q, %1, 0;\nbar.red.or.pred p, %2, %3, q;\nselp.u32 %0, 1, 0, p;\n}\n"
+      : "=r"(r)
+      : "r"((uint32_t)v), "r"(id), "r"(threads)
+      : "memory");
+  return r != 0;
+}
+#endif
+
+// What the producer tells the consumers with every stage (16 bytes copied into the stage's info slot by cp.async, so
+// the stage's "full" barrier covers it): whether the tile's two slabs share one B tile. Defined in every compile pass:
+// the host pass's registration stub names it.
+[[maybe_unused]] __device__ const uint4 kXtShareWord[2] = {{0u, 0u, 0u, 0u}, {1u, 1u, 1u, 1u}};
+
+// Persistent: CTA b takes tiles b, b + gridDim.x, ... (row blocks fastest); the ring, its barriers and the step
+// count run on across tiles, so the producer fills the next tile's first stages while the consumers store the last.
+template <typename T, int M, int BN>
+__global__ void __launch_bounds__(kXtThreads, 1)
+spmm_vnm_sm90_xt_kernel(const T* __restrict__ xt, int ld, const uint4* __restrict__ values,
+                        const uint32_t* __restrict__ meta, const uint32_t* __restrict__ columns,
+                        const T* __restrict__ bias, T* __restrict__ y, int n_tokens, int rows, int rows_padded, int k,
+                        int steps, int splits, float* __restrict__ split_ws, int* __restrict__ split_counters,
+                        const __grid_constant__ CUtensorMap y_map, bool staged) {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using Cfg = XtCfg<BN>;
+  constexpr int STAGES = Cfg::STAGES, BLOCKS = BN / 64;  // BLOCKS: 64-token blocks of the B tile
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  const uint32_t raw_u32 = (uint32_t)__cvta_generic_to_shared(smem_raw);
+  const uint32_t pad = pad_to_1024(raw_u32);
+  unsigned char* smem = smem_raw + pad;
+  const uint32_t base = raw_u32 + pad;
+  const uint32_t epi = base + Cfg::EPI_OFF;
+  const uint32_t full = epi + 2 * Cfg::EPI_BUFS * Cfg::EPI_CHUNK, empty = full + 8 * STAGES;
+  const uint32_t info = empty + 8 * STAGES;  // 16 bytes per stage, after the barriers
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = warp >> 2;
+  const int row_blocks = (rows_padded + 127) >> 7, n_tiles = row_blocks * ((n_tokens + BN - 1) / BN);
+  const int n_units = n_tiles * splits;
+  const int mt_last = (rows_padded >> 4) - 1;
+  const int all_k_tiles = (steps + 1) >> 1, groups = k / M, groups_padded = 8 * steps;
+  const int kt_per_split = (all_k_tiles + splits - 1) / splits;
+  if (tid == 0) {
+    for (int s = 0; s < STAGES; ++s) {
+      mbar_init(full + 8 * s, 128);  // one cp.async arrival per producer thread
+      mbar_init(empty + 8 * s, 8);   // one per consumer warp
+    }
+    mbar_fence_init();
+  }
+  __syncthreads();
+
+  if (wg == 2) {  // producer
+    setmaxnreg_dec<Cfg::PRODUCER_REGS>();
+    const int t = tid & 127, w = warp & 3;
+    int gs = 0;  // steps issued so far, over all tiles
+    for (int unit = blockIdx.x; unit < n_units; unit += gridDim.x) {
+      const int tile = unit % n_tiles, kt0 = (unit / n_tiles) * kt_per_split;
+      const int k_tiles = min(all_k_tiles, kt0 + kt_per_split) - kt0;
+      const int cta_row0 = (tile % row_blocks) * 128, n_base = (tile / row_blocks) * BN;
+      const int mt_cta = cta_row0 >> 4;
+      const uint32_t* col0 = columns + (size_t)(cta_row0 >> 6) * groups_padded;
+      const bool two_slabs = ((rows_padded - cta_row0) >> 4) > 4;
+      const uint32_t* col1 = two_slabs ? col0 + groups_padded : col0;
+      bool differ = false;
+      if (two_slabs)  // groups_padded is a multiple of 8: whole 16-byte words
+        for (int i = t; i < groups_padded / 4; i += 128) {
+          const uint4 a = reinterpret_cast<const uint4*>(col0)[i], b = reinterpret_cast<const uint4*>(col1)[i];
+          differ |= a.x != b.x || a.y != b.y || a.z != b.z || a.w != b.w;
+        }
+      const bool share = !bar_red_or(1, 128, differ);
+      const int n_steps = share ? k_tiles : 2 * k_tiles;
+      // Roles: warp w copies B rows 16w .. 16w + 15 (groups 4w .. 4w + 3 of the k-tile, their 4 kept columns each),
+      // lane l rows 16w + 4s + l / 8 for s = 0..3 (group 4w + s, kept column l / 8), 16-byte chunks l % 8 + 8q of
+      // them (q < BLOCKS: tokens 64q ..): a warp instruction covers 4 rows x 128 contiguous bytes, and each lane works
+      // out 4 row addresses per step. Chunks past X^T's tokens copy 0 bytes (zero fill) from addresses inside its
+      // padding (spmm_vnm_sm90_xt_elems).
+      const int kept = lane >> 3, part = lane & 7;
+      const int n = n_base + part * 8;  // the first token of this lane's chunks (+ 64q)
+      uint32_t bytes[BLOCKS], dst_off[4];
+#pragma unroll
+      for (int q = 0; q < BLOCKS; ++q) bytes[q] = n + 64 * q < ld ? 16u : 0u;
+#pragma unroll
+      for (int s4 = 0; s4 < 4; ++s4) {
+        const int r = 16 * w + 4 * s4 + kept;  // the B row of this lane's s4-th group
+        dst_off[s4] = (uint32_t)(r * 128 + ((part ^ (r & 7)) << 4));
+      }
+      const unsigned char* xt_lane = reinterpret_cast<const unsigned char*>(xt + n);
+      const size_t ld_bytes = (size_t)ld * sizeof(T);
+      // A fragments and metadata: chunk c = t + 128u (u = 0..4) of the stage's 576 (c < 512: m16 tile c / 64, k-step
+      // (c / 32) % 2, lane c % 32; then metadata: m16 tile / 8, k-step / 4 % 2, words 4 x (/ 1 % 4) ..): source =
+      // base (in 16-byte words) + k-step x stride; a k-step past `steps` (k-step 1 of the last k-tile) copies 0
+      // bytes from k-step steps - 1.
+      uint32_t a_base[5], a_stride[5];
+      int a_second[5];
+#pragma unroll
+      for (int u = 0; u < 5; ++u) {
+        const int c = t + 128 * u, e = c - 512;
+        const bool is_a = c < 512;
+        const int mt = min(mt_cta + (is_a ? c >> 6 : max(e, 0) >> 3), mt_last);
+        a_second[u] = is_a ? (c >> 5) & 1 : (e >> 2) & 1;
+        a_stride[u] = is_a ? 32u : 4u;
+        a_base[u] = is_a ? (uint32_t)mt * steps * 32 + (c & 31) : (uint32_t)mt * steps * 4 + (e & 3);
+      }
+      const uint4* meta4 = reinterpret_cast<const uint4*>(meta);
+      // Lane s < 4 holds the column word of group 4w + s of a step's k-tile, loaded three steps ahead into one of
+      // three registers that the unrolled loop names statically (a register rotation would wait for each load at once).
+      auto column_word = [&](int ls) -> uint32_t {
+        if (ls >= n_steps || lane >= 4) return 0u;
+        const int kt = kt0 + (share ? ls : ls >> 1);
+        const uint32_t* col = share || (ls & 1) == 0 ? col0 : col1;
+        return col[min(kt * 16 + 4 * w + lane, groups - 1)];
+      };
+      auto issue = [&](int ls, uint32_t cw) {
+        const int slot = gs % STAGES, kt = kt0 + (share ? ls : ls >> 1);
+        const uint32_t stage = base + slot * Cfg::STAGE;
+        mbar_wait(empty + 8 * slot, ((gs / STAGES) & 1) ^ 1);
+#pragma unroll
+        for (int s4 = 0; s4 < 4; ++s4) {
+          const uint32_t word = __shfl_sync(0xffffffffu, cw, s4);
+          const uint32_t column =
+              (uint32_t)min(kt * 16 + 4 * w + s4, groups - 1) * M + ((word >> (8 * kept)) & 0xFFu);
+          const unsigned char* src = xt_lane + column * ld_bytes;
+#pragma unroll
+          for (int q = 0; q < BLOCKS; ++q) cp_async_16_bytes(stage + dst_off[s4] + q * 8192, src + q * 128, bytes[q]);
+        }
+        // A step of one slab (its own columns) copies that slab's A fragments (u = 2 x slab, + 1) and metadata
+        // (threads 32 x slab ..) only: the other consumer warpgroup skips the step.
+        const int slab = share ? -1 : ls & 1;
+#pragma unroll
+        for (int u = 0; u < 5; ++u) {
+          if (u == 4 && t >= 64) break;
+          if (slab >= 0 && (u < 4 ? u >> 1 : t >> 5) != slab) continue;
+          const int st = 2 * kt + a_second[u];
+          const uint32_t word = a_base[u] + (uint32_t)min(st, steps - 1) * a_stride[u];
+          cp_async_16_bytes(stage + Cfg::A_OFF + (t + 128 * u) * 16, u < 4 ? values + word : meta4 + word,
+                            st < steps ? 16u : 0u);
+        }
+        if (t == 0) cp_async_16_bytes(info + slot * 16, &kXtShareWord[share ? 1 : 0], 16u);
+        cp_async_arrive_noinc(full + 8 * slot);
+        ++gs;
+      };
+      uint32_t cw0 = column_word(0), cw1 = column_word(1), cw2 = column_word(2);
+      for (int ls = 0; ls < n_steps; ls += 3) {
+        issue(ls, cw0);
+        cw0 = column_word(ls + 3);
+        if (ls + 1 < n_steps) {
+          issue(ls + 1, cw1);
+          cw1 = column_word(ls + 4);
+        }
+        if (ls + 2 < n_steps) {
+          issue(ls + 2, cw2);
+          cw2 = column_word(ls + 5);
+        }
+      }
+    }
+    cp_async_wait_all();
+    return;
+  }
+
+  setmaxnreg_inc<Cfg::CONSUMER_REGS>();
+  constexpr uint32_t kMetaPad = 0x44444444u;
+  const int wq = warp & 3, g = lane >> 2, t4 = lane & 3;
+  const int mt = wg * 4 + wq;
+  float acc[BN / 2];
+  int gs = 0;     // steps consumed so far, over all tiles
+  int held = -1;  // the slot of this warpgroup's last step, released once its wgmmas are done
+  auto compute = [&](int s, int kt) {
+    const int slot = s % STAGES;
+    mbar_wait(full + 8 * slot, (s / STAGES) & 1);
+    fence_proxy_async();  // the stage was written by cp.async (generic proxy); the wgmmas read it (async proxy)
+    const unsigned char* stage = smem + slot * Cfg::STAGE;
+    uint4 a[2];
+    uint32_t e[2];
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      a[j] = *reinterpret_cast<const uint4*>(stage + Cfg::A_OFF + mt * 1024 + j * 512 + lane * 16);
+      const uint32_t ev = *reinterpret_cast<const uint32_t*>(stage + Cfg::E_OFF + mt * 128 + j * 64 +
+                                                             (g * 2 + (t4 & 1)) * 4);
+      e[j] = 2 * kt + j < steps ? ev : kMetaPad;
+    }
+    const uint64_t desc = desc_mn128(base + slot * Cfg::STAGE, 8192);
+    wgmma_fence();
+#pragma unroll
+    for (int j = 0; j < 2; ++j) WgmmaSpT<BN, T>::run(acc, a[j], desc + j * (4096 >> 4), e[j]);
+    wgmma_commit();
+    wgmma_wait<1>();
+    if (held >= 0 && lane == 0) mbar_arrive(empty + 8 * held);
+    held = slot;
+  };
+  // The other slab's step (two slabs with their own columns): wait for it, so every phase of its barrier is waited
+  // in order, and release it at once.
+  auto pass = [&](int s) {
+    mbar_wait(full + 8 * (s % STAGES), (s / STAGES) & 1);
+    if (lane == 0) mbar_arrive(empty + 8 * (s % STAGES));
+  };
+  for (int unit = blockIdx.x; unit < n_units; unit += gridDim.x) {
+    const int tile = unit % n_tiles, split = unit / n_tiles, kt0 = split * kt_per_split;
+    const int k_tiles = min(all_k_tiles, kt0 + kt_per_split) - kt0;
+    const int cta_row0 = (tile % row_blocks) * 128, n_base = (tile / row_blocks) * BN;
+#pragma unroll
+    for (int j = 0; j < BN / 2; ++j) acc[j] = 0.f;
+    // The tile's first step is slab 0's first k-tile either way; its info slot says how the rest goes.
+    mbar_wait(full + 8 * (gs % STAGES), (gs / STAGES) & 1);
+    const bool share = *reinterpret_cast<const uint32_t*>(smem + (info - base) + (gs % STAGES) * 16) != 0u;
+    // Each path drains its wgmmas before the paths join (ptxas serializes wgmmas whose accumulators a join moves).
+    if (share) {
+      for (int kt = 0; kt < k_tiles; ++kt) compute(gs + kt, kt0 + kt);
+      wgmma_wait<0>();
+      gs += k_tiles;
+    } else {
+      for (int kt = 0; kt < k_tiles; ++kt) {
+        if (wg == 1) pass(gs + 2 * kt);
+        compute(gs + 2 * kt + wg, kt0 + kt);
+        if (wg == 0) pass(gs + 2 * kt + 1);
+      }
+      wgmma_wait<0>();
+      gs += 2 * k_tiles;
+    }
+    if (lane == 0) mbar_arrive(empty + 8 * held);
+    held = -1;
+#pragma unroll
+    for (int j = 0; j < BN / 2; ++j) asm volatile("" : "+f"(acc[j])::"memory");  // reads after the wgmma wait
+    if (splits > 1) {  // split-K: the last split of the tile to arrive adds every split's partial sums and stores
+      const SplitK<BN / 2, 256> sk(split_ws, split_counters, tile, split, splits, tid);
+      sk.store(acc, 0);
+      if (!sk.last([] { named_bar_sync(4, 256); })) continue;  // named barrier 4: both consumer warpgroups
+      sk.sum(acc, 0);
+    }
+    if (wg * 4 < ((rows_padded - cta_row0) >> 4)) {
+      const int row0 = cta_row0 + 64 * wg + 16 * wq;
+      if (staged) {  // named barriers 2, 3: one per consumer warpgroup (1 is the producer's)
+        store_tile_staged<T, BN, Cfg::EPI_N, Cfg::EPI_BUFS, false>(
+            acc, row0, cta_row0 + 64 * wg, n_base, lane, wq, epi + wg * Cfg::EPI_BUFS * Cfg::EPI_CHUNK, 2 + wg, bias,
+            rows, n_tokens, &y_map);
+      } else {
+        store_tile<T, BN>(acc, row0, n_base, lane, bias, y, rows, n_tokens);
+      }
+    }
+  }
+  if (staged && (tid & 127) == 0) bulk_wait_group<0>();  // the last stores have left shared memory
+#elif defined(__CUDA_ARCH__)
+  __trap();  // built without sm_90a: the host never launches this (spmm_sm90_available() is false)
+#endif
+}
+
+// X^T's leading dimension: the tokens rounded up to 8 (16-byte rows).
+inline int xt_ld(const SpmmArgs& a) { return (a.n_tokens + 7) / 8 * 8; }
+
+
+// The X^T path's work units: 128-row x (256 or 128)-token tiles, each split along K (tile_config.h
+// sm90_vnm_xt_plan; the launch takes 1 split where the binding passed no split-K scratch).
+Sm90SplitPlan xt_plan(const SpmmArgs& a) {
+  int sms = 0;
+  if (current_sm_count(&sms) != cudaSuccess) sms = 0;  // no split (the launch reports the error)
+  Sm90SplitPlan p = sm90_vnm_xt_plan(a.rows_padded, a.n_tokens, (a.steps + 1) / 2, sms);
+#if defined(HF_SPARSE_LAB)
+  p.splits = lab::split_k_or(p.splits, p.tiles, (a.steps + 1) / 2);
+#endif
+  return p;
+}
+
+template <typename T, int M, int BN>
+cudaError_t launch_xt(const SpmmArgs& a, const Sm90SplitPlan& plan, cudaStream_t stream) {
+  constexpr auto kernel = spmm_vnm_sm90_xt_kernel<T, M, BN>;
+  cudaError_t err = raise_smem_limit_once<kernel>(XtCfg<BN>::SMEM);
+  if (err != cudaSuccess) return err;
+  const int ld = xt_ld(a);
+  T* xt = static_cast<T*>(a.xt);
+  const dim3 tgrid((a.k + 63) / 64, (ld + 63) / 64);
+  if (tgrid.y > 65535) return cudaErrorInvalidConfiguration;
+  transpose_tokens_kernel<T><<<tgrid, 256, 0, stream>>>(static_cast<const T*>(a.x), xt, a.n_tokens, a.k, ld);
+  int sms = 0;
+  err = current_sm_count(&sms);
+  if (err != cudaSuccess) return err;
+  const int splits = a.split_ws != nullptr && a.split_counters != nullptr ? plan.splits : 1;  // see SpmmArgs
+  CUtensorMap y_map{};
+  const bool staged = encode_y_map(a, XtCfg<BN>::EPI_N, &y_map);  // else the direct epilogue (rows % 8 != 0)
+  kernel<<<(unsigned)std::min<long long>(plan.tiles * splits, sms), kXtThreads, XtCfg<BN>::SMEM, stream>>>(
+      xt, ld, static_cast<const uint4*>(a.values), static_cast<const uint32_t*>(a.meta),
+      reinterpret_cast<const uint32_t*>(a.columns), static_cast<const T*>(a.bias), static_cast<T*>(a.y), a.n_tokens,
+      a.rows, a.rows_padded, a.k, a.steps, splits, a.split_ws, a.split_counters, y_map, staged);
+  return cudaGetLastError();
+}
+
+template <typename T, int M>
+cudaError_t dispatch_width(const SpmmArgs& a, cudaStream_t stream) {
+  const Sm90SplitPlan plan = xt_plan(a);
+  return plan.bn == kVnmXtBN ? launch_xt<T, M, kVnmXtBN>(a, plan, stream) : launch_xt<T, M, 128>(a, plan, stream);
+}
+
+template <typename T>
+cudaError_t dispatch_m(const SpmmArgs& a, cudaStream_t stream) {
+  switch (a.m) {
+    case 8: return dispatch_width<T, 8>(a, stream);
+    case 16: return dispatch_width<T, 16>(a, stream);
+    case 32: return dispatch_width<T, 32>(a, stream);
+    case 64: return dispatch_width<T, 64>(a, stream);
+    case 128: return dispatch_width<T, 128>(a, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+}  // namespace
+
+// tile_config.h sm90_vnm_xt (the lab build's vnm_xt knob forces it on or off).
+bool spmm_vnm_sm90_takes_xt(const SpmmArgs& a) {
+  if (a.m < 8 || a.n_tokens <= 0) return false;
+#if defined(HF_SPARSE_LAB)
+  const int forced = lab::tuning().vnm_xt.load(std::memory_order_relaxed);
+  if (forced >= 0) return forced == 1;
+#endif
+  return sm90_vnm_xt(a.m, a.n_tokens, a.rows);
+}
+
+int64_t spmm_vnm_xt_sm90_split_floats(const SpmmArgs& a) {
+  return spmm_vnm_sm90_takes_xt(a) ? xt_plan(a).scratch_floats() : 0;
+}
+
+int64_t spmm_vnm_sm90_xt_elems(const SpmmArgs& a) {
+  if (!spmm_vnm_sm90_takes_xt(a)) return 0;
+  return (int64_t)a.k * xt_ld(a) + kVnmXtBN;  // + a tile's tokens: the zero-byte copies past the last row stay inside
+}
+
+cudaError_t spmm_vnm_xt_sm90(const SpmmArgs& a, cudaStream_t stream) {
+  if (a.xt == nullptr || !spmm_vnm_sm90_takes_xt(a)) return cudaErrorInvalidValue;
+  return a.is_bf16 ? dispatch_m<__nv_bfloat16>(a, stream) : dispatch_m<__half>(a, stream);
+}
+
+}  // namespace hf_sparse
