@@ -171,10 +171,10 @@ struct Sm90SplitPlan {
 // 4096 at 256, the same plans 42.5 against 38.8 µs; 28672 -> 8192 at 256, 20 in 2 splits of 224 k-tiles 130 µs against
 // 23 unsplit 155 µs.
 constexpr int kSm90KTileFixedTokens = 64, kSm90SplitSumKTiles = 3;
-inline long long sm90_split_work(const Sm90SplitPlan& p, long long k_tiles, int sms) {
+inline long long sm90_split_work(const Sm90SplitPlan& p, long long k_tiles, int sms,
+                                 int fixed_tokens = kSm90KTileFixedTokens) {
   const long long sum = p.splits > 1 ? kSm90SplitSumKTiles * (p.splits + 1) : 0;
-  return (p.tiles * p.splits + sms - 1) / sms * (p.bn + kSm90KTileFixedTokens) *
-         ((k_tiles + p.splits - 1) / p.splits + sum);
+  return (p.tiles * p.splits + sms - 1) / sms * (p.bn + fixed_tokens) * ((k_tiles + p.splits - 1) / p.splits + sum);
 }
 // The 128-row x bn-token tiles of an output of rows_padded rows x n_tokens tokens.
 inline long long sm90_tiles(long long rows_padded, long long n_tokens, int bn) {
@@ -182,11 +182,17 @@ inline long long sm90_tiles(long long rows_padded, long long n_tokens, int bn) {
 }
 // The V:2:M X^T path's split-K (spmm_vnm_sm90.cu): its 128 x bn tiles, each split in this many parts, are the work
 // units its persistent CTAs (one per SM) walk. The count whose plan gives the busiest SM the least work
-// (sm90_split_work), fewer splits on a tie, each split at least kSplitKMinKTiles k-tiles (16 groups each) long. Unlike
+// (sm90_split_work with kVnmXtKTileFixedTokens), fewer splits on a tie, each split at least kSplitKMinKTiles k-tiles (16 groups each) long. Unlike
 // the 2:4 configurations' rule it may leave more units than SMs: at 768 tokens, 28672 -> 8192 (192 tiles) ran 1.2-1.4x
 // faster in 2 splits (3 rounds of units) than unsplit (2 rounds, the second 45% full). Over the 48 cells measured
 // (V:2:M, 256-768 tokens, 4096 -> 4096, 11008 <-> 4096, 28672 -> 8192; benchmarks/RESULTS.md, "the X^T path below
-// 1024 tokens") its choices took 1.001x the time of the best split count of each cell, at worst 1.07x.
+// 1024 tokens") its choices took 1.002x the time of the best split count of each cell (geometric mean), at worst
+// 1.07x.
+// A k-tile of the X^T path costs (tile tokens + kVnmXtKTileFixedTokens) in the work model: its producer's per-step
+// work (A fragments, metadata, column words, 4 row addresses a lane) costs as much whatever the width. Fitted to the
+// 20 cells where 128- and 256-token tiles were both measured (benchmarks/RESULTS.md, "the X^T path below 1024
+// tokens"): 64 chose wrong in 9 (3.2% slower than the better width, geometric mean), 128-320 in 3 (0.2-0.5%).
+constexpr int kVnmXtKTileFixedTokens = 192;
 inline int sm90_vnm_xt_split_k(long long tiles, long long k_tiles, int sms, int bn = kVnmXtBN) {
   if (tiles <= 0 || tiles > kSplitKCounters || sms <= 0) return 1;
   long long most = k_tiles / kSplitKMinKTiles;
@@ -194,14 +200,17 @@ inline int sm90_vnm_xt_split_k(long long tiles, long long k_tiles, int sms, int 
   Sm90SplitPlan best{bn, 1, tiles};
   for (long long s = 2; s <= most; ++s) {
     const Sm90SplitPlan p{bn, (int)sm90_splits_without_empty(k_tiles, s), tiles};
-    if (sm90_split_work(p, k_tiles, sms) < sm90_split_work(best, k_tiles, sms)) best = p;
+    if (sm90_split_work(p, k_tiles, sms, kVnmXtKTileFixedTokens) <
+        sm90_split_work(best, k_tiles, sms, kVnmXtKTileFixedTokens))
+      best = p;
   }
   return best.splits;
 }
 // The X^T path's plan: tiles of kVnmXtBN or 128 tokens, each with its split count (sm90_vnm_xt_split_k), whichever
-// gives the busiest SM the least work (sm90_split_work), the wider tile on a tie. E.g. 4096 -> 11008 at 512 tokens, M =
-// 8 (86 row blocks, 32 k-tiles): 256 tokens, 172 tiles, 2 rounds x 320 x 32 = 20480; 128 tokens, 344 tiles, 3 rounds x
-// 192 x 32 = 18432: 128. At 1024 tokens: 3 x 320 x 32 = 30720 against 6 x 192 x 32 = 36864: 256.
+// gives the busiest SM the least work, the wider tile on a tie. E.g. 4096 -> 4096 at 256 tokens, M = 16 (32 row
+// blocks, 16 k-tiles): 256 tokens, 32 tiles, 1 round x 448 x 16 = 7168; 128 tokens, 64 tiles, 1 x 320 x 16 = 5120:
+// 128. 4096 -> 11008 at 512 tokens, M = 8 (86 row blocks, 32 k-tiles): 2 rounds x 448 x 32 = 28672 against 3 x 320 x
+// 32 = 30720: 256.
 inline Sm90SplitPlan sm90_vnm_xt_plan(long long rows_padded, long long n_tokens, long long k_tiles, int sms) {
   Sm90SplitPlan best{};
   long long best_work = -1;
@@ -209,7 +218,7 @@ inline Sm90SplitPlan sm90_vnm_xt_plan(long long rows_padded, long long n_tokens,
   for (const int bn : widths) {
     const long long tiles = sm90_tiles(rows_padded, n_tokens, bn);
     const Sm90SplitPlan p{bn, sm90_vnm_xt_split_k(tiles, k_tiles, sms, bn), tiles};
-    const long long work = sm90_split_work(p, k_tiles, sms > 0 ? sms : 1);
+    const long long work = sm90_split_work(p, k_tiles, sms > 0 ? sms : 1, kVnmXtKTileFixedTokens);
     if (best_work < 0 || work < best_work) best = p, best_work = work;
   }
   return best;

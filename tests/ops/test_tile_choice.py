@@ -147,13 +147,13 @@ VNM_XT_CASES = [
     ((4, 8192, 4096), 0),  # 2:4 has its own kernel
 ]
 
-# (tiles, k-tiles, SMs) -> the V:2:M X^T path's split count: the least busiest-SM work, ceil(tiles x splits / SMs)
-# x (256 + 64) x (k-tiles per split + 3 x (splits + 1) where split), fewer splits on a tie
+# (tiles, k-tiles, SMs) -> the V:2:M X^T path's split count (256-token tiles): the least busiest-SM work,
+# ceil(tiles x splits / SMs) x (256 + 192) x (k-tiles per split + 3 x (splits + 1) where split), fewer splits on a tie
 VNM_XT_SPLIT_CASES = [
-    ((32, 43, 132), 4),  # 11008 -> 4096, M = 16, 256 tokens: 1 x 320 x (11 + 15) = 8320 < 3 splits' 8640
-    ((32, 32, 132), 3),  # 4096 -> 4096, M = 8: 3 and 4 splits tie at 7360 (2: 8000, 5: two rounds, 16000)
-    ((32, 16, 132), 1),  # M = 16: 5120 unsplit, 5440 in 2
-    ((192, 224, 132), 2),  # 28672 -> 8192 at 768 tokens: 3 rounds x 320 x (112 + 9) < 2 rounds x 320 x 224
+    ((32, 43, 132), 4),  # 11008 -> 4096, M = 16, 256 tokens: 1 x 448 x (11 + 15) = 11648 < 3 splits' 12096
+    ((32, 32, 132), 3),  # 4096 -> 4096, M = 8: 3 and 4 splits tie at 10304 (2: 11200, 5: two rounds, 22400)
+    ((32, 16, 132), 1),  # M = 16: 7168 unsplit, 7616 in 2
+    ((192, 224, 132), 2),  # 28672 -> 8192 at 768 tokens: 3 rounds x 448 x (112 + 9) < 2 rounds x 448 x 224
     ((128, 224, 132), 1),  # the same at 512 tokens: one full round unsplit
     ((2752, 32, 132), 1),  # 4096 -> 11008 at 8192 tokens
     ((4097, 448, 132), 1),  # more tiles than split-K counters
@@ -161,13 +161,14 @@ VNM_XT_SPLIT_CASES = [
 ]
 
 # (rows, tokens, k-tiles, SMs) -> the X^T path's (tile tokens, splits): the width (256 or 128) and split whose
-# busiest SM has the least work, the wider tile on a tie
+# busiest SM has the least work, (tile tokens + 192) per k-tile, the wider tile on a tie
 VNM_XT_PLAN_CASES = [
-    ((11008, 512, 32, 132), (128, 1)),  # 256: 172 tiles, 2 x 320 x 32 = 20480; 128: 344 tiles, 3 x 192 x 32 = 18432
-    ((11008, 1024, 32, 132), (256, 1)),  # 3 x 320 x 32 = 30720 against 6 x 192 x 32 = 36864
-    ((8192, 256, 224, 132), (256, 2)),  # 256 in 2 splits: 320 x (112 + 9) = 38720; 128 unsplit: 192 x 224 = 43008
-    ((4096, 256, 16, 132), (128, 1)),  # 32 tiles: 320 x 16 = 5120; 64 tiles: 192 x 16 = 3072
-    ((4096, 256, 32, 132), (128, 2)),  # 128 tiles in 2 splits: 192 x (16 + 9) = 4800 < 6144 unsplit, 7360 at 256
+    ((11008, 512, 32, 132), (256, 1)),  # 256: 172 tiles, 2 x 448 x 32 = 28672; 128: 344 tiles, 3 x 320 x 32 = 30720
+    ((11008, 1024, 32, 132), (256, 1)),  # 3 x 448 x 32 = 43008 against 6 x 320 x 32 = 61440
+    ((8192, 256, 224, 132), (256, 2)),  # 256 in 2 splits: 448 x (112 + 9) = 54208; 128 unsplit: 320 x 224 = 71680
+    ((4096, 256, 16, 132), (128, 1)),  # 32 tiles: 448 x 16 = 7168; 64 tiles: 320 x 16 = 5120
+    ((4096, 256, 32, 132), (128, 2)),  # 128 tiles in 2 splits: 320 x (16 + 9) = 8000 < 10240 unsplit, 10304 at 256
+    ((4096, 512, 86, 132), (256, 2)),  # 11008 -> 4096, M = 8: 64 tiles in 2: 448 x (43 + 9) = 23296; 128: 320 x 86
 ]
 
 PROGRAM = r"""
