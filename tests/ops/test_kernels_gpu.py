@@ -157,7 +157,7 @@ def test_spmm_vnm_ragged_k_and_token_tiles(v, m, dtype, bias, tokens, groups, pi
     [(256, 17, 16), (1024, 17, 16), (1061, 40, 17), (2309, 25, 18), (1061, 520, 17), (300, 1000, 17)],
 )
 def test_spmm_vnm_large_token_path(v, m, dtype, tokens, groups, blocks):
-    """The V:2:M sparse-wgmma SpMM's large-token path (``sm90_vnm_xt`` in ``csrc/tile_config.h``: X transposed, the
+    """The V:2:M sparse-wgmma SpMM's X^T path (``sm90_vnm_xt`` in ``csrc/tile_config.h``: X transposed, the
     kept rows of X^T copied whole; K split where the tiles leave SMs idle): against the reference on poisoned memory,
     with bias, the same result on a second call. ``blocks`` x 64 rows: 17 x 64
     (V = 64) ends in a 128-row block with one slab; V = 64 slabs keep their own columns (two steps per k-tile), V = 128
