@@ -117,13 +117,14 @@ inline int sm90_vnm_bn(int m, long long n_tokens) {
   if (n_tokens <= 64) return 32;
   return m == 8 ? 128 : 64;
 }
-// Whether the V:2:M sparse-wgmma SpMM transposes X and gathers whole kept rows of X^T (spmm_vnm_sm90.cu, the
+// Whether the V:2:M sparse-wgmma SpMM transposes X and gathers whole kept rows of X^T (spmm_vnm_xt_sm90.cu, the
 // X^T path): only the kept columns then cross L2 -> SM, for one extra pass over X. Taken from kVnmXtMinTokens
 // tokens and from kVnmXtMinRows weight rows, where the GEMM is long enough against the transpose (which reads and
-// writes X once). At 256-768 tokens it was faster than the register gather in 34 of the 36 cells measured (up to
-// 5.0x; 64:2:8 / 128:2:8 / 64:2:16 / 128:2:16 at 4096 <-> 11008 and 4096 -> 4096; 0.79x and 0.98x at 4096 -> 4096
-// with 256 tokens, M = 8), at 128 tokens slower in 8 of 12 (benchmarks/RESULTS.md, "the X^T path below 1024 tokens").
-constexpr long long kVnmXtMinTokens = 256;
+// writes X once). With its 128-token tiles it was faster than the register gather in 29 of the 32 cells measured at
+// 128 and 192 tokens (up to 4.2x; 64:2:8 / 128:2:8 / 64:2:16 / 128:2:16 at 4096 -> 4096, 11008 <-> 4096 and 28672
+// -> 8192; 0.86x twice at 128 tokens and 0.97x at 192, all at 4096 -> 4096 with V = 64), and in 34 of 36 at 256-768
+// (benchmarks/RESULTS.md, "the X^T path below 1024 tokens"). Fewer than 128 tokens were not measured.
+constexpr long long kVnmXtMinTokens = 128;
 constexpr int kVnmXtBN = 256;  // the X^T path's widest tile: 128 weight rows x 256 tokens (sm90_vnm_xt_plan)
 constexpr int kVnmXtMinRows = 1024;
 inline bool sm90_vnm_xt(int m, long long n_tokens, int rows) {
@@ -180,11 +181,12 @@ inline long long sm90_split_work(const Sm90SplitPlan& p, long long k_tiles, int 
 inline long long sm90_tiles(long long rows_padded, long long n_tokens, int bn) {
   return ((rows_padded + 127) / 128) * ((n_tokens + bn - 1) / bn);
 }
-// The V:2:M X^T path's split-K (spmm_vnm_sm90.cu): its 128 x bn tiles, each split in this many parts, are the work
-// units its persistent CTAs (one per SM) walk. The count whose plan gives the busiest SM the least work
-// (sm90_split_work with kVnmXtKTileFixedTokens), fewer splits on a tie, each split at least kSplitKMinKTiles k-tiles (16 groups each) long. Unlike
-// the 2:4 configurations' rule it may leave more units than SMs: at 768 tokens, 28672 -> 8192 (192 tiles) ran 1.2-1.4x
-// faster in 2 splits (3 rounds of units) than unsplit (2 rounds, the second 45% full). Over the 48 cells measured
+// The V:2:M X^T path's split-K (spmm_vnm_xt_sm90.cu): its 128 x bn tiles, each split in this many parts, are the
+// work units its persistent CTAs (one per SM) walk. The count whose plan gives the busiest SM the least work
+// (sm90_split_work with kVnmXtKTileFixedTokens), fewer splits on a tie, each split at least kSplitKMinKTiles k-tiles
+// (16 groups each) long. Unlike the 2:4 configurations' rule it may leave more units than SMs: at 768 tokens, 28672
+// -> 8192 (192 tiles) ran 1.2-1.4x faster in 2 splits (3 rounds of units) than unsplit (2 rounds, the second 45%
+// full). Over the 48 cells measured
 // (V:2:M, 256-768 tokens, 4096 -> 4096, 11008 <-> 4096, 28672 -> 8192; benchmarks/RESULTS.md, "the X^T path below
 // 1024 tokens") its choices took 1.002x the time of the best split count of each cell (geometric mean), at worst
 // 1.07x.

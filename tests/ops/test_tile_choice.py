@@ -135,13 +135,13 @@ VNM_CASES = [
     ((128, 8192, 0), 64),
 ]
 
-# (M, tokens, rows) -> whether the V:2:M sparse-wgmma SpMM takes its X^T path (X transposed): M >= 8, from 256
+# (M, tokens, rows) -> whether the V:2:M sparse-wgmma SpMM takes its X^T path (X transposed): M >= 8, from 128
 # tokens and 1024 weight rows
 VNM_XT_CASES = [
     ((8, 1024, 1024), 1),
     ((16, 8192, 11008), 1),
-    ((8, 256, 4096), 1),
-    ((8, 255, 4096), 0),
+    ((8, 128, 4096), 1),
+    ((8, 127, 4096), 0),
     ((64, 300, 1023), 0),
     ((8, 8192, 768), 0),
     ((4, 8192, 4096), 0),  # 2:4 has its own kernel
