@@ -345,7 +345,6 @@ spmm_vnm_sm90_xt_kernel(const T* __restrict__ xt, int ld, const uint4* __restric
 // X^T's leading dimension: the tokens rounded up to 8 (16-byte rows).
 inline int xt_ld(const SpmmArgs& a) { return (a.n_tokens + 7) / 8 * 8; }
 
-
 // The X^T path's work units: 128-row x (256 or 128)-token tiles, each split along K (tile_config.h
 // sm90_vnm_xt_plan; the launch takes 1 split where the binding passed no split-K scratch).
 Sm90SplitPlan xt_plan(const SpmmArgs& a) {
@@ -401,7 +400,7 @@ cudaError_t dispatch_m(const SpmmArgs& a, cudaStream_t stream) {
 
 }  // namespace
 
-// tile_config.h sm90_vnm_xt (the lab build's vnm_xt knob forces it on or off).
+// Whether a call takes the X^T path: tile_config.h sm90_vnm_xt (the lab build's vnm_xt knob forces it on or off).
 bool spmm_vnm_sm90_takes_xt(const SpmmArgs& a) {
   if (a.m < 8 || a.n_tokens <= 0) return false;
 #if defined(HF_SPARSE_LAB)
