@@ -1,14 +1,38 @@
-// Host helpers every kernel launcher shares: the opt-in to more than 48 KB of dynamic shared memory, and the SM count
-// that grid and split choices are made for. Each is a CUDA runtime call of a few microseconds of host time whose
-// answer does not change, so it is made once per kernel instantiation or device, not on every launch (the training
-// step and few-token inference are host-bound on slow hosts).
+// Host helpers every kernel launcher shares: the group sizes kernels are instantiated for, the opt-in to more than
+// 48 KB of dynamic shared memory, and the SM count that grid and split choices are made for. The last two are CUDA
+// runtime calls of a few microseconds of host time whose answer does not change, so each is made once per kernel
+// instantiation or device, not on every launch (the training step and few-token inference are host-bound on slow
+// hosts).
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <atomic>
+#include <type_traits>
 
 namespace hf_sparse {
+
+// The group sizes M every kernel is instantiated for (4, 8, 16, 32, 64, 128; from Smallest up): f(constant) with
+// std::integral_constant<int, m>, so a launcher names its template once, e.g.
+//   with_group_size(a.m, [&](auto m) { return launch<T, decltype(m)::value>(a, stream); });
+// Any other m: cudaErrorInvalidValue.
+template <int Smallest = 4, typename F>
+cudaError_t with_group_size(int m, F&& f) {
+  switch (m) {
+    case 4:
+      if constexpr (Smallest <= 4) return f(std::integral_constant<int, 4>{});
+      break;
+    case 8:
+      if constexpr (Smallest <= 8) return f(std::integral_constant<int, 8>{});
+      break;
+    case 16: return f(std::integral_constant<int, 16>{});
+    case 32: return f(std::integral_constant<int, 32>{});
+    case 64: return f(std::integral_constant<int, 64>{});
+    case 128: return f(std::integral_constant<int, 128>{});
+    default: break;
+  }
+  return cudaErrorInvalidValue;
+}
 
 constexpr int kMaxCachedDevices = 64;  // devices past this query on every call
 

@@ -8,6 +8,7 @@
 // so they come out sorted); a row's 2 positions likewise. A mask that breaks V:2:M raises a device flag.
 #include "common.cuh"
 #include "kernels.h"
+#include "launch.h"
 
 #include <algorithm>
 #include <type_traits>
@@ -196,15 +197,7 @@ cudaError_t launch(const PackArgs& a, cudaStream_t stream) {
 
 template <typename W, typename T>
 cudaError_t dispatch_m(const PackArgs& a, cudaStream_t stream) {
-  switch (a.m) {
-    case 4: return launch<W, T, 4>(a, stream);
-    case 8: return launch<W, T, 8>(a, stream);
-    case 16: return launch<W, T, 16>(a, stream);
-    case 32: return launch<W, T, 32>(a, stream);
-    case 64: return launch<W, T, 64>(a, stream);
-    case 128: return launch<W, T, 128>(a, stream);
-    default: return cudaErrorInvalidValue;
-  }
+  return with_group_size(a.m, [&](auto m) { return launch<W, T, decltype(m)::value>(a, stream); });
 }
 
 template <typename W>

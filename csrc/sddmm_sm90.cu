@@ -400,31 +400,19 @@ cudaError_t launch(const SddmmArgs& a, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-// How M = 8 fills its B tiles: dense X by TMA, permuted from shared memory; the lab build (HF_SPARSE_LAB) can load X
-// from global memory into registers instead (lab::tuning().sddmm_gather_regs).
-bool gather_regs() {
-#if defined(HF_SPARSE_LAB)
-  return lab::tuning().sddmm_gather_regs.load(std::memory_order_relaxed) != 0;
-#else
-  return false;
-#endif
-}
-
+// M = 8 fills its B tiles from dense X staged by TMA, permuted from shared memory; the lab build (HF_SPARSE_LAB) can
+// load X from global memory into registers instead (lab::tuning().sddmm_gather_regs).
 template <typename T>
 cudaError_t dispatch_m(const SddmmArgs& a, cudaStream_t stream) {
-  switch (a.m) {
-    case 4: return launch<T, 4, true>(a, stream);
+  return with_group_size(a.m, [&](auto m) {
+    constexpr int M = decltype(m)::value;
 #if defined(HF_SPARSE_LAB)
-    case 8: return gather_regs() ? launch<T, 8, false>(a, stream) : launch<T, 8, true>(a, stream);
-#else
-    case 8: return launch<T, 8, true>(a, stream);
+    if constexpr (M == 8) {
+      if (lab::tuning().sddmm_gather_regs.load(std::memory_order_relaxed) != 0) return launch<T, 8, false>(a, stream);
+    }
 #endif
-    case 16: return launch<T, 16, true>(a, stream);
-    case 32: return launch<T, 32, true>(a, stream);
-    case 64: return launch<T, 64, true>(a, stream);
-    case 128: return launch<T, 128, true>(a, stream);
-    default: return cudaErrorInvalidValue;
-  }
+    return launch<T, M, true>(a, stream);
+  });
 }
 
 }  // namespace

@@ -224,15 +224,7 @@ cudaError_t launch(const SpmmArgs& a, cudaStream_t stream) {
 
 template <typename T>
 cudaError_t dispatch_m(const SpmmArgs& a, cudaStream_t stream) {
-  switch (a.m) {
-    case 4: return launch<T, 4>(a, stream);
-    case 8: return launch<T, 8>(a, stream);
-    case 16: return launch<T, 16>(a, stream);
-    case 32: return launch<T, 32>(a, stream);
-    case 64: return launch<T, 64>(a, stream);
-    case 128: return launch<T, 128>(a, stream);
-    default: return cudaErrorInvalidValue;
-  }
+  return with_group_size(a.m, [&](auto m) { return launch<T, decltype(m)::value>(a, stream); });
 }
 
 }  // namespace

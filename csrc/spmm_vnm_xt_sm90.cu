@@ -388,14 +388,7 @@ cudaError_t dispatch_width(const SpmmArgs& a, cudaStream_t stream) {
 
 template <typename T>
 cudaError_t dispatch_m(const SpmmArgs& a, cudaStream_t stream) {
-  switch (a.m) {
-    case 8: return dispatch_width<T, 8>(a, stream);
-    case 16: return dispatch_width<T, 16>(a, stream);
-    case 32: return dispatch_width<T, 32>(a, stream);
-    case 64: return dispatch_width<T, 64>(a, stream);
-    case 128: return dispatch_width<T, 128>(a, stream);
-    default: return cudaErrorInvalidValue;
-  }
+  return with_group_size<8>(a.m, [&](auto m) { return dispatch_width<T, decltype(m)::value>(a, stream); });
 }
 
 }  // namespace
