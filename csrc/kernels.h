@@ -49,7 +49,8 @@ cudaError_t spmm_vnm_sm90(const SpmmArgs& args, cudaStream_t stream);
 int64_t spmm_vnm_sm90_split_floats(const SpmmArgs& args);  // as spmm_sm90_split_floats
 int64_t spmm_vnm_sm90_xt_elems(const SpmmArgs& args);      // X^T scratch elements it needs (0: not that path)
 // Its X^T path (csrc/spmm_vnm_xt_sm90.cu), which spmm_vnm_sm90 runs where args.xt is set and
-// spmm_vnm_sm90_takes_xt(args) (tile_config.h sm90_vnm_xt; the lab build's vnm_xt knob forces it on or off).
+// spmm_vnm_sm90_takes_xt(args) (tile_config.h sm90_vnm_xt; the lab build's vnm_xt knob forces it on or off); the two
+// below are for such arguments only (spmm_vnm_sm90 and spmm_vnm_sm90_split_floats check that once).
 bool spmm_vnm_sm90_takes_xt(const SpmmArgs& args);
 cudaError_t spmm_vnm_xt_sm90(const SpmmArgs& args, cudaStream_t stream);
 int64_t spmm_vnm_xt_sm90_split_floats(const SpmmArgs& args);
