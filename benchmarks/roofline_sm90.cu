@@ -102,25 +102,23 @@ __global__ void __launch_bounds__(256, 1) mma_ceiling(float* out, long long* cyc
   float acc[N / 2];
 #pragma unroll
   for (int j = 0; j < N / 2; ++j) acc[j] = 0.f;
-  if constexpr (KIND == kSparseT) {  // B as the X^T path holds it: MN-major, 64-token blocks 8 KB apart
+  if constexpr (KIND == kSparse || KIND == kSparseT) {
+    // kSparseT: B as the X^T path holds it (MN-major, 64-token blocks 8 KB apart; the second k-step 32 rows on);
+    // kSparse: K-major, the second k-step 64 bytes on
+    constexpr bool kT = KIND == kSparseT;
     const uint4 a[2] = {make_uint4(operand_word(tid), 0x3B803B80u, 0xBB803B80u, 0x3B80BB80u),
                         make_uint4(0x3B80BB80u, operand_word(tid + 7), 0x3B803B80u, 0x3B803B80u)};
-    const uint64_t desc = hf_sparse::desc_mn128(base, 8192);
+    const uint64_t desc = kT ? hf_sparse::desc_mn128(base, 8192) : hf_sparse::desc_k128(base);
+    constexpr uint64_t kStep = kT ? (4096 >> 4) : (64 >> 4);
     for (int kt = 0; kt < kK; ++kt) {
       hf_sparse::wgmma_fence();
 #pragma unroll
-      for (int j = 0; j < 2; ++j) hf_sparse::WgmmaSpT<N, T>::run(acc, a[j], desc + j * (4096 >> 4), 0x44444444u);
-      hf_sparse::wgmma_commit();
-      hf_sparse::wgmma_wait<1>();
-    }
-  } else if constexpr (KIND == kSparse) {
-    const uint4 a[2] = {make_uint4(operand_word(tid), 0x3B803B80u, 0xBB803B80u, 0x3B80BB80u),
-                        make_uint4(0x3B80BB80u, operand_word(tid + 7), 0x3B803B80u, 0x3B803B80u)};
-    const uint64_t desc = hf_sparse::desc_k128(base);
-    for (int kt = 0; kt < kK; ++kt) {
-      hf_sparse::wgmma_fence();
-#pragma unroll
-      for (int j = 0; j < 2; ++j) hf_sparse::WgmmaSp<N, T>::run(acc, a[j], desc + j * (64 >> 4), 0x44444444u);
+      for (int j = 0; j < 2; ++j) {
+        if constexpr (kT)
+          hf_sparse::WgmmaSpT<N, T>::run(acc, a[j], desc + j * kStep, 0x44444444u);
+        else
+          hf_sparse::WgmmaSp<N, T>::run(acc, a[j], desc + j * kStep, 0x44444444u);
+      }
       hf_sparse::wgmma_commit();
       hf_sparse::wgmma_wait<1>();
     }
