@@ -165,7 +165,7 @@ at::Tensor spmm_impl(const char* op, bool wgmma, const at::Tensor& x, const at::
       a.split_ws = split_ws.data_ptr<float>();
     }
   }
-  at::Tensor xt;  // X^T of the V:2:M kernel's large-token path, alive until the launches are queued
+  at::Tensor xt;  // X^T for the V:2:M kernel's X^T path, alive until the launches are queued
   if (wgmma && m != 4) {
     const int64_t elems = hf_sparse::spmm_vnm_sm90_xt_elems(a);
     if (elems > 0) {

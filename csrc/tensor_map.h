@@ -1,6 +1,7 @@
 // Host side of TMA: the driver's cuTensorMapEncodeTiled, looked up once through the runtime
 // (cudaGetDriverEntryPoint*), so the extension does not link libcuda itself. Shared by the sm_90a kernels that build
-// tensor maps (spmm_sm90.cu, spmm_vnm_sm90.cu, sddmm_sm90.cu), with the map of Y their staged epilogues store through.
+// tensor maps (spmm_sm90.cu, spmm_vnm_xt_sm90.cu, sddmm_sm90.cu), with the map of Y their staged epilogues store
+// through.
 #pragma once
 
 #include <cuda.h>  // CUtensorMap and the cuTensorMapEncodeTiled types; the function itself comes from the runtime
