@@ -213,17 +213,17 @@ __device__ __forceinline__ void store_tile(const float (&acc)[BN / 2], int row0,
 }
 
 // Staged epilogue (the 2:4 kernel's configurations 20-27, the V:2:M X^T path) of one warpgroup's m64 x BN
-// accumulator tile: this warp's rows are row0 .. row0 + 15
-// (g and g + 8 of each 8 x 8 block), the warpgroup's are wg_row0 .. + 63. Why: the direct epilogue writes Y[n, r]
-// with 4-byte stores, 16 of each 32-byte sector per store, which throttled the LSU (LG throttle) for thousands of
-// cycles per tile while the tensor pipe waited (benchmarks/RESULTS.md, "Profile"). Here the tile goes out in chunks of
-// EPI_N tokens: + bias, cast, and stmatrix.trans of 8 x 8 blocks (rows x tokens) into a staging buffer that holds
-// the chunk token-major, as Y is (16-byte lines of 8 rows; 128 bytes = the warpgroup's 64 rows per token, 128-byte
-// swizzle: conflict-free), then one TMA store of the 64 x EPI_N box by the warpgroup's first thread. The store runs
-// asynchronously: the warpgroup goes on to the next chunk (EPI_BUFS buffers in rotation; a buffer is rewritten only
-// after the copy engine has read it, bulk_wait_group_read) and to the next tile's main loop. The tensor map clips
-// rows >= rows and tokens >= n_tokens, so partial tiles need no checks. Named barrier bar_id (128 threads) orders the
-// warpgroup's buffer writes against the store (fence.proxy.async: generic writes, read by the async proxy).
+// accumulator tile: this warp's rows are row0 .. row0 + 15 (g and g + 8 of each 8 x 8 block), the warpgroup's are
+// wg_row0 .. + 63. Why: the direct epilogue writes Y[n, r] with 4-byte stores, 16 of each 32-byte sector per store,
+// which throttled the LSU (LG throttle) for thousands of cycles per tile while the tensor pipe waited
+// (benchmarks/RESULTS.md, "Profile"). Here the tile goes out in chunks of EPI_N tokens: + bias, cast, and
+// stmatrix.trans of 8 x 8 blocks (rows x tokens) into a staging buffer that holds the chunk token-major, as Y is
+// (16-byte lines of 8 rows; 128 bytes = the warpgroup's 64 rows per token, 128-byte swizzle: conflict-free), then
+// one TMA store of the 64 x EPI_N box by the warpgroup's first thread. The store runs asynchronously: the warpgroup
+// goes on to the next chunk (EPI_BUFS buffers in rotation; a buffer is rewritten only after the copy engine has read
+// it, bulk_wait_group_read) and to the next tile's main loop. The tensor map clips rows >= rows and tokens >=
+// n_tokens, so partial tiles need no checks. Named barrier bar_id (128 threads) orders the warpgroup's buffer writes
+// against the store (fence.proxy.async: generic writes, read by the async proxy).
 template <typename T, int BN, int EPI_N, int EPI_BUFS, bool EVICT_FIRST, int ACT = kActNone>
 __device__ __forceinline__ void store_tile_staged(const float (&acc)[BN / 2], int row0, int wg_row0, int n_base,
                                                   int lane, int wq, uint32_t stage_u32, int bar_id,

@@ -48,8 +48,10 @@
 #endif
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #include "sm90_common.cuh"
-#include "tma_sm90.cuh"  // mbarrier wrappers and setmaxnreg of the warp-specialised pipelines
 #include "wgmma_sp.cuh"
+#if defined(HF_SPARSE_LAB)
+#include "tma_sm90.cuh"  // mbarrier wrappers and setmaxnreg of the warp-specialised pipelines
+#endif
 #endif
 
 namespace hf_sparse {
