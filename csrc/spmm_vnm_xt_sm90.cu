@@ -43,7 +43,6 @@
 namespace hf_sparse {
 namespace {
 constexpr int kXtThreads = 384;
-constexpr int kXtSlots = 8;  // X^T staging slots per producer warp
 template <int BN>
 struct XtCfg {
   static constexpr int B_BYTES = BN * 128;         // 64 condensed k-rows x BN tokens
@@ -59,11 +58,8 @@ struct XtCfg {
   // EPI_N tokens.
   static constexpr int EPI_N = 64, EPI_BUFS = 2, EPI_CHUNK = EPI_N * 128;
   static constexpr int EPI_OFF = STAGES * STAGE;
-  // The producer warps' X^T staging slots (kXtSlots pieces of 512 bytes a warp), then the barriers: full / empty, 16
-  // bytes of step info per stage, one per staging slot; + alignment slack.
-  static constexpr int XT_OFF = EPI_OFF + 2 * EPI_BUFS * EPI_CHUNK;
-  static constexpr int BAR_OFF = XT_OFF + 4 * kXtSlots * 512;
-  static constexpr int SMEM = BAR_OFF + 2 * 8 * STAGES + 16 * STAGES + 4 * kXtSlots * 8 + 1024;
+  // + the staging buffers, full / empty barriers, 16 bytes of step info per stage, alignment slack
+  static constexpr int SMEM = EPI_OFF + 2 * EPI_BUFS * EPI_CHUNK + 2 * 8 * STAGES + 16 * STAGES + 1024;
   static_assert(STAGE % 1024 == 0, "stages must start on 1024-byte boundaries (128-byte swizzle atoms)");
   static_assert(SMEM <= 227 * 1024, "over the sm_90 shared-memory limit");
 };
@@ -110,20 +106,9 @@ struct XtPieces {
       if (c8 < k) *reinterpret_cast<uint32_t*>(dst + (size_t)2 * j * ld) = r;  // k % 8 == 0: all 8 or none
     }
   }
-  // The same from a piece staged in shared memory (8 rows of 64 bytes, as TMA lands a box of 32 columns x 8 tokens):
-  // ldmatrix.trans hands lane l column 8j + l / 4 (j = 0..3), tokens 2 (l % 4) and + 1.
-  __device__ __forceinline__ void store_staged(int tile, int rem, int lane, const unsigned char* slot) const {
-    const int t0 = tile * BN + (rem & (OCT - 1)) * 8, c0 = (rem >> LOG_OCT) * 32;
-    uint32_t r[4];
-    ldmatrix_x4_trans(r, slot + (lane & 7) * 64 + (lane >> 3) * 16);
-    T* dst = xt + (size_t)(c0 + (lane >> 2)) * ld + t0 + 2 * (lane & 3);
-#pragma unroll
-    for (int j = 0; j < 4; ++j)
-      if (c0 + 8 * j < k) *reinterpret_cast<uint32_t*>(dst + (size_t)8 * j * ld) = r[j];
-  }
 };
 
-// A producer warp's place in the sequence of its pieces: token tile and place in it.
+// A producer warp's next piece of the background transposition: token tile and place in it.
 struct XtCursor {
   int tile, rem;
   __device__ __forceinline__ void advance(int stride, int per_tile) {
@@ -146,8 +131,7 @@ spmm_vnm_sm90_xt_kernel(const T* __restrict__ x, T* __restrict__ xt, int ld, con
                         const uint32_t* __restrict__ meta, const uint32_t* __restrict__ columns,
                         const T* __restrict__ bias, T* __restrict__ y, int n_tokens, int rows, int rows_padded, int k,
                         int steps, int splits, float* __restrict__ split_ws, int* __restrict__ split_counters,
-                        int* __restrict__ xt_sync, const __grid_constant__ CUtensorMap x_map,
-                        const __grid_constant__ CUtensorMap y_map, bool staged) {
+                        int* __restrict__ xt_sync, const __grid_constant__ CUtensorMap y_map, bool staged) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using Cfg = XtCfg<BN>;
   constexpr int STAGES = Cfg::STAGES, BLOCKS = BN / 64;  // BLOCKS: 64-token blocks of the B tile
@@ -157,9 +141,8 @@ spmm_vnm_sm90_xt_kernel(const T* __restrict__ x, T* __restrict__ xt, int ld, con
   unsigned char* smem = smem_raw + pad;
   const uint32_t base = raw_u32 + pad;
   const uint32_t epi = base + Cfg::EPI_OFF;
-  const uint32_t full = base + Cfg::BAR_OFF, empty = full + 8 * STAGES;
-  const uint32_t info = empty + 8 * STAGES;       // 16 bytes per stage, after the barriers
-  const uint32_t xt_bars = info + 16 * STAGES;  // one per X^T staging slot
+  const uint32_t full = epi + 2 * Cfg::EPI_BUFS * Cfg::EPI_CHUNK, empty = full + 8 * STAGES;
+  const uint32_t info = empty + 8 * STAGES;  // 16 bytes per stage, after the barriers
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = warp >> 2;
   const int row_blocks = (rows_padded + 127) >> 7, n_tiles = row_blocks * ((n_tokens + BN - 1) / BN);
   const int n_units = n_tiles * splits;
@@ -171,7 +154,6 @@ spmm_vnm_sm90_xt_kernel(const T* __restrict__ x, T* __restrict__ xt, int ld, con
       mbar_init(full + 8 * s, 128);  // one cp.async arrival per producer thread
       mbar_init(empty + 8 * s, 8);   // one per consumer warp
     }
-    for (int s = 0; s < 4 * kXtSlots; ++s) mbar_init(xt_bars + 8 * s, 1);  // lane 0's expect_tx
     mbar_fence_init();
   }
   // X^T. The first round of units (one a CTA) reads token tiles 0 .. j0: every warp of the grid transposes them
@@ -182,11 +164,7 @@ spmm_vnm_sm90_xt_kernel(const T* __restrict__ x, T* __restrict__ xt, int ld, con
   const int G = gridDim.x, n_token_tiles = (n_tokens + BN - 1) / BN;
   const XtPieces<T, BN> pieces{x, xt, n_tokens, k, ld};
   const int per_tile = XtPieces<T, BN>::OCT * ((k + 31) >> 5);
-#if defined(HF_SPARSE_XT_PROLOGUE_ONLY)
-  const int j0 = n_token_tiles - 1;
-#else
   const int j0 = (min(min(n_units, G), n_tiles) - 1) / row_blocks;
-#endif
   {
     constexpr int Q = 4;
     const int first = (j0 + 1) * per_tile, stride = 12 * G;
@@ -217,86 +195,62 @@ spmm_vnm_sm90_xt_kernel(const T* __restrict__ x, T* __restrict__ xt, int ld, con
     setmaxnreg_dec<Cfg::PRODUCER_REGS>();
     const int t = tid & 127, w = warp & 3;
     int gs = 0;  // steps issued so far, over all tiles
-    // The background transposition: warp w's pieces are p = blockIdx.x + w G + i x 4G from token tile j0 + 1 on.
-    // Lane 0 loads them by TMA (8 tokens x 32 columns of X, zeros past its ends) into the warp's ring of kXtSlots
-    // staging slots; the warp then transposes a landed piece out of its slot (ldmatrix.trans) into X^T. After each
-    // step's copies it takes the pieces that have landed (without waiting) and loads more while they are at most
-    // `ahead` token tiles past the unit's (about one round of units); before a unit's first step it finishes its
-    // pieces up to the unit's tile and waits for that tile to be complete. Two cursors walk the same sequence: `load`
-    // (next to load) and `put` (next to store); the pieces of tile pub_tile stored since the last count, pub_n, are
-    // counted (after a fence) once `put` has left that tile.
+    // The background transposition: warp w's pieces are p = blockIdx.x + w G + i x 4G from token tile j0 + 1 on,
+    // at most XQ a step (loaded before the step waits for its stage, stored after its copies are issued) while they
+    // are at most `ahead` tiles past the unit's (about one round of units), and all up to the unit's tile before its
+    // first step. The pieces stored of tile pub_tile since the last count, pub_n, are counted (after a fence) once
+    // the cursor has left that tile.
+    constexpr int XQ = 2;
     const int bstride = 4 * G, ahead = (G + row_blocks - 1) / row_blocks + 1;
-    XtCursor load{0, (int)blockIdx.x + w * G};
-    if (load.rem < (j0 + 1) * per_tile)
-      load.rem += ((j0 + 1) * per_tile - load.rem + bstride - 1) / bstride * bstride;
-    load.tile = load.rem / per_tile;
-    load.rem -= load.tile * per_tile;
-    XtCursor put = load;
-    int loaded = 0, stored = 0;  // pieces through each cursor (slot = count % kXtSlots)
-    int pub_tile = put.tile, pub_n = 0;
-    auto count_pieces = [&]() {
-      __syncwarp();
-      if (lane == 0) {
-        fence_acq_rel_gpu();  // the warp's stores of the tile before the count
-        atomicAdd(xt_sync + 2 + pub_tile, pub_n);
-      }
-      pub_tile = put.tile, pub_n = 0;
-    };
-    const uint32_t slots = base + Cfg::XT_OFF + w * kXtSlots * 512, slot_bars = xt_bars + w * kXtSlots * 8;
-    auto load_pieces = [&](int last_tile) {
-      while (loaded - stored < kXtSlots && load.tile <= last_tile && load.tile < n_token_tiles) {
-        const int t0 = load.tile * BN + (load.rem & (XtPieces<T, BN>::OCT - 1)) * 8;
-        const int slot = loaded % kXtSlots;
-        if (lane == 0 && t0 < ld) {
-          fence_proxy_async();  // the warp's ldmatrix reads of the slot before the copy engine rewrites it
-          mbar_arrive_expect_tx(slot_bars + 8 * slot, 512);
-          tma_load_2d(slots + slot * 512, &x_map, (load.rem >> XtPieces<T, BN>::LOG_OCT) * 32, t0,
-                      slot_bars + 8 * slot);
-        } else if (lane == 0) {  // a piece past X^T's tokens loads and stores nothing, but passes its slot's phase
-          mbar_arrive(slot_bars + 8 * slot);
+    XtCursor cur{0, (int)blockIdx.x + w * G};
+    if (cur.rem < (j0 + 1) * per_tile) cur.rem += ((j0 + 1) * per_tile - cur.rem + bstride - 1) / bstride * bstride;
+    cur.tile = cur.rem / per_tile;
+    cur.rem -= cur.tile * per_tile;
+    int pub_tile = cur.tile, pub_n = 0;
+    auto count_pieces = [&](int next_tile) {
+      if (pub_n > 0) {
+        __syncwarp();
+        if (lane == 0) {
+          fence_acq_rel_gpu();  // the warp's stores of the tile before the count
+          atomicAdd(xt_sync + 2 + pub_tile, pub_n);
         }
-        load.advance(bstride, per_tile);
-        ++loaded;
+      }
+      pub_tile = next_tile, pub_n = 0;
+    };
+    uint4 pv[XQ];
+    int ptile[XQ], prem[XQ];
+    bool pok[XQ];
+    auto pieces_load = [&](int last_tile) {
+#pragma unroll
+      for (int q = 0; q < XQ; ++q) {
+        pok[q] = cur.tile <= last_tile && cur.tile < n_token_tiles;
+        if (pok[q]) {
+          ptile[q] = cur.tile, prem[q] = cur.rem;
+          pv[q] = pieces.load(cur.tile, cur.rem, lane);
+          cur.advance(bstride, per_tile);
+        }
       }
     };
-    // Stores the next landed piece (waiting for it where `wait`); false if it has not landed.
-    auto store_piece = [&](bool wait) -> bool {
-      const int t0 = put.tile * BN + (put.rem & (XtPieces<T, BN>::OCT - 1)) * 8;
-      const int slot = stored % kXtSlots;
-      const uint32_t bar = slot_bars + 8 * slot, parity = (stored / kXtSlots) & 1;
-      if (wait) {
-        mbar_wait(bar, parity);
-      } else if (!__shfl_sync(0xffffffffu, mbar_test(bar, parity), 0)) {
-        return false;
+    auto pieces_store = [&]() {
+#pragma unroll
+      for (int q = 0; q < XQ; ++q) {
+        if (!pok[q]) continue;
+        if (ptile[q] != pub_tile) count_pieces(ptile[q]);
+        pieces.store(ptile[q], prem[q], lane, pv[q]);
+        ++pub_n;
       }
-      if (t0 < ld) {
-        pieces.store_staged(put.tile, put.rem, lane, smem + Cfg::XT_OFF + (w * kXtSlots + slot) * 512);
-        __syncwarp();  // every lane's reads of the slot before lane 0 reloads it
-      }
-      ++pub_n;
-      put.advance(bstride, per_tile);
-      ++stored;
-      if (put.tile != pub_tile) count_pieces();
-      return true;
-    };
-    auto background = [&](int last_tile) {
-      while (stored < loaded && store_piece(false)) {
-      }
-      load_pieces(last_tile);
-    };
-    auto finish_up_to = [&](int last_tile) {  // every piece of this warp up to last_tile stored and counted
-      while (put.tile <= last_tile && put.tile < n_token_tiles) {
-        load_pieces(last_tile);
-        store_piece(true);
-      }
+      if (cur.tile != pub_tile) count_pieces(cur.tile);
     };
     for (int unit = blockIdx.x; unit < n_units; unit += gridDim.x) {
       const int tile = unit % n_tiles, kt0 = (unit / n_tiles) * kt_per_split;
       const int k_tiles = min(all_k_tiles, kt0 + kt_per_split) - kt0;
       const int cta_row0 = (tile % row_blocks) * 128, n_base = (tile / row_blocks) * BN;
       const int token_tile = n_base / BN;
-      if (token_tile > j0) {
-        finish_up_to(token_tile);
+      if (token_tile > j0) {  // this warp's pieces up to the tile, then the tile complete
+        while (cur.tile <= token_tile) {
+          pieces_load(token_tile);
+          pieces_store();
+        }
         if (lane == 0)
           while (load_acquire_gpu(xt_sync + 2 + token_tile) < per_tile) {
           }
@@ -358,6 +312,7 @@ spmm_vnm_sm90_xt_kernel(const T* __restrict__ x, T* __restrict__ xt, int ld, con
       auto issue = [&](int ls, uint32_t cw) {
         const int slot = gs % STAGES, kt = kt0 + (share ? ls : ls >> 1);
         const uint32_t stage = base + slot * Cfg::STAGE;
+        pieces_load(token_tile + ahead);
         mbar_wait(empty + 8 * slot, ((gs / STAGES) & 1) ^ 1);
 #pragma unroll
         for (int s4 = 0; s4 < 4; ++s4) {
@@ -382,7 +337,7 @@ spmm_vnm_sm90_xt_kernel(const T* __restrict__ x, T* __restrict__ xt, int ld, con
         }
         if (t == 0) cp_async_16_bytes(info + slot * 16, &kXtShareWord[share ? 1 : 0], 16u);
         cp_async_arrive_noinc(full + 8 * slot);
-        background(token_tile + ahead);
+        pieces_store();
         ++gs;
       };
       uint32_t cw0 = column_word(0), cw1 = column_word(1), cw2 = column_word(2);
@@ -399,7 +354,10 @@ spmm_vnm_sm90_xt_kernel(const T* __restrict__ x, T* __restrict__ xt, int ld, con
         }
       }
     }
-    finish_up_to(n_token_tiles);  // the rest of this warp's pieces, which later units of other CTAs read
+    while (cur.tile < n_token_tiles) {  // the rest of this warp's pieces, which later units of other CTAs read
+      pieces_load(n_token_tiles);
+      pieces_store();
+    }
     cp_async_wait_all();
     named_bar_sync(1, 128);
     if (t == 0) {  // the last CTA to finish leaves xt_sync zero for the next launch (every wait on it is over)
@@ -526,8 +484,6 @@ cudaError_t launch_xt(const SpmmArgs& a, const Sm90SplitPlan& plan, cudaStream_t
   const int splits = a.split_ws != nullptr ? plan.splits : 1;  // see SpmmArgs
   CUtensorMap y_map{};
   const bool staged = encode_y_map(a, XtCfg<BN>::EPI_N, &y_map);  // else the direct epilogue (rows % 8 != 0)
-  CUtensorMap x_map{};
-  if (!encode_x_pieces_map(a, &x_map)) return cudaErrorNotSupported;
   // Cooperative: the CTAs wait for each other's X^T pieces, so all of them must be resident at once.
   cudaLaunchConfig_t config{};
   config.gridDim = dim3((unsigned)std::min<long long>(plan.tiles * splits, sms));
@@ -543,7 +499,7 @@ cudaError_t launch_xt(const SpmmArgs& a, const Sm90SplitPlan& plan, cudaStream_t
                             static_cast<const uint4*>(a.values), static_cast<const uint32_t*>(a.meta),
                             reinterpret_cast<const uint32_t*>(a.columns), static_cast<const T*>(a.bias),
                             static_cast<T*>(a.y), a.n_tokens, a.rows, a.rows_padded, a.k, a.steps, splits, a.split_ws,
-                            a.split_counters, a.split_counters + kSplitKCounters, x_map, y_map, staged);
+                            a.split_counters, a.split_counters + kSplitKCounters, y_map, staged);
 }
 
 template <typename T, int M>
