@@ -64,6 +64,37 @@ struct XtCfg {
   static_assert(SMEM <= 227 * 1024, "over the sm_90 shared-memory limit");
 };
 
+// X (n_tokens x k) -> X^T (k x ld), tokens n_tokens .. ld - 1 zero: 64 x 64 tiles through shared memory, 16-byte
+// loads and stores (k % 8 == 0, ld % 8 == 0).
+template <typename T>
+__global__ void __launch_bounds__(256) transpose_tokens_kernel(const T* __restrict__ x, T* __restrict__ xt,
+                                                               int n_tokens, int k, int ld) {
+  __shared__ uint32_t tile[64][33];  // [token][column pair]: 33 words a row, so a column read spreads over the banks
+  const int c0 = blockIdx.x * 64, n0 = blockIdx.y * 64, tid = threadIdx.x;
+#pragma unroll
+  for (int i = tid; i < 512; i += 256) {
+    const int r = i >> 3, ch = i & 7, n = n0 + r, c = c0 + ch * 8;
+    uint4 v = make_uint4(0, 0, 0, 0);
+    if (n < n_tokens && c < k) v = *reinterpret_cast<const uint4*>(x + (size_t)n * k + c);
+    tile[r][4 * ch] = v.x;
+    tile[r][4 * ch + 1] = v.y;
+    tile[r][4 * ch + 2] = v.z;
+    tile[r][4 * ch + 3] = v.w;
+  }
+  __syncthreads();
+#pragma unroll
+  for (int i = tid; i < 512; i += 256) {
+    const int cr = i >> 3, ch = i & 7, c = c0 + cr, n = n0 + ch * 8;
+    if (c >= k || n >= ld) continue;
+    const int half = 16 * (cr & 1);
+    uint32_t w[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+      w[j] = ((tile[ch * 8 + 2 * j][cr >> 1] >> half) & 0xFFFFu) | ((tile[ch * 8 + 2 * j + 1][cr >> 1] >> half) << 16);
+    *reinterpret_cast<uint4*>(xt + (size_t)c * ld + n) = make_uint4(w[0], w[1], w[2], w[3]);
+  }
+}
+
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 // OR of `v` over the `threads` threads of named barrier `id` (all of them must call it).
 __device__ __forceinline__ bool bar_red_or(int id, int threads, bool v) {
@@ -75,47 +106,6 @@ __device__ __forceinline__ bool bar_red_or(int id, int threads, bool v) {
       : "memory");
   return r != 0;
 }
-
-// X^T is written by the kernel itself, a piece at a time: a piece is 8 tokens x 32 columns of X, one warp's load
-// (lane l: 16 bytes, token l / 4, columns 8 (l % 4) ..), turned by four movmatrix transposes into 32 columns x 8
-// tokens (lane l: 2 tokens of 4 columns) and stored as 4-byte words. The pieces of a token tile (BN tokens, all
-// columns) are numbered rem = column chunk x (BN / 8) + token octet, per_tile of them; a tile's pieces past X^T's
-// tokens (ld) or columns count but store nothing. Tokens n_tokens .. ld - 1 are written as zeros.
-template <typename T, int BN>
-struct XtPieces {
-  static constexpr int OCT = BN / 8, LOG_OCT = BN == 256 ? 5 : 4;
-  static_assert(OCT == 1 << LOG_OCT, "token octets per tile");
-  const T* x;
-  T* xt;
-  int n_tokens, k, ld;
-  __device__ __forceinline__ uint4 load(int tile, int rem, int lane) const {
-    const int t = tile * BN + (rem & (OCT - 1)) * 8 + (lane >> 2), c = (rem >> LOG_OCT) * 32 + 8 * (lane & 3);
-    if (t < n_tokens && c < k) return __ldg(reinterpret_cast<const uint4*>(x + (size_t)t * k + c));
-    return make_uint4(0u, 0u, 0u, 0u);
-  }
-  __device__ __forceinline__ void store(int tile, int rem, int lane, const uint4& v) const {
-    const int t0 = tile * BN + (rem & (OCT - 1)) * 8;
-    if (t0 >= ld) return;  // the same for the whole warp: movmatrix below runs on all lanes or none
-    const int c8 = (rem >> LOG_OCT) * 32 + 8 * (lane >> 3);  // lane l's columns: c8 + 2j + (l / 4) % 2
-    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-    T* dst = xt + (size_t)(c8 + ((lane >> 2) & 1)) * ld + t0 + 2 * (lane & 3);
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      uint32_t r;
-      asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(r) : "r"(w[j]));
-      if (c8 < k) *reinterpret_cast<uint32_t*>(dst + (size_t)2 * j * ld) = r;  // k % 8 == 0: all 8 or none
-    }
-  }
-};
-
-// A producer warp's next piece of the background transposition: token tile and place in it.
-struct XtCursor {
-  int tile, rem;
-  __device__ __forceinline__ void advance(int stride, int per_tile) {
-    rem += stride;
-    while (rem >= per_tile) rem -= per_tile, ++tile;
-  }
-};
 #endif
 
 // What the producer tells the consumers with every stage (16 bytes copied into the stage's info slot by cp.async, so
@@ -127,11 +117,11 @@ struct XtCursor {
 // count run on across tiles, so the producer fills the next tile's first stages while the consumers store the last.
 template <typename T, int M, int BN>
 __global__ void __launch_bounds__(kXtThreads, 1)
-spmm_vnm_sm90_xt_kernel(const T* __restrict__ x, T* __restrict__ xt, int ld, const uint4* __restrict__ values,
+spmm_vnm_sm90_xt_kernel(const T* __restrict__ xt, int ld, const uint4* __restrict__ values,
                         const uint32_t* __restrict__ meta, const uint32_t* __restrict__ columns,
                         const T* __restrict__ bias, T* __restrict__ y, int n_tokens, int rows, int rows_padded, int k,
                         int steps, int splits, float* __restrict__ split_ws, int* __restrict__ split_counters,
-                        int* __restrict__ xt_sync, const __grid_constant__ CUtensorMap y_map, bool staged) {
+                        const __grid_constant__ CUtensorMap y_map, bool staged) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using Cfg = XtCfg<BN>;
   constexpr int STAGES = Cfg::STAGES, BLOCKS = BN / 64;  // BLOCKS: 64-token blocks of the B tile
@@ -156,106 +146,16 @@ spmm_vnm_sm90_xt_kernel(const T* __restrict__ x, T* __restrict__ xt, int ld, con
     }
     mbar_fence_init();
   }
-  // X^T. The first round of units (one a CTA) reads token tiles 0 .. j0: every warp of the grid transposes them
-  // first, this CTA its pieces p = blockIdx.x + i x G (G CTAs), warp v those with i % 12 == v, four loads in flight a
-  // lane; then the grid meets (xt_sync[0]; the launch is cooperative, so every CTA is resident). The later token tiles
-  // are transposed by the producer warps in the background, each tile counted into xt_sync[2 + tile] as its pieces
-  // are stored; a producer waits for its unit's tile to be complete before reading it.
-  const int G = gridDim.x, n_token_tiles = (n_tokens + BN - 1) / BN;
-  const XtPieces<T, BN> pieces{x, xt, n_tokens, k, ld};
-  const int per_tile = XtPieces<T, BN>::OCT * ((k + 31) >> 5);
-  const int j0 = (min(min(n_units, G), n_tiles) - 1) / row_blocks;
-  {
-    constexpr int Q = 4;
-    const int first = (j0 + 1) * per_tile, stride = 12 * G;
-    for (int p = blockIdx.x + warp * G; p < first; p += Q * stride) {
-      uint4 v[Q];
-#pragma unroll
-      for (int q = 0; q < Q; ++q) {
-        const int pq = p + q * stride;
-        v[q] = pq < first ? pieces.load(pq / per_tile, pq % per_tile, lane) : make_uint4(0u, 0u, 0u, 0u);
-      }
-#pragma unroll
-      for (int q = 0; q < Q; ++q) {
-        const int pq = p + q * stride;
-        if (pq < first) pieces.store(pq / per_tile, pq % per_tile, lane, v[q]);
-      }
-    }
-  }
-  __syncthreads();
-  if (tid == 0) {
-    fence_acq_rel_gpu();  // this CTA's X^T stores before its arrival
-    atomicAdd(xt_sync, 1);
-    while (load_acquire_gpu(xt_sync) < G) {
-    }
-  }
   __syncthreads();
 
   if (wg == 2) {  // producer
     setmaxnreg_dec<Cfg::PRODUCER_REGS>();
     const int t = tid & 127, w = warp & 3;
     int gs = 0;  // steps issued so far, over all tiles
-    // The background transposition: warp w's pieces are p = blockIdx.x + w G + i x 4G from token tile j0 + 1 on,
-    // at most XQ a step (loaded before the step waits for its stage, stored after its copies are issued) while they
-    // are at most `ahead` tiles past the unit's (about one round of units), and all up to the unit's tile before its
-    // first step. The pieces stored of tile pub_tile since the last count, pub_n, are counted (after a fence) once
-    // the cursor has left that tile.
-    constexpr int XQ = 2;
-    const int bstride = 4 * G, ahead = (G + row_blocks - 1) / row_blocks + 1;
-    XtCursor cur{0, (int)blockIdx.x + w * G};
-    if (cur.rem < (j0 + 1) * per_tile) cur.rem += ((j0 + 1) * per_tile - cur.rem + bstride - 1) / bstride * bstride;
-    cur.tile = cur.rem / per_tile;
-    cur.rem -= cur.tile * per_tile;
-    int pub_tile = cur.tile, pub_n = 0;
-    auto count_pieces = [&](int next_tile) {
-      if (pub_n > 0) {
-        __syncwarp();
-        if (lane == 0) {
-          fence_acq_rel_gpu();  // the warp's stores of the tile before the count
-          atomicAdd(xt_sync + 2 + pub_tile, pub_n);
-        }
-      }
-      pub_tile = next_tile, pub_n = 0;
-    };
-    uint4 pv[XQ];
-    int ptile[XQ], prem[XQ];
-    bool pok[XQ];
-    auto pieces_load = [&](int last_tile) {
-#pragma unroll
-      for (int q = 0; q < XQ; ++q) {
-        pok[q] = cur.tile <= last_tile && cur.tile < n_token_tiles;
-        if (pok[q]) {
-          ptile[q] = cur.tile, prem[q] = cur.rem;
-          pv[q] = pieces.load(cur.tile, cur.rem, lane);
-          cur.advance(bstride, per_tile);
-        }
-      }
-    };
-    auto pieces_store = [&]() {
-#pragma unroll
-      for (int q = 0; q < XQ; ++q) {
-        if (!pok[q]) continue;
-        if (ptile[q] != pub_tile) count_pieces(ptile[q]);
-        pieces.store(ptile[q], prem[q], lane, pv[q]);
-        ++pub_n;
-      }
-      if (cur.tile != pub_tile) count_pieces(cur.tile);
-    };
     for (int unit = blockIdx.x; unit < n_units; unit += gridDim.x) {
       const int tile = unit % n_tiles, kt0 = (unit / n_tiles) * kt_per_split;
       const int k_tiles = min(all_k_tiles, kt0 + kt_per_split) - kt0;
       const int cta_row0 = (tile % row_blocks) * 128, n_base = (tile / row_blocks) * BN;
-      const int token_tile = n_base / BN;
-      if (token_tile > j0) {  // this warp's pieces up to the tile, then the tile complete
-        while (cur.tile <= token_tile) {
-          pieces_load(token_tile);
-          pieces_store();
-        }
-        if (lane == 0)
-          while (load_acquire_gpu(xt_sync + 2 + token_tile) < per_tile) {
-          }
-        __syncwarp();
-      }
       const int mt_cta = cta_row0 >> 4;
       const uint32_t* col0 = columns + (size_t)(cta_row0 >> 6) * groups_padded;
       const bool two_slabs = ((rows_padded - cta_row0) >> 4) > 4;
@@ -312,7 +212,6 @@ spmm_vnm_sm90_xt_kernel(const T* __restrict__ x, T* __restrict__ xt, int ld, con
       auto issue = [&](int ls, uint32_t cw) {
         const int slot = gs % STAGES, kt = kt0 + (share ? ls : ls >> 1);
         const uint32_t stage = base + slot * Cfg::STAGE;
-        pieces_load(token_tile + ahead);
         mbar_wait(empty + 8 * slot, ((gs / STAGES) & 1) ^ 1);
 #pragma unroll
         for (int s4 = 0; s4 < 4; ++s4) {
@@ -337,7 +236,6 @@ spmm_vnm_sm90_xt_kernel(const T* __restrict__ x, T* __restrict__ xt, int ld, con
         }
         if (t == 0) cp_async_16_bytes(info + slot * 16, &kXtShareWord[share ? 1 : 0], 16u);
         cp_async_arrive_noinc(full + 8 * slot);
-        pieces_store();
         ++gs;
       };
       uint32_t cw0 = column_word(0), cw1 = column_word(1), cw2 = column_word(2);
@@ -354,20 +252,7 @@ spmm_vnm_sm90_xt_kernel(const T* __restrict__ x, T* __restrict__ xt, int ld, con
         }
       }
     }
-    while (cur.tile < n_token_tiles) {  // the rest of this warp's pieces, which later units of other CTAs read
-      pieces_load(n_token_tiles);
-      pieces_store();
-    }
     cp_async_wait_all();
-    named_bar_sync(1, 128);
-    if (t == 0) {  // the last CTA to finish leaves xt_sync zero for the next launch (every wait on it is over)
-      fence_acq_rel_gpu();
-      if (atomicAdd(xt_sync + 1, 1) == G - 1) {
-        for (int j = j0 + 1; j < n_token_tiles; ++j) xt_sync[2 + j] = 0;
-        xt_sync[0] = 0;
-        xt_sync[1] = 0;
-      }
-    }
     return;
   }
 
@@ -477,29 +362,22 @@ cudaError_t launch_xt(const SpmmArgs& a, const Sm90SplitPlan& plan, cudaStream_t
   constexpr auto kernel = spmm_vnm_sm90_xt_kernel<T, M, BN>;
   cudaError_t err = raise_smem_limit_once<kernel>(XtCfg<BN>::SMEM);
   if (err != cudaSuccess) return err;
-  if (a.split_counters == nullptr || (a.n_tokens + BN - 1) / BN > kVnmXtMaxTokenTiles) return cudaErrorInvalidValue;
+  const int ld = xt_ld(a);
+  T* xt = static_cast<T*>(a.xt);
+  const dim3 tgrid((a.k + 63) / 64, (ld + 63) / 64);
+  if (tgrid.y > 65535) return cudaErrorInvalidConfiguration;
+  transpose_tokens_kernel<T><<<tgrid, 256, 0, stream>>>(static_cast<const T*>(a.x), xt, a.n_tokens, a.k, ld);
   int sms = 0;
   err = current_sm_count(&sms);
   if (err != cudaSuccess) return err;
-  const int splits = a.split_ws != nullptr ? plan.splits : 1;  // see SpmmArgs
+  const int splits = a.split_ws != nullptr && a.split_counters != nullptr ? plan.splits : 1;  // see SpmmArgs
   CUtensorMap y_map{};
   const bool staged = encode_y_map(a, XtCfg<BN>::EPI_N, &y_map);  // else the direct epilogue (rows % 8 != 0)
-  // Cooperative: the CTAs wait for each other's X^T pieces, so all of them must be resident at once.
-  cudaLaunchConfig_t config{};
-  config.gridDim = dim3((unsigned)std::min<long long>(plan.tiles * splits, sms));
-  config.blockDim = dim3(kXtThreads);
-  config.dynamicSmemBytes = XtCfg<BN>::SMEM;
-  config.stream = stream;
-  cudaLaunchAttribute cooperative{};
-  cooperative.id = cudaLaunchAttributeCooperative;
-  cooperative.val.cooperative = 1;
-  config.attrs = &cooperative;
-  config.numAttrs = 1;
-  return cudaLaunchKernelEx(&config, kernel, static_cast<const T*>(a.x), static_cast<T*>(a.xt), xt_ld(a),
-                            static_cast<const uint4*>(a.values), static_cast<const uint32_t*>(a.meta),
-                            reinterpret_cast<const uint32_t*>(a.columns), static_cast<const T*>(a.bias),
-                            static_cast<T*>(a.y), a.n_tokens, a.rows, a.rows_padded, a.k, a.steps, splits, a.split_ws,
-                            a.split_counters, a.split_counters + kSplitKCounters, y_map, staged);
+  kernel<<<(unsigned)std::min<long long>(plan.tiles * splits, sms), kXtThreads, XtCfg<BN>::SMEM, stream>>>(
+      xt, ld, static_cast<const uint4*>(a.values), static_cast<const uint32_t*>(a.meta),
+      reinterpret_cast<const uint32_t*>(a.columns), static_cast<const T*>(a.bias), static_cast<T*>(a.y), a.n_tokens,
+      a.rows, a.rows_padded, a.k, a.steps, splits, a.split_ws, a.split_counters, y_map, staged);
+  return cudaGetLastError();
 }
 
 template <typename T, int M>

@@ -196,55 +196,6 @@ def test_spmm_vnm_xt_path_splits_256_token_tiles(v, m):
         assert torch.equal(spmm(x, p, b), spmm(x, p, b))
 
 
-@pytest.mark.parametrize(("v", "m", "groups"), [(64, 8, 25), (128, 16, 25), (128, 8, 40)])
-def test_spmm_vnm_xt_path_transposes_x_in_the_background(v, m, groups):
-    """The X^T path writes X^T itself: the token tiles its first round of tiles reads before any CTA starts, the
-    later ones in the background while the GEMM runs. 1152 rows (9 row blocks) x 8200 tokens: 33 token tiles of 256
-    (the last 8 tokens), 297 tiles on 132 SMs, so tiles 15-32 are transposed in the background; K = 200 / 400 / 320
-    columns end in a partial chunk of 32 (or not). Three calls in a row with different X, the last with 300 tokens,
-    each against the reference on poisoned memory: a count left over from one call would let the next read X^T
-    before it is written."""
-    if not _wgmma_runs_here():
-        pytest.skip("sparse wgmma needs a cc 9.0 GPU and an sm_90a build")
-    rows, cols = 1152, groups * m
-    w, mask, p = _pack_cuda(rows, cols, v, m, torch.bfloat16, seed=groups + m)
-    b = torch.randn(rows, device="cuda").to(torch.bfloat16)
-    with force_kernel(spmm="wgmma"):
-        for tokens in (8200, 8200, 300):
-            x = torch.randn(tokens, cols, device="cuda").to(torch.bfloat16)
-            _assert_spmm_matches_reference(x, w, p, b)
-
-
-@pytest.mark.parametrize(("v", "m"), [(128, 8), (64, 16)])
-def test_spmm_vnm_xt_path_under_cuda_graph_capture(v, m):
-    """The X^T path's launch (cooperative, meeting on the stream's counters) captured in a CUDA graph on a stream that
-    has counters: replays give the product, and so does a capture on a new stream, which has none and gathers from X
-    instead."""
-    if not _wgmma_runs_here():
-        pytest.skip("sparse wgmma needs a cc 9.0 GPU and an sm_90a build")
-    w, mask, p = _pack_cuda(1024, 64 * m, v, m, torch.bfloat16, seed=m)
-    x = torch.randn(1000, w.shape[1], device="cuda").bfloat16()
-    side = torch.cuda.Stream()
-    with force_kernel(spmm="wgmma"):
-        with torch.cuda.stream(side):
-            eager = spmm(x, p)  # the side stream's counters are made here
-        side.synchronize()
-        graphs, outs = [], []
-        for stream in (side, torch.cuda.Stream()):
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, stream=stream):
-                outs.append(spmm(x, p))
-            graphs.append(graph)
-        for graph, out in zip(graphs, outs):
-            out.fill_(float("nan"))
-            graph.replay()
-            graph.replay()
-    torch.cuda.synchronize()
-    assert_linear_matches(eager, x, w)
-    for out in outs:
-        assert_linear_matches(out, x, w)
-
-
 @pytest.mark.parametrize(("v", "m"), [(64, 4), (64, 8), (128, 8), (64, 16), (128, 64)])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tokens", [1, 3, 16, 17, 33, 64, 65, 200, 256])
