@@ -196,6 +196,53 @@ def test_spmm_vnm_xt_path_splits_256_token_tiles(v, m):
         assert torch.equal(spmm(x, p, b), spmm(x, p, b))
 
 
+@pytest.mark.parametrize(("v", "m", "groups"), [(64, 8, 25), (128, 16, 25), (128, 8, 40)])
+def test_spmm_vnm_xt_path_runs_rounds_of_tiles_call_after_call(v, m, groups):
+    """The X^T path where the persistent CTAs walk several rounds of tiles: 1152 rows (9 row blocks) x 8200 tokens is
+    33 token tiles of 256 (the last one 8 tokens), 297 tiles on 132 SMs; 25 groups: an odd step count. Three calls in a
+    row on the same weight with a new X each, the last with 300 tokens (one round, split along K), each against the
+    reference on poisoned memory: nothing a call leaves behind (X^T scratch, split counters) may reach the next."""
+    if not _wgmma_runs_here():
+        pytest.skip("sparse wgmma needs a cc 9.0 GPU and an sm_90a build")
+    rows, cols = 1152, groups * m
+    w, mask, p = _pack_cuda(rows, cols, v, m, torch.bfloat16, seed=groups + m)
+    b = torch.randn(rows, device="cuda").to(torch.bfloat16)
+    with force_kernel(spmm="wgmma"):
+        for tokens in (8200, 8200, 300):
+            x = torch.randn(tokens, cols, device="cuda").to(torch.bfloat16)
+            _assert_spmm_matches_reference(x, w, p, b)
+
+
+@pytest.mark.parametrize(("v", "m"), [(128, 8), (64, 16)])
+def test_spmm_vnm_xt_path_under_cuda_graph_capture(v, m):
+    """The X^T path (transpose, then the split GEMM: 1024 rows x 1000 tokens leave most SMs idle) captured in CUDA
+    graphs: on a stream that has split counters, and on a new stream, which has none and does not split. Replayed
+    twice on NaN-filled outputs, both give the product."""
+    if not _wgmma_runs_here():
+        pytest.skip("sparse wgmma needs a cc 9.0 GPU and an sm_90a build")
+    w, mask, p = _pack_cuda(1024, 64 * m, v, m, torch.bfloat16, seed=m)
+    x = torch.randn(1000, w.shape[1], device="cuda").bfloat16()
+    side = torch.cuda.Stream()
+    with force_kernel(spmm="wgmma"):
+        with torch.cuda.stream(side):
+            eager = spmm(x, p)  # the side stream's counters are made here
+        side.synchronize()
+        graphs, outs = [], []
+        for stream in (side, torch.cuda.Stream()):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=stream):
+                outs.append(spmm(x, p))
+            graphs.append(graph)
+        for graph, out in zip(graphs, outs, strict=True):
+            out.fill_(float("nan"))
+            graph.replay()
+            graph.replay()
+    torch.cuda.synchronize()
+    assert_linear_matches(eager, x, w)
+    for out in outs:
+        assert_linear_matches(out, x, w)
+
+
 @pytest.mark.parametrize(("v", "m"), [(64, 4), (64, 8), (128, 8), (64, 16), (128, 64)])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tokens", [1, 3, 16, 17, 33, 64, 65, 200, 256])
