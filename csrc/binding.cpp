@@ -104,7 +104,7 @@ int* split_counters(const at::Device& device, cudaStream_t stream) {
   if (found != sets->end()) return found->second.data_ptr<int>();
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   if (cudaStreamIsCapturing(stream, &capture) != cudaSuccess || capture != cudaStreamCaptureStatusNone) return nullptr;
-  auto t = at::zeros({hf_sparse::kSyncCounters}, at::TensorOptions().dtype(at::kInt).device(device));
+  auto t = at::zeros({hf_sparse::kSplitKCounters}, at::TensorOptions().dtype(at::kInt).device(device));
   return sets->emplace(key, t).first->second.data_ptr<int>();
 }
 
@@ -157,18 +157,19 @@ at::Tensor spmm_impl(const char* op, bool wgmma, const at::Tensor& x, const at::
   a.act = (int)act;
   const auto stream = c10::cuda::getCurrentCUDAStream().stream();
   at::Tensor split_ws;  // split-K partial sums, alive until the launch is queued (the allocator orders reuse by stream)
-  at::Tensor xt;  // X^T for the V:2:M kernel's X^T path, alive until the launch is queued
   if (wgmma) {
     const int64_t floats = m == 4 ? hf_sparse::spmm_sm90_split_floats(a) : hf_sparse::spmm_vnm_sm90_split_floats(a);
-    const int64_t xt_elems = m == 4 ? 0 : hf_sparse::spmm_vnm_sm90_xt_elems(a);
-    // The X^T path meets on the counters too: without them (a capture on a new stream) the V:2:M kernel gathers from X.
-    a.split_counters = floats > 0 || xt_elems > 0 ? split_counters(x.device(), stream) : nullptr;
-    if (a.split_counters != nullptr && floats > 0) {
+    a.split_counters = floats > 0 ? split_counters(x.device(), stream) : nullptr;
+    if (a.split_counters != nullptr) {
       split_ws = at::empty({floats}, x.options().dtype(at::kFloat));
       a.split_ws = split_ws.data_ptr<float>();
     }
-    if (a.split_counters != nullptr && xt_elems > 0) {
-      xt = at::empty({xt_elems}, x.options());
+  }
+  at::Tensor xt;  // X^T for the V:2:M kernel's X^T path, alive until the launches are queued
+  if (wgmma && m != 4) {
+    const int64_t elems = hf_sparse::spmm_vnm_sm90_xt_elems(a);
+    if (elems > 0) {
+      xt = at::empty({elems}, x.options());
       a.xt = xt.data_ptr();
     }
   }

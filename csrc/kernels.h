@@ -19,13 +19,13 @@ struct SpmmArgs {
   int act = 0;  // epilogue activation (common.cuh kActNone / kActGelu); only spmm_sm90 takes one other than none
   // Split-K scratch of the sparse-wgmma SpMMs (tile_config.h sm90_split_k): split_ws holds the fp32 partial sums,
   // spmm_sm90_split_floats(args) of them (spmm_vnm_sm90_split_floats at V:2:M), no initial value needed;
-  // split_counters kSyncCounters ints (tile_config.h), zero before the first launch and left zero by every launch,
-  // used by one stream at a time. Null: the kernel does not split (the binding passes null while a CUDA graph is
-  // captured on a stream that has no counters yet, which it cannot allocate and zero there).
+  // split_counters kSplitKCounters ints, zero before the first launch and left zero by every launch, used by one
+  // stream at a time. Null: the kernel does not split (the binding passes null while a CUDA graph is captured on a
+  // stream that has no counters yet, which it cannot allocate and zero there).
   float* split_ws = nullptr;
   int* split_counters = nullptr;
-  // X^T scratch of the V:2:M sparse-wgmma SpMM's X^T path (tile_config.h sm90_vnm_xt), which the kernel writes:
-  // spmm_vnm_sm90_xt_elems(args) elements of x's dtype; null: that path is not taken (it needs split_counters too).
+  // X^T scratch of the V:2:M sparse-wgmma SpMM's large-token path (tile_config.h sm90_vnm_xt):
+  // spmm_vnm_sm90_xt_elems(args) elements of x's dtype; null: that path is not taken.
   void* xt = nullptr;
 };
 cudaError_t spmm(const SpmmArgs& args, cudaStream_t stream);

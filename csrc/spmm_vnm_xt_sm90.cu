@@ -43,9 +43,6 @@
 namespace hf_sparse {
 namespace {
 constexpr int kXtThreads = 384;
-// X^T pieces (32 tokens x 32 columns, 2 KB) in flight per warp: each of the 12 warps in the first transposition,
-// then each producer warp in the background.
-constexpr int kXtFirstSlots = 4, kXtSlots = 2, kXtPiece = 2048;
 template <int BN>
 struct XtCfg {
   static constexpr int B_BYTES = BN * 128;         // 64 condensed k-rows x BN tokens
@@ -61,16 +58,42 @@ struct XtCfg {
   // EPI_N tokens.
   static constexpr int EPI_N = 64, EPI_BUFS = 2, EPI_CHUNK = EPI_N * 128;
   static constexpr int EPI_OFF = STAGES * STAGE;
-  // The producer warps' X^T slots (the first transposition's, 12 x kXtFirstSlots, lie in the stages), then the
-  // barriers: full / empty, 16 bytes of step info per stage, one per X^T slot; + alignment slack.
-  static constexpr int XT_OFF = EPI_OFF + 2 * EPI_BUFS * EPI_CHUNK;
-  static constexpr int BAR_OFF = XT_OFF + 4 * kXtSlots * kXtPiece;
-  static constexpr int XT_BARS = 12 * kXtFirstSlots + 4 * kXtSlots;
-  static constexpr int SMEM = BAR_OFF + 2 * 8 * STAGES + 16 * STAGES + 8 * XT_BARS + 1024;
-  static_assert(12 * kXtFirstSlots * kXtPiece <= STAGES * STAGE, "the first transposition's slots lie in the stages");
+  // + the staging buffers, full / empty barriers, 16 bytes of step info per stage, alignment slack
+  static constexpr int SMEM = EPI_OFF + 2 * EPI_BUFS * EPI_CHUNK + 2 * 8 * STAGES + 16 * STAGES + 1024;
   static_assert(STAGE % 1024 == 0, "stages must start on 1024-byte boundaries (128-byte swizzle atoms)");
   static_assert(SMEM <= 227 * 1024, "over the sm_90 shared-memory limit");
 };
+
+// X (n_tokens x k) -> X^T (k x ld), tokens n_tokens .. ld - 1 zero: 64 x 64 tiles through shared memory, 16-byte
+// loads and stores (k % 8 == 0, ld % 8 == 0).
+template <typename T>
+__global__ void __launch_bounds__(256) transpose_tokens_kernel(const T* __restrict__ x, T* __restrict__ xt,
+                                                               int n_tokens, int k, int ld) {
+  __shared__ uint32_t tile[64][33];  // [token][column pair]: 33 words a row, so a column read spreads over the banks
+  const int c0 = blockIdx.x * 64, n0 = blockIdx.y * 64, tid = threadIdx.x;
+#pragma unroll
+  for (int i = tid; i < 512; i += 256) {
+    const int r = i >> 3, ch = i & 7, n = n0 + r, c = c0 + ch * 8;
+    uint4 v = make_uint4(0, 0, 0, 0);
+    if (n < n_tokens && c < k) v = *reinterpret_cast<const uint4*>(x + (size_t)n * k + c);
+    tile[r][4 * ch] = v.x;
+    tile[r][4 * ch + 1] = v.y;
+    tile[r][4 * ch + 2] = v.z;
+    tile[r][4 * ch + 3] = v.w;
+  }
+  __syncthreads();
+#pragma unroll
+  for (int i = tid; i < 512; i += 256) {
+    const int cr = i >> 3, ch = i & 7, c = c0 + cr, n = n0 + ch * 8;
+    if (c >= k || n >= ld) continue;
+    const int half = 16 * (cr & 1);
+    uint32_t w[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+      w[j] = ((tile[ch * 8 + 2 * j][cr >> 1] >> half) & 0xFFFFu) | ((tile[ch * 8 + 2 * j + 1][cr >> 1] >> half) << 16);
+    *reinterpret_cast<uint4*>(xt + (size_t)c * ld + n) = make_uint4(w[0], w[1], w[2], w[3]);
+  }
+}
 
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 // OR of `v` over the `threads` threads of named barrier `id` (all of them must call it).
@@ -83,104 +106,6 @@ __device__ __forceinline__ bool bar_red_or(int id, int threads, bool v) {
       : "memory");
   return r != 0;
 }
-
-// X^T is written by the kernel itself, a piece at a time: 32 tokens x 32 columns of X, which one warp loads by TMA
-// into a 2 KB slot (32 rows of 64 bytes, zeros past X's ends), transposes in place (ldmatrix.trans into registers,
-// stmatrix back: 32 rows of 32 tokens) and stores by TMA into X^T (clipped at its ends; tokens n_tokens .. ld - 1
-// come out zero). The pieces of a token tile (BN tokens, all columns) are numbered rem = column chunk x (BN / 32) +
-// token quad, per_tile of them; a piece past X^T's tokens counts but moves nothing. A warp walks its pieces p, p +
-// stride, ... (tile = p / per_tile) with SLOTS in flight: `load` is the next to load, `put` the next to transpose.
-template <int BN, int SLOTS>
-struct XtWarp {
-  static_assert(SLOTS <= 4, "wait_reads covers up to 3 newer stores");
-  static constexpr int QUADS = BN / 32, LOG_QUADS = BN == 256 ? 3 : 2;
-  static_assert(QUADS == 1 << LOG_QUADS, "token quads per tile");
-  struct Cursor {
-    int tile, rem;
-    __device__ __forceinline__ int t0() const { return tile * BN + (rem & (QUADS - 1)) * 32; }
-    __device__ __forceinline__ int c0() const { return (rem >> LOG_QUADS) * 32; }
-  };
-  const CUtensorMap *x_map, *xt_map;
-  uint32_t slots, bars;  // SLOTS slots of kXtPiece bytes; SLOTS mbarriers of count 1
-  int stride, per_tile, ld, n_token_tiles, lane;
-  Cursor load, put;
-  int loaded = 0, stored = 0;
-  __device__ __forceinline__ XtWarp(const CUtensorMap* x_map_, const CUtensorMap* xt_map_, uint32_t slots_,
-                                    uint32_t bars_, int first, int stride_, int per_tile_, int ld_, int n_token_tiles_,
-                                    int lane_)
-      : x_map(x_map_), xt_map(xt_map_), slots(slots_), bars(bars_), stride(stride_), per_tile(per_tile_), ld(ld_),
-        n_token_tiles(n_token_tiles_), lane(lane_) {
-    load.tile = first / per_tile;
-    load.rem = first - load.tile * per_tile;
-    put = load;
-  }
-  __device__ __forceinline__ void advance(Cursor& c) const {
-    c.rem += stride;
-    while (c.rem >= per_tile) c.rem -= per_tile, ++c.tile;
-  }
-  // Loads pieces up to token tile last_tile while slots are free.
-  __device__ __forceinline__ void load_more(int last_tile) {
-    while (loaded - stored < SLOTS && load.tile <= last_tile && load.tile < n_token_tiles) {
-      const int slot = loaded % SLOTS;
-      if (lane == 0) {
-        if (load.t0() < ld) {
-          // The slot's last store has read it: at most stored - 1 - (loaded - SLOTS) newer stores still reading.
-          if (loaded >= SLOTS) wait_reads(stored - 1 - (loaded - SLOTS));
-          mbar_arrive_expect_tx(bars + 8 * slot, kXtPiece);
-          tma_load_2d(slots + slot * kXtPiece, x_map, load.c0(), load.t0(), bars + 8 * slot);
-        } else {
-          mbar_arrive(bars + 8 * slot);  // nothing to move; the slot's phase passes all the same
-        }
-      }
-      advance(load);
-      ++loaded;
-    }
-  }
-  // Transposes the next loaded piece and stores it (waiting for it to land where `wait`); false if it has not landed.
-  __device__ __forceinline__ bool put_next(bool wait) {
-    const int slot = stored % SLOTS;
-    const uint32_t bar = bars + 8 * slot, parity = (stored / SLOTS) & 1;
-    if (wait) {
-      mbar_wait(bar, parity);
-    } else if (!__shfl_sync(0xffffffffu, (int)mbar_test(bar, parity), 0)) {
-      return false;
-    }
-    if (put.t0() < ld) {
-      const uint32_t src = slots + slot * kXtPiece;
-      uint32_t r[4][4];  // [token octet q][column octet j]
-#pragma unroll
-      for (int q = 0; q < 4; ++q) ldmatrix_x4_trans_at(r[q], src + (8 * q + (lane & 7)) * 64 + (lane >> 3) * 16);
-      __syncwarp();  // every lane's reads before the slot is rewritten in place
-#pragma unroll
-      for (int q = 0; q < 4; ++q) stmatrix_x4_at(src + lane * 64 + q * 16, r[q][0], r[q][1], r[q][2], r[q][3]);
-      fence_proxy_async();  // the stmatrix writes, visible to the copy engine
-      __syncwarp();
-      if (lane == 0) tma_store_2d(xt_map, put.t0(), put.c0(), src);
-    }
-    if (lane == 0) bulk_commit_group();  // one group a piece, empty where it moves nothing: groups count pieces
-    advance(put);
-    ++stored;
-    return true;
-  }
-  // Every piece up to token tile last_tile put.
-  __device__ __forceinline__ void finish_up_to(int last_tile) {
-    while (put.tile <= last_tile && put.tile < n_token_tiles) {
-      load_more(last_tile);
-      put_next(true);
-    }
-  }
-  __device__ __forceinline__ static void wait_reads(int newer) {
-    if (newer <= 0) {
-      bulk_wait_group_read<0>();
-    } else if (newer == 1) {
-      bulk_wait_group_read<1>();
-    } else if (newer == 2) {
-      bulk_wait_group_read<2>();
-    } else {
-      bulk_wait_group_read<3>();
-    }
-  }
-};
 #endif
 
 // What the producer tells the consumers with every stage (16 bytes copied into the stage's info slot by cp.async, so
@@ -196,9 +121,7 @@ spmm_vnm_sm90_xt_kernel(const T* __restrict__ xt, int ld, const uint4* __restric
                         const uint32_t* __restrict__ meta, const uint32_t* __restrict__ columns,
                         const T* __restrict__ bias, T* __restrict__ y, int n_tokens, int rows, int rows_padded, int k,
                         int steps, int splits, float* __restrict__ split_ws, int* __restrict__ split_counters,
-                        int* __restrict__ xt_sync, const __grid_constant__ CUtensorMap x_map,
-                        const __grid_constant__ CUtensorMap xt_map, const __grid_constant__ CUtensorMap y_map,
-                        bool staged) {
+                        const __grid_constant__ CUtensorMap y_map, bool staged) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using Cfg = XtCfg<BN>;
   constexpr int STAGES = Cfg::STAGES, BLOCKS = BN / 64;  // BLOCKS: 64-token blocks of the B tile
@@ -208,9 +131,8 @@ spmm_vnm_sm90_xt_kernel(const T* __restrict__ xt, int ld, const uint4* __restric
   unsigned char* smem = smem_raw + pad;
   const uint32_t base = raw_u32 + pad;
   const uint32_t epi = base + Cfg::EPI_OFF;
-  const uint32_t full = base + Cfg::BAR_OFF, empty = full + 8 * STAGES;
-  const uint32_t info = empty + 8 * STAGES;       // 16 bytes per stage, after the barriers
-  const uint32_t xt_bars = info + 16 * STAGES;  // one per X^T slot: the producer warps', then the first ones
+  const uint32_t full = epi + 2 * Cfg::EPI_BUFS * Cfg::EPI_CHUNK, empty = full + 8 * STAGES;
+  const uint32_t info = empty + 8 * STAGES;  // 16 bytes per stage, after the barriers
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = warp >> 2;
   const int row_blocks = (rows_padded + 127) >> 7, n_tiles = row_blocks * ((n_tokens + BN - 1) / BN);
   const int n_units = n_tiles * splits;
@@ -222,35 +144,7 @@ spmm_vnm_sm90_xt_kernel(const T* __restrict__ xt, int ld, const uint4* __restric
       mbar_init(full + 8 * s, 128);  // one cp.async arrival per producer thread
       mbar_init(empty + 8 * s, 8);   // one per consumer warp
     }
-    for (int s = 0; s < Cfg::XT_BARS; ++s) mbar_init(xt_bars + 8 * s, 1);  // lane 0's arrival
     mbar_fence_init();
-  }
-  // X^T. The first round of units (one a CTA) reads token tiles 0 .. j0: every warp of the grid transposes them
-  // first, this CTA its pieces p = blockIdx.x + i x G (G CTAs), warp v those with i % 12 == v, kXtFirstSlots in
-  // flight in slots that lie in the stages (not in use yet); then the grid meets (xt_sync[0]; the launch is
-  // cooperative, so every CTA is resident). The later token tiles are transposed by the producer warps in the
-  // background, each tile counted into xt_sync[2 + tile] once its pieces are stored; a producer waits for its unit's
-  // tile to be complete before reading it.
-  const int G = gridDim.x, n_token_tiles = (n_tokens + BN - 1) / BN;
-  const int per_tile = (BN / 32) * ((k + 31) >> 5);
-#if defined(HF_SPARSE_XT_PROLOGUE_ONLY)
-  const int j0 = n_token_tiles - 1;
-#else
-  const int j0 = (min(min(n_units, G), n_tiles) - 1) / row_blocks;
-#endif
-  {
-    XtWarp<BN, kXtFirstSlots> first(&x_map, &xt_map, base + warp * kXtFirstSlots * kXtPiece,
-                                    xt_bars + 8 * (4 * kXtSlots + warp * kXtFirstSlots), blockIdx.x + warp * G,
-                                    12 * G, per_tile, ld, n_token_tiles, lane);
-    first.finish_up_to(j0);
-    if (lane == 0) bulk_wait_group<0>();  // this warp's X^T stores done (and its slots read)
-  }
-  __syncthreads();
-  if (tid == 0) {
-    fence_acq_rel_gpu();  // this CTA's X^T stores before its arrival
-    atomicAdd(xt_sync, 1);
-    while (load_acquire_gpu(xt_sync) < G) {
-    }
   }
   __syncthreads();
 
@@ -258,55 +152,10 @@ spmm_vnm_sm90_xt_kernel(const T* __restrict__ xt, int ld, const uint4* __restric
     setmaxnreg_dec<Cfg::PRODUCER_REGS>();
     const int t = tid & 127, w = warp & 3;
     int gs = 0;  // steps issued so far, over all tiles
-    // The background transposition: warp w's pieces are p = blockIdx.x + w G + i x 4G from token tile j0 + 1 on,
-    // kXtSlots in flight. After each step's copies the warp puts the pieces that have landed (without waiting) and
-    // loads more while they are at most `ahead` token tiles past the unit's (about one round of units); before a
-    // unit's first step it finishes its pieces up to the unit's tile and waits for that tile to be complete. The
-    // pieces of tile pub_tile put since the last count, pub_n, are counted once `put` has left that tile and the
-    // warp's stores are done.
-    const int bstride = 4 * G, ahead = (G + row_blocks - 1) / row_blocks + 1;
-    int first = blockIdx.x + w * G;
-    if (first < (j0 + 1) * per_tile) first += ((j0 + 1) * per_tile - first + bstride - 1) / bstride * bstride;
-    XtWarp<BN, kXtSlots> bg(&x_map, &xt_map, base + Cfg::XT_OFF + w * kXtSlots * kXtPiece, xt_bars + 8 * w * kXtSlots,
-                            first, bstride, per_tile, ld, n_token_tiles, lane);
-    int pub_tile = bg.put.tile, pub_n = 0;
-    auto put_counted = [&](bool wait) -> bool {
-      if (!bg.put_next(wait)) return false;
-      ++pub_n;
-      if (bg.put.tile != pub_tile) {
-        if (lane == 0) {
-          bulk_wait_group<0>();  // this warp's X^T stores done
-          fence_acq_rel_gpu();   // before the count
-          atomicAdd(xt_sync + 2 + pub_tile, pub_n);
-        }
-        __syncwarp();
-        pub_tile = bg.put.tile, pub_n = 0;
-      }
-      return true;
-    };
-    auto background = [&](int last_tile) {
-      while (bg.stored < bg.loaded && put_counted(false)) {
-      }
-      bg.load_more(last_tile);
-    };
-    auto finish_up_to = [&](int last_tile) {  // every piece of this warp up to last_tile put and counted
-      while (bg.put.tile <= last_tile && bg.put.tile < n_token_tiles) {
-        bg.load_more(last_tile);
-        put_counted(true);
-      }
-    };
     for (int unit = blockIdx.x; unit < n_units; unit += gridDim.x) {
       const int tile = unit % n_tiles, kt0 = (unit / n_tiles) * kt_per_split;
       const int k_tiles = min(all_k_tiles, kt0 + kt_per_split) - kt0;
       const int cta_row0 = (tile % row_blocks) * 128, n_base = (tile / row_blocks) * BN;
-      const int token_tile = n_base / BN;
-      if (token_tile > j0) {
-        finish_up_to(token_tile);
-        if (lane == 0)
-          while (load_acquire_gpu(xt_sync + 2 + token_tile) < per_tile) {
-          }
-        __syncwarp();
-      }
       const int mt_cta = cta_row0 >> 4;
       const uint32_t* col0 = columns + (size_t)(cta_row0 >> 6) * groups_padded;
       const bool two_slabs = ((rows_padded - cta_row0) >> 4) > 4;
@@ -387,7 +236,6 @@ spmm_vnm_sm90_xt_kernel(const T* __restrict__ xt, int ld, const uint4* __restric
         }
         if (t == 0) cp_async_16_bytes(info + slot * 16, &kXtShareWord[share ? 1 : 0], 16u);
         cp_async_arrive_noinc(full + 8 * slot);
-        background(token_tile + ahead);
         ++gs;
       };
       uint32_t cw0 = column_word(0), cw1 = column_word(1), cw2 = column_word(2);
@@ -404,17 +252,7 @@ spmm_vnm_sm90_xt_kernel(const T* __restrict__ xt, int ld, const uint4* __restric
         }
       }
     }
-    finish_up_to(n_token_tiles);  // the rest of this warp's pieces, which later units of other CTAs read
     cp_async_wait_all();
-    named_bar_sync(1, 128);
-    if (t == 0) {  // the last CTA to finish leaves xt_sync zero for the next launch (every wait on it is over)
-      fence_acq_rel_gpu();
-      if (atomicAdd(xt_sync + 1, 1) == G - 1) {
-        for (int j = j0 + 1; j < n_token_tiles; ++j) xt_sync[2 + j] = 0;
-        xt_sync[0] = 0;
-        xt_sync[1] = 0;
-      }
-    }
     return;
   }
 
@@ -524,33 +362,22 @@ cudaError_t launch_xt(const SpmmArgs& a, const Sm90SplitPlan& plan, cudaStream_t
   constexpr auto kernel = spmm_vnm_sm90_xt_kernel<T, M, BN>;
   cudaError_t err = raise_smem_limit_once<kernel>(XtCfg<BN>::SMEM);
   if (err != cudaSuccess) return err;
-  if (a.split_counters == nullptr || (a.n_tokens + BN - 1) / BN > kVnmXtMaxTokenTiles) return cudaErrorInvalidValue;
+  const int ld = xt_ld(a);
+  T* xt = static_cast<T*>(a.xt);
+  const dim3 tgrid((a.k + 63) / 64, (ld + 63) / 64);
+  if (tgrid.y > 65535) return cudaErrorInvalidConfiguration;
+  transpose_tokens_kernel<T><<<tgrid, 256, 0, stream>>>(static_cast<const T*>(a.x), xt, a.n_tokens, a.k, ld);
   int sms = 0;
   err = current_sm_count(&sms);
   if (err != cudaSuccess) return err;
-  const int splits = a.split_ws != nullptr ? plan.splits : 1;  // see SpmmArgs
+  const int splits = a.split_ws != nullptr && a.split_counters != nullptr ? plan.splits : 1;  // see SpmmArgs
   CUtensorMap y_map{};
   const bool staged = encode_y_map(a, XtCfg<BN>::EPI_N, &y_map);  // else the direct epilogue (rows % 8 != 0)
-  CUtensorMap x_map{}, xt_map{};
-  if (!encode_piece_map(a.x, a.is_bf16, a.n_tokens, a.k, &x_map) ||
-      !encode_piece_map(a.xt, a.is_bf16, a.k, xt_ld(a), &xt_map))
-    return cudaErrorNotSupported;
-  // Cooperative: the CTAs wait for each other's X^T pieces, so all of them must be resident at once.
-  cudaLaunchConfig_t config{};
-  config.gridDim = dim3((unsigned)std::min<long long>(plan.tiles * splits, sms));
-  config.blockDim = dim3(kXtThreads);
-  config.dynamicSmemBytes = XtCfg<BN>::SMEM;
-  config.stream = stream;
-  cudaLaunchAttribute cooperative{};
-  cooperative.id = cudaLaunchAttributeCooperative;
-  cooperative.val.cooperative = 1;
-  config.attrs = &cooperative;
-  config.numAttrs = 1;
-  return cudaLaunchKernelEx(&config, kernel, static_cast<const T*>(a.xt), xt_ld(a),
-                            static_cast<const uint4*>(a.values), static_cast<const uint32_t*>(a.meta),
-                            reinterpret_cast<const uint32_t*>(a.columns), static_cast<const T*>(a.bias),
-                            static_cast<T*>(a.y), a.n_tokens, a.rows, a.rows_padded, a.k, a.steps, splits, a.split_ws,
-                            a.split_counters, a.split_counters + kSplitKCounters, x_map, xt_map, y_map, staged);
+  kernel<<<(unsigned)std::min<long long>(plan.tiles * splits, sms), kXtThreads, XtCfg<BN>::SMEM, stream>>>(
+      xt, ld, static_cast<const uint4*>(a.values), static_cast<const uint32_t*>(a.meta),
+      reinterpret_cast<const uint32_t*>(a.columns), static_cast<const T*>(a.bias), static_cast<T*>(a.y), a.n_tokens,
+      a.rows, a.rows_padded, a.k, a.steps, splits, a.split_ws, a.split_counters, y_map, staged);
+  return cudaGetLastError();
 }
 
 template <typename T, int M>

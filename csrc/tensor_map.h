@@ -1,7 +1,7 @@
 // Host side of TMA: the driver's cuTensorMapEncodeTiled, looked up once through the runtime
 // (cudaGetDriverEntryPoint*), so the extension does not link libcuda itself. Shared by the sm_90a kernels that build
 // tensor maps (spmm_sm90.cu, spmm_vnm_xt_sm90.cu, sddmm_sm90.cu), with the map of Y their staged epilogues store
-// through, and the X^T path's map of X.
+// through.
 #pragma once
 
 #include <cuda.h>  // CUtensorMap and the cuTensorMapEncodeTiled types; the function itself comes from the runtime
@@ -47,23 +47,6 @@ inline bool encode_y_map(const SpmmArgs& a, int box_tokens, CUtensorMap* map) {
       encode(map, a.is_bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2, a.y, dims,
              strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
              CU_TENSOR_MAP_L2_PROMOTION_NONE, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  return res == CUDA_SUCCESS;
-}
-
-// Tensor map of a row-major outer x inner matrix (16-byte row stride) in unswizzled boxes of 32 x 32 elements,
-// zeros read past its ends and writes there dropped: the pieces the V:2:M X^T path transposes from X (n_tokens x k)
-// into X^T (k x ld; spmm_vnm_xt_sm90.cu). False where the driver refuses.
-inline bool encode_piece_map(const void* ptr, bool is_bf16, long long outer, long long inner, CUtensorMap* map) {
-  PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
-  if (encode == nullptr) return false;
-  const cuuint64_t dims[2] = {(cuuint64_t)inner, (cuuint64_t)outer};
-  const cuuint64_t strides[1] = {(cuuint64_t)inner * 2};
-  const cuuint32_t box[2] = {32, 32};
-  const cuuint32_t elem_strides[2] = {1, 1};
-  const CUresult res =
-      encode(map, is_bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2,
-             const_cast<void*>(ptr), dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
-             CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_L2_PROMOTION_NONE, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   return res == CUDA_SUCCESS;
 }
 

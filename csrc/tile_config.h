@@ -104,11 +104,6 @@ inline int sm90_large_config(long long rows_padded, long long n_tokens, int sms)
 // CTA).
 constexpr int kSplitKMax = 16, kSplitKMinKTiles = 4, kVnmSplitMinKTiles = 2, kSplitKCounters = 4096;
 constexpr int kSplitKFixedKTiles = 4;
-// After the split-K counters, the V:2:M X^T path's (spmm_vnm_xt_sm90.cu): the grid's meeting count, the count of CTAs
-// finished, and per token tile the count of X^T pieces stored; the binding passes at most 2^19 tokens a call, 4096
-// tiles of 128. kSyncCounters ints in all (kernels.h SpmmArgs::split_counters), zero between launches.
-constexpr int kVnmXtMaxTokenTiles = 4096;
-constexpr int kSyncCounters = kSplitKCounters + 2 + kVnmXtMaxTokenTiles;
 inline int sm90_small_bn(long long n_tokens) { return n_tokens <= 16 ? 16 : n_tokens <= 64 ? 64 : 128; }
 // The few-token tiles' shortest split in k-tiles: kSplitKMinKTiles for the 16-token tile, 16 for the 64- and
 // 128-token ones, whose last CTA reads back a 32 / 64 KB fp32 partial tile per split (4096 -> 4096: at 17-64 tokens 4
