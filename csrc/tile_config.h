@@ -120,11 +120,12 @@ inline int sm90_vnm_bn(int m, long long n_tokens) {
 // Whether the V:2:M sparse-wgmma SpMM transposes X and gathers whole kept rows of X^T (spmm_vnm_xt_sm90.cu, the
 // X^T path): only the kept columns then cross L2 -> SM, for one extra pass over X. Taken from kVnmXtMinTokens
 // tokens and from kVnmXtMinRows weight rows, where the GEMM is long enough against the transpose (which reads and
-// writes X once). With its 128-token tiles it was faster than the register gather in 29 of the 32 cells measured at
-// 128 and 192 tokens (up to 4.2x; 64:2:8 / 128:2:8 / 64:2:16 / 128:2:16 at 4096 -> 4096, 11008 <-> 4096 and 28672
-// -> 8192; 0.86x twice at 128 tokens and 0.97x at 192, all at 4096 -> 4096 with V = 64), and in 34 of 36 at 256-768
-// (benchmarks/RESULTS.md, "the X^T path below 1024 tokens"). Fewer than 128 tokens were not measured.
-constexpr long long kVnmXtMinTokens = 128;
+// writes X once). With its 128-token tiles it was faster than the register gather in 41 of the 48 cells measured at
+// 72, 96 and 112 tokens (up to 3.9x; 64:2:8 / 128:2:8 / 64:2:16 / 128:2:16 at 4096 -> 4096, 11008 <-> 4096 and 28672
+// -> 8192; 0.83-0.89x at 4096 -> 4096 with V = 64, 0.97x there at 128:2:8 and 72 tokens; benchmarks/RESULTS.md, "the
+// X^T path from 65 tokens"), in 29 of 32 at 128 and 192 tokens and in 34 of 36 at 256-768 ("the X^T path below 1024
+// tokens"). 65 is the first count past the register gather's 64-token tile.
+constexpr long long kVnmXtMinTokens = 65;
 constexpr int kVnmXtBN = 256;  // the X^T path's widest tile: 128 weight rows x 256 tokens (sm90_vnm_xt_plan)
 constexpr int kVnmXtMinRows = 1024;
 inline bool sm90_vnm_xt(int m, long long n_tokens, int rows) {
