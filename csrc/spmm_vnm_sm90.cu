@@ -1,5 +1,5 @@
 // SpMM for V:2:M weights (M >= 8) on sm_90a with sparse wgmma: Y (N x R) = X (N x K) * W^T (+ bias), gathering the
-// kept columns from row-major X. From 128 tokens and 1024 weight rows (tile_config.h sm90_vnm_xt) spmm_vnm_sm90 runs
+// kept columns from row-major X. From 65 tokens and 1024 weight rows (tile_config.h sm90_vnm_xt) spmm_vnm_sm90 runs
 // the X^T path instead (spmm_vnm_xt_sm90.cu: X transposed first, whole kept rows copied).
 //
 // Why: the mma.sp kernel (spmm.cu) is capped by warp-level mma.sp's peak and by its two 16-bit shared loads per B
