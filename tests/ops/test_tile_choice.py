@@ -135,7 +135,7 @@ VNM_CASES = [
     ((128, 8192, 0), 64),
 ]
 
-# (M, tokens, rows) -> whether the V:2:M sparse-wgmma SpMM takes its X^T path (X transposed): M >= 8, from 128
+# (M, tokens, rows) -> whether the V:2:M sparse-wgmma SpMM takes its X^T path (X transposed): M >= 8, from 65
 # tokens and 1024 weight rows
 VNM_XT_CASES = [
     ((8, 1024, 1024), 1),
