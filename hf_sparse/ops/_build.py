@@ -72,6 +72,7 @@ HEADERS = (
     "tensor_map.h",
     "tile_config.h",
     "tma_sm90.cuh",
+    "transpose_tokens.cuh",
     "wgmma_dense.cuh",
     "wgmma_sp.cuh",
 )

@@ -1,6 +1,7 @@
 """CPU: ``benchmarks/roofline_sm90.cu`` (the ceilings behind the SpMMs' bounds) still compiles against the kernel
 headers it shares with ``csrc/``, for sm_90a, and ptxas keeps its wgmmas asynchronous: a serialized wgmma (warnings
-C7510-C7520) would make the ceilings it measures wrong. Needs ``nvcc`` (CUDA 12.3 or newer); skipped without it."""
+C7510-C7520) would make the ceilings it measures wrong; ``benchmarks/transpose_bench.cu`` still compiles against the
+product's transpose (``csrc/transpose_tokens.cuh``). Needs ``nvcc`` (CUDA 12.3 or newer); skipped without it."""
 
 from __future__ import annotations
 
@@ -22,23 +23,26 @@ def find_nvcc() -> str | None:
     return next((c for c in candidates if c and Path(c).is_file()), None)
 
 
-@pytest.mark.slow  # ~30 s on 2 CPU cores
-def test_roofline_benchmark_compiles_with_asynchronous_wgmmas(tmp_path):
+def compile_benchmark(source: str, out: Path, *, link: bool) -> str:
+    """nvcc's log of compiling ``benchmarks/<source>`` for sm_90a against ``csrc/`` (an object, or linked where
+    ``link``); fails the test if it does not compile, skips it without nvcc."""
     nvcc = find_nvcc()
     if nvcc is None:
         pytest.skip("no nvcc on this machine")
-    cmd = [
-        nvcc,
-        "-std=c++17",
-        "-O3",
-        "-gencode=arch=compute_90a,code=sm_90a",
-        f"-I{ROOT / 'csrc'}",
-        "-c",
-        str(ROOT / "benchmarks" / "roofline_sm90.cu"),
-        "-o",
-        str(tmp_path / "roofline.o"),
-    ]
+    cmd = [nvcc, "-std=c++17", "-O3", "-gencode=arch=compute_90a,code=sm_90a", f"-I{ROOT / 'csrc'}"]
+    cmd += [*([] if link else ["-c"]), str(ROOT / "benchmarks" / source), "-o", str(out)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     log = done.stdout + done.stderr
     assert done.returncode == 0, log
+    return log
+
+
+@pytest.mark.slow  # ~30 s on 2 CPU cores
+def test_roofline_benchmark_compiles_with_asynchronous_wgmmas(tmp_path):
+    log = compile_benchmark("roofline_sm90.cu", tmp_path / "roofline.o", link=False)
     assert "C751" not in log and "C752" not in log, log
+
+
+@pytest.mark.slow  # ~5 s
+def test_transpose_benchmark_compiles_against_the_product_kernel(tmp_path):
+    compile_benchmark("transpose_bench.cu", tmp_path / "transpose_bench", link=True)
