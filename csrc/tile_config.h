@@ -201,11 +201,11 @@ inline int sm90_vnm_xt_split_k(long long tiles, long long k_tiles, int sms, int 
   long long most = k_tiles / kSplitKMinKTiles;
   if (most > kSplitKMax) most = kSplitKMax;
   Sm90SplitPlan best{bn, 1, tiles};
+  long long best_work = sm90_split_work(best, k_tiles, sms, kVnmXtKTileFixedTokens);
   for (long long s = 2; s <= most; ++s) {
     const Sm90SplitPlan p{bn, (int)sm90_splits_without_empty(k_tiles, s), tiles};
-    if (sm90_split_work(p, k_tiles, sms, kVnmXtKTileFixedTokens) <
-        sm90_split_work(best, k_tiles, sms, kVnmXtKTileFixedTokens))
-      best = p;
+    const long long work = sm90_split_work(p, k_tiles, sms, kVnmXtKTileFixedTokens);
+    if (work < best_work) best = p, best_work = work;
   }
   return best.splits;
 }
