@@ -211,8 +211,9 @@ def test_spmm_vnm_xt_path_splits_256_token_tiles(v, m):
 def test_spmm_vnm_xt_path_runs_rounds_of_tiles_call_after_call(v, m, groups):
     """The X^T path where the persistent CTAs walk several rounds of tiles: 1152 rows (9 row blocks) x 8200 tokens is
     33 token tiles of 256 (the last one 8 tokens), 297 tiles on 132 SMs; 25 groups: an odd step count. Three calls in a
-    row on the same weight with a new X each, the last with 300 tokens (one round, split along K), each against the
-    reference on poisoned memory: nothing a call leaves behind (X^T scratch, split counters) may reach the next."""
+    row on the same weight with a new X each, the last with 300 tokens (27 tiles of 128 tokens, one round; unsplit:
+    2-3 k-tiles), each against the reference on poisoned memory: nothing a call leaves behind (X^T scratch) may reach
+    the next."""
     if not _wgmma_runs_here():
         pytest.skip("sparse wgmma needs a cc 9.0 GPU and an sm_90a build")
     rows, cols = 1152, groups * m
