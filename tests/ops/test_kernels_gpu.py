@@ -227,9 +227,9 @@ def test_spmm_vnm_xt_path_runs_rounds_of_tiles_call_after_call(v, m, groups):
 
 @pytest.mark.parametrize(("v", "m"), [(128, 8), (64, 16)])
 def test_spmm_vnm_xt_path_under_cuda_graph_capture(v, m):
-    """The X^T path (transpose, then the split GEMM: 1024 rows x 1000 tokens leave most SMs idle) captured in CUDA
-    graphs: on a stream that has split counters, and on a new stream, which has none and does not split. Replayed
-    twice on NaN-filled outputs, both give the product."""
+    """The X^T path (its transpose, then its GEMM: 1024 rows x 1000 tokens, 64 tiles of 128 tokens, 4 k-tiles, not
+    split) captured in CUDA graphs, on a stream used eagerly before and on a new stream, its X^T scratch from each
+    graph's pool. Replayed twice on NaN-filled outputs, both give the product."""
     if not _wgmma_runs_here():
         pytest.skip("sparse wgmma needs a cc 9.0 GPU and an sm_90a build")
     w, mask, p = _pack_cuda(1024, 64 * m, v, m, torch.bfloat16, seed=m)
@@ -237,7 +237,7 @@ def test_spmm_vnm_xt_path_under_cuda_graph_capture(v, m):
     side = torch.cuda.Stream()
     with force_kernel(spmm="wgmma"):
         with torch.cuda.stream(side):
-            eager = spmm(x, p)  # the side stream's counters are made here
+            eager = spmm(x, p)
         side.synchronize()
         graphs, outs = [], []
         for stream in (side, torch.cuda.Stream()):
