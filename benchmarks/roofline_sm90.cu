@@ -25,13 +25,16 @@
 //  * bulk: how many bytes per second the bulk-copy engine (the path of TMA loads) brings from global memory into
 //    shared memory, from a buffer that stays in the L2 and from one that does not (DRAM).
 //  * ldg: the same through 16-byte loads into registers (the path of a register gather).
+//  * ldgsts: the same through 16-byte cp.async copies into a shared-memory ring, each thread's copies of a stage
+//    completing on the stage's mbarrier (cp.async.mbarrier.arrive.noinc): the path the V:2:M X^T path's producer
+//    warps gather kept rows of X^T by, as whole 32 KB chunks or as 64 rows of 512 bytes from scattered places.
 //  * rowbox: whether a TMA box of one 128-byte row with 128-byte swizzle lands where the same row of a 64-row box
 //    does (the swizzle follows the shared-memory address), which rows_tma relies on.
 //
 // Build and run where the GPU is (no torch needed):
 //
 //   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Icsrc benchmarks/roofline_sm90.cu -o roofline
-//   ./roofline > roofline.jsonl
+//   ./roofline > roofline.jsonl            (./roofline streams: the bulk, ldg and ldgsts rows only)
 //
 // One JSON object per line. What the figures gave and the bounds drawn from them: benchmarks/RESULTS.md (the sections
 // on "the ceilings that bound the sparse-wgmma SpMMs" and "the V:2:M X^T path").
@@ -44,6 +47,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <vector>
 
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -482,6 +486,44 @@ __global__ void __launch_bounds__(512) ldg_read(const uint4* __restrict__ src, l
   if (x == 0x12345678u) out[0] = x;  // practically never: keeps the loads live without a store per thread
 }
 
+// THREADS threads per CTA stream chunk (c + i x CTAs) mod n_chunks of `src` (i = 0, 1, ..), CHUNK bytes each, by
+// 16-byte cp.async copies into a STAGES-deep shared-memory ring; each thread's copies of a stage complete on the
+// stage's mbarrier, which a thread waits on before it refills the stage. SCATTER: a chunk is 64 rows of 512 bytes
+// from hashed places of the buffer (as the X^T path gathers kept rows of X^T), else contiguous. Nothing reads the
+// ring: this is the rate of the cp.async path alone.
+template <int THREADS, int STAGES, int CHUNK, bool SCATTER>
+__global__ void __launch_bounds__(THREADS) ldgsts_read(const unsigned char* src, long long n_chunks, int per_cta) {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  static_assert(CHUNK % (16 * THREADS) == 0 && CHUNK % 512 == 0, "whole 16-byte words per thread, whole rows");
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  const uint32_t base = (uint32_t)__cvta_generic_to_shared(smem_raw);
+  const uint32_t bars = base + STAGES * CHUNK;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < STAGES; ++s) hf_sparse::mbar_init(bars + 8 * s, THREADS);
+    hf_sparse::mbar_fence_init();
+  }
+  __syncthreads();
+  const long long n_rows = n_chunks * (CHUNK / 512);
+  for (int i = 0; i < per_cta; ++i) {
+    const int slot = i % STAGES;
+    if (i >= STAGES) hf_sparse::mbar_wait(bars + 8 * slot, ((i / STAGES) - 1) & 1);
+    const long long chunk = ((long long)blockIdx.x + (long long)i * gridDim.x) % n_chunks;
+#pragma unroll
+    for (int j = 0; j < CHUNK / (16 * THREADS); ++j) {
+      const int w = threadIdx.x + j * THREADS;  // 16-byte word of the chunk
+      const long long row = SCATTER ? (chunk * 64 + (w >> 5)) * 2654435761LL % n_rows : chunk * (CHUNK / 512) + (w >> 5);
+      const unsigned char* g = src + row * 512 + (w & 31) * 16;
+      hf_sparse::cp_async_16_bytes(base + slot * CHUNK + w * 16, g, 16);
+    }
+    hf_sparse::cp_async_arrive_noinc(bars + 8 * slot);
+  }
+  for (int i = per_cta > STAGES ? per_cta - STAGES : 0; i < per_cta; ++i)
+    hf_sparse::mbar_wait(bars + 8 * (i % STAGES), (i / STAGES) & 1);
+#elif defined(__CUDA_ARCH__)
+  __trap();
+#endif
+}
+
 template <typename Launch>
 float median_ms(Launch launch, int reps) {
   cudaEvent_t a, b;
@@ -612,9 +654,60 @@ void run_ldg(const char* what, const unsigned char* buf, size_t bytes, int sms, 
               bytes / 1048576.0, ms, (double)bytes * passes / (ms * 1e-3) / 1e12);
 }
 
+template <int THREADS, int STAGES, int CHUNK, bool SCATTER>
+void run_ldgsts(const char* what, const unsigned char* buf, size_t bytes, int sms, int ctas_per_sm) {
+  const long long n_chunks = (long long)(bytes / CHUNK);
+  const int ctas = sms * ctas_per_sm;
+  const size_t passes = bytes < ((size_t)1 << 30) ? 200 : 4;
+  const int per_cta = (int)(passes * bytes / ((size_t)ctas * CHUNK));
+  const int smem = STAGES * CHUNK + 8 * STAGES;
+  constexpr auto kernel = ldgsts_read<THREADS, STAGES, CHUNK, SCATTER>;
+  CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  const float ms = median_ms([&] { kernel<<<ctas, THREADS, smem>>>(buf, n_chunks, per_cta); }, 5);
+  const double moved = (double)ctas * per_cta * CHUNK;
+  std::printf(
+      "{\"what\": \"ldgsts\", \"case\": \"%s\", \"buffer_mb\": %.0f, \"threads\": %d, \"chunk\": %d, \"stages\": %d, "
+      "\"scatter\": %s, \"ctas_per_sm\": %d, \"ms\": %.4f, \"tb_per_s\": %.2f}\n",
+      what, bytes / 1048576.0, THREADS, CHUNK, STAGES, SCATTER ? "true" : "false", ctas_per_sm, ms,
+      moved / (ms * 1e-3) / 1e12);
+  std::fflush(stdout);
+}
+
+// Global memory -> shared memory by bulk copies and by cp.async, and -> registers, from a buffer the L2 holds and
+// from DRAM.
+void run_streams(int sms) {
+  const size_t l2_bytes = (size_t)16 << 20, dram_bytes = (size_t)2 << 30;
+  unsigned char *l2_buf, *dram_buf;
+  uint32_t* sink;
+  CHECK_CUDA(cudaMalloc(&l2_buf, l2_bytes));
+  CHECK_CUDA(cudaMalloc(&dram_buf, dram_bytes));
+  CHECK_CUDA(cudaMalloc(&sink, 16));
+  CHECK_CUDA(cudaMemset(l2_buf, 1, l2_bytes));
+  CHECK_CUDA(cudaMemset(dram_buf, 1, dram_bytes));
+  run_bulk<8192, 16>("bulk copy, L2-resident", l2_buf, l2_bytes, sms, 1);
+  run_bulk<16384, 8>("bulk copy, L2-resident", l2_buf, l2_bytes, sms, 1);
+  run_bulk<8192, 8>("bulk copy, L2-resident", l2_buf, l2_bytes, sms, 2);
+  run_bulk<16384, 8>("bulk copy, DRAM", dram_buf, dram_bytes, sms, 1);
+  run_ldg("16-byte loads, L2-resident", l2_buf, l2_bytes, sms, sink);
+  run_ldg("16-byte loads, DRAM", dram_buf, dram_bytes, sms, sink);
+  // The X^T path's producer: 128 threads, 4 stages of 32 KB (its 256-token B tile); then more threads, stages, CTAs.
+  run_ldgsts<128, 4, 32768, true>("cp.async, L2-resident", l2_buf, l2_bytes, sms, 1);
+  run_ldgsts<128, 4, 32768, false>("cp.async, L2-resident", l2_buf, l2_bytes, sms, 1);
+  run_ldgsts<128, 6, 32768, true>("cp.async, L2-resident", l2_buf, l2_bytes, sms, 1);
+  run_ldgsts<256, 4, 32768, true>("cp.async, L2-resident", l2_buf, l2_bytes, sms, 1);
+  run_ldgsts<256, 6, 32768, true>("cp.async, L2-resident", l2_buf, l2_bytes, sms, 1);
+  run_ldgsts<512, 6, 32768, true>("cp.async, L2-resident", l2_buf, l2_bytes, sms, 1);
+  run_ldgsts<256, 3, 32768, true>("cp.async, L2-resident", l2_buf, l2_bytes, sms, 2);
+  run_ldgsts<128, 4, 32768, true>("cp.async, DRAM", dram_buf, dram_bytes, sms, 1);
+  CHECK_CUDA(cudaDeviceSynchronize());
+  cudaFree(l2_buf);
+  cudaFree(dram_buf);
+  cudaFree(sink);
+}
+
 }  // namespace
 
-int main() {
+int main(int argc, char** argv) {
   int dev = 0, sms = 0, clock_khz = 0;
   CHECK_CUDA(cudaGetDevice(&dev));
   CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
@@ -624,6 +717,10 @@ int main() {
   std::printf("{\"what\": \"device\", \"name\": \"%s\", \"sms\": %d, \"max_clock_mhz\": %d, \"l2_mb\": %.0f}\n",
               prop.name, sms, clock_khz / 1000, prop.l2CacheSize / 1048576.0);
   std::fflush(stdout);
+  if (argc > 1 && std::strcmp(argv[1], "streams") == 0) {
+    run_streams(sms);
+    return 0;
+  }
 
   // The tensor cores alone (k-tile = 64 columns, 128 weight rows x N tokens).
   run_mma<kDense, 256>(sms);
@@ -677,24 +774,6 @@ int main() {
     cudaFree(mism);
   }
 
-  // Global memory -> shared memory (bulk copies) and -> registers, from a buffer the L2 holds and from DRAM.
-  const size_t l2_bytes = (size_t)16 << 20, dram_bytes = (size_t)2 << 30;
-  unsigned char *l2_buf, *dram_buf;
-  uint32_t* sink;
-  CHECK_CUDA(cudaMalloc(&l2_buf, l2_bytes));
-  CHECK_CUDA(cudaMalloc(&dram_buf, dram_bytes));
-  CHECK_CUDA(cudaMalloc(&sink, 16));
-  CHECK_CUDA(cudaMemset(l2_buf, 1, l2_bytes));
-  CHECK_CUDA(cudaMemset(dram_buf, 1, dram_bytes));
-  run_bulk<8192, 16>("bulk copy, L2-resident", l2_buf, l2_bytes, sms, 1);
-  run_bulk<16384, 8>("bulk copy, L2-resident", l2_buf, l2_bytes, sms, 1);
-  run_bulk<8192, 8>("bulk copy, L2-resident", l2_buf, l2_bytes, sms, 2);
-  run_bulk<16384, 8>("bulk copy, DRAM", dram_buf, dram_bytes, sms, 1);
-  run_ldg("16-byte loads, L2-resident", l2_buf, l2_bytes, sms, sink);
-  run_ldg("16-byte loads, DRAM", dram_buf, dram_bytes, sms, sink);
-  CHECK_CUDA(cudaDeviceSynchronize());
-  cudaFree(l2_buf);
-  cudaFree(dram_buf);
-  cudaFree(sink);
+  run_streams(sms);
   return 0;
 }
