@@ -489,7 +489,8 @@ __global__ void __launch_bounds__(512) ldg_read(const uint4* __restrict__ src, l
 // THREADS threads per CTA stream chunk (c + i x CTAs) mod n_chunks of `src` (i = 0, 1, ..), CHUNK bytes each, by
 // 16-byte cp.async copies into a STAGES-deep shared-memory ring; each thread's copies of a stage complete on the
 // stage's mbarrier, which a thread waits on before it refills the stage. SCATTER: a chunk is 64 rows of 512 bytes
-// from hashed places of the buffer (as the X^T path gathers kept rows of X^T), else contiguous. Nothing reads the
+// from hashed places of the buffer (as the X^T path gathers kept rows of X^T), else contiguous; a power-of-two
+// count of chunks. Nothing reads the
 // ring: this is the rate of the cp.async path alone.
 template <int THREADS, int STAGES, int CHUNK, bool SCATTER>
 __global__ void __launch_bounds__(THREADS) ldgsts_read(const unsigned char* src, long long n_chunks, int per_cta) {
@@ -511,7 +512,8 @@ __global__ void __launch_bounds__(THREADS) ldgsts_read(const unsigned char* src,
 #pragma unroll
     for (int j = 0; j < CHUNK / (16 * THREADS); ++j) {
       const int w = threadIdx.x + j * THREADS;  // 16-byte word of the chunk
-      const long long row = SCATTER ? (chunk * 64 + (w >> 5)) * 2654435761LL % n_rows : chunk * (CHUNK / 512) + (w >> 5);
+      const uint32_t r = (uint32_t)(chunk * (CHUNK / 512) + (w >> 5));  // mask, not %: 64-bit division is slow
+      const long long row = SCATTER ? (long long)((r * 2654435761u) & (uint32_t)(n_rows - 1)) : (long long)r;
       const unsigned char* g = src + row * 512 + (w & 31) * 16;
       hf_sparse::cp_async_16_bytes(base + slot * CHUNK + w * 16, g, 16);
     }
@@ -657,6 +659,10 @@ void run_ldg(const char* what, const unsigned char* buf, size_t bytes, int sms, 
 template <int THREADS, int STAGES, int CHUNK, bool SCATTER>
 void run_ldgsts(const char* what, const unsigned char* buf, size_t bytes, int sms, int ctas_per_sm) {
   const long long n_chunks = (long long)(bytes / CHUNK);
+  if ((n_chunks & (n_chunks - 1)) != 0) {
+    std::fprintf(stderr, "run_ldgsts: the buffer must hold a power-of-two count of chunks (the scatter masks)\n");
+    std::exit(1);
+  }
   const int ctas = sms * ctas_per_sm;
   const size_t passes = bytes < ((size_t)1 << 30) ? 200 : 4;
   const int per_cta = (int)(passes * bytes / ((size_t)ctas * CHUNK));
