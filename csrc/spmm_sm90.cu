@@ -972,6 +972,22 @@ cudaError_t launch_sm90_tma(const SpmmArgs& a, cudaStream_t stream) {
                             a.n_tokens, a.rows, a.rows_padded, a.steps, a.act);
 }
 
+// Tensor map of a packed operand (values or metadata) viewed as a u32 matrix with one row per m16 tile
+// (row_words u32 each), boxes of box_words x 8 rows, no swizzle, zero fill past the last row or word.
+bool encode_u32_rows_map(const void* base, int row_words, int n_rows, int box_words, CUtensorMap* map) {
+  if (reinterpret_cast<uintptr_t>(base) % 16 != 0 || (row_words * 4) % 16 != 0) return false;
+  PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
+  if (encode == nullptr) return false;
+  const cuuint64_t dims[2] = {(cuuint64_t)row_words, (cuuint64_t)n_rows};
+  const cuuint64_t strides[1] = {(cuuint64_t)row_words * 4};
+  const cuuint32_t box[2] = {(cuuint32_t)box_words, 8};
+  const cuuint32_t elem_strides[2] = {1, 1};
+  const CUresult res = encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT32, 2, const_cast<void*>(base), dims, strides, box,
+                              elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE,
+                              CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return res == CUDA_SUCCESS;
+}
+
 // The few-token tiles (tile_config.h sm90_small_bn): 128 rows x BN tokens, A and metadata through the cp.async
 // stages, two CTAs per SM (126 registers at 128 tokens, no spills: two CTAs overlap each other's memory waits),
 // more stages at 16 tokens (a smaller X tile).
@@ -1023,8 +1039,8 @@ cudaError_t launch_sm90_tma_a(const SpmmArgs& a, cudaStream_t stream, int splits
   // past the last token, which measured as slow as loading real tokens (benchmarks/RESULTS.md, "tail map").
   int tail_tokens = CLUSTER == 1 ? a.n_tokens % BN : 0;
   if (tail_tokens > 0 && !encode_x_map(a, tail_tokens, &x_tail_map)) tail_tokens = 0;
-  if (!encode_x_map(a, XSHARE ? BN / CLUSTER : BN, &x_map) || !encode_u32_rows_map(a.values, a.steps * 128, mts, 256, 8, &a_map) ||
-      !encode_u32_rows_map(a.meta, a.steps * 16, mts, 32, 8, &e_map))
+  if (!encode_x_map(a, XSHARE ? BN / CLUSTER : BN, &x_map) || !encode_u32_rows_map(a.values, a.steps * 128, mts, 256, &a_map) ||
+      !encode_u32_rows_map(a.meta, a.steps * 16, mts, 32, &e_map))
     return launch_sm90<T, Sm90Cfg<256, 1, 6, 0, 1>>(a, stream);  // config 4
   if constexpr (EPI_N > 0) {
     if (!encode_y_map(a, EPI_N, &y_map))  // config 15, or 19 for the smaller token tiles

@@ -14,9 +14,8 @@
 // tiles are few), one persistent CTA per SM walking the work units. Producer warpgroup (warps 8-11): per step, warp
 // w copies kept column w of each of the k-tile's 16 groups (64 rows of X^T), lane l its 16-byte chunk l (tokens 8l
 // ..), by cp.async into the B tile (64 condensed k x BN tokens, MN-major, 128-byte swizzle: BN / 64 blocks of 64
-// tokens, k-row r of a block at r x 128 bytes, chunk c at c ^ (r & 7)); each thread's cp.async.mbarrier.arrive.noinc
-// and thread 0's expected bytes complete the stage's "full" barrier. Thread 0 also loads the k-tile's A fragments
-// and metadata of each slab (4 m16 tiles) by TMA, as the 2:4 kernel does.
+// tokens, k-row r of a block at r x 128 bytes, chunk c at c ^ (r & 7)), plus the k-tile's A fragments and metadata
+// of the CTA's 8 m16 tiles; each thread's cp.async.mbarrier.arrive.noinc completes the stage's "full" barrier.
 // Consumer warpgroups (0, 1: slabs 0, 1): wait, fence.proxy.async (cp.async writes through the generic proxy), read
 // their A fragments and metadata from the stage, two sparse wgmmas with B transposed (WgmmaSpT), release the
 // previous stage per warp. Where the CTA's two slabs keep the same columns (V = 128, checked at the start) one B
@@ -88,8 +87,8 @@ __device__ __forceinline__ bool bar_red_or(int id, int threads, bool v) {
 // count run on across tiles, so the producer fills the next tile's first stages while the consumers store the last.
 template <typename T, int M, int BN>
 __global__ void __launch_bounds__(kXtThreads, 1)
-spmm_vnm_sm90_xt_kernel(const T* __restrict__ xt, int ld, const __grid_constant__ CUtensorMap a_map,
-                        const __grid_constant__ CUtensorMap e_map, const uint32_t* __restrict__ columns,
+spmm_vnm_sm90_xt_kernel(const T* __restrict__ xt, int ld, const uint4* __restrict__ values,
+                        const uint32_t* __restrict__ meta, const uint32_t* __restrict__ columns,
                         const T* __restrict__ bias, T* __restrict__ y, int n_tokens, int rows, int rows_padded, int k,
                         int steps, int splits, float* __restrict__ split_ws, int* __restrict__ split_counters,
                         const __grid_constant__ CUtensorMap y_map, bool staged) {
@@ -107,11 +106,12 @@ spmm_vnm_sm90_xt_kernel(const T* __restrict__ xt, int ld, const __grid_constant_
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = warp >> 2;
   const int row_blocks = (rows_padded + 127) >> 7, n_tiles = row_blocks * ((n_tokens + BN - 1) / BN);
   const int n_units = n_tiles * splits;
+  const int mt_last = (rows_padded >> 4) - 1;
   const int all_k_tiles = (steps + 1) >> 1, groups = k / M, groups_padded = 8 * steps;
   const int kt_per_split = (all_k_tiles + splits - 1) / splits;
   if (tid == 0) {
     for (int s = 0; s < STAGES; ++s) {
-      mbar_init(full + 8 * s, 128 + 1);  // one cp.async arrival per producer thread, thread 0's expected bytes
+      mbar_init(full + 8 * s, 128);  // one cp.async arrival per producer thread
       mbar_init(empty + 8 * s, 8);   // one per consumer warp
     }
     mbar_fence_init();
@@ -121,10 +121,6 @@ spmm_vnm_sm90_xt_kernel(const T* __restrict__ xt, int ld, const __grid_constant_
   if (wg == 2) {  // producer
     setmaxnreg_dec<Cfg::PRODUCER_REGS>();
     const int t = tid & 127, w = warp & 3;
-    if (t == 0) {
-      tma_prefetch_map(&a_map);
-      tma_prefetch_map(&e_map);
-    }
     int gs = 0;  // steps issued so far, over all tiles
     for (int unit = blockIdx.x; unit < n_units; unit += gridDim.x) {
       const int tile = unit % n_tiles, kt0 = (unit / n_tiles) * kt_per_split;
@@ -159,6 +155,22 @@ spmm_vnm_sm90_xt_kernel(const T* __restrict__ xt, int ld, const __grid_constant_
       }
       const unsigned char* xt_lane = reinterpret_cast<const unsigned char*>(xt + n);
       const size_t ld_bytes = (size_t)ld * sizeof(T);
+      // A fragments and metadata: chunk c = t + 128u (u = 0..4) of the stage's 576 (c < 512: m16 tile c / 64, k-step
+      // (c / 32) % 2, lane c % 32; then metadata: m16 tile / 8, k-step / 4 % 2, words 4 x (/ 1 % 4) ..): source =
+      // base (in 16-byte words) + k-step x stride; a k-step past `steps` (k-step 1 of the last k-tile) copies 0
+      // bytes from k-step steps - 1.
+      uint32_t a_base[5], a_stride[5];
+      int a_second[5];
+#pragma unroll
+      for (int u = 0; u < 5; ++u) {
+        const int c = t + 128 * u, e = c - 512;
+        const bool is_a = c < 512;
+        const int mt = min(mt_cta + (is_a ? c >> 6 : max(e, 0) >> 3), mt_last);
+        a_second[u] = is_a ? (c >> 5) & 1 : (e >> 2) & 1;
+        a_stride[u] = is_a ? 32u : 4u;
+        a_base[u] = is_a ? (uint32_t)mt * steps * 32 + (c & 31) : (uint32_t)mt * steps * 4 + (e & 3);
+      }
+      const uint4* meta4 = reinterpret_cast<const uint4*>(meta);
       // Lane s < 4 holds the column word of group 4w + s of a step's k-tile, loaded three steps ahead into one of
       // three registers that the unrolled loop names statically (a register rotation would wait for each load at once).
       auto column_word = [&](int ls) -> uint32_t {
@@ -180,13 +192,17 @@ spmm_vnm_sm90_xt_kernel(const T* __restrict__ xt, int ld, const __grid_constant_
 #pragma unroll
           for (int q = 0; q < BLOCKS; ++q) cp_async_16_bytes(stage + dst_off[s4] + q * 8192, src + q * 128, bytes[q]);
         }
-        if (t == 0) {
-          const int first = share ? 0 : ls & 1, slabs = share ? 2 : 1;
-          mbar_arrive_expect_tx(full + 8 * slot, slabs * (Cfg::A_BYTES + Cfg::E_BYTES) / 2);
-          for (int sl = first; sl < first + slabs; ++sl) {
-            tma_load_2d(stage + Cfg::A_OFF + sl * (Cfg::A_BYTES / 2), &a_map, kt * 256, mt_cta + 4 * sl, full + 8 * slot);
-            tma_load_2d(stage + Cfg::E_OFF + sl * (Cfg::E_BYTES / 2), &e_map, kt * 32, mt_cta + 4 * sl, full + 8 * slot);
-          }
+        // A step of one slab (its own columns) copies that slab's A fragments (u = 2 x slab, + 1) and metadata
+        // (threads 32 x slab ..) only: the other consumer warpgroup skips the step.
+        const int slab = share ? -1 : ls & 1;
+#pragma unroll
+        for (int u = 0; u < 5; ++u) {
+          if (u == 4 && t >= 64) break;
+          if (slab >= 0 && (u < 4 ? u >> 1 : t >> 5) != slab) continue;
+          const int st = 2 * kt + a_second[u];
+          const uint32_t word = a_base[u] + (uint32_t)min(st, steps - 1) * a_stride[u];
+          cp_async_16_bytes(stage + Cfg::A_OFF + (t + 128 * u) * 16, u < 4 ? values + word : meta4 + word,
+                            st < steps ? 16u : 0u);
         }
         if (t == 0) cp_async_16_bytes(info + slot * 16, &kXtShareWord[share ? 1 : 0], 16u);
         cp_async_arrive_noinc(full + 8 * slot);
@@ -217,7 +233,7 @@ spmm_vnm_sm90_xt_kernel(const T* __restrict__ xt, int ld, const __grid_constant_
   float acc[BN / 2];
   int gs = 0;     // steps consumed so far, over all tiles
   int held = -1;  // the slot of this warpgroup's last step, released once its wgmmas are done
-  auto compute = [&](int s, int kt, bool slab_has_rows) {
+  auto compute = [&](int s, int kt) {
     const int slot = s % STAGES;
     mbar_wait(full + 8 * slot, (s / STAGES) & 1);
     fence_proxy_async();  // the stage was written by cp.async (generic proxy); the wgmmas read it (async proxy)
@@ -229,7 +245,7 @@ spmm_vnm_sm90_xt_kernel(const T* __restrict__ xt, int ld, const __grid_constant_
       a[j] = *reinterpret_cast<const uint4*>(stage + Cfg::A_OFF + mt * 1024 + j * 512 + lane * 16);
       const uint32_t ev = *reinterpret_cast<const uint32_t*>(stage + Cfg::E_OFF + mt * 128 + j * 64 +
                                                              (g * 2 + (t4 & 1)) * 4);
-      e[j] = 2 * kt + j < steps && slab_has_rows ? ev : kMetaPad;
+      e[j] = 2 * kt + j < steps ? ev : kMetaPad;
     }
     const uint64_t desc = desc_mn128(base + slot * Cfg::STAGE, 8192);
     wgmma_fence();
@@ -250,7 +266,6 @@ spmm_vnm_sm90_xt_kernel(const T* __restrict__ xt, int ld, const __grid_constant_
     const int tile = unit % n_tiles, split = unit / n_tiles, kt0 = split * kt_per_split;
     const int k_tiles = min(all_k_tiles, kt0 + kt_per_split) - kt0;
     const int cta_row0 = (tile % row_blocks) * 128, n_base = (tile / row_blocks) * BN;
-    const bool slab_has_rows = wg * 4 < ((rows_padded - cta_row0) >> 4);
 #pragma unroll
     for (int j = 0; j < BN / 2; ++j) acc[j] = 0.f;
     // The tile's first step is slab 0's first k-tile either way; its info slot says how the rest goes.
@@ -258,13 +273,13 @@ spmm_vnm_sm90_xt_kernel(const T* __restrict__ xt, int ld, const __grid_constant_
     const bool share = *reinterpret_cast<const uint32_t*>(smem + (info - base) + (gs % STAGES) * 16) != 0u;
     // Each path drains its wgmmas before the paths join (ptxas serializes wgmmas whose accumulators a join moves).
     if (share) {
-      for (int kt = 0; kt < k_tiles; ++kt) compute(gs + kt, kt0 + kt, slab_has_rows);
+      for (int kt = 0; kt < k_tiles; ++kt) compute(gs + kt, kt0 + kt);
       wgmma_wait<0>();
       gs += k_tiles;
     } else {
       for (int kt = 0; kt < k_tiles; ++kt) {
         if (wg == 1) pass(gs + 2 * kt);
-        compute(gs + 2 * kt + wg, kt0 + kt, slab_has_rows);
+        compute(gs + 2 * kt + wg, kt0 + kt);
         if (wg == 0) pass(gs + 2 * kt + 1);
       }
       wgmma_wait<0>();
@@ -280,7 +295,7 @@ spmm_vnm_sm90_xt_kernel(const T* __restrict__ xt, int ld, const __grid_constant_
       if (!sk.last([] { named_bar_sync(4, 256); })) continue;  // named barrier 4: both consumer warpgroups
       sk.sum(acc, 0);
     }
-    if (slab_has_rows) {
+    if (wg * 4 < ((rows_padded - cta_row0) >> 4)) {
       const int row0 = cta_row0 + 64 * wg + 16 * wq;
       if (staged) {  // named barriers 2, 3: one per consumer warpgroup (1 is the producer's)
         store_tile_staged<T, BN, Cfg::EPI_N, Cfg::EPI_BUFS, false>(
@@ -326,14 +341,11 @@ cudaError_t launch_xt(const SpmmArgs& a, const Sm90SplitPlan& plan, cudaStream_t
   err = current_sm_count(&sms);
   if (err != cudaSuccess) return err;
   const int splits = a.split_ws != nullptr && a.split_counters != nullptr ? plan.splits : 1;  // see SpmmArgs
-  CUtensorMap a_map, e_map, y_map{};
-  const int mts = a.rows_padded / 16;
-  if (!encode_u32_rows_map(a.values, a.steps * 128, mts, 256, 4, &a_map) ||
-      !encode_u32_rows_map(a.meta, a.steps * 16, mts, 32, 4, &e_map))
-    return cudaErrorNotSupported;
+  CUtensorMap y_map{};
   const bool staged = encode_y_map(a, XtCfg<BN>::EPI_N, &y_map);  // else the direct epilogue (rows % 8 != 0)
   kernel<<<(unsigned)std::min<long long>(plan.tiles * splits, sms), kXtThreads, XtCfg<BN>::SMEM, stream>>>(
-      xt, ld, a_map, e_map, reinterpret_cast<const uint32_t*>(a.columns), static_cast<const T*>(a.bias), static_cast<T*>(a.y), a.n_tokens,
+      xt, ld, static_cast<const uint4*>(a.values), static_cast<const uint32_t*>(a.meta),
+      reinterpret_cast<const uint32_t*>(a.columns), static_cast<const T*>(a.bias), static_cast<T*>(a.y), a.n_tokens,
       a.rows, a.rows_padded, a.k, a.steps, splits, a.split_ws, a.split_counters, y_map, staged);
   return cudaGetLastError();
 }
@@ -354,7 +366,6 @@ cudaError_t dispatch_m(const SpmmArgs& a, cudaStream_t stream) {
 // Whether a call takes the X^T path: tile_config.h sm90_vnm_xt (the lab build's vnm_xt knob forces it on or off).
 bool spmm_vnm_sm90_takes_xt(const SpmmArgs& a) {
   if (a.m < 8 || a.n_tokens <= 0) return false;
-  if (reinterpret_cast<uintptr_t>(a.values) % 16 != 0 || reinterpret_cast<uintptr_t>(a.meta) % 16 != 0) return false;
 #if defined(HF_SPARSE_LAB)
   const int forced = lab::tuning().vnm_xt.load(std::memory_order_relaxed);
   if (forced >= 0) return forced == 1;

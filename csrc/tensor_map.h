@@ -50,22 +50,4 @@ inline bool encode_y_map(const SpmmArgs& a, int box_tokens, CUtensorMap* map) {
   return res == CUDA_SUCCESS;
 }
 
-// Tensor map of a packed operand (values or metadata) viewed as a u32 matrix with one row per m16 tile (row_words u32
-// each), boxes of box_words x box_rows rows, no swizzle, zero fill past the last row or word. False where TMA cannot
-// address it (base not 16-byte aligned) or the driver refuses.
-inline bool encode_u32_rows_map(const void* base, int row_words, int n_rows, int box_words, int box_rows,
-                                CUtensorMap* map) {
-  if (reinterpret_cast<uintptr_t>(base) % 16 != 0 || (row_words * 4) % 16 != 0) return false;
-  PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
-  if (encode == nullptr) return false;
-  const cuuint64_t dims[2] = {(cuuint64_t)row_words, (cuuint64_t)n_rows};
-  const cuuint64_t strides[1] = {(cuuint64_t)row_words * 4};
-  const cuuint32_t box[2] = {(cuuint32_t)box_words, (cuuint32_t)box_rows};
-  const cuuint32_t elem_strides[2] = {1, 1};
-  const CUresult res = encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT32, 2, const_cast<void*>(base), dims, strides, box,
-                              elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE,
-                              CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  return res == CUDA_SUCCESS;
-}
-
 }  // namespace hf_sparse
