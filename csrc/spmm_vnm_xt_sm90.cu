@@ -122,52 +122,22 @@ spmm_vnm_sm90_xt_kernel(const T* __restrict__ xt, int ld, const uint4* __restric
     setmaxnreg_dec<Cfg::PRODUCER_REGS>();
     const int t = tid & 127, w = warp & 3;
     int gs = 0;  // steps issued so far, over all tiles
-    // A unit's column lists: slab 0's, and slab 1's where the tile has a second slab (else slab 0's again).
-    auto slab_columns = [&](int unit, const uint32_t*& col0, const uint32_t*& col1) {
-      const int cta_row0 = (unit % n_tiles % row_blocks) * 128;
-      col0 = columns + (size_t)(cta_row0 >> 6) * groups_padded;
-      col1 = ((rows_padded - cta_row0) >> 4) > 4 ? col0 + groups_padded : col0;
-    };
-    // What a unit needs before its first copy, loaded while the unit before it runs (so a short unit, a few k-tiles
-    // at small K, does not wait two L2 round trips at its start): this thread's first 16-byte words of both slabs'
-    // column lists (whether the slabs keep the same columns), and lane s < 4's column words of the unit's first
-    // steps, both ways the steps may go (groups_padded is a multiple of 8: whole 16-byte words).
-    uint4 next0{}, next1{};
-    uint32_t next_w00 = 0u, next_w01 = 0u, next_w02 = 0u, next_w10 = 0u;  // slab, k-tile from the unit's first
-    auto prefetch = [&](int unit) {
-      if (unit >= n_units) return;
-      const uint32_t *c0, *c1;
-      slab_columns(unit, c0, c1);
-      if (t < groups_padded / 4) {
-        next0 = reinterpret_cast<const uint4*>(c0)[t];
-        next1 = reinterpret_cast<const uint4*>(c1)[t];
-      }
-      if (lane < 4) {
-        const int g = (unit / n_tiles) * kt_per_split * 16 + 4 * w + lane;
-        next_w00 = c0[min(g, groups - 1)];
-        next_w01 = c0[min(g + 16, groups - 1)];
-        next_w02 = c0[min(g + 32, groups - 1)];
-        next_w10 = c1[min(g, groups - 1)];
-      }
-    };
-    prefetch(blockIdx.x);
     for (int unit = blockIdx.x; unit < n_units; unit += gridDim.x) {
       const int tile = unit % n_tiles, kt0 = (unit / n_tiles) * kt_per_split;
       const int k_tiles = min(all_k_tiles, kt0 + kt_per_split) - kt0;
       const int cta_row0 = (tile % row_blocks) * 128, n_base = (tile / row_blocks) * BN;
       const int mt_cta = cta_row0 >> 4;
-      const uint32_t *col0, *col1;
-      slab_columns(unit, col0, col1);
-      bool differ = t < groups_padded / 4 &&
-                    (next0.x != next1.x || next0.y != next1.y || next0.z != next1.z || next0.w != next1.w);
-      for (int i = t + 128; i < groups_padded / 4; i += 128) {  // long column lists: the rest now
-        const uint4 a = reinterpret_cast<const uint4*>(col0)[i], b = reinterpret_cast<const uint4*>(col1)[i];
-        differ |= a.x != b.x || a.y != b.y || a.z != b.z || a.w != b.w;
-      }
+      const uint32_t* col0 = columns + (size_t)(cta_row0 >> 6) * groups_padded;
+      const bool two_slabs = ((rows_padded - cta_row0) >> 4) > 4;
+      const uint32_t* col1 = two_slabs ? col0 + groups_padded : col0;
+      bool differ = false;
+      if (two_slabs)  // groups_padded is a multiple of 8: whole 16-byte words
+        for (int i = t; i < groups_padded / 4; i += 128) {
+          const uint4 a = reinterpret_cast<const uint4*>(col0)[i], b = reinterpret_cast<const uint4*>(col1)[i];
+          differ |= a.x != b.x || a.y != b.y || a.z != b.z || a.w != b.w;
+        }
       const bool share = !bar_red_or(1, 128, differ);
       const int n_steps = share ? k_tiles : 2 * k_tiles;
-      uint32_t cw0 = next_w00, cw1 = share ? next_w01 : next_w10, cw2 = share ? next_w02 : next_w01;
-      prefetch(unit + gridDim.x);
       // Roles: warp w copies B rows 16w .. 16w + 15 (groups 4w .. 4w + 3 of the k-tile, their 4 kept columns each),
       // lane l rows 16w + 4s + l / 8 for s = 0..3 (group 4w + s, kept column l / 8), 16-byte chunks l % 8 + 8q of
       // them (q < BLOCKS: tokens 64q ..): a warp instruction covers 4 rows x 128 contiguous bytes, and each lane works
@@ -238,6 +208,7 @@ spmm_vnm_sm90_xt_kernel(const T* __restrict__ xt, int ld, const uint4* __restric
         cp_async_arrive_noinc(full + 8 * slot);
         ++gs;
       };
+      uint32_t cw0 = column_word(0), cw1 = column_word(1), cw2 = column_word(2);
       for (int ls = 0; ls < n_steps; ls += 3) {
         issue(ls, cw0);
         cw0 = column_word(ls + 3);
