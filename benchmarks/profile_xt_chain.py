@@ -8,9 +8,11 @@ device-to-device copy of X; then a profiler trace of the V:2:M and 2:4 chains (e
 The bound. Both GEMMs are bound by what crosses L2 -> SM (benchmarks/RESULTS.md, "the ceilings that bound the
 sparse-wgmma SpMMs": the 2:4 main loop runs at its feed skeleton's rate): per 128-row x BN-token tile and k-tile of 64
 (condensed) columns, the B tile (BN x 64 of X, or of X^T's kept rows; twice where V = 64, one per 64-row slab), 8 KB
-of A fragments and 1 KB of metadata; plus Y's writes. The 2:4 kernel's measured bytes per µs in the same run is the
-feed rate; the X^T GEMM's bound is its own bytes at that rate, and the call's bound adds a copy of X (the transpose
-reads and writes X once, as a copy does). The tile widths come from the kernels' names in the trace.
+of A fragments and 1 KB of metadata; plus Y's writes (ncu counts these bytes within 1%). Two feed rates bound the X^T
+GEMM: the 2:4 kernel's bytes per µs in the same run (its X tiles are read by every row block of a token tile), and
+``--copy-rate-tbs``, the rate at which bulk or cp.async copies stream from the L2 alone (``roofline_sm90.cu
+streams``). The call's bound adds a copy of X (the transpose reads and writes X once, as a copy does). The tile
+widths come from the kernels' names in the trace.
 
     python benchmarks/profile_xt_chain.py [--shapes 1024x4096 ...] [--patterns 128:2:8 ...]   (cc 9.0, sm_90a build)
 """
@@ -88,7 +90,7 @@ def mean(d: list[float]) -> float:
     return sum(d) / len(d)
 
 
-def profile_shape(k: int, r: int, pattern: str, tokens: int) -> str:
+def profile_shape(k: int, r: int, pattern: str, tokens: int, copy_rate_tbs: float) -> str:
     v, m = parse(pattern)
     w = torch.randn(r, k, device="cuda")
     packs = [magnitude_pack(w, pattern)[2]]
@@ -115,13 +117,16 @@ def profile_shape(k: int, r: int, pattern: str, tokens: int) -> str:
     xt_bytes = feed_bytes(r, tokens, -(-(4 * k // m) // 64), bn, 1 if v == 128 else 2)
     gemm_bound = xt_bytes / rate
     bound = gemm_bound + copy
+    copy_rate_bound = xt_bytes / (copy_rate_tbs * 1e6) + copy
     parts = ", ".join(f"{n} {mean(d):.1f} x {len(d)}" for n, d in kinds.items())
     return (
         f"{k}->{r} {pattern} {tokens} tok (BN {bn}; 2:4 BN {bn24}): chain {ours:.1f} us/call = {cublas / ours:.2f}x"
         f" cuBLAS ({cublas:.1f}), 2:4 {ref:.1f} ({cublas / ref:.2f}x), copy of X {copy:.1f}; trace per call: span"
         f" {span:.1f}, {parts}, gaps {gaps:.1f}; 2:4 GEMM {gemm24:.1f} us = {rate / 1e6:.2f} TB/s of feed;"
         f" bound: GEMM {gemm_bound:.1f} ({100 * gemm_bound / gemm:.0f}% reached) + copy {copy:.1f} = {bound:.1f} us"
-        f" = {cublas / bound:.2f}x cuBLAS; the chain reaches {100 * bound / ours:.0f}% of it"
+        f" = {cublas / bound:.2f}x cuBLAS; the chain reaches {100 * bound / ours:.0f}% of it; at {copy_rate_tbs} TB/s:"
+        f" {copy_rate_bound:.1f} us = {cublas / copy_rate_bound:.2f}x cuBLAS, the chain reaches"
+        f" {100 * copy_rate_bound / ours:.0f}%"
     )
 
 
@@ -130,13 +135,19 @@ def main() -> None:
     ap.add_argument("--shapes", nargs="+", type=parse_shape, default=[parse_shape(s) for s in SHAPES])
     ap.add_argument("--patterns", nargs="+", default=PATTERNS)
     ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument(
+        "--copy-rate-tbs",
+        type=float,
+        default=9.0,
+        help="L2 -> shared-memory rate of copies streaming alone, TB/s (roofline_sm90.cu streams: 8.9-9.0 on an H200)",
+    )
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("profile_xt_chain.py needs a CUDA GPU")
     torch.manual_seed(0)
     for k, r in args.shapes:
         for pattern in args.patterns:
-            print(profile_shape(k, r, pattern, args.tokens), flush=True)
+            print(profile_shape(k, r, pattern, args.tokens, args.copy_rate_tbs), flush=True)
 
 
 if __name__ == "__main__":
