@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from statistics import median
+
+from timeline_build import chain_and_rows, timeline_extension
 
 # TimelineMark in csrc/spmm_sm90.cu, in order
 ENTRY, SET_UP, FIRST_ISSUED, FIRST_READY, LOOP_DONE, ARRIVED, SUMMED, END, SM, LAST = range(10)
@@ -95,22 +96,13 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 64, 128, 192, 256])
     ap.add_argument("--json", default=None, help="append one JSON object per (shape, token count) to this file")
     args = ap.parse_args()
-    flags = os.environ.get("HF_SPARSE_NVCC_FLAGS", "").split()
-    if "-DHF_SPARSE_TIMELINE" not in flags:
-        os.environ["HF_SPARSE_NVCC_FLAGS"] = " ".join([*flags, "-DHF_SPARSE_TIMELINE"])
-
+    ext = timeline_extension("spmm_timeline", "timeline_spmm.py")
     import torch
     from bench_kernels import checked_error, magnitude_pack, parse_shape
-    from gpu_timing import chain_us, cold_copies
+    from gpu_timing import cold_copies
 
     from hf_sparse.ops import force_kernel, spmm
-    from hf_sparse.ops._build import load_extension
 
-    if not torch.cuda.is_available():
-        raise SystemExit("timeline_spmm.py needs a CUDA GPU")
-    ext = load_extension()
-    if not hasattr(ext, "spmm_timeline"):
-        raise SystemExit("the loaded extension has no timeline: HF_SPARSE_NVCC_FLAGS must hold -DHF_SPARSE_TIMELINE")
     torch.manual_seed(0)
     out = open(args.json, "a") if args.json else None  # noqa: SIM115  (closed at the end)
     print(f"# {torch.cuda.get_device_name()}; µs (GPU time); phases median/max over CTAs", flush=True)
@@ -126,11 +118,8 @@ def main() -> int:
                 for wm, p in copies:
                     checked_error(spmm(x, p), x.float() @ wm.t(), f"{shape} n={n}")
                 calls = [lambda x=x, p=p: spmm(x, p) for _, p in copies]
-                per_call = chain_us(calls)
-                ext.spmm_timeline(MAX_CTAS)  # cleared: the rows read next are the chain's below
-                chain_us(calls, reps=1)
-            torch.cuda.synchronize()
-            s = summarize(ext.spmm_timeline(MAX_CTAS).tolist())
+                per_call, rows = chain_and_rows(calls, lambda: ext.spmm_timeline(MAX_CTAS))
+            s = summarize(rows)
             print(f"{k:>5}->{r:<5} n={n:<4} chain {per_call:6.1f}/call; {describe(s)}", flush=True)
             if out:
                 out.write(json.dumps({"k": k, "r": r, "tokens": n, "chain_us": per_call, **s}) + "\n")

@@ -204,6 +204,15 @@ at::Tensor spmm_timeline(int64_t ctas) {
   HF_CHECK(n >= 0, "hf_sparse.spmm_timeline: reading the stamps failed");
   return out.narrow(0, 0, n);
 }
+// Timeline build only (benchmarks/timeline_xt.py): the V:2:M X^T path's per-CTA cycle counters, (ctas, counters)
+// int64, each row the last call that ran that CTA, then cleared.
+at::Tensor spmm_xt_timeline(int64_t ctas) {
+  at::Tensor out = at::empty({ctas, hf_sparse::spmm_vnm_xt_sm90_timeline_counters()}, at::kLong);
+  const int n = hf_sparse::spmm_vnm_xt_sm90_timeline(reinterpret_cast<unsigned long long*>(out.data_ptr<int64_t>()),
+                                                     static_cast<int>(ctas));
+  HF_CHECK(n >= 0, "hf_sparse.spmm_xt_timeline: reading the counters failed");
+  return out.narrow(0, 0, n);
+}
 #endif
 
 at::Tensor sddmm_impl(const char* op, bool wgmma, const at::Tensor& dy, const at::Tensor& x, const at::Tensor& meta,
@@ -862,6 +871,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
 #if defined(HF_SPARSE_TIMELINE)
   mod.def("spmm_timeline", &spmm_timeline,
           "timeline build: per-CTA stamps of the 2:4 sparse-wgmma calls since the last read, then cleared");
+  mod.def("spmm_xt_timeline", &spmm_xt_timeline,
+          "timeline build: per-CTA cycle counters of the V:2:M X^T path since the last read, then cleared");
 #endif
   mod.def("sddmm", &sddmm, "dW at kept positions, fp32, logical order (R, 2G)");
   mod.def("sddmm_wgmma", &sddmm_wgmma, "as sddmm, with dense wgmma over the condensed columns (sm_90a)");

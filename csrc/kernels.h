@@ -54,6 +54,13 @@ int64_t spmm_vnm_sm90_xt_elems(const SpmmArgs& args);      // X^T scratch elemen
 bool spmm_vnm_sm90_takes_xt(const SpmmArgs& args);
 cudaError_t spmm_vnm_xt_sm90(const SpmmArgs& args, cudaStream_t stream);
 int64_t spmm_vnm_xt_sm90_split_floats(const SpmmArgs& args);
+#if defined(HF_SPARSE_TIMELINE)
+// Timeline build only: the cycle counters (XtCounter in spmm_vnm_xt_sm90.cu, spmm_vnm_xt_sm90_timeline_counters() u64
+// per CTA) of the X^T path's CTAs 0 .. ctas - 1 (each row the last call that ran that CTA, zero where none since the
+// last read) into `host`, then zeroed; the rows copied, or -1.
+int spmm_vnm_xt_sm90_timeline(unsigned long long* host, int ctas);
+int spmm_vnm_xt_sm90_timeline_counters();
+#endif
 
 struct SddmmArgs {
   const void* dy;         // (n_tokens, rows) row-major

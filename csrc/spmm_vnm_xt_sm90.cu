@@ -78,6 +78,48 @@ __device__ __forceinline__ bool bar_red_or(int id, int threads, bool v) {
 }
 #endif
 
+// Timeline build (nvcc -DHF_SPARSE_TIMELINE through HF_SPARSE_NVCC_FLAGS; benchmarks/timeline_xt.py): each CTA sums
+// SM cycles (clock64) by what its roles wait on over all its work units: the producer (thread 0 of its warpgroup) in
+// each unit's set-up before its first copy and waiting for free stages; the consumers (thread 0 of warpgroup 0)
+// waiting for full stages, draining the last wgmmas, in split-K and in the epilogue. The product build compiles none
+// of it.
+enum XtCounter { kXcUnits, kXcProducerTotal, kXcSetUp, kXcEmptyWait, kXcConsumerTotal, kXcFullWait, kXcDrain,
+                 kXcSplit, kXcEpilogue, kXtCounters };
+#if defined(HF_SPARSE_TIMELINE)
+constexpr int kXtTimelineCtas = 1024;
+__device__ unsigned long long g_xt_counters[kXtTimelineCtas][kXtCounters];
+#endif
+// Counter `c` of this CTA += cycles since `since` (a clock64 value); no code in the product build.
+struct XtCycles {
+#if defined(HF_SPARSE_TIMELINE)
+  unsigned long long sum[kXtCounters] = {};
+#endif
+  __device__ __forceinline__ long long now() const {
+#if defined(HF_SPARSE_TIMELINE) && defined(__CUDA_ARCH__)
+    return clock64();
+#else
+    return 0;
+#endif
+  }
+  __device__ __forceinline__ void add(int c, long long since) {
+#if defined(HF_SPARSE_TIMELINE) && defined(__CUDA_ARCH__)
+    sum[c] += (unsigned long long)(clock64() - since);
+#endif
+  }
+  __device__ __forceinline__ void count(int c) {
+#if defined(HF_SPARSE_TIMELINE)
+    ++sum[c];
+#endif
+  }
+  // Thread `writer`'s sums of counters [first, last) into this CTA's row.
+  __device__ __forceinline__ void store(bool writer, int first, int last) const {
+#if defined(HF_SPARSE_TIMELINE) && defined(__CUDA_ARCH__)
+    if (!writer || blockIdx.x >= kXtTimelineCtas) return;
+    for (int c = first; c < last; ++c) g_xt_counters[blockIdx.x][c] = sum[c];
+#endif
+  }
+};
+
 // What the producer tells the consumers with every stage (16 bytes copied into the stage's info slot by cp.async, so
 // the stage's "full" barrier covers it): whether the tile's two slabs share one B tile. Defined in every compile pass:
 // the host pass's registration stub names it.
@@ -121,8 +163,11 @@ spmm_vnm_sm90_xt_kernel(const T* __restrict__ xt, int ld, const uint4* __restric
   if (wg == 2) {  // producer
     setmaxnreg_dec<Cfg::PRODUCER_REGS>();
     const int t = tid & 127, w = warp & 3;
+    XtCycles cycles;
+    const long long start = cycles.now();
     int gs = 0;  // steps issued so far, over all tiles
     for (int unit = blockIdx.x; unit < n_units; unit += gridDim.x) {
+      const long long unit_start = cycles.now();
       const int tile = unit % n_tiles, kt0 = (unit / n_tiles) * kt_per_split;
       const int k_tiles = min(all_k_tiles, kt0 + kt_per_split) - kt0;
       const int cta_row0 = (tile % row_blocks) * 128, n_base = (tile / row_blocks) * BN;
@@ -182,7 +227,9 @@ spmm_vnm_sm90_xt_kernel(const T* __restrict__ xt, int ld, const uint4* __restric
       auto issue = [&](int ls, uint32_t cw) {
         const int slot = gs % STAGES, kt = kt0 + (share ? ls : ls >> 1);
         const uint32_t stage = base + slot * Cfg::STAGE;
+        const long long wait_start = cycles.now();
         mbar_wait(empty + 8 * slot, ((gs / STAGES) & 1) ^ 1);
+        cycles.add(kXcEmptyWait, wait_start);
 #pragma unroll
         for (int s4 = 0; s4 < 4; ++s4) {
           const uint32_t word = __shfl_sync(0xffffffffu, cw, s4);
@@ -209,6 +256,7 @@ spmm_vnm_sm90_xt_kernel(const T* __restrict__ xt, int ld, const uint4* __restric
         ++gs;
       };
       uint32_t cw0 = column_word(0), cw1 = column_word(1), cw2 = column_word(2);
+      cycles.add(kXcSetUp, unit_start);
       for (int ls = 0; ls < n_steps; ls += 3) {
         issue(ls, cw0);
         cw0 = column_word(ls + 3);
@@ -223,6 +271,8 @@ spmm_vnm_sm90_xt_kernel(const T* __restrict__ xt, int ld, const uint4* __restric
       }
     }
     cp_async_wait_all();
+    cycles.add(kXcProducerTotal, start);
+    cycles.store(t == 0, kXcProducerTotal, kXcConsumerTotal);
     return;
   }
 
@@ -231,11 +281,15 @@ spmm_vnm_sm90_xt_kernel(const T* __restrict__ xt, int ld, const uint4* __restric
   const int wq = warp & 3, g = lane >> 2, t4 = lane & 3;
   const int mt = wg * 4 + wq;
   float acc[BN / 2];
+  XtCycles cycles;
+  const long long start = cycles.now();
   int gs = 0;     // steps consumed so far, over all tiles
   int held = -1;  // the slot of this warpgroup's last step, released once its wgmmas are done
   auto compute = [&](int s, int kt) {
     const int slot = s % STAGES;
+    const long long wait_start = cycles.now();
     mbar_wait(full + 8 * slot, (s / STAGES) & 1);
+    cycles.add(kXcFullWait, wait_start);
     fence_proxy_async();  // the stage was written by cp.async (generic proxy); the wgmmas read it (async proxy)
     const unsigned char* stage = smem + slot * Cfg::STAGE;
     uint4 a[2];
@@ -259,7 +313,9 @@ spmm_vnm_sm90_xt_kernel(const T* __restrict__ xt, int ld, const uint4* __restric
   // The other slab's step (two slabs with their own columns): wait for it, so every phase of its barrier is waited
   // in order, and release it at once.
   auto pass = [&](int s) {
+    const long long wait_start = cycles.now();
     mbar_wait(full + 8 * (s % STAGES), (s / STAGES) & 1);
+    cycles.add(kXcFullWait, wait_start);
     if (lane == 0) mbar_arrive(empty + 8 * (s % STAGES));
   };
   for (int unit = blockIdx.x; unit < n_units; unit += gridDim.x) {
@@ -268,13 +324,18 @@ spmm_vnm_sm90_xt_kernel(const T* __restrict__ xt, int ld, const uint4* __restric
     const int cta_row0 = (tile % row_blocks) * 128, n_base = (tile / row_blocks) * BN;
 #pragma unroll
     for (int j = 0; j < BN / 2; ++j) acc[j] = 0.f;
+    cycles.count(kXcUnits);
     // The tile's first step is slab 0's first k-tile either way; its info slot says how the rest goes.
+    const long long first_wait = cycles.now();
     mbar_wait(full + 8 * (gs % STAGES), (gs / STAGES) & 1);
+    cycles.add(kXcFullWait, first_wait);
     const bool share = *reinterpret_cast<const uint32_t*>(smem + (info - base) + (gs % STAGES) * 16) != 0u;
     // Each path drains its wgmmas before the paths join (ptxas serializes wgmmas whose accumulators a join moves).
     if (share) {
       for (int kt = 0; kt < k_tiles; ++kt) compute(gs + kt, kt0 + kt);
+      const long long drain_start = cycles.now();
       wgmma_wait<0>();
+      cycles.add(kXcDrain, drain_start);
       gs += k_tiles;
     } else {
       for (int kt = 0; kt < k_tiles; ++kt) {
@@ -282,7 +343,9 @@ spmm_vnm_sm90_xt_kernel(const T* __restrict__ xt, int ld, const uint4* __restric
         compute(gs + 2 * kt + wg, kt0 + kt);
         if (wg == 0) pass(gs + 2 * kt + 1);
       }
+      const long long drain_start = cycles.now();
       wgmma_wait<0>();
+      cycles.add(kXcDrain, drain_start);
       gs += 2 * k_tiles;
     }
     if (lane == 0) mbar_arrive(empty + 8 * held);
@@ -290,11 +353,17 @@ spmm_vnm_sm90_xt_kernel(const T* __restrict__ xt, int ld, const uint4* __restric
 #pragma unroll
     for (int j = 0; j < BN / 2; ++j) asm volatile("" : "+f"(acc[j])::"memory");  // reads after the wgmma wait
     if (splits > 1) {  // split-K: the last split of the tile to arrive adds every split's partial sums and stores
+      const long long split_start = cycles.now();
       const SplitK<BN / 2, 256> sk(split_ws, split_counters, tile, split, splits, tid);
       sk.store(acc, 0);
-      if (!sk.last([] { named_bar_sync(4, 256); })) continue;  // named barrier 4: both consumer warpgroups
+      if (!sk.last([] { named_bar_sync(4, 256); })) {  // named barrier 4: both consumer warpgroups
+        cycles.add(kXcSplit, split_start);
+        continue;
+      }
       sk.sum(acc, 0);
+      cycles.add(kXcSplit, split_start);
     }
+    const long long epilogue_start = cycles.now();
     if (wg * 4 < ((rows_padded - cta_row0) >> 4)) {
       const int row0 = cta_row0 + 64 * wg + 16 * wq;
       if (staged) {  // named barriers 2, 3: one per consumer warpgroup (1 is the producer's)
@@ -305,8 +374,12 @@ spmm_vnm_sm90_xt_kernel(const T* __restrict__ xt, int ld, const uint4* __restric
         store_tile<T, BN>(acc, row0, n_base, lane, bias, y, rows, n_tokens);
       }
     }
+    cycles.add(kXcEpilogue, epilogue_start);
   }
   if (staged && (tid & 127) == 0) bulk_wait_group<0>();  // the last stores have left shared memory
+  cycles.add(kXcConsumerTotal, start);
+  cycles.store(tid == 0, kXcConsumerTotal, kXtCounters);
+  cycles.store(tid == 0, kXcUnits, kXcProducerTotal);
 #elif defined(__CUDA_ARCH__)
   __trap();  // built without sm_90a: the host never launches this (spmm_sm90_available() is false)
 #endif
@@ -374,6 +447,19 @@ bool spmm_vnm_sm90_takes_xt(const SpmmArgs& a) {
 }
 
 int64_t spmm_vnm_xt_sm90_split_floats(const SpmmArgs& a) { return xt_plan(a).scratch_floats(); }
+
+#if defined(HF_SPARSE_TIMELINE)
+int spmm_vnm_xt_sm90_timeline(unsigned long long* host, int ctas) {
+  const int n = std::min(ctas, kXtTimelineCtas);
+  void* counters = nullptr;
+  if (cudaMemcpyFromSymbol(host, g_xt_counters, sizeof(g_xt_counters[0]) * n) != cudaSuccess ||
+      cudaGetSymbolAddress(&counters, g_xt_counters) != cudaSuccess ||
+      cudaMemset(counters, 0, sizeof(g_xt_counters)) != cudaSuccess)
+    return -1;
+  return n;
+}
+int spmm_vnm_xt_sm90_timeline_counters() { return kXtCounters; }
+#endif
 
 int64_t spmm_vnm_sm90_xt_elems(const SpmmArgs& a) {
   if (!spmm_vnm_sm90_takes_xt(a)) return 0;
