@@ -89,7 +89,8 @@ enum XtCounter { kXcUnits, kXcProducerTotal, kXcSetUp, kXcEmptyWait, kXcConsumer
 constexpr int kXtTimelineCtas = 1024;
 __device__ unsigned long long g_xt_counters[kXtTimelineCtas][kXtCounters];
 #endif
-// Counter `c` of this CTA += cycles since `since` (a clock64 value); no code in the product build.
+// One role's cycle sums in a CTA (timeline build only: in the product build every member is empty code): add(c,
+// since) adds the cycles since `since` (a now() value) to counter c, store() writes them into the CTA's row.
 struct XtCycles {
 #if defined(HF_SPARSE_TIMELINE)
   unsigned long long sum[kXtCounters] = {};
