@@ -195,23 +195,25 @@ at::Tensor spmm_wgmma(const at::Tensor& x, const at::Tensor& values, const at::T
 bool spmm_wgmma_available() { return hf_sparse::spmm_sm90_available(); }
 
 #if defined(HF_SPARSE_TIMELINE)
+// The rows `read` copies out of the device, as (rows copied, columns) int64 (at most ctas rows); `op` names the
+// binding in the error.
+at::Tensor timeline_rows(const char* op, int64_t ctas, int columns, int (*read)(unsigned long long*, int)) {
+  at::Tensor out = at::empty({ctas, columns}, at::kLong);
+  const int n = read(reinterpret_cast<unsigned long long*>(out.data_ptr<int64_t>()), static_cast<int>(ctas));
+  HF_CHECK(n >= 0, op, ": reading the timeline failed");
+  return out.narrow(0, 0, n);
+}
 // Timeline build only (benchmarks/timeline_spmm.py): the 2:4 sparse-wgmma calls' stamps since the last read, (ctas,
 // marks) int64, then cleared.
 at::Tensor spmm_timeline(int64_t ctas) {
-  at::Tensor out = at::empty({ctas, hf_sparse::spmm_sm90_timeline_marks()}, at::kLong);
-  const int n = hf_sparse::spmm_sm90_timeline(reinterpret_cast<unsigned long long*>(out.data_ptr<int64_t>()),
-                                              static_cast<int>(ctas));
-  HF_CHECK(n >= 0, "hf_sparse.spmm_timeline: reading the stamps failed");
-  return out.narrow(0, 0, n);
+  return timeline_rows("hf_sparse.spmm_timeline", ctas, hf_sparse::spmm_sm90_timeline_marks(),
+                       hf_sparse::spmm_sm90_timeline);
 }
 // Timeline build only (benchmarks/timeline_xt.py): the V:2:M X^T path's per-CTA cycle counters, (ctas, counters)
 // int64, each row the last call that ran that CTA, then cleared.
 at::Tensor spmm_xt_timeline(int64_t ctas) {
-  at::Tensor out = at::empty({ctas, hf_sparse::spmm_vnm_xt_sm90_timeline_counters()}, at::kLong);
-  const int n = hf_sparse::spmm_vnm_xt_sm90_timeline(reinterpret_cast<unsigned long long*>(out.data_ptr<int64_t>()),
-                                                     static_cast<int>(ctas));
-  HF_CHECK(n >= 0, "hf_sparse.spmm_xt_timeline: reading the counters failed");
-  return out.narrow(0, 0, n);
+  return timeline_rows("hf_sparse.spmm_xt_timeline", ctas, hf_sparse::spmm_vnm_xt_sm90_timeline_counters(),
+                       hf_sparse::spmm_vnm_xt_sm90_timeline);
 }
 #endif
 

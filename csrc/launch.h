@@ -71,4 +71,19 @@ inline cudaError_t current_sm_count(int* sms) {
   return cudaSuccess;
 }
 
+#if defined(HF_SPARSE_TIMELINE)
+// Timeline builds: rows 0 .. n - 1 of the __device__ array `rows_on_device` (n = min(rows, its rows)) into `host`,
+// then every row zeroed, so the next read holds only later calls; n, or -1.
+template <typename Row, size_t Rows>
+int read_and_clear_rows(void* host, const Row (&rows_on_device)[Rows], int rows) {
+  const int n = rows < (int)Rows ? rows : (int)Rows;
+  void* dev = nullptr;
+  if (cudaMemcpyFromSymbol(host, rows_on_device, sizeof(Row) * n) != cudaSuccess ||
+      cudaGetSymbolAddress(&dev, rows_on_device) != cudaSuccess ||
+      cudaMemset(dev, 0, sizeof(rows_on_device)) != cudaSuccess)
+    return -1;
+  return n;
+}
+#endif
+
 }  // namespace hf_sparse

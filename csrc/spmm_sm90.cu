@@ -1205,14 +1205,7 @@ int64_t spmm_sm90_split_floats(const SpmmArgs& a) {
 }
 
 #if defined(HF_SPARSE_TIMELINE)
-int spmm_sm90_timeline(unsigned long long* host, int ctas) {
-  const int n = std::min(ctas, kTimelineCtas);
-  void* stamps = nullptr;
-  if (cudaMemcpyFromSymbol(host, g_timeline, sizeof(g_timeline[0]) * n) != cudaSuccess ||
-      cudaGetSymbolAddress(&stamps, g_timeline) != cudaSuccess || cudaMemset(stamps, 0, sizeof(g_timeline)) != cudaSuccess)
-    return -1;
-  return n;
-}
+int spmm_sm90_timeline(unsigned long long* host, int ctas) { return read_and_clear_rows(host, g_timeline, ctas); }
 int spmm_sm90_timeline_marks() { return kTimelineMarks; }
 #endif
 

@@ -451,13 +451,7 @@ int64_t spmm_vnm_xt_sm90_split_floats(const SpmmArgs& a) { return xt_plan(a).scr
 
 #if defined(HF_SPARSE_TIMELINE)
 int spmm_vnm_xt_sm90_timeline(unsigned long long* host, int ctas) {
-  const int n = std::min(ctas, kXtTimelineCtas);
-  void* counters = nullptr;
-  if (cudaMemcpyFromSymbol(host, g_xt_counters, sizeof(g_xt_counters[0]) * n) != cudaSuccess ||
-      cudaGetSymbolAddress(&counters, g_xt_counters) != cudaSuccess ||
-      cudaMemset(counters, 0, sizeof(g_xt_counters)) != cudaSuccess)
-    return -1;
-  return n;
+  return read_and_clear_rows(host, g_xt_counters, ctas);
 }
 int spmm_vnm_xt_sm90_timeline_counters() { return kXtCounters; }
 #endif
