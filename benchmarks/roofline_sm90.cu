@@ -48,6 +48,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -632,19 +633,27 @@ void run_feed(int ctas, const unsigned char* src) {
   print_run("feed", design, N, RF, STAGES, G, WGM, ms, cyc.data(), ctas);
 }
 
+// A streaming kernel (src, n_chunks, per_cta: bulk_read, ldgsts_read) on `ctas` CTAs of `threads` threads and `smem`
+// bytes of shared memory, reading the `bytes` of `buf` in `chunk`-byte chunks for a few ms: the median ms and TB/s.
+template <typename NChunks>
+std::pair<float, double> time_stream(void (*kernel)(const unsigned char*, NChunks, int), const unsigned char* buf,
+                                     size_t bytes, int chunk, int ctas, int threads, int smem) {
+  const NChunks n_chunks = (NChunks)(bytes / chunk);
+  const size_t passes = bytes < ((size_t)1 << 30) ? 200 : 4;  // a few ms either way
+  const int per_cta = (int)(passes * bytes / ((size_t)ctas * chunk));
+  CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  const float ms = median_ms([&] { kernel<<<ctas, threads, smem>>>(buf, n_chunks, per_cta); }, 5);
+  return {ms, (double)ctas * per_cta * chunk / (ms * 1e-3) / 1e12};
+}
+
 template <int CHUNK, int STAGES>
 void run_bulk(const char* what, const unsigned char* buf, size_t bytes, int sms, int ctas_per_sm) {
-  const int n_chunks = (int)(bytes / CHUNK), ctas = sms * ctas_per_sm;
-  const size_t passes = bytes < ((size_t)1 << 30) ? 200 : 4;  // a few ms either way
-  const int per_cta = (int)(passes * bytes / ((size_t)ctas * CHUNK));
-  const int smem = STAGES * CHUNK + 8 * STAGES;
-  CHECK_CUDA(cudaFuncSetAttribute(bulk_read<CHUNK, STAGES>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  const float ms = median_ms([&] { bulk_read<CHUNK, STAGES><<<ctas, 32, smem>>>(buf, n_chunks, per_cta); }, 5);
-  const double moved = (double)ctas * per_cta * CHUNK;
+  const auto [ms, tb_per_s] =
+      time_stream(bulk_read<CHUNK, STAGES>, buf, bytes, CHUNK, sms * ctas_per_sm, 32, STAGES * CHUNK + 8 * STAGES);
   std::printf(
       "{\"what\": \"bulk\", \"case\": \"%s\", \"buffer_mb\": %.0f, \"chunk\": %d, \"stages\": %d, \"ctas_per_sm\": %d, "
       "\"ms\": %.4f, \"tb_per_s\": %.2f}\n",
-      what, bytes / 1048576.0, CHUNK, STAGES, ctas_per_sm, ms, moved / (ms * 1e-3) / 1e12);
+      what, bytes / 1048576.0, CHUNK, STAGES, ctas_per_sm, ms, tb_per_s);
 }
 
 void run_ldg(const char* what, const unsigned char* buf, size_t bytes, int sms, uint32_t* sink) {
@@ -658,24 +667,17 @@ void run_ldg(const char* what, const unsigned char* buf, size_t bytes, int sms, 
 
 template <int THREADS, int STAGES, int CHUNK, bool SCATTER>
 void run_ldgsts(const char* what, const unsigned char* buf, size_t bytes, int sms, int ctas_per_sm) {
-  const long long n_chunks = (long long)(bytes / CHUNK);
+  const size_t n_chunks = bytes / CHUNK;
   if ((n_chunks & (n_chunks - 1)) != 0) {
     std::fprintf(stderr, "run_ldgsts: the buffer must hold a power-of-two count of chunks (the scatter masks)\n");
     std::exit(1);
   }
-  const int ctas = sms * ctas_per_sm;
-  const size_t passes = bytes < ((size_t)1 << 30) ? 200 : 4;
-  const int per_cta = (int)(passes * bytes / ((size_t)ctas * CHUNK));
-  const int smem = STAGES * CHUNK + 8 * STAGES;
-  constexpr auto kernel = ldgsts_read<THREADS, STAGES, CHUNK, SCATTER>;
-  CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  const float ms = median_ms([&] { kernel<<<ctas, THREADS, smem>>>(buf, n_chunks, per_cta); }, 5);
-  const double moved = (double)ctas * per_cta * CHUNK;
+  const auto [ms, tb_per_s] = time_stream(ldgsts_read<THREADS, STAGES, CHUNK, SCATTER>, buf, bytes, CHUNK,
+                                          sms * ctas_per_sm, THREADS, STAGES * CHUNK + 8 * STAGES);
   std::printf(
       "{\"what\": \"ldgsts\", \"case\": \"%s\", \"buffer_mb\": %.0f, \"threads\": %d, \"chunk\": %d, \"stages\": %d, "
       "\"scatter\": %s, \"ctas_per_sm\": %d, \"ms\": %.4f, \"tb_per_s\": %.2f}\n",
-      what, bytes / 1048576.0, THREADS, CHUNK, STAGES, SCATTER ? "true" : "false", ctas_per_sm, ms,
-      moved / (ms * 1e-3) / 1e12);
+      what, bytes / 1048576.0, THREADS, CHUNK, STAGES, SCATTER ? "true" : "false", ctas_per_sm, ms, tb_per_s);
   std::fflush(stdout);
 }
 
