@@ -187,10 +187,9 @@ inline long long sm90_tiles(long long rows_padded, long long n_tokens, int bn) {
 // (sm90_split_work with kVnmXtKTileFixedTokens), fewer splits on a tie, each split at least kSplitKMinKTiles k-tiles
 // (16 groups each) long. Unlike the 2:4 configurations' rule it may leave more units than SMs: at 768 tokens, 28672
 // -> 8192 (192 tiles) ran 1.2-1.4x faster in 2 splits (3 rounds of units) than unsplit (2 rounds, the second 45%
-// full). Over the 48 cells measured
-// (V:2:M, 256-768 tokens, 4096 -> 4096, 11008 <-> 4096, 28672 -> 8192; benchmarks/RESULTS.md, "the X^T path below
-// 1024 tokens") its choices took 1.002x the time of the best split count of each cell (geometric mean), at worst
-// 1.07x.
+// full). Over the 48 cells measured (V:2:M, 256-768 tokens, 4096 -> 4096, 11008 <-> 4096, 28672 -> 8192;
+// benchmarks/RESULTS.md, "the X^T path below 1024 tokens") its choices took 1.002x the time of the best split count
+// of each cell (geometric mean), at worst 1.07x.
 // A k-tile of the X^T path costs (tile tokens + kVnmXtKTileFixedTokens) in the work model: its producer's per-step
 // work (A fragments, metadata, column words, 4 row addresses a lane) costs as much whatever the width. Fitted to the
 // 20 cells where 128- and 256-token tiles were both measured (benchmarks/RESULTS.md, "the X^T path below 1024
