@@ -224,9 +224,6 @@ __device__ __forceinline__ void store_tile(const float (&acc)[BN / 2], int row0,
 // it, bulk_wait_group_read) and to the next tile's main loop. The tensor map clips rows >= rows and tokens >=
 // n_tokens, so partial tiles need no checks. Named barrier bar_id (128 threads) orders the warpgroup's buffer writes
 // against the store (fence.proxy.async: generic writes, read by the async proxy).
-#if !defined(HF_SPARSE_EPI_PROBE)
-#define HF_SPARSE_EPI_PROBE 0
-#endif
 template <typename T, int BN, int EPI_N, int EPI_BUFS, bool EVICT_FIRST, int ACT = kActNone>
 __device__ __forceinline__ void store_tile_staged(const float (&acc)[BN / 2], int row0, int wg_row0, int n_base,
                                                   int lane, int wq, uint32_t stage_u32, int bar_id,
@@ -250,10 +247,8 @@ __device__ __forceinline__ void store_tile_staged(const float (&acc)[BN / 2], in
 #pragma unroll
   for (int c = 0; c < BN / EPI_N; ++c) {
     const uint32_t buf = stage_u32 + ((chunk0 < 0 ? c : chunk0 + c) % EPI_BUFS) * (EPI_N * 128);
-#if HF_SPARSE_EPI_PROBE != 3
     if (leader) bulk_wait_group_read<EPI_BUFS - 1>();  // the store that used this buffer last has read it
     named_bar_sync(bar_id, 128);
-#endif
 #pragma unroll
     for (int q = 0; q < EPI_N / 16; ++q) {
       const int nt = c * (EPI_N / 8) + 2 * q;
@@ -266,10 +261,8 @@ __device__ __forceinline__ void store_tile_staged(const float (&acc)[BN / 2], in
                         pk(acc[4 * nt + 6], acc[4 * nt + 7], b_hi));
     }
     fence_proxy_async();  // this thread's stmatrix writes, visible to the copy engine after the barrier
-#if HF_SPARSE_EPI_PROBE != 3
     named_bar_sync(bar_id, 128);
-#endif
-    if (HF_SPARSE_EPI_PROBE == 0 && leader) {
+    if (leader) {
       if (n_base + c * EPI_N < n_tokens) {  // a chunk wholly past the last token is skipped
         if constexpr (EVICT_FIRST) {
           tma_store_2d_hint(y_map, wg_row0, n_base + c * EPI_N, buf, l2_policy_evict_first());
