@@ -47,16 +47,21 @@ constexpr int kXtThreads = 384;
 template <int BN>
 struct XtCfg {
   static constexpr int B_BYTES = BN * 128;         // 64 condensed k-rows x BN tokens
-  static constexpr int E_OFF = B_BYTES;
+  static constexpr int A_OFF = B_BYTES;
+  static constexpr int A_BYTES = 8 * 2 * 32 * 16;  // 8 m16 tiles x 2 k-steps x 32 lanes x 16 bytes
+  static constexpr int E_OFF = A_OFF + A_BYTES;
   static constexpr int E_BYTES = 8 * 2 * 16 * 4;   // 8 m16 tiles x 2 k-steps x 16 words
   static constexpr int STAGE = E_OFF + E_BYTES;
-  static constexpr int STAGES = BN == 256 ? 4 : 8;  // the same B bytes in flight at either width
+#if !defined(HF_SPARSE_XT_EPI_BUFS)
+#define HF_SPARSE_XT_EPI_BUFS 3
+#endif
+  static constexpr int EPI_BUFS = HF_SPARSE_XT_EPI_BUFS;
+  static constexpr int STAGES = BN == 256 ? (EPI_BUFS >= 4 ? 3 : 4) : 6;  // 128-token stages: more in flight
   static constexpr int PRODUCER_REGS = 88, CONSUMER_REGS = 208;  // setmaxnreg
   static_assert(128 * (2 * CONSUMER_REGS + PRODUCER_REGS) <= 65536, "the register split must fit the register file");
-  // The staged epilogue (sm90_common.cuh store_tile_staged): per consumer warpgroup a whole tile's Y, EPI_BUFS
-  // buffers of 64 rows x EPI_N tokens, so a tile's stores drain during the next tile's main loop and a buffer is
-  // waited for only when the next tile's epilogue rewrites it.
-  static constexpr int EPI_N = 64, EPI_BUFS = BN / EPI_N, EPI_CHUNK = EPI_N * 128;
+  // The staged epilogue (sm90_common.cuh store_tile_staged): per consumer warpgroup EPI_BUFS buffers of 64 rows x
+  // EPI_N tokens.
+  static constexpr int EPI_N = 64, EPI_CHUNK = EPI_N * 128;
   static constexpr int EPI_OFF = STAGES * STAGE;
   // + the staging buffers, full / empty barriers, 16 bytes of step info per stage, alignment slack
   static constexpr int SMEM = EPI_OFF + 2 * EPI_BUFS * EPI_CHUNK + 2 * 8 * STAGES + 16 * STAGES + 1024;
@@ -200,11 +205,21 @@ spmm_vnm_sm90_xt_kernel(const T* __restrict__ xt, int ld, const uint4* __restric
       }
       const unsigned char* xt_lane = reinterpret_cast<const unsigned char*>(xt + n);
       const size_t ld_bytes = (size_t)ld * sizeof(T);
-      // Metadata: thread t < 64 copies 16-byte chunk t of the stage's 64 (m16 tile t / 8, k-step (t / 4) % 2, words
-      // 4 x (t % 4) ..) from word e_word + k-step x 4; a k-step past `steps` (k-step 1 of the last k-tile) copies 0
+      // A fragments and metadata: chunk c = t + 128u (u = 0..4) of the stage's 576 (c < 512: m16 tile c / 64, k-step
+      // (c / 32) % 2, lane c % 32; then metadata: m16 tile / 8, k-step / 4 % 2, words 4 x (/ 1 % 4) ..): source =
+      // base (in 16-byte words) + k-step x stride; a k-step past `steps` (k-step 1 of the last k-tile) copies 0
       // bytes from k-step steps - 1.
-      const int e_second = (t >> 2) & 1;
-      const uint32_t e_word = (uint32_t)min(mt_cta + (t >> 3), mt_last) * steps * 4 + (t & 3);
+      uint32_t a_base[5], a_stride[5];
+      int a_second[5];
+#pragma unroll
+      for (int u = 0; u < 5; ++u) {
+        const int c = t + 128 * u, e = c - 512;
+        const bool is_a = c < 512;
+        const int mt = min(mt_cta + (is_a ? c >> 6 : max(e, 0) >> 3), mt_last);
+        a_second[u] = is_a ? (c >> 5) & 1 : (e >> 2) & 1;
+        a_stride[u] = is_a ? 32u : 4u;
+        a_base[u] = is_a ? (uint32_t)mt * steps * 32 + (c & 31) : (uint32_t)mt * steps * 4 + (e & 3);
+      }
       const uint4* meta4 = reinterpret_cast<const uint4*>(meta);
       // Lane s < 4 holds the column word of group 4w + s of a step's k-tile, loaded three steps ahead into one of
       // three registers that the unrolled loop names statically (a register rotation would wait for each load at once).
@@ -229,11 +244,16 @@ spmm_vnm_sm90_xt_kernel(const T* __restrict__ xt, int ld, const uint4* __restric
 #pragma unroll
           for (int q = 0; q < BLOCKS; ++q) cp_async_16_bytes(stage + dst_off[s4] + q * 8192, src + q * 128, bytes[q]);
         }
-        // A step of one slab (its own columns) copies that slab's metadata (threads 32 x slab ..) only: the other
-        // consumer warpgroup skips the step.
-        if (t < 64 && (share || (t >> 5) == (ls & 1))) {
-          const int st = 2 * kt + e_second;
-          cp_async_16_bytes(stage + Cfg::E_OFF + t * 16, meta4 + e_word + (uint32_t)min(st, steps - 1) * 4,
+        // A step of one slab (its own columns) copies that slab's A fragments (u = 2 x slab, + 1) and metadata
+        // (threads 32 x slab ..) only: the other consumer warpgroup skips the step.
+        const int slab = share ? -1 : ls & 1;
+#pragma unroll
+        for (int u = 0; u < 5; ++u) {
+          if (u == 4 && t >= 64) break;
+          if (slab >= 0 && (u < 4 ? u >> 1 : t >> 5) != slab) continue;
+          const int st = 2 * kt + a_second[u];
+          const uint32_t word = a_base[u] + (uint32_t)min(st, steps - 1) * a_stride[u];
+          cp_async_16_bytes(stage + Cfg::A_OFF + (t + 128 * u) * 16, u < 4 ? values + word : meta4 + word,
                             st < steps ? 16u : 0u);
         }
         if (t == 0) cp_async_16_bytes(info + slot * 16, &kXtShareWord[share ? 1 : 0], 16u);
@@ -270,33 +290,19 @@ spmm_vnm_sm90_xt_kernel(const T* __restrict__ xt, int ld, const uint4* __restric
   const long long start = cycles.now();
   int gs = 0;     // steps consumed so far, over all tiles
   int held = -1;  // the slot of this warpgroup's last step, released once its wgmmas are done
-  // A fragments (the warp's m16 tile, both k-steps of a k-tile) come from the packed weight straight into registers,
-  // so the ring's stages hold only B and the metadata and a whole tile's Y fits in the staging buffers. Three
-  // register sets in rotation: k-tile kt + 2's are loaded once the wgmmas of kt - 1 (same set) are done, one k-tile
-  // ahead of their use; a unit's first two are loaded after the previous unit's wgmmas drain, during its epilogue.
-  // A k-step past `steps` multiplies zeros.
-  const uint4* values_lane = values + lane;
-  auto load_a = [&](int unit, int kt_in_unit, uint4 (&a)[2]) {
-    if (unit >= n_units) return;
-    const int tile = unit % n_tiles, kt = (unit / n_tiles) * kt_per_split + kt_in_unit;
-    const size_t word = (size_t)min((tile % row_blocks) * 8 + mt, mt_last) * steps * 32;
-#pragma unroll
-    for (int j = 0; j < 2; ++j)
-      a[j] = 2 * kt + j < steps ? __ldg(values_lane + word + (size_t)(2 * kt + j) * 32) : make_uint4(0u, 0u, 0u, 0u);
-  };
-  uint4 a0[2], a1[2], a2[2];
-  load_a(blockIdx.x, 0, a0);
-  load_a(blockIdx.x, 1, a1);
-  auto compute = [&](int s, int kt, const uint4 (&a)[2]) {
+  int chunks = 0;  // staged-epilogue chunks this warpgroup has stored: its buffers rotate on across tiles
+  auto compute = [&](int s, int kt) {
     const int slot = s % STAGES;
     const long long wait_start = cycles.now();
     mbar_wait(full + 8 * slot, (s / STAGES) & 1);
     cycles.add(kXcFullWait, wait_start);
     fence_proxy_async();  // the stage was written by cp.async (generic proxy); the wgmmas read it (async proxy)
     const unsigned char* stage = smem + slot * Cfg::STAGE;
+    uint4 a[2];
     uint32_t e[2];
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
+      a[j] = *reinterpret_cast<const uint4*>(stage + Cfg::A_OFF + mt * 1024 + j * 512 + lane * 16);
       const uint32_t ev = *reinterpret_cast<const uint32_t*>(stage + Cfg::E_OFF + mt * 128 + j * 64 +
                                                              (g * 2 + (t4 & 1)) * 4);
       e[j] = 2 * kt + j < steps ? ev : kMetaPad;
@@ -331,36 +337,23 @@ spmm_vnm_sm90_xt_kernel(const T* __restrict__ xt, int ld, const uint4* __restric
     cycles.add(kXcFullWait, first_wait);
     const bool share = *reinterpret_cast<const uint32_t*>(smem + (info - base) + (gs % STAGES) * 16) != 0u;
     // Each path drains its wgmmas before the paths join (ptxas serializes wgmmas whose accumulators a join moves).
-    auto main_loop = [&](auto step) {
-      for (int kt = 0; kt < k_tiles; kt += 3) {
-        step(kt, a0);
-        if (kt + 2 < k_tiles) load_a(unit, kt + 2, a2);
-        if (kt + 1 < k_tiles) {
-          step(kt + 1, a1);
-          if (kt + 3 < k_tiles) load_a(unit, kt + 3, a0);
-        }
-        if (kt + 2 < k_tiles) {
-          step(kt + 2, a2);
-          if (kt + 4 < k_tiles) load_a(unit, kt + 4, a1);
-        }
+    if (share) {
+      for (int kt = 0; kt < k_tiles; ++kt) compute(gs + kt, kt0 + kt);
+      const long long drain_start = cycles.now();
+      wgmma_wait<0>();
+      cycles.add(kXcDrain, drain_start);
+      gs += k_tiles;
+    } else {
+      for (int kt = 0; kt < k_tiles; ++kt) {
+        if (wg == 1) pass(gs + 2 * kt);
+        compute(gs + 2 * kt + wg, kt0 + kt);
+        if (wg == 0) pass(gs + 2 * kt + 1);
       }
       const long long drain_start = cycles.now();
       wgmma_wait<0>();
       cycles.add(kXcDrain, drain_start);
-    };
-    if (share) {
-      main_loop([&](int kt, const uint4(&a)[2]) { compute(gs + kt, kt0 + kt, a); });
-      gs += k_tiles;
-    } else {
-      main_loop([&](int kt, const uint4(&a)[2]) {
-        if (wg == 1) pass(gs + 2 * kt);
-        compute(gs + 2 * kt + wg, kt0 + kt, a);
-        if (wg == 0) pass(gs + 2 * kt + 1);
-      });
       gs += 2 * k_tiles;
     }
-    load_a(unit + gridDim.x, 0, a0);
-    load_a(unit + gridDim.x, 1, a1);
     if (lane == 0) mbar_arrive(empty + 8 * held);
     held = -1;
 #pragma unroll
@@ -382,7 +375,8 @@ spmm_vnm_sm90_xt_kernel(const T* __restrict__ xt, int ld, const uint4* __restric
       if (staged) {  // named barriers 2, 3: one per consumer warpgroup (1 is the producer's)
         store_tile_staged<T, BN, Cfg::EPI_N, Cfg::EPI_BUFS, false>(
             acc, row0, cta_row0 + 64 * wg, n_base, lane, wq, epi + wg * Cfg::EPI_BUFS * Cfg::EPI_CHUNK, 2 + wg, bias,
-            rows, n_tokens, &y_map);
+            rows, n_tokens, &y_map, chunks);
+        chunks += BN / Cfg::EPI_N;
       } else {
         store_tile<T, BN>(acc, row0, n_base, lane, bias, y, rows, n_tokens);
       }
