@@ -52,16 +52,12 @@ struct XtCfg {
   static constexpr int E_OFF = A_OFF + A_BYTES;
   static constexpr int E_BYTES = 8 * 2 * 16 * 4;   // 8 m16 tiles x 2 k-steps x 16 words
   static constexpr int STAGE = E_OFF + E_BYTES;
-#if !defined(HF_SPARSE_XT_EPI_BUFS)
-#define HF_SPARSE_XT_EPI_BUFS 3
-#endif
-  static constexpr int EPI_BUFS = HF_SPARSE_XT_EPI_BUFS;
-  static constexpr int STAGES = BN == 256 ? (EPI_BUFS >= 4 ? 3 : 4) : 6;  // 128-token stages: more in flight
+  static constexpr int STAGES = BN == 256 ? 4 : 6;  // 128-token stages: more of them in flight in the same memory
   static constexpr int PRODUCER_REGS = 88, CONSUMER_REGS = 208;  // setmaxnreg
   static_assert(128 * (2 * CONSUMER_REGS + PRODUCER_REGS) <= 65536, "the register split must fit the register file");
   // The staged epilogue (sm90_common.cuh store_tile_staged): per consumer warpgroup EPI_BUFS buffers of 64 rows x
   // EPI_N tokens.
-  static constexpr int EPI_N = 64, EPI_CHUNK = EPI_N * 128;
+  static constexpr int EPI_N = 64, EPI_BUFS = 2, EPI_CHUNK = EPI_N * 128;
   static constexpr int EPI_OFF = STAGES * STAGE;
   // + the staging buffers, full / empty barriers, 16 bytes of step info per stage, alignment slack
   static constexpr int SMEM = EPI_OFF + 2 * EPI_BUFS * EPI_CHUNK + 2 * 8 * STAGES + 16 * STAGES + 1024;
@@ -290,7 +286,6 @@ spmm_vnm_sm90_xt_kernel(const T* __restrict__ xt, int ld, const uint4* __restric
   const long long start = cycles.now();
   int gs = 0;     // steps consumed so far, over all tiles
   int held = -1;  // the slot of this warpgroup's last step, released once its wgmmas are done
-  int chunks = 0;  // staged-epilogue chunks this warpgroup has stored: its buffers rotate on across tiles
   auto compute = [&](int s, int kt) {
     const int slot = s % STAGES;
     const long long wait_start = cycles.now();
@@ -375,8 +370,7 @@ spmm_vnm_sm90_xt_kernel(const T* __restrict__ xt, int ld, const uint4* __restric
       if (staged) {  // named barriers 2, 3: one per consumer warpgroup (1 is the producer's)
         store_tile_staged<T, BN, Cfg::EPI_N, Cfg::EPI_BUFS, false>(
             acc, row0, cta_row0 + 64 * wg, n_base, lane, wq, epi + wg * Cfg::EPI_BUFS * Cfg::EPI_CHUNK, 2 + wg, bias,
-            rows, n_tokens, &y_map, chunks);
-        chunks += BN / Cfg::EPI_N;
+            rows, n_tokens, &y_map);
       } else {
         store_tile<T, BN>(acc, row0, n_base, lane, bias, y, rows, n_tokens);
       }
