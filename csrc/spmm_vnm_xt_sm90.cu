@@ -57,7 +57,11 @@ struct XtCfg {
   static_assert(128 * (2 * CONSUMER_REGS + PRODUCER_REGS) <= 65536, "the register split must fit the register file");
   // The staged epilogue (sm90_common.cuh store_tile_staged): per consumer warpgroup EPI_BUFS buffers of 64 rows x
   // EPI_N tokens.
-  static constexpr int EPI_N = 64, EPI_BUFS = 2, EPI_CHUNK = EPI_N * 128;
+#if !defined(HF_SPARSE_XT_EPI_N)
+#define HF_SPARSE_XT_EPI_N 128
+#define HF_SPARSE_XT_EPI_BUFS 1
+#endif
+  static constexpr int EPI_N = HF_SPARSE_XT_EPI_N, EPI_BUFS = HF_SPARSE_XT_EPI_BUFS, EPI_CHUNK = EPI_N * 128;
   static constexpr int EPI_OFF = STAGES * STAGE;
   // + the staging buffers, full / empty barriers, 16 bytes of step info per stage, alignment slack
   static constexpr int SMEM = EPI_OFF + 2 * EPI_BUFS * EPI_CHUNK + 2 * 8 * STAGES + 16 * STAGES + 1024;
