@@ -55,13 +55,10 @@ struct XtCfg {
   static constexpr int STAGES = BN == 256 ? 4 : 6;  // 128-token stages: more of them in flight in the same memory
   static constexpr int PRODUCER_REGS = 88, CONSUMER_REGS = 208;  // setmaxnreg
   static_assert(128 * (2 * CONSUMER_REGS + PRODUCER_REGS) <= 65536, "the register split must fit the register file");
-  // The staged epilogue (sm90_common.cuh store_tile_staged): per consumer warpgroup EPI_BUFS buffers of 64 rows x
-  // EPI_N tokens.
-#if !defined(HF_SPARSE_XT_EPI_N)
-#define HF_SPARSE_XT_EPI_N 128
-#define HF_SPARSE_XT_EPI_BUFS 1
-#endif
-  static constexpr int EPI_N = HF_SPARSE_XT_EPI_N, EPI_BUFS = HF_SPARSE_XT_EPI_BUFS, EPI_CHUNK = EPI_N * 128;
+  // The staged epilogue (sm90_common.cuh store_tile_staged): per consumer warpgroup one buffer of 64 rows x 128
+  // tokens, so a 256-token tile takes two chunks, each with its own pair of warpgroup barriers (the fewer chunks,
+  // the fewer barriers; a whole tile staged does not fit beside four stages).
+  static constexpr int EPI_N = 128, EPI_BUFS = 1, EPI_CHUNK = EPI_N * 128;
   static constexpr int EPI_OFF = STAGES * STAGE;
   // + the staging buffers, full / empty barriers, 16 bytes of step info per stage, alignment slack
   static constexpr int SMEM = EPI_OFF + 2 * EPI_BUFS * EPI_CHUNK + 2 * 8 * STAGES + 16 * STAGES + 1024;
