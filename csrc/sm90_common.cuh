@@ -212,58 +212,6 @@ __device__ __forceinline__ void store_tile(const float (&acc)[BN / 2], int row0,
   }
 }
 
-// Warp-local staged epilogue (the V:2:M X^T path) of one warp's 16 rows (row0 ..) of an m64 x BN accumulator tile:
-// no barrier across warps and no wait on a store. Why: the warpgroup-wide staged epilogue below (barriers around every
-// chunk, the copy engine's reads waited for) kept the X^T path's consumers from their tensor work for ~2700 cycles a
-// 128 x 256 tile, 20-35% of their time where a tile has 3-8 k-tiles (benchmarks/RESULTS.md, runs O1-O2). Per chunk of
-// 64 tokens: + bias, cast, stmatrix.trans of 8 x 8 blocks into the warp's own 2 KB of shared memory at `buf`, token
-// -major as Y is (32 bytes a token: rows 0-7, then 8-15, the two halves swapped every 4 tokens so that neither the
-// stmatrix nor the loads conflict), then each lane loads 16 bytes (8 rows of one token) and stores them to Y with one
-// 16-byte store. Needs rows % 8 == 0 and a 16-byte aligned y; rows >= rows and tokens >= n_tokens are skipped.
-template <typename T, int BN, int ACT = kActNone>
-__device__ __forceinline__ void store_tile_warp(const float (&acc)[BN / 2], int row0, int n_base, int lane,
-                                                uint32_t buf, const T* __restrict__ bias, T* __restrict__ y, int rows,
-                                                int n_tokens) {
-  const int g = lane >> 2;
-  float b_lo = 0.f, b_hi = 0.f;
-  if (bias != nullptr) {
-    if (row0 + g < rows) b_lo = MmaType<T>::to_float(bias[row0 + g]);
-    if (row0 + g + 8 < rows) b_hi = MmaType<T>::to_float(bias[row0 + g + 8]);
-  }
-  auto at = [](int token, int half) { return (uint32_t)(token * 32 + ((half ^ ((token >> 2) & 1)) << 4)); };
-  auto pk = [&](float v0, float v1, float b) {
-    return MmaType<T>::pack(MmaType<T>::from_float(activate<ACT>(v0 + b)),
-                            MmaType<T>::from_float(activate<ACT>(v1 + b)));
-  };
-  // stmatrix x4: lane i addresses row i % 8 of block i / 8 = (tokens + 8 (i / 16), rows 8 ((i / 8) % 2) ..)
-  const uint32_t write_at = buf + at(8 * (lane >> 4) + (lane & 7), (lane >> 3) & 1);
-  const int read_half = lane & 1;  // loads: token 16 i + lane / 2, rows 8 x (lane % 2) ..
-  const bool row_ok = row0 + 8 * read_half < rows;
-  T* const y_lane = y + row0 + 8 * read_half;
-#pragma unroll
-  for (int c = 0; c < BN / 64; ++c) {
-#pragma unroll
-    for (int q = 0; q < 4; ++q) {
-      const int nt = 8 * c + 2 * q;
-      stmatrix_x4_trans(write_at + q * 16 * 32, pk(acc[4 * nt], acc[4 * nt + 1], b_lo),
-                        pk(acc[4 * nt + 2], acc[4 * nt + 3], b_hi), pk(acc[4 * nt + 4], acc[4 * nt + 5], b_lo),
-                        pk(acc[4 * nt + 6], acc[4 * nt + 7], b_hi));
-    }
-    __syncwarp();
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int token = 16 * i + (lane >> 1);
-      uint4 v;
-      asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];"
-                   : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                   : "r"(buf + at(token, read_half)));
-      const int n = n_base + 64 * c + token;
-      if (row_ok && n < n_tokens) *reinterpret_cast<uint4*>(y_lane + (size_t)n * rows) = v;
-    }
-    __syncwarp();  // the loads are done before the next chunk's stmatrix rewrites the buffer
-  }
-}
-
 // Staged epilogue (the 2:4 kernel's configurations 20-27, the V:2:M X^T path) of one warpgroup's m64 x BN
 // accumulator tile: this warp's rows are row0 .. row0 + 15 (g and g + 8 of each 8 x 8 block), the warpgroup's are
 // wg_row0 .. + 63. Why: the direct epilogue writes Y[n, r] with 4-byte stores, 16 of each 32-byte sector per store,

@@ -29,6 +29,7 @@
 #include "common.cuh"
 #include "kernels.h"
 #include "launch.h"
+#include "tensor_map.h"
 #include "tile_config.h"
 #include "transpose_tokens.cuh"
 #if defined(HF_SPARSE_LAB)
@@ -54,10 +55,13 @@ struct XtCfg {
   static constexpr int STAGES = BN == 256 ? 4 : 6;  // 128-token stages: more of them in flight in the same memory
   static constexpr int PRODUCER_REGS = 88, CONSUMER_REGS = 208;  // setmaxnreg
   static_assert(128 * (2 * CONSUMER_REGS + PRODUCER_REGS) <= 65536, "the register split must fit the register file");
-  // The warp-local epilogue (sm90_common.cuh store_tile_warp): 2 KB of staging per consumer warp.
-  static constexpr int EPI_WARP = 64 * 32, EPI_OFF = STAGES * STAGE;
+  // The staged epilogue (sm90_common.cuh store_tile_staged): per consumer warpgroup one buffer of 64 rows x 128
+  // tokens, so a 256-token tile takes two chunks, each with its own pair of warpgroup barriers (the fewer chunks,
+  // the fewer barriers; a whole tile staged does not fit beside four stages).
+  static constexpr int EPI_N = 128, EPI_BUFS = 1, EPI_CHUNK = EPI_N * 128;
+  static constexpr int EPI_OFF = STAGES * STAGE;
   // + the staging buffers, full / empty barriers, 16 bytes of step info per stage, alignment slack
-  static constexpr int SMEM = EPI_OFF + 8 * EPI_WARP + 2 * 8 * STAGES + 16 * STAGES + 1024;
+  static constexpr int SMEM = EPI_OFF + 2 * EPI_BUFS * EPI_CHUNK + 2 * 8 * STAGES + 16 * STAGES + 1024;
   static_assert(STAGE % 1024 == 0, "stages must start on 1024-byte boundaries (128-byte swizzle atoms)");
   static_assert(SMEM <= 227 * 1024, "over the sm_90 shared-memory limit");
 };
@@ -131,7 +135,7 @@ spmm_vnm_sm90_xt_kernel(const T* __restrict__ xt, int ld, const uint4* __restric
                         const uint32_t* __restrict__ meta, const uint32_t* __restrict__ columns,
                         const T* __restrict__ bias, T* __restrict__ y, int n_tokens, int rows, int rows_padded, int k,
                         int steps, int splits, float* __restrict__ split_ws, int* __restrict__ split_counters,
-                        bool vector_stores) {
+                        const __grid_constant__ CUtensorMap y_map, bool staged) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using Cfg = XtCfg<BN>;
   constexpr int STAGES = Cfg::STAGES, BLOCKS = BN / 64;  // BLOCKS: 64-token blocks of the B tile
@@ -141,7 +145,7 @@ spmm_vnm_sm90_xt_kernel(const T* __restrict__ xt, int ld, const uint4* __restric
   unsigned char* smem = smem_raw + pad;
   const uint32_t base = raw_u32 + pad;
   const uint32_t epi = base + Cfg::EPI_OFF;
-  const uint32_t full = epi + 8 * Cfg::EPI_WARP, empty = full + 8 * STAGES;
+  const uint32_t full = epi + 2 * Cfg::EPI_BUFS * Cfg::EPI_CHUNK, empty = full + 8 * STAGES;
   const uint32_t info = empty + 8 * STAGES;  // 16 bytes per stage, after the barriers
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = warp >> 2;
   const int row_blocks = (rows_padded + 127) >> 7, n_tiles = row_blocks * ((n_tokens + BN - 1) / BN);
@@ -364,14 +368,17 @@ spmm_vnm_sm90_xt_kernel(const T* __restrict__ xt, int ld, const uint4* __restric
     const long long epilogue_start = cycles.now();
     if (wg * 4 < ((rows_padded - cta_row0) >> 4)) {
       const int row0 = cta_row0 + 64 * wg + 16 * wq;
-      if (vector_stores) {
-        store_tile_warp<T, BN>(acc, row0, n_base, lane, epi + warp * Cfg::EPI_WARP, bias, y, rows, n_tokens);
+      if (staged) {  // named barriers 2, 3: one per consumer warpgroup (1 is the producer's)
+        store_tile_staged<T, BN, Cfg::EPI_N, Cfg::EPI_BUFS, false>(
+            acc, row0, cta_row0 + 64 * wg, n_base, lane, wq, epi + wg * Cfg::EPI_BUFS * Cfg::EPI_CHUNK, 2 + wg, bias,
+            rows, n_tokens, &y_map);
       } else {
         store_tile<T, BN>(acc, row0, n_base, lane, bias, y, rows, n_tokens);
       }
     }
     cycles.add(kXcEpilogue, epilogue_start);
   }
+  if (staged && (tid & 127) == 0) bulk_wait_group<0>();  // the last stores have left shared memory
   cycles.add(kXcConsumerTotal, start);
   cycles.store(tid == 0, kXcConsumerTotal, kXtCounters);
   cycles.store(tid == 0, kXcUnits, kXcProducerTotal);
@@ -409,13 +416,12 @@ cudaError_t launch_xt(const SpmmArgs& a, const Sm90SplitPlan& plan, cudaStream_t
   err = current_sm_count(&sms);
   if (err != cudaSuccess) return err;
   const int splits = a.split_ws != nullptr && a.split_counters != nullptr ? plan.splits : 1;  // see SpmmArgs
-  // 16-byte stores of 8 rows of a token (store_tile_warp) where rows % 8 == 0 and y is 16-byte aligned, else the
-  // direct epilogue's 4-byte stores.
-  const bool vector_stores = a.rows % 8 == 0 && reinterpret_cast<uintptr_t>(a.y) % 16 == 0;
+  CUtensorMap y_map{};
+  const bool staged = encode_y_map(a, XtCfg<BN>::EPI_N, &y_map);  // else the direct epilogue (rows % 8 != 0)
   kernel<<<(unsigned)std::min<long long>(plan.tiles * splits, sms), kXtThreads, XtCfg<BN>::SMEM, stream>>>(
       xt, ld, static_cast<const uint4*>(a.values), static_cast<const uint32_t*>(a.meta),
       reinterpret_cast<const uint32_t*>(a.columns), static_cast<const T*>(a.bias), static_cast<T*>(a.y), a.n_tokens,
-      a.rows, a.rows_padded, a.k, a.steps, splits, a.split_ws, a.split_counters, vector_stores);
+      a.rows, a.rows_padded, a.k, a.steps, splits, a.split_ws, a.split_counters, y_map, staged);
   return cudaGetLastError();
 }
 
