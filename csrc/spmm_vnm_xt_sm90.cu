@@ -279,13 +279,6 @@ spmm_vnm_sm90_xt_kernel(const T* __restrict__ xt, int ld, const uint4* __restric
   }
 
   setmaxnreg_inc<Cfg::CONSUMER_REGS>();
-#if defined(HF_SPARSE_XT_STAGGER)
-  if (blockIdx.x & 1) {  // experiment: odd CTAs' consumers start half a unit late, so the CTAs' epilogues alternate
-    const long long t0 = clock64(), d = (long long)(kt_per_split * 1100 + 2500) / 2;
-    while (clock64() - t0 < d) {
-    }
-  }
-#endif
   constexpr uint32_t kMetaPad = 0x44444444u;
   const int wq = warp & 3, g = lane >> 2, t4 = lane & 3;
   const int mt = wg * 4 + wq;
