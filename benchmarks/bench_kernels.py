@@ -38,10 +38,14 @@ from __future__ import annotations
 import argparse
 import csv
 import datetime
+import json
 import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
+from gpu_timing import cold_copies
 from lab.tuning import require_lab_build, tuning
 
 from hf_sparse.masks import nm_mask, vnm_mask
@@ -64,6 +68,37 @@ def magnitude_pack(w: torch.Tensor, pattern: str):
     mask = nm_mask(w.abs(), 2, 4) if m == 4 else vnm_mask(w.abs(), v, 2, m)
     wm = torch.where(mask, w, 0.0)
     return wm, mask, pack(wm, mask, v, m, torch.bfloat16)
+
+
+def pack_bytes(p) -> int:
+    """The bytes a SpMM call reads of the packed weight ``p``: its values, metadata and column offsets."""
+    return sum(t.numel() * t.element_size() for t in (p.values, p.meta, p.columns))
+
+
+def cold_packs(w: torch.Tensor, pattern: str) -> tuple[torch.Tensor, list]:
+    """``w`` kept by magnitude and packed (:func:`magnitude_pack`), then packs of distinct random weights of its shape
+    until a chain over them (``gpu_timing.chain_us``) finds each one out of the L2 (``gpu_timing.cold_copies`` of a
+    pack's bytes), as a model's forward reads each layer's weight: ``w``'s masked weight (to check a call against)
+    and the packs, ``w``'s first."""
+    wm, _, first = magnitude_pack(w, pattern)
+    more = cold_copies(pack_bytes(first)) - 1
+    return wm, [first] + [magnitude_pack(torch.randn_like(w), pattern)[2] for _ in range(more)]
+
+
+@contextmanager
+def json_lines(path: str | None) -> Iterator[Callable[[dict], None]]:
+    """A function that appends a row to ``path`` as one JSON object a line, flushed at once so a run cut short keeps
+    the rows it made (``--json`` of the scripts here); with no path it does nothing."""
+    if path is None:
+        yield lambda row: None
+        return
+    with open(path, "a") as f:
+
+        def append(row: dict) -> None:
+            f.write(json.dumps(row) + "\n")
+            f.flush()
+
+        yield append
 
 
 def parse_shape(s: str) -> tuple[int, int]:

@@ -26,7 +26,7 @@ import re
 import tempfile
 
 import torch
-from bench_kernels import magnitude_pack, parse, parse_shape
+from bench_kernels import cold_packs, magnitude_pack, pack_bytes, parse, parse_shape
 from gpu_timing import chain_us, cold_copies
 
 from hf_sparse.ops import force_kernel, spmm
@@ -93,10 +93,8 @@ def mean(d: list[float]) -> float:
 def profile_shape(k: int, r: int, pattern: str, tokens: int, copy_rate_tbs: float) -> str:
     v, m = parse(pattern)
     w = torch.randn(r, k, device="cuda")
-    packs = [magnitude_pack(w, pattern)[2]]
-    nbytes = sum(t.numel() * t.element_size() for t in (packs[0].values, packs[0].meta, packs[0].columns))
-    packs += [magnitude_pack(w, pattern)[2] for _ in range(cold_copies(nbytes) - 1)]
-    packs24 = [magnitude_pack(w, "2:4")[2] for _ in range(cold_copies(nbytes * m // 4))]
+    _, packs = cold_packs(w, pattern)
+    packs24 = [magnitude_pack(w, "2:4")[2] for _ in range(cold_copies(pack_bytes(packs[0]) * m // 4))]
     dense = [torch.randn(r, k, device="cuda").bfloat16() for _ in range(cold_copies(r * k * 2))]
     x = torch.randn(tokens, k, device="cuda").bfloat16()
     copies = [torch.empty_like(x) for _ in range(2)]

@@ -18,12 +18,11 @@ Times are ``triton.testing.do_bench`` medians (CUDA events, GPU time), in µs; r
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 import torch
 import torch.nn.functional as F
-from bench_kernels import checked_error, magnitude_pack, parse_shape, view24_time
+from bench_kernels import checked_error, json_lines, magnitude_pack, parse_shape, view24_time
 from gpu_timing import chain_us, cold_copies, flushed_us
 from lab.tuning import require_lab_build, tuning
 
@@ -95,81 +94,78 @@ def main() -> int:
     if not torch.cuda.is_available():
         raise SystemExit("sweep_split_k.py needs a CUDA GPU")
     torch.manual_seed(0)
-    out = open(args.json, "a") if args.json else None  # noqa: SIM115  (closed at the end)
     print(f"# {torch.cuda.get_device_name()}; µs (GPU time); x = cuBLAS / ours", flush=True)
-    for pattern in args.patterns:
-        for k, r in args.shapes:
-            w = torch.randn(r, k, device="cuda")
-            wm, mask, p = magnitude_pack(w, pattern)
-            wb = wm.to(torch.bfloat16)
-            copies, halves = [], []
-            if args.cold:  # the chain's weights: `p` and `wb` first, then distinct ones until each call is cold
-                copies = [(wb, p)]
-                for _ in range(cold_copies(wb.numel() * wb.element_size() // 2) - 1):
-                    wm_i, _, p_i = magnitude_pack(torch.randn(r, k, device="cuda"), pattern)
-                    copies.append((wm_i.to(torch.bfloat16), p_i))
-                # cuBLAS on half the output rows of each: the bytes and the useful arithmetic of a 2:4 weight without
-                # its metadata, i.e. what a sparse kernel as efficient as cuBLAS would take (dense_chain / half_chain:
-                # the ratio that allows); made once per shape, as the copies are
-                halves = [wb_i[: wb_i.shape[0] // 2].clone() for wb_i, _ in copies]
-            for n in args.tokens:
-                x = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
-                ref = F.linear(x.float(), wb.float())
-                dense = bench_us(lambda: F.linear(x, wb))
-                row = {"pattern": pattern, "k": k, "r": r, "tokens": n, "dense": dense}
-                row["product"] = timed(x, p, ref, "product")
-                if pattern != "2:4":  # a V:2:M weight is also 2:4: what a compact layer's plan also measures
-                    row["view24"] = 1000.0 * view24_time(wm, mask, x, ref)
-                extra = {}
-                if args.product_only:
-                    variants = []
-                elif pattern == "2:4":  # L: the persistent large configurations; the few-token tiles up to 256 tokens
-                    variants = [("L", {"small_tiles": 0})] + ([("", {"small_tiles": 1})] if n <= 256 else [])
-                    extra["large"] = timed(x, p, ref, "large", small_tiles=0)  # with their own split rule
-                    for c in args.configs:
-                        extra[f"c{c}"] = timed(x, p, ref, f"configuration {c}", sm90_config=c)
-                elif args.vnm_xt:
-                    variants = [("xt", {"vnm_xt": 1})] + ([("rg", {"vnm_xt": 0})] if args.vnm_rg else [])
-                else:
-                    variants = [("", {})]
-                for name, knobs in variants:
-                    for s in args.splits:
-                        extra[f"{name}s{s}"] = timed(x, p, ref, f"{name} split {s}", split_k=s, **knobs)
-                row.update(extra)
-                row["dense_again"] = bench_us(lambda: F.linear(x, wb))  # the GPU's clocks after the row's runs
-                if args.queued:
-                    row["dense_queued"] = flushed_us(lambda: F.linear(x, wb))
-                    with force_kernel(spmm="wgmma"):
-                        row["product_queued"] = flushed_us(lambda: spmm(x, p))
-                if args.cold:
-                    row.update(cold_times(x, pattern, wb, p, copies, halves))
-                line = (
-                    f"{pattern:>8} {k:>5}->{r:<5} n={n:<4} dense {dense:7.1f} product {row['product']:7.1f} "
-                    f"({dense / row['product']:.2f}x)"
-                )
-                line += f" dense again {row['dense_again']:7.1f}"
-                if args.queued:
-                    line += f" queued: dense {row['dense_queued']:7.1f} product {row['product_queued']:7.1f}"
-                if args.cold:
-                    line += "".join(
-                        f" {how}: dense {row['dense_' + how]:7.1f} product {row['product_' + how]:7.1f}"
-                        f" ({row['dense_' + how] / row['product_' + how]:.2f}x)"
-                        for how in ("read", "chain")
+    with json_lines(args.json) as append_row:
+        for pattern in args.patterns:
+            for k, r in args.shapes:
+                w = torch.randn(r, k, device="cuda")
+                wm, mask, p = magnitude_pack(w, pattern)
+                wb = wm.to(torch.bfloat16)
+                copies, halves = [], []
+                if args.cold:  # the chain's weights: `p` and `wb` first, then distinct ones until each call is cold
+                    copies = [(wb, p)]
+                    for _ in range(cold_copies(wb.numel() * wb.element_size() // 2) - 1):
+                        wm_i, _, p_i = magnitude_pack(torch.randn(r, k, device="cuda"), pattern)
+                        copies.append((wm_i.to(torch.bfloat16), p_i))
+                    # cuBLAS on half the output rows of each: the bytes and the useful arithmetic of a 2:4 weight without
+                    # its metadata, i.e. what a sparse kernel as efficient as cuBLAS would take (dense_chain / half_chain:
+                    # the ratio that allows); made once per shape, as the copies are
+                    halves = [wb_i[: wb_i.shape[0] // 2].clone() for wb_i, _ in copies]
+                for n in args.tokens:
+                    x = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+                    ref = F.linear(x.float(), wb.float())
+                    dense = bench_us(lambda: F.linear(x, wb))
+                    row = {"pattern": pattern, "k": k, "r": r, "tokens": n, "dense": dense}
+                    row["product"] = timed(x, p, ref, "product")
+                    if pattern != "2:4":  # a V:2:M weight is also 2:4: what a compact layer's plan also measures
+                        row["view24"] = 1000.0 * view24_time(wm, mask, x, ref)
+                    extra = {}
+                    if args.product_only:
+                        variants = []
+                    # 2:4: L = the persistent large configurations; the few-token tiles up to 256 tokens
+                    elif pattern == "2:4":
+                        variants = [("L", {"small_tiles": 0})] + ([("", {"small_tiles": 1})] if n <= 256 else [])
+                        extra["large"] = timed(x, p, ref, "large", small_tiles=0)  # with their own split rule
+                        for c in args.configs:
+                            extra[f"c{c}"] = timed(x, p, ref, f"configuration {c}", sm90_config=c)
+                    elif args.vnm_xt:
+                        variants = [("xt", {"vnm_xt": 1})] + ([("rg", {"vnm_xt": 0})] if args.vnm_rg else [])
+                    else:
+                        variants = [("", {})]
+                    for name, knobs in variants:
+                        for s in args.splits:
+                            extra[f"{name}s{s}"] = timed(x, p, ref, f"{name} split {s}", split_k=s, **knobs)
+                    row.update(extra)
+                    row["dense_again"] = bench_us(lambda: F.linear(x, wb))  # the GPU's clocks after the row's runs
+                    if args.queued:
+                        row["dense_queued"] = flushed_us(lambda: F.linear(x, wb))
+                        with force_kernel(spmm="wgmma"):
+                            row["product_queued"] = flushed_us(lambda: spmm(x, p))
+                    if args.cold:
+                        row.update(cold_times(x, pattern, wb, p, copies, halves))
+                    line = (
+                        f"{pattern:>8} {k:>5}->{r:<5} n={n:<4} dense {dense:7.1f} product {row['product']:7.1f} "
+                        f"({dense / row['product']:.2f}x)"
                     )
-                    line += f" half {row['half_chain']:7.1f} (ideal {row['dense_chain'] / row['half_chain']:.2f}x)"
-                if "view24" in row:
-                    line += f" view24 {row['view24']:7.1f} ({dense / row['view24']:.2f}x)"
-                if extra:
-                    best = min(extra, key=extra.get)
-                    line += f" best {best} {extra[best]:7.1f} ({dense / extra[best]:.2f}x) | " + " ".join(
-                        f"{key}:{v:.0f}" for key, v in extra.items()
-                    )
-                print(line, flush=True)
-                if out:
-                    out.write(json.dumps(row) + "\n")
-                    out.flush()
-    if out:
-        out.close()
+                    line += f" dense again {row['dense_again']:7.1f}"
+                    if args.queued:
+                        line += f" queued: dense {row['dense_queued']:7.1f} product {row['product_queued']:7.1f}"
+                    if args.cold:
+                        line += "".join(
+                            f" {how}: dense {row['dense_' + how]:7.1f} product {row['product_' + how]:7.1f}"
+                            f" ({row['dense_' + how] / row['product_' + how]:.2f}x)"
+                            for how in ("read", "chain")
+                        )
+                        line += f" half {row['half_chain']:7.1f} (ideal {row['dense_chain'] / row['half_chain']:.2f}x)"
+                    if "view24" in row:
+                        line += f" view24 {row['view24']:7.1f} ({dense / row['view24']:.2f}x)"
+                    if extra:
+                        best = min(extra, key=extra.get)
+                        line += f" best {best} {extra[best]:7.1f} ({dense / extra[best]:.2f}x) | " + " ".join(
+                            f"{key}:{v:.0f}" for key, v in extra.items()
+                        )
+                    print(line, flush=True)
+                    append_row(row)
     return 0
 
 

@@ -16,7 +16,6 @@ over CTAs, with the phases of the CTA that exits last (the critical path). Stamp
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from statistics import median
 
@@ -98,34 +97,30 @@ def main() -> int:
     args = ap.parse_args()
     ext = timeline_extension("spmm_timeline", "timeline_spmm.py")
     import torch
-    from bench_kernels import checked_error, magnitude_pack, parse_shape
+    from bench_kernels import checked_error, json_lines, magnitude_pack, parse_shape
     from gpu_timing import cold_copies
 
     from hf_sparse.ops import force_kernel, spmm
 
     torch.manual_seed(0)
-    out = open(args.json, "a") if args.json else None  # noqa: SIM115  (closed at the end)
     print(f"# {torch.cuda.get_device_name()}; µs (GPU time); phases median/max over CTAs", flush=True)
-    for shape in args.shapes:
-        k, r = parse_shape(shape)
-        copies = []
-        for _ in range(cold_copies(r * k)):  # the 2:4 weight and metadata: about half the dense bf16 bytes
-            wm, _, p = magnitude_pack(torch.randn(r, k, device="cuda"), "2:4")
-            copies.append((wm, p))
-        for n in args.tokens:
-            x = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
-            with force_kernel(spmm="wgmma"):
-                for wm, p in copies:
-                    checked_error(spmm(x, p), x.float() @ wm.t(), f"{shape} n={n}")
-                calls = [lambda x=x, p=p: spmm(x, p) for _, p in copies]
-                per_call, rows = chain_and_rows(calls, lambda: ext.spmm_timeline(MAX_CTAS))
-            s = summarize(rows)
-            print(f"{k:>5}->{r:<5} n={n:<4} chain {per_call:6.1f}/call; {describe(s)}", flush=True)
-            if out:
-                out.write(json.dumps({"k": k, "r": r, "tokens": n, "chain_us": per_call, **s}) + "\n")
-                out.flush()
-    if out:
-        out.close()
+    with json_lines(args.json) as append_row:
+        for shape in args.shapes:
+            k, r = parse_shape(shape)
+            copies = []
+            for _ in range(cold_copies(r * k)):  # the 2:4 weight and metadata: about half the dense bf16 bytes
+                wm, _, p = magnitude_pack(torch.randn(r, k, device="cuda"), "2:4")
+                copies.append((wm, p))
+            for n in args.tokens:
+                x = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+                with force_kernel(spmm="wgmma"):
+                    for wm, p in copies:
+                        checked_error(spmm(x, p), x.float() @ wm.t(), f"{shape} n={n}")
+                    calls = [lambda x=x, p=p: spmm(x, p) for _, p in copies]
+                    per_call, rows = chain_and_rows(calls, lambda: ext.spmm_timeline(MAX_CTAS))
+                s = summarize(rows)
+                print(f"{k:>5}->{r:<5} n={n:<4} chain {per_call:6.1f}/call; {describe(s)}", flush=True)
+                append_row({"k": k, "r": r, "tokens": n, "chain_us": per_call, **s})
     return 0
 
 

@@ -17,7 +17,6 @@ time is fed too slowly, a producer that waits on free stages is ahead of its con
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from statistics import median
 
@@ -71,34 +70,25 @@ def main() -> int:
     args = ap.parse_args()
     ext = timeline_extension("spmm_xt_timeline", "timeline_xt.py")
     import torch
-    from bench_kernels import checked_error, magnitude_pack, parse_shape
-    from gpu_timing import cold_copies
+    from bench_kernels import checked_error, cold_packs, json_lines, parse_shape
 
     from hf_sparse.ops import force_kernel, spmm
 
     torch.manual_seed(0)
-    out = open(args.json, "a") if args.json else None  # noqa: SIM115  (closed at the end)
     print(f"# {torch.cuda.get_device_name()}; {args.tokens} tokens; medians over CTAs", flush=True)
-    for shape in args.shapes:
-        k, r = parse_shape(shape)
-        x = torch.randn(args.tokens, k, device="cuda", dtype=torch.bfloat16)
-        for pattern in args.patterns:
-            wm, _, first = magnitude_pack(torch.randn(r, k, device="cuda"), pattern)
-            nbytes = sum(t.numel() * t.element_size() for t in (first.values, first.meta, first.columns))
-            packs = [first] + [
-                magnitude_pack(torch.randn(r, k, device="cuda"), pattern)[2] for _ in range(cold_copies(nbytes) - 1)
-            ]
-            with force_kernel(spmm="wgmma"):
-                checked_error(spmm(x, first), x.float() @ wm.t(), f"{shape} {pattern}")
-                calls = [lambda p=p, x=x: spmm(x, p) for p in packs]
-                per_call, rows = chain_and_rows(calls, lambda: ext.spmm_xt_timeline(MAX_CTAS))
-            s = summarize(rows)
-            print(f"{k:>5}->{r:<5} {pattern:<8} chain {per_call:7.1f} us/call; {describe(s)}", flush=True)
-            if out:
-                out.write(json.dumps({"k": k, "r": r, "pattern": pattern, "chain_us": per_call, **s}) + "\n")
-                out.flush()
-    if out:
-        out.close()
+    with json_lines(args.json) as append_row:
+        for shape in args.shapes:
+            k, r = parse_shape(shape)
+            x = torch.randn(args.tokens, k, device="cuda", dtype=torch.bfloat16)
+            for pattern in args.patterns:
+                wm, packs = cold_packs(torch.randn(r, k, device="cuda"), pattern)
+                with force_kernel(spmm="wgmma"):
+                    checked_error(spmm(x, packs[0]), x.float() @ wm.t(), f"{shape} {pattern}")
+                    calls = [lambda p=p, x=x: spmm(x, p) for p in packs]
+                    per_call, rows = chain_and_rows(calls, lambda: ext.spmm_xt_timeline(MAX_CTAS))
+                s = summarize(rows)
+                print(f"{k:>5}->{r:<5} {pattern:<8} chain {per_call:7.1f} us/call; {describe(s)}", flush=True)
+                append_row({"k": k, "r": r, "pattern": pattern, "chain_us": per_call, **s})
     return 0
 
 
