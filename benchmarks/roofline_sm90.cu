@@ -491,8 +491,7 @@ __global__ void __launch_bounds__(512) ldg_read(const uint4* __restrict__ src, l
 // 16-byte cp.async copies into a STAGES-deep shared-memory ring; each thread's copies of a stage complete on the
 // stage's mbarrier, which a thread waits on before it refills the stage. SCATTER: a chunk is 64 rows of 512 bytes
 // from hashed places of the buffer (as the X^T path gathers kept rows of X^T), else contiguous; a power-of-two
-// count of chunks. Nothing reads the
-// ring: this is the rate of the cp.async path alone.
+// count of chunks. Nothing reads the ring: this is the rate of the cp.async path alone.
 template <int THREADS, int STAGES, int CHUNK, bool SCATTER>
 __global__ void __launch_bounds__(THREADS) ldgsts_read(const unsigned char* src, long long n_chunks, int per_cta) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)

@@ -1,8 +1,8 @@
 // Standalone (no torch): the X^T path's transpose of X (n_tokens x k bf16 -> k x ld; csrc/transpose_tokens.cuh, the
 // kernel the product launches) against its bound, a device-to-device copy of the same bytes, both timed with CUDA
 // events after a 256 MB L2 flush; the transpose's output is compared with the host's on fresh random data, written
-// over poisoned memory. (The wider-tile variants it was also timed against, none faster by more than 1.3%:
-// benchmarks/RESULTS.md, "X^T written inside the V:2:M GEMM kernel", run K5.)
+// over poisoned memory. The other transposes it was timed against are in benchmarks/RESULTS.md ("X^T written inside
+// the V:2:M GEMM kernel").
 //   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Icsrc benchmarks/transpose_bench.cu -o /tmp/tb && /tmp/tb
 #include <cuda_runtime.h>
 
