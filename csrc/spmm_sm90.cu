@@ -1108,11 +1108,7 @@ cudaError_t launch_large(const SpmmArgs& a, cudaStream_t stream, const CallPlan&
   switch (p.config) {
     case kSm90Config192: return launch_sm90_tma_a<T, 192, 5, 1, 1, 0, 96, 2>(a, stream, p.split.splits);  // 27
     case kSm90Config128: return launch_sm90_tma_a<T, 128, 7, 1, 1, 0, 64, 2>(a, stream, p.split.splits);  // 23
-#if defined(HF_SPARSE_SM90_EPI128)  // experiment: config 20 storing Y in two 128-token chunks through one buffer
-    default: return launch_sm90_tma_a<T, 256, 4, 1, 1, 0, 128, 1>(a, stream, p.split.splits);
-#else
     default: return launch_sm90_tma_a<T, 256, 4, 1, 1, 0, 64, 2>(a, stream, p.split.splits);              // 20
-#endif
   }
 }
 
