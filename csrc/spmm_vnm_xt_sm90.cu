@@ -44,8 +44,7 @@
 namespace hf_sparse {
 namespace {
 constexpr int kXtThreads = 384;
-// PP: the ping-pong consumers (128-token tiles only): each consumer warpgroup stores both slabs of its own tiles.
-template <int BN, bool PP = false>
+template <int BN>
 struct XtCfg {
   static constexpr int B_BYTES = BN * 128;         // 64 condensed k-rows x BN tokens
   static constexpr int A_OFF = B_BYTES;
@@ -59,13 +58,10 @@ struct XtCfg {
   // The staged epilogue (sm90_common.cuh store_tile_staged): per consumer warpgroup one buffer of 64 rows x 128
   // tokens, so a 256-token tile takes two chunks, each with its own pair of warpgroup barriers (the fewer chunks,
   // the fewer barriers; a whole tile staged does not fit beside four stages).
-  // Ping-pong: a buffer per slab, so a warpgroup's whole 128 x 128 tile is staged.
-  static constexpr int EPI_N = 128, EPI_BUFS = PP ? 2 : 1, EPI_CHUNK = EPI_N * 128;
-  static_assert(!PP || BN == 128, "ping-pong tiles are 128 tokens wide");
+  static constexpr int EPI_N = 128, EPI_BUFS = 1, EPI_CHUNK = EPI_N * 128;
   static constexpr int EPI_OFF = STAGES * STAGE;
   // + the staging buffers, full / empty barriers, 16 bytes of step info per stage, alignment slack
-  // (+ 16 bytes: the ping-pong step count)
-  static constexpr int SMEM = EPI_OFF + 2 * EPI_BUFS * EPI_CHUNK + 2 * 8 * STAGES + 16 * STAGES + 16 + 1024;
+  static constexpr int SMEM = EPI_OFF + 2 * EPI_BUFS * EPI_CHUNK + 2 * 8 * STAGES + 16 * STAGES + 1024;
   static_assert(STAGE % 1024 == 0, "stages must start on 1024-byte boundaries (128-byte swizzle atoms)");
   static_assert(SMEM <= 227 * 1024, "over the sm_90 shared-memory limit");
 };
@@ -133,7 +129,7 @@ struct XtCycles {
 
 // Persistent: CTA b takes tiles b, b + gridDim.x, ... (row blocks fastest); the ring, its barriers and the step
 // count run on across tiles, so the producer fills the next tile's first stages while the consumers store the last.
-template <typename T, int M, int BN, bool PP>
+template <typename T, int M, int BN>
 __global__ void __launch_bounds__(kXtThreads, 1)
 spmm_vnm_sm90_xt_kernel(const T* __restrict__ xt, int ld, const uint4* __restrict__ values,
                         const uint32_t* __restrict__ meta, const uint32_t* __restrict__ columns,
@@ -141,7 +137,7 @@ spmm_vnm_sm90_xt_kernel(const T* __restrict__ xt, int ld, const uint4* __restric
                         int steps, int splits, float* __restrict__ split_ws, int* __restrict__ split_counters,
                         const __grid_constant__ CUtensorMap y_map, bool staged) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  using Cfg = XtCfg<BN, PP>;
+  using Cfg = XtCfg<BN>;
   constexpr int STAGES = Cfg::STAGES, BLOCKS = BN / 64;  // BLOCKS: 64-token blocks of the B tile
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   const uint32_t raw_u32 = (uint32_t)__cvta_generic_to_shared(smem_raw);
@@ -160,7 +156,7 @@ spmm_vnm_sm90_xt_kernel(const T* __restrict__ xt, int ld, const uint4* __restric
   if (tid == 0) {
     for (int s = 0; s < STAGES; ++s) {
       mbar_init(full + 8 * s, 128);  // one cp.async arrival per producer thread
-      mbar_init(empty + 8 * s, PP ? 4 : 8);  // one per consumer warp that computes on the stage
+      mbar_init(empty + 8 * s, 8);   // one per consumer warp
     }
     mbar_fence_init();
   }
@@ -284,176 +280,6 @@ spmm_vnm_sm90_xt_kernel(const T* __restrict__ xt, int ld, const uint4* __restric
 
   setmaxnreg_inc<Cfg::CONSUMER_REGS>();
   constexpr uint32_t kMetaPad = 0x44444444u;
-  if constexpr (PP) {
-    // Ping-pong: the CTA's work units alternate between the consumer warpgroups (its i-th unit: warpgroup i % 2), each
-    // computing both 64-row slabs of its 128 x 128 tile, so that one warpgroup's epilogue runs while the other's
-    // wgmmas do. Their main loops take turns (named barrier 5 + w: warpgroup w may start; the other arrives there once
-    // its main loop is done), which also keeps every wait on the ring in step order; the step count the next unit
-    // starts at passes through shared memory.
-    const int wq = warp & 3, g = lane >> 2, t4 = lane & 3;
-    volatile int* next_step = reinterpret_cast<volatile int*>(smem + (info - base) + 16 * STAGES);
-    float acc0[BN / 2], acc1[BN / 2];
-    XtCycles cycles;
-    const long long start = cycles.now();
-    int gs = 0, held = -1;
-    auto stage_at = [&](int s) {
-      const int slot = s % STAGES;
-      const long long wait_start = cycles.now();
-      mbar_wait(full + 8 * slot, (s / STAGES) & 1);
-      cycles.add(kXcFullWait, wait_start);
-      fence_proxy_async();  // the stage was written by cp.async (generic proxy); the wgmmas read it (async proxy)
-      return slot;
-    };
-    auto fragments = [&](int slot, int slab, int kt, uint4 (&a)[2], uint32_t (&e)[2]) {
-      const unsigned char* stage = smem + slot * Cfg::STAGE;
-      const int mt = slab * 4 + wq;
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        a[j] = *reinterpret_cast<const uint4*>(stage + Cfg::A_OFF + mt * 1024 + j * 512 + lane * 16);
-        const uint32_t ev = *reinterpret_cast<const uint32_t*>(stage + Cfg::E_OFF + mt * 128 + j * 64 +
-                                                               (g * 2 + (t4 & 1)) * 4);
-        e[j] = 2 * kt + j < steps ? ev : kMetaPad;
-      }
-    };
-    auto finish_step = [&](int slot) {
-      wgmma_commit();
-      wgmma_wait<1>();
-      if (held >= 0 && lane == 0) mbar_arrive(empty + 8 * held);
-      held = slot;
-    };
-    // One B tile for both slabs: a wgmma group per slab, each waited for once the next is issued, so the A fragments
-    // of one group are in registers beside those of the group in flight (two of both slabs' would not fit).
-    auto step_both = [&](int s, int kt) {
-      const int slot = stage_at(s);
-      const uint64_t desc = desc_mn128(base + slot * Cfg::STAGE, 8192);
-      uint4 a[2];
-      uint32_t e[2];
-      fragments(slot, 0, kt, a, e);
-      wgmma_fence();
-#pragma unroll
-      for (int j = 0; j < 2; ++j) WgmmaSpT<BN, T>::run(acc0, a[j], desc + j * (4096 >> 4), e[j]);
-      wgmma_commit();
-      wgmma_wait<1>();  // the previous step's last group: its stage is free
-      if (held >= 0 && lane == 0) mbar_arrive(empty + 8 * held);
-      held = -1;
-      fragments(slot, 1, kt, a, e);
-      wgmma_fence();
-#pragma unroll
-      for (int j = 0; j < 2; ++j) WgmmaSpT<BN, T>::run(acc1, a[j], desc + j * (4096 >> 4), e[j]);
-      finish_step(slot);
-    };
-    // A B tile of one slab's own columns.
-    auto step_one = [&](int s, int kt, float (&acc)[BN / 2], int slab) {
-      const int slot = stage_at(s);
-      uint4 a[2];
-      uint32_t e[2];
-      fragments(slot, slab, kt, a, e);
-      const uint64_t desc = desc_mn128(base + slot * Cfg::STAGE, 8192);
-      wgmma_fence();
-#pragma unroll
-      for (int j = 0; j < 2; ++j) WgmmaSpT<BN, T>::run(acc, a[j], desc + j * (4096 >> 4), e[j]);
-      finish_step(slot);
-    };
-    int i = 0;  // the CTA's unit count
-    for (int unit = blockIdx.x; unit < n_units; unit += gridDim.x, ++i) {
-      if ((i & 1) != wg) continue;
-      if (i > 0) {
-        named_bar_sync(5 + wg, 256);  // the other warpgroup's main loop of unit i - 1 is done
-        gs = *next_step;
-      }
-      const int tile = unit % n_tiles, kt0 = (unit / n_tiles) * kt_per_split;
-      const int k_tiles = min(all_k_tiles, kt0 + kt_per_split) - kt0;
-      const int cta_row0 = (tile % row_blocks) * 128, n_base = (tile / row_blocks) * BN;
-#pragma unroll
-      for (int j = 0; j < BN / 2; ++j) acc0[j] = acc1[j] = 0.f;
-      cycles.count(kXcUnits);
-      const long long first_wait = cycles.now();
-      mbar_wait(full + 8 * (gs % STAGES), (gs / STAGES) & 1);
-      cycles.add(kXcFullWait, first_wait);
-      const bool share = *reinterpret_cast<const uint32_t*>(smem + (info - base) + (gs % STAGES) * 16) != 0u;
-      // Each path drains its wgmmas before the paths join (ptxas serializes wgmmas whose accumulators a join moves).
-      if (share) {
-        for (int kt = 0; kt < k_tiles; ++kt) step_both(gs + kt, kt0 + kt);
-        const long long drain_start = cycles.now();
-        wgmma_wait<0>();
-        cycles.add(kXcDrain, drain_start);
-        gs += k_tiles;
-      } else {
-        for (int kt = 0; kt < k_tiles; ++kt) {
-          step_one(gs + 2 * kt, kt0 + kt, acc0, 0);
-          step_one(gs + 2 * kt + 1, kt0 + kt, acc1, 1);
-        }
-        const long long drain_start = cycles.now();
-        wgmma_wait<0>();
-        cycles.add(kXcDrain, drain_start);
-        gs += 2 * k_tiles;
-      }
-      if (lane == 0) mbar_arrive(empty + 8 * held);
-      held = -1;
-      if (unit + (int)gridDim.x < n_units) {  // the other warpgroup takes the CTA's next unit: let it start
-        if ((tid & 127) == 0) *next_step = gs;
-        __threadfence_block();
-        named_bar_arrive(5 + (wg ^ 1), 256);
-      }
-#pragma unroll
-      for (int j = 0; j < BN / 2; ++j) asm volatile("" : "+f"(acc0[j]), "+f"(acc1[j])::"memory");
-      const long long epilogue_start = cycles.now();
-      const bool two_slabs = ((rows_padded - cta_row0) >> 4) > 4;  // else a row block with one slab
-      if (staged) {
-        // Both slabs in one pass (the warpgroup's two 16 KB buffers, as sm90_common.cuh store_tile_staged lays one
-        // out), each accumulator consumed as it goes, one pair of warpgroup barriers (named barrier 2 + wg) and one
-        // TMA store per slab.
-        const uint32_t buf0 = epi + wg * Cfg::EPI_BUFS * Cfg::EPI_CHUNK, buf1 = buf0 + Cfg::EPI_CHUNK;
-        float bias_at[2][2] = {{0.f, 0.f}, {0.f, 0.f}};  // [slab][rows g, g + 8]
-        if (bias != nullptr) {
-#pragma unroll
-          for (int slab = 0; slab < 2; ++slab)
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-              const int r = cta_row0 + 64 * slab + 16 * wq + g + 8 * h;
-              if (r < rows) bias_at[slab][h] = MmaType<T>::to_float(bias[r]);
-            }
-        }
-        auto pk = [](float v0, float v1, float b) {
-          return MmaType<T>::pack(MmaType<T>::from_float(v0 + b), MmaType<T>::from_float(v1 + b));
-        };
-        const int mi = lane >> 3, jr = lane & 7;
-        const uint32_t lane_off = (uint32_t)((8 * (mi >> 1) + jr) * 128 + (((2 * wq + (mi & 1)) ^ jr) << 4));
-        const bool leader = (tid & 127) == 0;
-        if (leader) bulk_wait_group_read<0>();  // this warpgroup's previous tile has left the buffers
-        named_bar_sync(2 + wg, 128);
-#pragma unroll
-        for (int q = 0; q < BN / 16; ++q) {
-          const int nt = 2 * q;
-          stmatrix_x4_trans(buf0 + q * 16 * 128 + lane_off, pk(acc0[4 * nt], acc0[4 * nt + 1], bias_at[0][0]),
-                            pk(acc0[4 * nt + 2], acc0[4 * nt + 3], bias_at[0][1]),
-                            pk(acc0[4 * nt + 4], acc0[4 * nt + 5], bias_at[0][0]),
-                            pk(acc0[4 * nt + 6], acc0[4 * nt + 7], bias_at[0][1]));
-          stmatrix_x4_trans(buf1 + q * 16 * 128 + lane_off, pk(acc1[4 * nt], acc1[4 * nt + 1], bias_at[1][0]),
-                            pk(acc1[4 * nt + 2], acc1[4 * nt + 3], bias_at[1][1]),
-                            pk(acc1[4 * nt + 4], acc1[4 * nt + 5], bias_at[1][0]),
-                            pk(acc1[4 * nt + 6], acc1[4 * nt + 7], bias_at[1][1]));
-        }
-        fence_proxy_async();  // this thread's stmatrix writes, visible to the copy engine after the barrier
-        named_bar_sync(2 + wg, 128);
-        if (leader) {
-          if (n_base < n_tokens) {
-            tma_store_2d(&y_map, cta_row0, n_base, buf0);
-            if (two_slabs) tma_store_2d(&y_map, cta_row0 + 64, n_base, buf1);
-          }
-          bulk_commit_group();
-        }
-      } else {
-        store_tile<T, BN>(acc0, cta_row0 + 16 * wq, n_base, lane, bias, y, rows, n_tokens);
-        if (two_slabs) store_tile<T, BN>(acc1, cta_row0 + 64 + 16 * wq, n_base, lane, bias, y, rows, n_tokens);
-      }
-      cycles.add(kXcEpilogue, epilogue_start);
-    }
-    if (staged && (tid & 127) == 0) bulk_wait_group<0>();  // the last stores have left shared memory
-    cycles.add(kXcConsumerTotal, start);
-    cycles.store(tid == 0, kXcConsumerTotal, kXtCounters);
-    cycles.store(tid == 0, kXcUnits, kXcProducerTotal);
-  } else {
   const int wq = warp & 3, g = lane >> 2, t4 = lane & 3;
   const int mt = wg * 4 + wq;
   float acc[BN / 2];
@@ -556,7 +382,6 @@ spmm_vnm_sm90_xt_kernel(const T* __restrict__ xt, int ld, const uint4* __restric
   cycles.add(kXcConsumerTotal, start);
   cycles.store(tid == 0, kXcConsumerTotal, kXtCounters);
   cycles.store(tid == 0, kXcUnits, kXcProducerTotal);
-  }
 #elif defined(__CUDA_ARCH__)
   __trap();  // built without sm_90a: the host never launches this (spmm_sm90_available() is false)
 #endif
@@ -577,11 +402,10 @@ Sm90SplitPlan xt_plan(const SpmmArgs& a) {
   return p;
 }
 
-template <typename T, int M, int BN, bool PP = false>
+template <typename T, int M, int BN>
 cudaError_t launch_xt(const SpmmArgs& a, const Sm90SplitPlan& plan, cudaStream_t stream) {
-  using Cfg = XtCfg<BN, PP>;
-  constexpr auto kernel = spmm_vnm_sm90_xt_kernel<T, M, BN, PP>;
-  cudaError_t err = raise_smem_limit_once<kernel>(Cfg::SMEM);
+  constexpr auto kernel = spmm_vnm_sm90_xt_kernel<T, M, BN>;
+  cudaError_t err = raise_smem_limit_once<kernel>(XtCfg<BN>::SMEM);
   if (err != cudaSuccess) return err;
   const int ld = xt_ld(a);
   T* xt = static_cast<T*>(a.xt);
@@ -593,8 +417,8 @@ cudaError_t launch_xt(const SpmmArgs& a, const Sm90SplitPlan& plan, cudaStream_t
   if (err != cudaSuccess) return err;
   const int splits = a.split_ws != nullptr && a.split_counters != nullptr ? plan.splits : 1;  // see SpmmArgs
   CUtensorMap y_map{};
-  const bool staged = encode_y_map(a, Cfg::EPI_N, &y_map);  // else the direct epilogue (rows % 8 != 0)
-  kernel<<<(unsigned)std::min<long long>(plan.tiles * splits, sms), kXtThreads, Cfg::SMEM, stream>>>(
+  const bool staged = encode_y_map(a, XtCfg<BN>::EPI_N, &y_map);  // else the direct epilogue (rows % 8 != 0)
+  kernel<<<(unsigned)std::min<long long>(plan.tiles * splits, sms), kXtThreads, XtCfg<BN>::SMEM, stream>>>(
       xt, ld, static_cast<const uint4*>(a.values), static_cast<const uint32_t*>(a.meta),
       reinterpret_cast<const uint32_t*>(a.columns), static_cast<const T*>(a.bias), static_cast<T*>(a.y), a.n_tokens,
       a.rows, a.rows_padded, a.k, a.steps, splits, a.split_ws, a.split_counters, y_map, staged);
@@ -604,12 +428,6 @@ cudaError_t launch_xt(const SpmmArgs& a, const Sm90SplitPlan& plan, cudaStream_t
 template <typename T, int M>
 cudaError_t dispatch_width(const SpmmArgs& a, cudaStream_t stream) {
   const Sm90SplitPlan plan = xt_plan(a);
-#if defined(HF_SPARSE_XT_PINGPONG)
-  // Experiment: the ping-pong consumers on 128-token tiles, unsplit, where a tile has at most HF_SPARSE_XT_PINGPONG
-  // k-tiles.
-  if (plan.splits == 1 && (a.steps + 1) / 2 <= HF_SPARSE_XT_PINGPONG)
-    return launch_xt<T, M, 128, true>(a, Sm90SplitPlan{128, 1, sm90_tiles(a.rows_padded, a.n_tokens, 128)}, stream);
-#endif
   return plan.bn == kVnmXtBN ? launch_xt<T, M, kVnmXtBN>(a, plan, stream) : launch_xt<T, M, 128>(a, plan, stream);
 }
 
