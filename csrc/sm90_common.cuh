@@ -224,51 +224,41 @@ __device__ __forceinline__ void store_tile(const float (&acc)[BN / 2], int row0,
 // it, bulk_wait_group_read) and to the next tile's main loop. The tensor map clips rows >= rows and tokens >=
 // n_tokens, so partial tiles need no checks. Named barrier bar_id (128 threads) orders the warpgroup's buffer writes
 // against the store (fence.proxy.async: generic writes, read by the async proxy).
-// TOKENS tokens of the tile from `acc` (this thread's accumulator from the range's first token on) as packed output
-// pairs (+ bias, activation, cast): pk[p] holds acc[2p], acc[2p + 1] (tokens 8 (p / 4) + 2 (lane % 4), + 1 of the
-// range) of row row0 + g (p even) or row0 + g + 8 (p odd), the order stmatrix_x4_trans takes them in. Half the
-// registers of the accumulator's: a kernel can hold packed tokens while the next tile's wgmmas write the accumulator
-// (spmm_vnm_xt_sm90.cu).
-template <typename T, int TOKENS, int ACT = kActNone>
-__device__ __forceinline__ void pack_tile(const float* acc, uint32_t (&pk)[TOKENS / 4], int row0, int lane,
-                                          const T* __restrict__ bias, int rows) {
+template <typename T, int BN, int EPI_N, int EPI_BUFS, bool EVICT_FIRST, int ACT = kActNone>
+__device__ __forceinline__ void store_tile_staged(const float (&acc)[BN / 2], int row0, int wg_row0, int n_base,
+                                                  int lane, int wq, uint32_t stage_u32, int bar_id,
+                                                  const T* __restrict__ bias, int rows, int n_tokens,
+                                                  const CUtensorMap* y_map, int chunk0 = -1) {
+  // chunk0 < 0: every tile starts at buffer 0. chunk0 >= 0 (configs 34/35, RUNBUF): the buffers rotate on across
+  // tiles, chunk0 = chunks this warpgroup stored before this tile, so a tile's first chunks go to the buffers whose
+  // stores were issued longest ago (the previous tile's, drained during this tile's main loop).
+  static_assert(BN % EPI_N == 0 && EPI_N % 16 == 0 && EPI_N <= 256, "chunks of 16..256 tokens that split the tile");
   const int g = lane >> 2;
   float b_lo = 0.f, b_hi = 0.f;
   if (bias != nullptr) {
     if (row0 + g < rows) b_lo = MmaType<T>::to_float(bias[row0 + g]);
     if (row0 + g + 8 < rows) b_hi = MmaType<T>::to_float(bias[row0 + g + 8]);
   }
-#pragma unroll
-  for (int p = 0; p < TOKENS / 4; ++p) {
-    const float b = (p & 1) ? b_hi : b_lo;
-    pk[p] = MmaType<T>::pack(MmaType<T>::from_float(activate<ACT>(acc[2 * p] + b)),
-                             MmaType<T>::from_float(activate<ACT>(acc[2 * p + 1] + b)));
-  }
-}
-
-// The staged store of TOKENS packed tokens (pack_tile) from token n_base on: see store_tile_staged.
-template <typename T, int TOKENS, int EPI_N, int EPI_BUFS, bool EVICT_FIRST>
-__device__ __forceinline__ void store_packed_staged(const uint32_t (&pk)[TOKENS / 4], int wg_row0, int n_base, int lane,
-                                                    int wq, uint32_t stage_u32, int bar_id, int n_tokens,
-                                                    const CUtensorMap* y_map, int chunk0 = -1) {
-  // chunk0 < 0: every tile starts at buffer 0. chunk0 >= 0 (configs 34/35, RUNBUF): the buffers rotate on across
-  // tiles, chunk0 = chunks this warpgroup stored before this tile, so a tile's first chunks go to the buffers whose
-  // stores were issued longest ago (the previous tile's, drained during this tile's main loop).
-  static_assert(TOKENS % EPI_N == 0 && EPI_N % 16 == 0 && EPI_N <= 256, "chunks of 16..256 tokens that split them");
   // stmatrix x4 of blocks (nt, rows g), (nt, rows g + 8), (nt + 1, g), (nt + 1, g + 8): lane i addresses row i % 8
   // (token 8 (nt + (i / 16)) + i % 8) of block i / 8; the 16-byte chunk of the rows is 2 wq + (i / 8) % 2.
   const int mi = lane >> 3, j = lane & 7;
   const uint32_t lane_off = (uint32_t)((8 * (mi >> 1) + j) * 128 + (((2 * wq + (mi & 1)) ^ j) << 4));
   const bool leader = (threadIdx.x & 127) == 0;
 #pragma unroll
-  for (int c = 0; c < TOKENS / EPI_N; ++c) {
+  for (int c = 0; c < BN / EPI_N; ++c) {
     const uint32_t buf = stage_u32 + ((chunk0 < 0 ? c : chunk0 + c) % EPI_BUFS) * (EPI_N * 128);
     if (leader) bulk_wait_group_read<EPI_BUFS - 1>();  // the store that used this buffer last has read it
     named_bar_sync(bar_id, 128);
 #pragma unroll
     for (int q = 0; q < EPI_N / 16; ++q) {
-      const int p = 2 * (c * (EPI_N / 8) + 2 * q);
-      stmatrix_x4_trans(buf + q * 16 * 128 + lane_off, pk[p], pk[p + 1], pk[p + 2], pk[p + 3]);
+      const int nt = c * (EPI_N / 8) + 2 * q;
+      auto pk = [&](float v0, float v1, float b) {
+        return MmaType<T>::pack(MmaType<T>::from_float(activate<ACT>(v0 + b)),
+                                MmaType<T>::from_float(activate<ACT>(v1 + b)));
+      };
+      stmatrix_x4_trans(buf + q * 16 * 128 + lane_off, pk(acc[4 * nt], acc[4 * nt + 1], b_lo),
+                        pk(acc[4 * nt + 2], acc[4 * nt + 3], b_hi), pk(acc[4 * nt + 4], acc[4 * nt + 5], b_lo),
+                        pk(acc[4 * nt + 6], acc[4 * nt + 7], b_hi));
     }
     fence_proxy_async();  // this thread's stmatrix writes, visible to the copy engine after the barrier
     named_bar_sync(bar_id, 128);
@@ -283,17 +273,6 @@ __device__ __forceinline__ void store_packed_staged(const uint32_t (&pk)[TOKENS 
       bulk_commit_group();  // (an empty group past the last token keeps the buffer rotation's count)
     }
   }
-}
-
-template <typename T, int BN, int EPI_N, int EPI_BUFS, bool EVICT_FIRST, int ACT = kActNone>
-__device__ __forceinline__ void store_tile_staged(const float (&acc)[BN / 2], int row0, int wg_row0, int n_base,
-                                                  int lane, int wq, uint32_t stage_u32, int bar_id,
-                                                  const T* __restrict__ bias, int rows, int n_tokens,
-                                                  const CUtensorMap* y_map, int chunk0 = -1) {
-  uint32_t pk[BN / 4];
-  pack_tile<T, BN, ACT>(acc, pk, row0, lane, bias, rows);
-  store_packed_staged<T, BN, EPI_N, EPI_BUFS, EVICT_FIRST>(pk, wg_row0, n_base, lane, wq, stage_u32, bar_id, n_tokens,
-                                                           y_map, chunk0);
 }
 
 }  // namespace hf_sparse
