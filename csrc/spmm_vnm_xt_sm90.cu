@@ -481,7 +481,7 @@ template <typename T, int M>
 cudaError_t dispatch_width(const SpmmArgs& a, cudaStream_t stream) {
   const Sm90SplitPlan plan = xt_plan(a);
 #if defined(HF_SPARSE_XT_BN192)
-  if (plan.splits == 1) {
+  if (plan.bn == kVnmXtBN && plan.splits == 1) {
     Sm90SplitPlan p192 = plan;
     p192.bn = 192;
     p192.tiles = ((a.rows_padded + 127) / 128) * ((a.n_tokens + 191) / 192);
