@@ -275,46 +275,4 @@ __device__ __forceinline__ void store_tile_staged(const float (&acc)[BN / 2], in
   }
 }
 
-// The X^T kernel's deferred epilogue (spmm_vnm_xt_sm90.cu): a tile as this thread's packed output pairs (+ bias,
-// cast), half the accumulator's registers, so it can be held while the next tile's wgmmas write the accumulator.
-// pk[p] holds acc[2p], acc[2p + 1] of row row0 + g (p even) or row0 + g + 8 (p odd): the order stmatrix_x4_trans
-// takes them in (store_packed_staged).
-template <typename T, int BN>
-__device__ __forceinline__ void pack_tile(const float (&acc)[BN / 2], uint32_t (&pk)[BN / 4], int row0, int lane,
-                                          const T* __restrict__ bias, int rows) {
-  const int g = lane >> 2;
-  float b_lo = 0.f, b_hi = 0.f;
-  if (bias != nullptr) {
-    if (row0 + g < rows) b_lo = MmaType<T>::to_float(bias[row0 + g]);
-    if (row0 + g + 8 < rows) b_hi = MmaType<T>::to_float(bias[row0 + g + 8]);
-  }
-#pragma unroll
-  for (int p = 0; p < BN / 4; ++p) {
-    const float b = (p & 1) ? b_hi : b_lo;
-    pk[p] = MmaType<T>::pack(MmaType<T>::from_float(acc[2 * p] + b), MmaType<T>::from_float(acc[2 * p + 1] + b));
-  }
-}
-
-// A packed tile (pack_tile) through one staging buffer of 64 rows x BN tokens: one pair of warpgroup barriers and
-// one TMA store (store_tile_staged's layout, with the whole tile as its one chunk).
-template <typename T, int BN>
-__device__ __forceinline__ void store_packed_staged(const uint32_t (&pk)[BN / 4], int wg_row0, int n_base, int lane,
-                                                    int wq, uint32_t buf, int bar_id, int n_tokens,
-                                                    const CUtensorMap* y_map) {
-  const int mi = lane >> 3, j = lane & 7;
-  const uint32_t lane_off = (uint32_t)((8 * (mi >> 1) + j) * 128 + (((2 * wq + (mi & 1)) ^ j) << 4));
-  const bool leader = (threadIdx.x & 127) == 0;
-  if (leader) bulk_wait_group_read<0>();  // the previous tile's store has read the buffer
-  named_bar_sync(bar_id, 128);
-#pragma unroll
-  for (int q = 0; q < BN / 16; ++q)
-    stmatrix_x4_trans(buf + q * 16 * 128 + lane_off, pk[4 * q], pk[4 * q + 1], pk[4 * q + 2], pk[4 * q + 3]);
-  fence_proxy_async();
-  named_bar_sync(bar_id, 128);
-  if (leader) {
-    if (n_base < n_tokens) tma_store_2d(y_map, wg_row0, n_base, buf);
-    bulk_commit_group();
-  }
-}
-
 }  // namespace hf_sparse

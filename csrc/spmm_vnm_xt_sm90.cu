@@ -52,13 +52,13 @@ struct XtCfg {
   static constexpr int E_OFF = A_OFF + A_BYTES;
   static constexpr int E_BYTES = 8 * 2 * 16 * 4;   // 8 m16 tiles x 2 k-steps x 16 words
   static constexpr int STAGE = E_OFF + E_BYTES;
-  static constexpr int STAGES = BN == 256 ? 4 : BN == 192 ? 5 : 6;  // narrower stages: more in the same memory
+  static constexpr int STAGES = BN == 256 ? 4 : 6;  // 128-token stages: more of them in flight in the same memory
   static constexpr int PRODUCER_REGS = 88, CONSUMER_REGS = 208;  // setmaxnreg
   static_assert(128 * (2 * CONSUMER_REGS + PRODUCER_REGS) <= 65536, "the register split must fit the register file");
   // The staged epilogue (sm90_common.cuh store_tile_staged): per consumer warpgroup one buffer of 64 rows x 128
   // tokens, so a 256-token tile takes two chunks, each with its own pair of warpgroup barriers (the fewer chunks,
   // the fewer barriers; a whole tile staged does not fit beside four stages).
-  static constexpr int EPI_N = BN == 192 ? 192 : 128, EPI_BUFS = 1, EPI_CHUNK = EPI_N * 128;
+  static constexpr int EPI_N = 128, EPI_BUFS = 1, EPI_CHUNK = EPI_N * 128;
   static constexpr int EPI_OFF = STAGES * STAGE;
   // + the staging buffers, full / empty barriers, 16 bytes of step info per stage, alignment slack
   static constexpr int SMEM = EPI_OFF + 2 * EPI_BUFS * EPI_CHUNK + 2 * 8 * STAGES + 16 * STAGES + 1024;
@@ -283,24 +283,6 @@ spmm_vnm_sm90_xt_kernel(const T* __restrict__ xt, int ld, const uint4* __restric
   const int wq = warp & 3, g = lane >> 2, t4 = lane & 3;
   const int mt = wg * 4 + wq;
   float acc[BN / 2];
-#if defined(HF_SPARSE_XT_NO_DEFER)
-  constexpr bool kDefer = false;
-#else
-  constexpr bool kDefer = BN == 192;
-#endif
-  // kDefer: the staged epilogue is one unit late. A tile's Y waits packed in registers (pack_tile) and is stored
-  // while the next unit's first wgmmas run. Every unit ends by writing `pending` (zeros where it holds nothing), so
-  // it is live only from a unit's end to the next unit's flush.
-  constexpr int PENDING = kDefer ? BN / 4 : 1;
-  uint32_t pending[PENDING];
-  bool has_pending = false;
-  int pending_n_base = 0, pending_row0 = 0;
-  auto hold_nothing = [&] {
-#pragma unroll
-    for (int i = 0; i < PENDING; ++i) pending[i] = 0u;
-    has_pending = false;
-  };
-  hold_nothing();
   XtCycles cycles;
   const long long start = cycles.now();
   int gs = 0;     // steps consumed so far, over all tiles
@@ -338,16 +320,6 @@ spmm_vnm_sm90_xt_kernel(const T* __restrict__ xt, int ld, const uint4* __restric
     cycles.add(kXcFullWait, wait_start);
     if (lane == 0) mbar_arrive(empty + 8 * (s % STAGES));
   };
-  auto flush = [&] {
-    if constexpr (kDefer) {
-      if (!has_pending) return;
-      const long long flush_start = cycles.now();
-      store_packed_staged<T, BN>(pending, pending_row0, pending_n_base, lane, wq, epi + wg * Cfg::EPI_CHUNK, 2 + wg,
-                                 n_tokens, &y_map);
-      has_pending = false;
-      cycles.add(kXcEpilogue, flush_start);
-    }
-  };
   for (int unit = blockIdx.x; unit < n_units; unit += gridDim.x) {
     const int tile = unit % n_tiles, split = unit / n_tiles, kt0 = split * kt_per_split;
     const int k_tiles = min(all_k_tiles, kt0 + kt_per_split) - kt0;
@@ -362,27 +334,13 @@ spmm_vnm_sm90_xt_kernel(const T* __restrict__ xt, int ld, const uint4* __restric
     const bool share = *reinterpret_cast<const uint32_t*>(smem + (info - base) + (gs % STAGES) * 16) != 0u;
     // Each path drains its wgmmas before the paths join (ptxas serializes wgmmas whose accumulators a join moves).
     if (share) {
-      int kt = 0;
-      if constexpr (kDefer) {
-        compute(gs, kt0);
-        flush();  // the previous tile's Y, beside this k-tile's wgmmas
-        kt = 1;
-      }
-      for (; kt < k_tiles; ++kt) compute(gs + kt, kt0 + kt);
+      for (int kt = 0; kt < k_tiles; ++kt) compute(gs + kt, kt0 + kt);
       const long long drain_start = cycles.now();
       wgmma_wait<0>();
       cycles.add(kXcDrain, drain_start);
       gs += k_tiles;
     } else {
-      int kt = 0;
-      if constexpr (kDefer) {
-        if (wg == 1) pass(gs);
-        compute(gs + wg, kt0);
-        if (wg == 0) pass(gs + 1);
-        flush();
-        kt = 1;
-      }
-      for (; kt < k_tiles; ++kt) {
+      for (int kt = 0; kt < k_tiles; ++kt) {
         if (wg == 1) pass(gs + 2 * kt);
         compute(gs + 2 * kt + wg, kt0 + kt);
         if (wg == 0) pass(gs + 2 * kt + 1);
@@ -402,34 +360,24 @@ spmm_vnm_sm90_xt_kernel(const T* __restrict__ xt, int ld, const uint4* __restric
       sk.store(acc, 0);
       if (!sk.last([] { named_bar_sync(4, 256); })) {  // named barrier 4: both consumer warpgroups
         cycles.add(kXcSplit, split_start);
-        if constexpr (kDefer) hold_nothing();
         continue;
       }
       sk.sum(acc, 0);
       cycles.add(kXcSplit, split_start);
     }
     const long long epilogue_start = cycles.now();
-    if constexpr (kDefer) hold_nothing();
     if (wg * 4 < ((rows_padded - cta_row0) >> 4)) {
       const int row0 = cta_row0 + 64 * wg + 16 * wq;
       if (staged) {  // named barriers 2, 3: one per consumer warpgroup (1 is the producer's)
-        if constexpr (kDefer) {
-          pack_tile<T, BN>(acc, pending, row0, lane, bias, rows);
-          has_pending = true;
-          pending_row0 = cta_row0 + 64 * wg;
-          pending_n_base = n_base;
-        } else {
-          store_tile_staged<T, BN, Cfg::EPI_N, Cfg::EPI_BUFS, false>(
-              acc, row0, cta_row0 + 64 * wg, n_base, lane, wq, epi + wg * Cfg::EPI_BUFS * Cfg::EPI_CHUNK, 2 + wg,
-              bias, rows, n_tokens, &y_map);
-        }
+        store_tile_staged<T, BN, Cfg::EPI_N, Cfg::EPI_BUFS, false>(
+            acc, row0, cta_row0 + 64 * wg, n_base, lane, wq, epi + wg * Cfg::EPI_BUFS * Cfg::EPI_CHUNK, 2 + wg, bias,
+            rows, n_tokens, &y_map);
       } else {
         store_tile<T, BN>(acc, row0, n_base, lane, bias, y, rows, n_tokens);
       }
     }
     cycles.add(kXcEpilogue, epilogue_start);
   }
-  flush();
   if (staged && (tid & 127) == 0) bulk_wait_group<0>();  // the last stores have left shared memory
   cycles.add(kXcConsumerTotal, start);
   cycles.store(tid == 0, kXcConsumerTotal, kXtCounters);
@@ -480,14 +428,6 @@ cudaError_t launch_xt(const SpmmArgs& a, const Sm90SplitPlan& plan, cudaStream_t
 template <typename T, int M>
 cudaError_t dispatch_width(const SpmmArgs& a, cudaStream_t stream) {
   const Sm90SplitPlan plan = xt_plan(a);
-#if defined(HF_SPARSE_XT_BN192)
-  if (plan.bn == kVnmXtBN && plan.splits == 1) {
-    Sm90SplitPlan p192 = plan;
-    p192.bn = 192;
-    p192.tiles = ((a.rows_padded + 127) / 128) * ((a.n_tokens + 191) / 192);
-    return launch_xt<T, M, 192>(a, p192, stream);
-  }
-#endif
   return plan.bn == kVnmXtBN ? launch_xt<T, M, kVnmXtBN>(a, plan, stream) : launch_xt<T, M, 128>(a, plan, stream);
 }
 
