@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 import torch
+from bench_kernels import json_lines
 
 
 def _build(pattern: str | None, device: torch.device, layers: int, hidden: int):
@@ -194,13 +195,12 @@ def main() -> None:
         cases = [(spec, False) for spec in args.patterns]
         if args.kept_allreduce and world > 1:
             cases += [(spec, True) for spec in args.patterns if spec != "dense"]
-        for spec, kept_only in cases:
-            result = _measure(args, None if spec == "dense" else spec, rank, world, device, kept_only)
-            if rank == 0:
-                print(json.dumps(result), flush=True)
-                if args.results:
-                    with open(args.results, "a") as fh:
-                        fh.write(json.dumps(result) + "\n")
+        with json_lines(args.results if rank == 0 else None) as append:
+            for spec, kept_only in cases:
+                result = _measure(args, None if spec == "dense" else spec, rank, world, device, kept_only)
+                if rank == 0:
+                    print(json.dumps(result), flush=True)
+                    append(result)
     finally:
         if world > 1:
             torch.distributed.destroy_process_group()
