@@ -12,22 +12,45 @@
 #
 #   bash benchmarks/gpu_session.sh "tests/" \
 #     "python benchmarks/bench_trainer.py --models bert-large --compile eager --worker-timeout 150"
+#
+# Against another commit in the same lease (timings compare only within one lease): BASE names a tree holding that
+# commit's hf_sparse/ and csrc/, made on the machine with git before the call and carried with it,
+#
+#   git archive REV hf_sparse csrc | tar -x -C .carry/base      # (mkdir -p .carry/base first)
+#   BASE=.carry/base ROUNDS=2 bash benchmarks/gpu_session.sh "TESTS" "STAGE" ...
+#
+# Both trees' kernels are built at once (BASE's into $HF_SPARSE_BUILD_DIR-base); the GPU tests run on this tree; each
+# stage runs ROUNDS times on each tree, alternating base / this, headed "== STAGE [base|this] round i" in bench.log.
+# A run has the time left divided among the runs still to come, less 10 s (without BASE a stage has all of it).
 set -u
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu_session_out}
 mkdir -p "$out"
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 HF_SPARSE_BUILD_DIR=${HF_SPARSE_BUILD_DIR:-$PWD/.carry/build}
+root=$PWD
+export PYTHONPATH=$root PYTHONUNBUFFERED=1 HF_SPARSE_BUILD_DIR=${HF_SPARSE_BUILD_DIR:-$root/.carry/build}
 export HF_SPARSE_CUDA_ARCH_LIST=${HF_SPARSE_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16}
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+base=${BASE:-}
+if [ -n "$base" ]; then
+  base=$(cd "$base" && pwd) || exit 2
+  [ -d "$base/hf_sparse" ] && [ -d "$base/csrc" ] || { echo "BASE=$base holds no hf_sparse/ and csrc/" >&2; exit 2; }
+fi
+base_build=$HF_SPARSE_BUILD_DIR-base
 start=$(date +%s)
 left() { echo $((${LIMIT:-570} - ($(date +%s) - start))); }
+# Runs its arguments with the base tree's package and kernels in place of this checkout's.
+on_base() { PYTHONPATH=$base HF_SPARSE_BUILD_DIR=$base_build "$@"; }
 
 {
   date -u
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
   python -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
   s=$(date +%s)
+  if [ -n "$base" ]; then
+    (on_base python -m hf_sparse.ops.build 2>&1 | tail -3 | sed 's/^/[base] /') &
+  fi
   python -m hf_sparse.ops.build 2>&1 | tail -3
+  wait
   echo "build: $(($(date +%s) - s)) s"
 } 2>&1 | tee "$out/session.log"
 
@@ -40,13 +63,31 @@ if [ -n "$tests" ]; then
     tee "$out/gputests.log" | tail -25
   echo "GPU tests: $(($(date +%s) - s)) s" | tee -a "$out/session.log"
 fi
+runs=()  # (stage, tree, round) in the order they run
+rounds=${ROUNDS:-2}
 for stage in "$@"; do
-  budget=$(left)
-  if [ "$budget" -lt 40 ]; then
-    echo "skipped (${budget} s left): $stage" | tee -a "$out/session.log"
+  if [ -n "$base" ]; then
+    for ((i = 1; i <= rounds; i++)); do runs+=("$stage" base "$i" "$stage" this "$i"); done
+  else
+    runs+=("$stage" this 1)
+  fi
+done
+n=$((${#runs[@]} / 3))
+for ((j = 0; j < n; j++)); do
+  stage=${runs[3 * j]} tree=${runs[3 * j + 1]} round=${runs[3 * j + 2]}
+  budget=$(left) head="$stage" least=40
+  if [ -n "$base" ]; then
+    budget=$((budget / (n - j))) head="$stage [$tree] round $round" least=30
+  fi
+  if [ "$budget" -lt "$least" ]; then
+    echo "skipped ($(left) s left for $((n - j)) runs): $head" | tee -a "$out/session.log"
     continue
   fi
-  echo "== $stage ($budget s left, $(date -u +%H:%M:%S))" | tee -a "$out/session.log"
-  timeout $((budget - 10)) bash -c "$stage" 2>&1 | tee -a "$out/bench.log" | grep -v '^\s*$' | tail -30
+  echo "== $head ($(left) s left, this run ${budget} s, $(date -u +%H:%M:%S))" | tee -a "$out/session.log" "$out/bench.log"
+  if [ "$tree" = base ]; then
+    on_base timeout $((budget - 10)) bash -c "$stage" 2>&1 | tee -a "$out/bench.log" | grep -v '^\s*$' | tail -30
+  else
+    timeout $((budget - 10)) bash -c "$stage" 2>&1 | tee -a "$out/bench.log" | grep -v '^\s*$' | tail -30
+  fi
 done
 date -u | tee -a "$out/session.log"

@@ -1,0 +1,92 @@
+"""CPU: ``benchmarks/gpu_session.sh``'s order of work, with stand-ins for ``python`` and ``nvidia-smi`` on PATH. With
+BASE, both trees' kernels are built, and each stage runs on each tree in turn (base first) with that tree's package
+and build directory, ROUNDS times; without it each stage runs once on this checkout."""
+
+from __future__ import annotations
+
+import os
+import re
+import stat
+import subprocess
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "benchmarks" / "gpu_session.sh"
+STAGE = 'echo "ran on $PYTHONPATH with $HF_SPARSE_BUILD_DIR"'
+
+
+def _stub(directory: Path, name: str, body: str) -> None:
+    path = directory / name
+    path.write_text("#!/usr/bin/env bash\n" + body)
+    path.chmod(path.stat().st_mode | stat.S_IEXEC)
+
+
+def _run(tmp_path: Path, *stages: str, **env: str) -> subprocess.CompletedProcess:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    _stub(bin_dir, "nvidia-smi", 'echo "Stand-in GPU, 0"\n')
+    # the build prints which package and build directory it was given; everything else succeeds quietly
+    _stub(
+        bin_dir,
+        "python",
+        'if [ "$1 $2" = "-m hf_sparse.ops.build" ]; then echo "built $HF_SPARSE_BUILD_DIR from $PYTHONPATH"; fi\n',
+    )
+    full_env = {
+        **os.environ,
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "OUT": str(tmp_path / "out"),
+        "HF_SPARSE_BUILD_DIR": str(tmp_path / "build"),
+        "LIMIT": "300",
+        **env,
+    }
+    return subprocess.run(
+        ["bash", str(SCRIPT), "", *stages], env=full_env, capture_output=True, text=True, timeout=120
+    )
+
+
+def _base_tree(tmp_path: Path) -> Path:
+    base = tmp_path / "base"
+    (base / "hf_sparse").mkdir(parents=True)
+    (base / "csrc").mkdir()
+    return base
+
+
+def test_each_stage_alternates_base_and_this_tree(tmp_path):
+    base = _base_tree(tmp_path)
+    done = _run(tmp_path, STAGE, "echo second", BASE=str(base), ROUNDS="2")
+    assert done.returncode == 0, done.stderr
+    session = (tmp_path / "out" / "session.log").read_text()
+    build = tmp_path / "build"
+    assert f"[base] built {build}-base from {base}" in session
+    assert f"built {build} from {REPO}" in session
+    bench = (tmp_path / "out" / "bench.log").read_text()
+    heads = re.findall(r"^== (.*?) \(", bench, flags=re.M)
+    assert heads == [
+        f"{STAGE} [base] round 1",
+        f"{STAGE} [this] round 1",
+        f"{STAGE} [base] round 2",
+        f"{STAGE} [this] round 2",
+        "echo second [base] round 1",
+        "echo second [this] round 1",
+        "echo second [base] round 2",
+        "echo second [this] round 2",
+    ]
+    ran = re.findall(r"^ran on (.*)$", bench, flags=re.M)
+    assert ran == [f"{base} with {build}-base", f"{REPO} with {build}"] * 2
+
+
+def test_without_base_a_stage_runs_once_on_this_checkout(tmp_path):
+    done = _run(tmp_path, STAGE)
+    assert done.returncode == 0, done.stderr
+    bench = (tmp_path / "out" / "bench.log").read_text()
+    assert re.findall(r"^== (.*?) \(", bench, flags=re.M) == [STAGE]
+    assert re.findall(r"^ran on (.*)$", bench, flags=re.M) == [f"{REPO} with {tmp_path / 'build'}"]
+    assert "[base]" not in (tmp_path / "out" / "session.log").read_text()
+
+
+def test_a_base_without_the_package_is_refused(tmp_path):
+    (tmp_path / "empty").mkdir()
+    done = _run(tmp_path, STAGE, BASE=str(tmp_path / "empty"))
+    assert done.returncode == 2
+    assert "holds no hf_sparse/ and csrc/" in done.stderr
+    assert not (tmp_path / "out" / "bench.log").exists()
