@@ -84,10 +84,8 @@ for ((j = 0; j < n; j++)); do
     continue
   fi
   echo "== $head ($(left) s left, this run ${budget} s, $(date -u +%H:%M:%S))" | tee -a "$out/session.log" "$out/bench.log"
-  if [ "$tree" = base ]; then
-    on_base timeout $((budget - 10)) bash -c "$stage" 2>&1 | tee -a "$out/bench.log" | grep -v '^\s*$' | tail -30
-  else
-    timeout $((budget - 10)) bash -c "$stage" 2>&1 | tee -a "$out/bench.log" | grep -v '^\s*$' | tail -30
-  fi
+  on=()  # this checkout: as exported above
+  [ "$tree" = base ] && on=(on_base)
+  "${on[@]}" timeout $((budget - 10)) bash -c "$stage" 2>&1 | tee -a "$out/bench.log" | grep -v '^\s*$' | tail -30
 done
 date -u | tee -a "$out/session.log"
