@@ -156,27 +156,26 @@ at::Tensor spmm_impl(const char* op, bool wgmma, const at::Tensor& x, const at::
   a.is_bf16 = dtype == at::kBFloat16;
   a.act = (int)act;
   const auto stream = c10::cuda::getCurrentCUDAStream().stream();
+  if (!wgmma) {
+    check_cuda(hf_sparse::spmm(a, stream), op);
+    return y;
+  }
+  hf_sparse::SpmmPlan plan;  // made once: it sizes the scratch below and the launch runs it
+  check_cuda(m == 4 ? hf_sparse::spmm_sm90_plan(a, &plan) : hf_sparse::spmm_vnm_sm90_plan(a, &plan), op);
   at::Tensor split_ws;  // split-K partial sums, alive until the launch is queued (the allocator orders reuse by stream)
-  if (wgmma) {
-    const int64_t floats = m == 4 ? hf_sparse::spmm_sm90_split_floats(a) : hf_sparse::spmm_vnm_sm90_split_floats(a);
-    a.split_counters = floats > 0 ? split_counters(x.device(), stream) : nullptr;
-    if (a.split_counters != nullptr) {
-      split_ws = at::empty({floats}, x.options().dtype(at::kFloat));
-      a.split_ws = split_ws.data_ptr<float>();
-    }
+  const int64_t floats = plan.split_floats();
+  a.split_counters = floats > 0 ? split_counters(x.device(), stream) : nullptr;
+  if (a.split_counters != nullptr) {
+    split_ws = at::empty({floats}, x.options().dtype(at::kFloat));
+    a.split_ws = split_ws.data_ptr<float>();
   }
   at::Tensor xt;  // X^T for the V:2:M kernel's X^T path, alive until the launches are queued
-  if (wgmma && m != 4) {
-    const int64_t elems = hf_sparse::spmm_vnm_sm90_xt_elems(a);
-    if (elems > 0) {
-      xt = at::empty({elems}, x.options());
-      a.xt = xt.data_ptr();
-    }
+  if (plan.xt) {
+    xt = at::empty({plan.xt_elems}, x.options());
+    a.xt = xt.data_ptr();
   }
-  // wgmma: plain 2:4 on spmm_sm90, V:2:M (m >= 8) on spmm_vnm_sm90 (the same packed layout over the kept columns)
-  check_cuda(wgmma ? (m == 4 ? hf_sparse::spmm_sm90(a, stream) : hf_sparse::spmm_vnm_sm90(a, stream))
-                   : hf_sparse::spmm(a, stream),
-             op);
+  // plain 2:4 on spmm_sm90, V:2:M (m >= 8) on spmm_vnm_sm90 (the same packed layout over the kept columns)
+  check_cuda(m == 4 ? hf_sparse::spmm_sm90(a, plan, stream) : hf_sparse::spmm_vnm_sm90(a, plan, stream), op);
   return y;
 }
 

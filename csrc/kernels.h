@@ -5,6 +5,8 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include "tile_config.h"
+
 namespace hf_sparse {
 
 struct SpmmArgs {
@@ -18,24 +20,37 @@ struct SpmmArgs {
   bool is_bf16;
   int act = 0;  // epilogue activation (common.cuh kActNone / kActGelu); only spmm_sm90 takes one other than none
   // Split-K scratch of the sparse-wgmma SpMMs (tile_config.h sm90_split_k): split_ws holds the fp32 partial sums,
-  // spmm_sm90_split_floats(args) of them (spmm_vnm_sm90_split_floats at V:2:M), no initial value needed;
+  // the call's SpmmPlan::split_floats() of them, no initial value needed;
   // split_counters kSplitKCounters ints, zero before the first launch and left zero by every launch, used by one
   // stream at a time. Null: the kernel does not split (the binding passes null while a CUDA graph is captured on a
   // stream that has no counters yet, which it cannot allocate and zero there).
   float* split_ws = nullptr;
   int* split_counters = nullptr;
-  // X^T scratch of the V:2:M sparse-wgmma SpMM's large-token path (tile_config.h sm90_vnm_xt):
-  // spmm_vnm_sm90_xt_elems(args) elements of x's dtype; null: that path is not taken.
+  // X^T scratch of the V:2:M sparse-wgmma SpMM's large-token path (tile_config.h sm90_vnm_xt): the call's
+  // SpmmPlan::xt_elems elements of x's dtype; required where the plan takes that path.
   void* xt = nullptr;
 };
 cudaError_t spmm(const SpmmArgs& args, cudaStream_t stream);
+
+// A sparse-wgmma SpMM call's plan (the rules of tile_config.h): its path, token width and split-K. Made once per call
+// by spmm_sm90_plan / spmm_vnm_sm90_plan, whose result the binding reads to size the call's scratch and hands to the
+// launch, so the two never disagree and the host works it out once.
+struct SpmmPlan {
+  bool few_token = false;  // 2:4: the few-token tiles; else the persistent configuration `config`
+  int config = 0;
+  bool xt = false;                // V:2:M: the X^T path (spmm_vnm_xt_sm90.cu); else the register pipeline
+  Sm90SplitPlan split{0, 1, 0};  // token width, split-K parts, tiles; the launch runs one split without scratch
+  int64_t xt_elems = 0;           // X^T scratch elements (x's dtype) where xt
+  int64_t split_floats() const { return split.scratch_floats(); }  // split-K scratch, fp32 elements (0: unsplit)
+};
+
 // Plain 2:4 (m == 4) SpMM with sparse wgmma (csrc/spmm_sm90.cu); same arguments and layout as spmm (columns
 // unused). Only where spmm_sm90_available(): current device cc 9.0 and the build included sm_90a
-// (HF_SPARSE_HAS_SM90A); otherwise it returns cudaErrorNoKernelImageForDevice.
+// (HF_SPARSE_HAS_SM90A), asked of the CUDA runtime once per device; otherwise it returns
+// cudaErrorNoKernelImageForDevice. `plan` is spmm_sm90_plan(args) (n_tokens > 0; an error from it is the device's).
 bool spmm_sm90_available();
-cudaError_t spmm_sm90(const SpmmArgs& args, cudaStream_t stream);
-// fp32 elements of split-K scratch spmm_sm90 needs for these arguments (0: it will not split).
-int64_t spmm_sm90_split_floats(const SpmmArgs& args);
+cudaError_t spmm_sm90_plan(const SpmmArgs& args, SpmmPlan* plan);
+cudaError_t spmm_sm90(const SpmmArgs& args, const SpmmPlan& plan, cudaStream_t stream);
 #if defined(HF_SPARSE_TIMELINE)
 // Timeline build only: the stamps of spmm_sm90's CTAs 0 .. ctas - 1 (rows of spmm_sm90_timeline_marks() u64; each
 // row the last call that ran that CTA, zero where none since the last read) into `host`, then every row zeroed; the
@@ -44,16 +59,16 @@ int spmm_sm90_timeline(unsigned long long* host, int ctas);
 int spmm_sm90_timeline_marks();
 #endif
 // V:2:M (m >= 8) SpMM with sparse wgmma (csrc/spmm_vnm_sm90.cu), gathering the kept columns of X into shared
-// memory; same arguments and layout as spmm, same availability as spmm_sm90.
-cudaError_t spmm_vnm_sm90(const SpmmArgs& args, cudaStream_t stream);
-int64_t spmm_vnm_sm90_split_floats(const SpmmArgs& args);  // as spmm_sm90_split_floats
-int64_t spmm_vnm_sm90_xt_elems(const SpmmArgs& args);      // X^T scratch elements it needs (0: not that path)
-// Its X^T path (csrc/spmm_vnm_xt_sm90.cu), which spmm_vnm_sm90 runs where args.xt is set and
-// spmm_vnm_sm90_takes_xt(args) (tile_config.h sm90_vnm_xt; the lab build's vnm_xt knob forces it on or off); the two
-// below are for such arguments only (spmm_vnm_sm90 and spmm_vnm_sm90_split_floats check that once).
+// memory, or through X^T where the plan says so; same arguments and layout as spmm, same availability as spmm_sm90.
+cudaError_t spmm_vnm_sm90_plan(const SpmmArgs& args, SpmmPlan* plan);
+cudaError_t spmm_vnm_sm90(const SpmmArgs& args, const SpmmPlan& plan, cudaStream_t stream);
+// Its X^T path (csrc/spmm_vnm_xt_sm90.cu), for spmm_vnm_sm90 and its plan: whether a call takes it (tile_config.h
+// sm90_vnm_xt; the lab build's vnm_xt knob forces it on or off), the path's tiles and split on `sms` SMs, its X^T
+// scratch, and its launch (a.xt set).
 bool spmm_vnm_sm90_takes_xt(const SpmmArgs& args);
-cudaError_t spmm_vnm_xt_sm90(const SpmmArgs& args, cudaStream_t stream);
-int64_t spmm_vnm_xt_sm90_split_floats(const SpmmArgs& args);
+Sm90SplitPlan spmm_vnm_xt_sm90_split(const SpmmArgs& args, int sms);
+int64_t spmm_vnm_xt_sm90_elems(const SpmmArgs& args);
+cudaError_t spmm_vnm_xt_sm90(const SpmmArgs& args, const SpmmPlan& plan, cudaStream_t stream);
 #if defined(HF_SPARSE_TIMELINE)
 // Timeline build only: the cycle counters (XtCounter in spmm_vnm_xt_sm90.cu, spmm_vnm_xt_sm90_timeline_counters() u64
 // per CTA) of the X^T path's CTAs 0 .. ctas - 1 (each row the last call that ran that CTA, zero where none since the

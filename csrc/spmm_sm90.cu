@@ -355,7 +355,7 @@ spmm_sm90_kernel(const T* __restrict__ x, const uint4* __restrict__ values, cons
 #endif
 }
 
-// splits > 1: split-K (a.split_ws / a.split_counters sized by spmm_sm90_split_floats; one split where they are null).
+// splits > 1: split-K (a.split_ws / a.split_counters sized by SpmmPlan::split_floats; one split where they are null).
 // tokens_fastest: token tiles vary fastest, so the CTAs of one row block run together and read its weight from DRAM
 // once (few-token tiles); otherwise row blocks vary fastest: CTAs resident together share a token tile of X (read once
 // from L2) and walk W.
@@ -993,28 +993,25 @@ bool encode_u32_rows_map(const void* base, int row_words, int n_rows, int box_wo
 // more stages at 16 tokens (a smaller X tile).
 template <int BN>
 using SmallCfg = Sm90Cfg<BN, 1, BN == 16 ? 6 : 4, 0, 0, kSm90SmallCtasPerSm>;
-// A call's plan, made in one place for the launch and for the split-K scratch the binding allocates before it: the
+// A call's plan (kernels.h SpmmPlan), made once for the split-K scratch the binding allocates and the launch: the
 // few-token tiles (sm90_small_plan) where sm90_few_token takes them, else a persistent configuration (sm90_large_plan),
 // with its split. In the lab build the small_tiles knob forces the few-token tiles up to 256 tokens, or never, and the
 // split_k knob the split.
-struct CallPlan {
-  bool few_token;
-  int config;  // the persistent configuration, where !few_token
-  Sm90SplitPlan split;
-};
-CallPlan plan_call(const SpmmArgs& a, int sms) {
+SpmmPlan plan_call(const SpmmArgs& a, int sms) {
   const long long k_tiles = (a.steps + 1) / 2;
   bool few_token = sm90_few_token(a.n_tokens);
 #if defined(HF_SPARSE_LAB)
   const int forced = lab::tuning().small_tiles.load(std::memory_order_relaxed);
   if (forced >= 0) few_token = forced == 1 && a.n_tokens <= 256;
 #endif
-  CallPlan p;
+  SpmmPlan p;
+  p.few_token = few_token;
   if (few_token) {
-    p = {true, 0, sm90_small_plan(a.rows_padded, a.n_tokens, k_tiles, sms)};
+    p.split = sm90_small_plan(a.rows_padded, a.n_tokens, k_tiles, sms);
   } else {
     const Sm90LargePlan large = sm90_large_plan(a.rows_padded, a.n_tokens, k_tiles, sms);
-    p = {false, large.config, large.split};
+    p.config = large.config;
+    p.split = large.split;
   }
 #if defined(HF_SPARSE_LAB)
   p.split.splits = lab::split_k_or(p.split.splits, p.split.tiles, k_tiles);
@@ -1025,7 +1022,7 @@ CallPlan plan_call(const SpmmArgs& a, int sms) {
 
 // Configs 13-27; fall back to config 4 where a tensor map of X or the weight cannot be made (as launch_sm90_tma
 // does), and the staged-epilogue configs (EPI_N > 0) to config 15 (19 for 128- or 192-token tiles) where Y's cannot.
-// splits > 1: split-K over the 128 x BN tiles (a.split_ws / a.split_counters sized for them by spmm_sm90_split_floats;
+// splits > 1: split-K over the 128 x BN tiles (a.split_ws / a.split_counters sized for them by SpmmPlan::split_floats;
 // one split where they are null, and in the clustered or skewed lab configurations); the fallbacks split only where
 // their tiles are the same (15 for 20), and run unsplit otherwise.
 template <typename T, int BN, int STAGES, int GROUP, int PERSIST, int SKEW = 0, int EPI_N = 0, int EPI_BUFS = 0,
@@ -1104,7 +1101,7 @@ cudaError_t launch_sm90_tma_a(const SpmmArgs& a, cudaStream_t stream, int splits
 // the persistent 2:4 configurations"). Their fallbacks: config 4 where a tensor map of X or the weight cannot be made,
 // 15 / 19 where Y's cannot (see launch_sm90_tma_a).
 template <typename T>
-cudaError_t launch_large(const SpmmArgs& a, cudaStream_t stream, const CallPlan& p) {
+cudaError_t launch_large(const SpmmArgs& a, cudaStream_t stream, const SpmmPlan& p) {
   switch (p.config) {
     case kSm90Config192: return launch_sm90_tma_a<T, 192, 5, 1, 1, 0, 96, 2>(a, stream, p.split.splits);  // 27
     case kSm90Config128: return launch_sm90_tma_a<T, 128, 7, 1, 1, 0, 64, 2>(a, stream, p.split.splits);  // 23
@@ -1163,17 +1160,13 @@ cudaError_t launch_lab(const SpmmArgs& a, cudaStream_t stream, int cfg) {
 #endif
 
 template <typename T>
-cudaError_t dispatch_bn(const SpmmArgs& a, cudaStream_t stream) {
+cudaError_t dispatch_bn(const SpmmArgs& a, const SpmmPlan& p, cudaStream_t stream) {
 #if defined(HF_SPARSE_LAB)
   // A configuration set in the lab runs at every token count where it can (the TMA ones, 6 and up: the tensor map
   // zero-fills missing tokens), so tests reach their tails; 0-5 are large-token tiles only.
   const int forced = lab::tuning().sm90_config.load(std::memory_order_relaxed);
   if (forced >= 6 || (forced >= 0 && a.n_tokens > 128)) return launch_lab<T>(a, stream, forced);
 #endif
-  int sms = 0;
-  const cudaError_t err = current_sm_count(&sms);
-  if (err != cudaSuccess) return err;
-  const CallPlan p = plan_call(a, sms);
   if (p.few_token) {
     if (p.split.bn == 16) return launch_sm90<T, SmallCfg<16>>(a, stream, p.split.splits, true);
 #if defined(HF_SPARSE_LAB)
@@ -1188,20 +1181,31 @@ cudaError_t dispatch_bn(const SpmmArgs& a, cudaStream_t stream) {
 
 bool spmm_sm90_available() {
 #if defined(HF_SPARSE_HAS_SM90A)
-  int dev = 0, major = 0, minor = 0;
+  static std::atomic<int> known[kMaxCachedDevices];  // 0: not asked yet, 1: cc 9.0, 2: another
+  int dev = 0;
   if (cudaGetDevice(&dev) != cudaSuccess) return false;
+  const bool cached = dev >= 0 && dev < kMaxCachedDevices;
+  const int k = cached ? known[dev].load(std::memory_order_relaxed) : 0;
+  if (k != 0) return k == 1;
+  int major = 0, minor = 0;
   if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) return false;
   if (cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) != cudaSuccess) return false;
-  return major == 9 && minor == 0;
+  const bool sm90 = major == 9 && minor == 0;
+  if (cached) known[dev].store(sm90 ? 1 : 2, std::memory_order_relaxed);
+  return sm90;
 #else
   return false;
 #endif
 }
 
-int64_t spmm_sm90_split_floats(const SpmmArgs& a) {
+cudaError_t spmm_sm90_plan(const SpmmArgs& a, SpmmPlan* plan) {
+  *plan = SpmmPlan{};
+  if (a.m != 4) return cudaErrorInvalidValue;
+  if (a.n_tokens <= 0) return cudaSuccess;  // nothing to launch
   int sms = 0;
-  if (a.m != 4 || a.n_tokens <= 0 || current_sm_count(&sms) != cudaSuccess) return 0;  // (the launch reports an error)
-  return plan_call(a, sms).split.scratch_floats();
+  const cudaError_t err = current_sm_count(&sms);
+  if (err == cudaSuccess) *plan = plan_call(a, sms);
+  return err;
 }
 
 #if defined(HF_SPARSE_TIMELINE)
@@ -1209,11 +1213,12 @@ int spmm_sm90_timeline(unsigned long long* host, int ctas) { return read_and_cle
 int spmm_sm90_timeline_marks() { return kTimelineMarks; }
 #endif
 
-cudaError_t spmm_sm90(const SpmmArgs& a, cudaStream_t stream) {
+cudaError_t spmm_sm90(const SpmmArgs& a, const SpmmPlan& plan, cudaStream_t stream) {
   if (a.m != 4) return cudaErrorInvalidValue;
   if (!spmm_sm90_available()) return cudaErrorNoKernelImageForDevice;
   if (a.n_tokens == 0) return cudaSuccess;
-  return a.is_bf16 ? dispatch_bn<__nv_bfloat16>(a, stream) : dispatch_bn<__half>(a, stream);
+  if (plan.split.tiles <= 0) return cudaErrorInvalidValue;  // not spmm_sm90_plan's plan of these arguments
+  return a.is_bf16 ? dispatch_bn<__nv_bfloat16>(a, plan, stream) : dispatch_bn<__half>(a, plan, stream);
 }
 
 }  // namespace hf_sparse

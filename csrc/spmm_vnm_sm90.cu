@@ -709,9 +709,7 @@ int vnm_bn(const SpmmArgs& a) {
 #endif
   return bn;
 }
-Sm90SplitPlan vnm_plan(const SpmmArgs& a) {
-  int sms = 0;
-  if (current_sm_count(&sms) != cudaSuccess) sms = 0;  // no split (the launch reports the error)
+Sm90SplitPlan vnm_plan(const SpmmArgs& a, int sms) {
   const int bn = vnm_bn(a);
   Sm90SplitPlan p = sm90_split_plan(a.rows_padded, a.n_tokens, bn, (a.steps + 1) / 2, sms, vnm_ctas_per_sm(bn),
                                     kVnmSplitMinKTiles);
@@ -737,13 +735,13 @@ cudaError_t launch_unsplit(const SpmmArgs& a, cudaStream_t stream, int threads, 
 }
 
 template <typename T, int M, int BN, bool PF>
-cudaError_t launch_vnm(const SpmmArgs& a, cudaStream_t stream) {
+cudaError_t launch_vnm(const SpmmArgs& a, const SpmmPlan& plan, cudaStream_t stream) {
   using Cfg = VnmCfg<M, BN>;
   constexpr auto kernel = spmm_vnm_sm90_kernel<T, M, BN, PF>;
   cudaError_t err = raise_smem_limit_once<kernel>(Cfg::SMEM);
   if (err != cudaSuccess) return err;
   // Row blocks vary fastest: CTAs resident together share a token tile of X (read once from L2) and walk W.
-  const int splits = a.split_ws != nullptr && a.split_counters != nullptr ? vnm_plan(a).splits : 1;  // see SpmmArgs
+  const int splits = a.split_ws != nullptr && a.split_counters != nullptr ? plan.split.splits : 1;  // see SpmmArgs
   const dim3 grid((a.rows_padded + 127) / 128, (a.n_tokens + BN - 1) / BN, splits);
   if (grid.y > 65535) return cudaErrorInvalidConfiguration;  // the binding slices larger inputs
   const int k_tiles = (a.steps + 1) / 2, kt_per_split = (k_tiles + splits - 1) / splits;
@@ -761,13 +759,13 @@ cudaError_t launch_vnm(const SpmmArgs& a, cudaStream_t stream) {
 // warp-specialised (at 64 tokens and more), 4 = 3 with the slab-pair gather (M = 8); what they measured is in
 // benchmarks/RESULTS.md. 256-row warp-specialised CTAs (four producer warpgroups) were slower than 3 and are not kept.
 template <typename T, int M, int BN, int S>
-cudaError_t launch_pipe(const SpmmArgs& a, cudaStream_t stream) {
+cudaError_t launch_pipe(const SpmmArgs& a, const SpmmPlan& plan, cudaStream_t stream) {
 #if defined(HF_SPARSE_LAB)
   const int pipe = lab::tuning().vnm_pipe.load(std::memory_order_relaxed);
   if (pipe == 1 && 2 * 8 * a.steps * 4 <= (16 << 10))
     return launch_unsplit<T, BN, spmm_vnm_sm90_staged_kernel<T, M, BN, S>>(a, stream, kVnmThreads,
                                                                            VnmStagedCfg<M, BN, S>::SMEM);
-  if (pipe == 2) return launch_vnm<T, M, BN, true>(a, stream);
+  if (pipe == 2) return launch_vnm<T, M, BN, true>(a, plan, stream);
   if (pipe == 4 && M == 8 && a.n_tokens >= 64)
     return launch_unsplit<T, BN, spmm_vnm_sm90_ws_kernel<T, M, BN, 4, M == 8>>(a, stream, kWsThreads,
                                                                              VnmWsCfg<M, BN, 4>::SMEM);
@@ -775,41 +773,50 @@ cudaError_t launch_pipe(const SpmmArgs& a, cudaStream_t stream) {
     return launch_unsplit<T, BN, spmm_vnm_sm90_ws_kernel<T, M, BN, 4, false>>(a, stream, kWsThreads,
                                                                             VnmWsCfg<M, BN, 4>::SMEM);
 #endif
-  return launch_vnm<T, M, BN, false>(a, stream);
+  return launch_vnm<T, M, BN, false>(a, plan, stream);
 }
 
 template <typename T, int M>
-cudaError_t dispatch_tile(const SpmmArgs& a, cudaStream_t stream) {
-  const int bn = vnm_bn(a);
-  if (bn == 16) return launch_vnm<T, M, 16, false>(a, stream);  // the register pipeline only
-  if (bn == 32) return launch_vnm<T, M, 32, false>(a, stream);
+cudaError_t dispatch_tile(const SpmmArgs& a, const SpmmPlan& plan, cudaStream_t stream) {
+  const int bn = plan.split.bn;
+  if (bn == 16) return launch_vnm<T, M, 16, false>(a, plan, stream);  // the register pipeline only
+  if (bn == 32) return launch_vnm<T, M, 32, false>(a, plan, stream);
   if constexpr (M == 8) {
 #if defined(HF_SPARSE_LAB)
-    if (bn == 64) return launch_pipe<T, M, 64, 3>(a, stream);  // vnm_tile = 64
+    if (bn == 64) return launch_pipe<T, M, 64, 3>(a, plan, stream);  // vnm_tile = 64
 #endif
-    return launch_pipe<T, M, 128, 3>(a, stream);
+    return launch_pipe<T, M, 128, 3>(a, plan, stream);
   }
-  return launch_pipe<T, M, 64, 4>(a, stream);
+  return launch_pipe<T, M, 64, 4>(a, plan, stream);
 }
 
 template <typename T>
-cudaError_t dispatch_m(const SpmmArgs& a, cudaStream_t stream) {
-  return with_group_size<8>(a.m, [&](auto m) { return dispatch_tile<T, decltype(m)::value>(a, stream); });
+cudaError_t dispatch_m(const SpmmArgs& a, const SpmmPlan& plan, cudaStream_t stream) {
+  return with_group_size<8>(a.m, [&](auto m) { return dispatch_tile<T, decltype(m)::value>(a, plan, stream); });
 }
 
 }  // namespace
 
-int64_t spmm_vnm_sm90_split_floats(const SpmmArgs& a) {
-  if (a.m < 8 || a.n_tokens <= 0) return 0;
-  return spmm_vnm_sm90_takes_xt(a) ? spmm_vnm_xt_sm90_split_floats(a) : vnm_plan(a).scratch_floats();
+cudaError_t spmm_vnm_sm90_plan(const SpmmArgs& a, SpmmPlan* plan) {
+  *plan = SpmmPlan{};
+  if (a.m < 8) return cudaErrorInvalidValue;
+  if (a.n_tokens <= 0) return cudaSuccess;  // nothing to launch
+  int sms = 0;
+  const cudaError_t err = current_sm_count(&sms);
+  if (err != cudaSuccess) return err;
+  plan->xt = spmm_vnm_sm90_takes_xt(a);
+  plan->split = plan->xt ? spmm_vnm_xt_sm90_split(a, sms) : vnm_plan(a, sms);
+  plan->xt_elems = plan->xt ? spmm_vnm_xt_sm90_elems(a) : 0;
+  return cudaSuccess;
 }
 
-cudaError_t spmm_vnm_sm90(const SpmmArgs& a, cudaStream_t stream) {
+cudaError_t spmm_vnm_sm90(const SpmmArgs& a, const SpmmPlan& plan, cudaStream_t stream) {
   if (a.m < 8) return cudaErrorInvalidValue;
   if (!spmm_sm90_available()) return cudaErrorNoKernelImageForDevice;
   if (a.n_tokens == 0) return cudaSuccess;
-  if (a.xt != nullptr && spmm_vnm_sm90_takes_xt(a)) return spmm_vnm_xt_sm90(a, stream);
-  return a.is_bf16 ? dispatch_m<__nv_bfloat16>(a, stream) : dispatch_m<__half>(a, stream);
+  if (plan.split.tiles <= 0 || (plan.xt && a.xt == nullptr)) return cudaErrorInvalidValue;  // see spmm_vnm_sm90_plan
+  if (plan.xt) return spmm_vnm_xt_sm90(a, plan, stream);
+  return a.is_bf16 ? dispatch_m<__nv_bfloat16>(a, plan, stream) : dispatch_m<__half>(a, plan, stream);
 }
 
 }  // namespace hf_sparse

@@ -1,7 +1,8 @@
-// The V:2:M sparse-wgmma SpMM's X^T path (sm_90a only; spmm_vnm_sm90 takes it where spmm_vnm_sm90_takes_xt, from
-// tile_config.h sm90_vnm_xt): X transposed first (X^T, K rows x ld tokens, token-contiguous), so a kept column is
-// one contiguous row and only the kept columns cross L2 -> SM. Same arguments and layouts as spmm_vnm_sm90.cu (the
-// packed V:2:M weight: the 2:4 layout over the 4 kept columns of each group, per 64-row slab).
+// The V:2:M sparse-wgmma SpMM's X^T path (sm_90a only; spmm_vnm_sm90 takes it where its plan says so:
+// spmm_vnm_sm90_takes_xt, from tile_config.h sm90_vnm_xt): X transposed first (X^T, K rows x ld tokens,
+// token-contiguous), so a kept column is one contiguous row and only the kept columns cross L2 -> SM. Same arguments
+// and layouts as spmm_vnm_sm90.cu (the packed V:2:M weight: the 2:4 layout over the 4 kept columns of each group, per
+// 64-row slab).
 //
 // Why: gathering 4 of every M columns out of row-major X brings every raw byte through L2 -> SM (32-byte sectors
 // hold 16 columns), which is what bounds a row-major V:2:M kernel: at M = 8 a k-tile then moves 1.12x fewer bytes
@@ -189,7 +190,7 @@ spmm_vnm_sm90_xt_kernel(const T* __restrict__ xt, int ld, const uint4* __restric
       // lane l rows 16w + 4s + l / 8 for s = 0..3 (group 4w + s, kept column l / 8), 16-byte chunks l % 8 + 8q of
       // them (q < BLOCKS: tokens 64q ..): a warp instruction covers 4 rows x 128 contiguous bytes, and each lane works
       // out 4 row addresses per step. Chunks past X^T's tokens copy 0 bytes (zero fill) from addresses inside its
-      // padding (spmm_vnm_sm90_xt_elems).
+      // padding (spmm_vnm_xt_sm90_elems).
       const int kept = lane >> 3, part = lane & 7;
       const int n = n_base + part * 8;  // the first token of this lane's chunks (+ 64q)
       uint32_t bytes[BLOCKS], dst_off[4];
@@ -393,18 +394,6 @@ spmm_vnm_sm90_xt_kernel(const T* __restrict__ xt, int ld, const uint4* __restric
 // X^T's leading dimension: the tokens rounded up to 8 (16-byte rows).
 inline int xt_ld(const SpmmArgs& a) { return (a.n_tokens + 7) / 8 * 8; }
 
-// The X^T path's work units: 128-row x (256 or 128)-token tiles, each split along K (tile_config.h
-// sm90_vnm_xt_plan; the launch takes 1 split where the binding passed no split-K scratch).
-Sm90SplitPlan xt_plan(const SpmmArgs& a) {
-  int sms = 0;
-  if (current_sm_count(&sms) != cudaSuccess) sms = 0;  // no split (the launch reports the error)
-  Sm90SplitPlan p = sm90_vnm_xt_plan(a.rows_padded, a.n_tokens, (a.steps + 1) / 2, sms);
-#if defined(HF_SPARSE_LAB)
-  p.splits = lab::split_k_or(p.splits, p.tiles, (a.steps + 1) / 2);
-#endif
-  return p;
-}
-
 template <typename T, int M, int BN>
 cudaError_t launch_xt(const SpmmArgs& a, const Sm90SplitPlan& plan, cudaStream_t stream) {
   constexpr auto kernel = spmm_vnm_sm90_xt_kernel<T, M, BN>;
@@ -429,14 +418,13 @@ cudaError_t launch_xt(const SpmmArgs& a, const Sm90SplitPlan& plan, cudaStream_t
 }
 
 template <typename T, int M>
-cudaError_t dispatch_width(const SpmmArgs& a, cudaStream_t stream) {
-  const Sm90SplitPlan plan = xt_plan(a);
+cudaError_t dispatch_width(const SpmmArgs& a, const Sm90SplitPlan& plan, cudaStream_t stream) {
   return plan.bn == kVnmXtBN ? launch_xt<T, M, kVnmXtBN>(a, plan, stream) : launch_xt<T, M, 128>(a, plan, stream);
 }
 
 template <typename T>
-cudaError_t dispatch_m(const SpmmArgs& a, cudaStream_t stream) {
-  return with_group_size<8>(a.m, [&](auto m) { return dispatch_width<T, decltype(m)::value>(a, stream); });
+cudaError_t dispatch_m(const SpmmArgs& a, const Sm90SplitPlan& plan, cudaStream_t stream) {
+  return with_group_size<8>(a.m, [&](auto m) { return dispatch_width<T, decltype(m)::value>(a, plan, stream); });
 }
 
 }  // namespace
@@ -451,7 +439,15 @@ bool spmm_vnm_sm90_takes_xt(const SpmmArgs& a) {
   return sm90_vnm_xt(a.m, a.n_tokens, a.rows);
 }
 
-int64_t spmm_vnm_xt_sm90_split_floats(const SpmmArgs& a) { return xt_plan(a).scratch_floats(); }
+// The X^T path's work units: 128-row x (256 or 128)-token tiles, each split along K (tile_config.h
+// sm90_vnm_xt_plan; the launch takes 1 split where the binding passed no split-K scratch).
+Sm90SplitPlan spmm_vnm_xt_sm90_split(const SpmmArgs& a, int sms) {
+  Sm90SplitPlan p = sm90_vnm_xt_plan(a.rows_padded, a.n_tokens, (a.steps + 1) / 2, sms);
+#if defined(HF_SPARSE_LAB)
+  p.splits = lab::split_k_or(p.splits, p.tiles, (a.steps + 1) / 2);
+#endif
+  return p;
+}
 
 #if defined(HF_SPARSE_TIMELINE)
 int spmm_vnm_xt_sm90_timeline(unsigned long long* host, int ctas) {
@@ -460,14 +456,13 @@ int spmm_vnm_xt_sm90_timeline(unsigned long long* host, int ctas) {
 int spmm_vnm_xt_sm90_timeline_counters() { return kXtCounters; }
 #endif
 
-int64_t spmm_vnm_sm90_xt_elems(const SpmmArgs& a) {
-  if (!spmm_vnm_sm90_takes_xt(a)) return 0;
+int64_t spmm_vnm_xt_sm90_elems(const SpmmArgs& a) {
   return (int64_t)a.k * xt_ld(a) + kVnmXtBN;  // + a tile's tokens: the zero-byte copies past the last row stay inside
 }
 
-cudaError_t spmm_vnm_xt_sm90(const SpmmArgs& a, cudaStream_t stream) {
-  if (a.xt == nullptr) return cudaErrorInvalidValue;
-  return a.is_bf16 ? dispatch_m<__nv_bfloat16>(a, stream) : dispatch_m<__half>(a, stream);
+cudaError_t spmm_vnm_xt_sm90(const SpmmArgs& a, const SpmmPlan& plan, cudaStream_t stream) {
+  if (a.xt == nullptr || !plan.xt) return cudaErrorInvalidValue;
+  return a.is_bf16 ? dispatch_m<__nv_bfloat16>(a, plan.split, stream) : dispatch_m<__half>(a, plan.split, stream);
 }
 
 }  // namespace hf_sparse
