@@ -7,7 +7,8 @@
 # TESTS: the pytest arguments of the GPU tests, as a shell command line ("" for none; "tests/" for the whole suite;
 # quote a -k expression inside it: "tests/ops -k 'split and not vnm'"). LIMIT: seconds the whole call may take
 # (default 570, under the device's 600 s a command). Each stage is killed 10 s before the limit, so the files under
-# $OUT still come back. The build goes to .carry/build (HF_SPARSE_BUILD_DIR), which a warm machine keeps
+# $OUT still come back; it is killed with SIGABRT, on which Python (PYTHONFAULTHANDLER) prints every thread's stack, so
+# a run that hung says where. The build goes to .carry/build (HF_SPARSE_BUILD_DIR), which a warm machine keeps
 # between calls. Example:
 #
 #   bash benchmarks/gpu_session.sh "tests/" \
@@ -29,7 +30,7 @@ mkdir -p "$out"
 root=$PWD
 export PYTHONPATH=$root PYTHONUNBUFFERED=1 HF_SPARSE_BUILD_DIR=${HF_SPARSE_BUILD_DIR:-$root/.carry/build}
 export HF_SPARSE_CUDA_ARCH_LIST=${HF_SPARSE_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16}
-export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONFAULTHANDLER=1
 base=${BASE:-}
 if [ -n "$base" ]; then
   base=$(cd "$base" && pwd) || exit 2
@@ -59,7 +60,7 @@ shift || true
 if [ -n "$tests" ]; then
   s=$(date +%s)
   # TESTS is parsed as a shell command line, so a quoted -k expression stays one argument
-  timeout $(($(left) - 10)) bash -c "python -m pytest -q -m gpu $tests -p no:cacheprovider -rfE" 2>&1 |
+  timeout -s ABRT -k 5 $(($(left) - 10)) bash -c "python -m pytest -q -m gpu $tests -p no:cacheprovider -rfE" 2>&1 |
     tee "$out/gputests.log" | tail -25
   echo "GPU tests: $(($(date +%s) - s)) s" | tee -a "$out/session.log"
 fi
@@ -86,6 +87,6 @@ for ((j = 0; j < n; j++)); do
   echo "== $head ($(left) s left, this run ${budget} s, $(date -u +%H:%M:%S))" | tee -a "$out/session.log" "$out/bench.log"
   on=()  # this checkout: as exported above
   [ "$tree" = base ] && on=(on_base)
-  "${on[@]}" timeout $((budget - 10)) bash -c "$stage" 2>&1 | tee -a "$out/bench.log" | grep -v '^\s*$' | tail -30
+  "${on[@]}" timeout -s ABRT -k 5 $((budget - 10)) bash -c "$stage" 2>&1 | tee -a "$out/bench.log" | grep -v '^\s*$' | tail -30
 done
 date -u | tee -a "$out/session.log"
