@@ -41,6 +41,10 @@ start=$(date +%s)
 left() { echo $((${LIMIT:-570} - ($(date +%s) - start))); }
 # Runs its arguments with the base tree's package and kernels in place of this checkout's.
 on_base() { PYTHONPATH=$base HF_SPARSE_BUILD_DIR=$base_build "$@"; }
+# Removes torch's build locks under $HF_SPARSE_BUILD_DIR. A run killed while it loads the extension leaves its lock
+# behind, and every later load of that tree then waits on it for ever; runs are sequential, so once one has ended no
+# load holds a lock.
+clear_locks() { rm -f "$HF_SPARSE_BUILD_DIR"/*/lock; }
 
 {
   date -u
@@ -62,6 +66,7 @@ if [ -n "$tests" ]; then
   # TESTS is parsed as a shell command line, so a quoted -k expression stays one argument
   timeout -s ABRT -k 5 $(($(left) - 10)) bash -c "python -m pytest -q -m gpu $tests -p no:cacheprovider -rfE" 2>&1 |
     tee "$out/gputests.log" | tail -25
+  clear_locks
   echo "GPU tests: $(($(date +%s) - s)) s" | tee -a "$out/session.log"
 fi
 runs=()  # (stage, tree, round) in the order they run
@@ -88,5 +93,6 @@ for ((j = 0; j < n; j++)); do
   on=()  # this checkout: as exported above
   [ "$tree" = base ] && on=(on_base)
   "${on[@]}" timeout -s ABRT -k 5 $((budget - 10)) bash -c "$stage" 2>&1 | tee -a "$out/bench.log" | grep -v '^\s*$' | tail -30
+  "${on[@]}" clear_locks
 done
 date -u | tee -a "$out/session.log"

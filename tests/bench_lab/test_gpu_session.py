@@ -1,6 +1,7 @@
 """CPU: ``benchmarks/gpu_session.sh``'s order of work, with stand-ins for ``python`` and ``nvidia-smi`` on PATH. With
 BASE, both trees' kernels are built, and each stage runs on each tree in turn (base first) with that tree's package
-and build directory, ROUNDS times; without it each stage runs once on this checkout."""
+and build directory, ROUNDS times; without it each stage runs once on this checkout. A run that ends while holding
+torch's build lock (killed in its load) does not leave it for the next run of its tree."""
 
 from __future__ import annotations
 
@@ -90,3 +91,14 @@ def test_a_base_without_the_package_is_refused(tmp_path):
     assert done.returncode == 2
     assert "holds no hf_sparse/ and csrc/" in done.stderr
     assert not (tmp_path / "out" / "bench.log").exists()
+
+
+def test_a_build_lock_left_by_a_run_is_gone_before_the_next_run(tmp_path):
+    # each run of the first stage leaves its tree's lock, as a run killed in torch's build does; the second stage
+    # reports whether its tree's lock is there when it starts
+    leave = 'mkdir -p "$HF_SPARSE_BUILD_DIR/hf_sparse_C" && touch "$HF_SPARSE_BUILD_DIR/hf_sparse_C/lock"; exit 134'
+    look = 'if [ -e "$HF_SPARSE_BUILD_DIR/hf_sparse_C/lock" ]; then echo "lock there"; else echo "no lock"; fi'
+    done = _run(tmp_path, leave, look, BASE=str(_base_tree(tmp_path)), ROUNDS="1")
+    assert done.returncode == 0, done.stderr
+    bench = (tmp_path / "out" / "bench.log").read_text()
+    assert re.findall(r"^(lock there|no lock)$", bench, flags=re.M) == ["no lock", "no lock"]
