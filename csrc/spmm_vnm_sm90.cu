@@ -814,8 +814,8 @@ cudaError_t spmm_vnm_sm90(const SpmmArgs& a, const SpmmPlan& plan, cudaStream_t 
   if (a.m < 8) return cudaErrorInvalidValue;
   if (!spmm_sm90_available()) return cudaErrorNoKernelImageForDevice;
   if (a.n_tokens == 0) return cudaSuccess;
-  if (plan.split.tiles <= 0 || (plan.xt && a.xt == nullptr)) return cudaErrorInvalidValue;  // see spmm_vnm_sm90_plan
-  if (plan.xt) return spmm_vnm_xt_sm90(a, plan, stream);
+  if (plan.split.tiles <= 0) return cudaErrorInvalidValue;  // not spmm_vnm_sm90_plan's plan of these arguments
+  if (plan.xt) return spmm_vnm_xt_sm90(a, plan, stream);     // (which refuses a call without its X^T scratch)
   return a.is_bf16 ? dispatch_m<__nv_bfloat16>(a, plan, stream) : dispatch_m<__half>(a, plan, stream);
 }
 
