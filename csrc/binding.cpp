@@ -38,8 +38,9 @@ int64_t lab_set(const std::string& name, int64_t value) {
   HF_CHECK(name != "sm90_config" || (value >= -1 && value < hf_sparse::lab::kSm90Configs),
               "hf_sparse.lab_set: sm90_config=", value, " is not -1 (the product's choice) or 0..",
               hf_sparse::lab::kSm90Configs - 1);
-  HF_CHECK(name != "vnm_pipe" || (value >= 0 && value <= 4), "hf_sparse.lab_set: vnm_pipe=", value,
-              " is not 0 (the product's register pipeline) or 1..4 (csrc/lab.h)");
+  HF_CHECK(name != "vnm_pipe" || (value >= 0 && value < hf_sparse::lab::kVnmPipes), "hf_sparse.lab_set: vnm_pipe=",
+              value, " is not 0 (the product's register pipeline) or 1..", hf_sparse::lab::kVnmPipes - 1,
+              " (csrc/lab.h)");
   HF_CHECK(name != "vnm_xt" || (value >= -1 && value <= 1), "hf_sparse.lab_set: vnm_xt=", value,
               " is not -1 (the product's rule), 0 (never) or 1 (always)");
   return knob->exchange((int)value);

@@ -45,6 +45,7 @@ inline Tuning& tuning() {
 }
 
 constexpr int kSm90Configs = 36;
+constexpr int kVnmPipes = 5;  // vnm_pipe takes 0 .. kVnmPipes - 1 (Tuning::vnm_pipe)
 
 // The split count of a split-K plan: the product's (`product`), or split_k where set, capped as sm90_split_k caps it
 // (<= kSplitKMax, >= one k-tile per split, no split left empty, no split above kSplitKCounters tiles).
