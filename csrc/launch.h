@@ -51,24 +51,33 @@ cudaError_t raise_smem_limit_once(int smem) {
   return err;
 }
 
-// The current device's number of SMs in *sms, queried once per device.
-inline cudaError_t current_sm_count(int* sms) {
-  static std::atomic<int> counts[kMaxCachedDevices];  // 0: not queried yet
+// A per-device fact, asked of the CUDA runtime once per device: *value = what query(dev, &v) put in v for the current
+// device, kept in `memo` (zero-initialised static storage; 0: not asked yet) where the query succeeded with v > 0. An
+// error is returned and asked again next time.
+template <typename Query>
+cudaError_t once_per_device(std::atomic<int> (&memo)[kMaxCachedDevices], int* value, Query query) {
   int dev = 0;
   cudaError_t err = cudaGetDevice(&dev);
   if (err != cudaSuccess) return err;
   const bool cached = dev >= 0 && dev < kMaxCachedDevices;
-  const int known = cached ? counts[dev].load(std::memory_order_relaxed) : 0;
+  const int known = cached ? memo[dev].load(std::memory_order_relaxed) : 0;
   if (known > 0) {
-    *sms = known;
+    *value = known;
     return cudaSuccess;
   }
-  int n = 0;
-  err = cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev);
+  int v = 0;
+  err = query(dev, &v);
   if (err != cudaSuccess) return err;
-  if (cached) counts[dev].store(n, std::memory_order_relaxed);
-  *sms = n;
+  if (cached) memo[dev].store(v, std::memory_order_relaxed);
+  *value = v;
   return cudaSuccess;
+}
+
+// The current device's number of SMs in *sms, queried once per device.
+inline cudaError_t current_sm_count(int* sms) {
+  static std::atomic<int> counts[kMaxCachedDevices];
+  return once_per_device(counts, sms,
+                         [](int dev, int* n) { return cudaDeviceGetAttribute(n, cudaDevAttrMultiProcessorCount, dev); });
 }
 
 #if defined(HF_SPARSE_TIMELINE)

@@ -1181,18 +1181,16 @@ cudaError_t dispatch_bn(const SpmmArgs& a, const SpmmPlan& p, cudaStream_t strea
 
 bool spmm_sm90_available() {
 #if defined(HF_SPARSE_HAS_SM90A)
-  static std::atomic<int> known[kMaxCachedDevices];  // 0: not asked yet, 1: cc 9.0, 2: another
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess) return false;
-  const bool cached = dev >= 0 && dev < kMaxCachedDevices;
-  const int k = cached ? known[dev].load(std::memory_order_relaxed) : 0;
-  if (k != 0) return k == 1;
-  int major = 0, minor = 0;
-  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) return false;
-  if (cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) != cudaSuccess) return false;
-  const bool sm90 = major == 9 && minor == 0;
-  if (cached) known[dev].store(sm90 ? 1 : 2, std::memory_order_relaxed);
-  return sm90;
+  static std::atomic<int> known[kMaxCachedDevices];  // 1: cc 9.0, 2: another
+  int k = 0;
+  const cudaError_t err = once_per_device(known, &k, [](int dev, int* out) {
+    int major = 0, minor = 0;
+    cudaError_t e = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+    if (e == cudaSuccess) e = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev);
+    *out = major == 9 && minor == 0 ? 1 : 2;
+    return e;
+  });
+  return err == cudaSuccess && k == 1;
 #else
   return false;
 #endif
