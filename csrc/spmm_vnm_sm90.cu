@@ -699,9 +699,9 @@ spmm_vnm_sm90_ws_kernel(const T* __restrict__ x, const uint4* __restrict__ value
 #endif  // HF_SPARSE_LAB
 
 // Tokens per CTA (tile_config.h sm90_vnm_bn; the lab's vnm_tile = 64 forces 64 above 64 tokens at M = 8), and the
-// split-K plan of the register pipeline (sm90_split_k: one round of CTA slots for the 16-token tile, three per SM; the
-// least per-SM work for the larger ones, one per SM). At few tokens a CTA waits about one L2/DRAM round trip per
-// k-tile, so its time is its number of k-tiles, which the splits divide.
+// split-K plan of the register pipeline (sm90_split_k: the least work in rounds of CTA slots, vnm_ctas_per_sm per SM).
+// At few tokens a CTA waits about one L2/DRAM round trip per k-tile, so its time is its number of k-tiles, which the
+// splits divide.
 int vnm_bn(const SpmmArgs& a) {
   const int bn = sm90_vnm_bn(a.m, a.n_tokens);
 #if defined(HF_SPARSE_LAB)

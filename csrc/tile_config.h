@@ -91,14 +91,14 @@ inline int sm90_large_config(long long rows_padded, long long n_tokens, int sms)
 // Where the tiles cannot keep every SM busy, each tile's k-tiles are split over sm90_split_k CTAs, each k range at
 // least kSplitKMinKTiles k-tiles (64 condensed columns each) long (kVnmSplitMinKTiles for the V:2:M kernel, whose
 // every k-tile waits about one memory round trip); the last CTA of a tile to finish adds every CTA's fp32 partial
-// sums, in split order, and stores it. How many splits depends on how the CTAs share an SM:
-//  * several CTAs per SM (the 2:4 few-token tiles: two; the V:2:M 16-token tile: three, its 32-token tile: two): as
-//    many splits as fill the CTA slots (SMs x CTAs per SM) in one round. CTAs resident together hide each other's
-//    memory waits, so one full round is what pays; a second round of the same CTAs costs about as much again.
-//  * one CTA per SM (the V:2:M 64- and 128-token tiles): each SM's time is its CTAs one after another, each its
-//    k-tiles plus a fixed cost of about kSplitKFixedKTiles k-tiles (pipeline fill, partial sums, epilogue): the count
-//    with the least ceil(tiles x splits / SMs) x (k-tiles per split + kSplitKFixedKTiles), fewer splits on a tie.
-//    E.g. 80 tiles of 108 k-tiles on 132 SMs: 1 split 1 x 112, 2 splits 2 x 58, 3 splits 2 x 40: 3.
+// sums, in split order, and stores it. The CTAs run in rounds of CTA slots (SMs x CTAs per SM: two for the 2:4
+// few-token tiles, three for the V:2:M 16-token tile, two for its 32-token tile, one for its 64- and 128-token
+// tiles), and a round takes about as long as its CTAs' k-tiles plus a fixed cost of about kSplitKFixedKTiles k-tiles
+// (pipeline fill, partial sums, epilogue), however full the round is: the count is the one with the least
+// ceil(tiles x splits / slots) x (k-tiles per split + kSplitKFixedKTiles), fewer splits on a tie. A round left
+// part-empty is what this weighs: e.g. 224 tiles of 32 k-tiles on 396 slots (8192 -> 28672 at M = 16, 1-16 tokens)
+// fill 57% of one round unsplit (1 x 36) but 85% of two in 3 splits (2 x 15): 3. E.g. 80 tiles of 108 k-tiles on
+// 132 slots: 1 split 1 x 112, 2 splits 2 x 58, 3 splits 2 x 40: 3.
 // benchmarks/sweep_split_k.py measures every split count (the figures: benchmarks/RESULTS.md).
 // kSplitKCounters bounds the tiles of a split launch (one arrival counter each, kept zero between launches by the last
 // CTA).
@@ -141,15 +141,11 @@ inline int sm90_split_k(long long tiles, long long k_tiles, int sms, int ctas_pe
   if (tiles <= 0 || tiles > kSplitKCounters || sms <= 0) return 1;
   long long most = k_tiles / min_k_tiles;
   if (most > kSplitKMax) most = kSplitKMax;
-  if (most <= 1) return 1;
-  if (ctas_per_sm > 1) {
-    const long long s = (long long)sms * ctas_per_sm / tiles;
-    return s <= 1 ? 1 : (int)sm90_splits_without_empty(k_tiles, s < most ? s : most);
-  }
+  const long long slots = (long long)sms * (ctas_per_sm > 1 ? ctas_per_sm : 1);
   long long best = 1, best_cost = -1;
   for (long long s = 1; s <= most; ++s) {
     const long long n = sm90_splits_without_empty(k_tiles, s), per = (k_tiles + n - 1) / n;
-    const long long cost = (tiles * n + sms - 1) / sms * (per + kSplitKFixedKTiles);
+    const long long cost = (tiles * n + slots - 1) / slots * (per + kSplitKFixedKTiles);
     if (best_cost < 0 || cost < best_cost) best = n, best_cost = cost;
   }
   return (int)best;

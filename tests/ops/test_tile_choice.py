@@ -69,25 +69,39 @@ LARGE_PLAN_CASES = [
     ((128, 8192, 64, 132), (23, 2)),
 ]
 
-# (tiles, k_tiles, SMs, CTAs per SM) -> splits. Several CTAs per SM: (SMs x CTAs per SM) // tiles, at most 16 and at
-# most k_tiles // 4, then as many as the k-tiles per split (rounded up) need, so that no split is empty.
+# (tiles, k_tiles, SMs, CTAs per SM) -> splits: the count with the least ceil(tiles x splits / (SMs x CTAs per SM)) x
+# (k-tiles per split + 4), fewer on a tie, at most 16 and at most k_tiles // 4, then as many as the k-tiles per split
+# (rounded up) need, so that no split is empty.
 SPLIT_CASES = [
-    ((32, 172, 132, 2), 8),  # 4096 rows (32 tiles) x K 11008 (172 k-tiles), 132 SMs x 2: 264 // 32 = 8
-    ((86, 64, 132, 2), 3),  # 11008 rows x K 4096: 264 // 86 = 3
-    ((224, 64, 132, 2), 1),  # 28672 rows: the tiles fill the slots already
-    ((2, 65, 132, 2), 13),  # 264 // 2 = 132, capped at 16 (65 // 4 = 16 allows it): 5 k-tiles per split, 13 splits
+    # 4096 rows (32 tiles) x K 11008 (172 k-tiles), 132 SMs x 2: 8 splits, 1 x (22 + 4) = 26; 16: 2 x (11 + 4) = 30
+    ((32, 172, 132, 2), 8),
+    ((86, 64, 132, 2), 3),  # 11008 rows x K 4096: 3: 1 x (22 + 4) = 26; 6: 2 x (11 + 4) = 30; 4: 2 x (16 + 4) = 40
+    ((224, 64, 132, 2), 1),  # 28672 rows: 1: 1 x 68; 2: 2 x 36; 3: 3 x 26
+    ((2, 65, 132, 2), 13),  # one round at any count: 16 wanted (65 // 4 = 16 allowed): 5 k-tiles per split, 13 splits
     ((2, 10, 132, 2), 2),  # 10 k-tiles // 4 = 2 splits of 5
     ((1, 3, 132, 2), 1),  # fewer than 2 x 4 k-tiles: never split
     ((5000, 64, 132, 2), 1),  # more tiles than arrival counters (4096): never split
-    # One CTA per SM: the count with the least ceil(tiles x splits / SMs) x (k-tiles per split + 4)
-    ((2, 65, 132, 1), 13),  # one round at any count: 16 wanted, 5 k-tiles per split (cost 9), 13 splits
+    ((2, 65, 132, 1), 13),  # one CTA per SM: the same
     ((5000, 64, 132, 1), 1),
 ]
 # The same with the V:2:M kernel's minimum of 2 k-tiles per split
 VNM_SPLIT_CASES = [
-    ((32, 16, 132, 3), 8),  # 4096 rows x K 4096 at M = 16 (16 k-tiles), 132 SMs x 3: 396 // 32 = 12, 16 // 2 = 8
-    ((32, 64, 132, 3), 11),  # 64 k-tiles (K 8192 at M = 8): 12 wanted, 6 k-tiles each, so 11 splits, none empty
+    # 4096 rows x K 4096 at M = 16 (16 k-tiles), 132 SMs x 3: one round at any count, 16 // 2 = 8
+    ((32, 16, 132, 3), 8),
+    ((32, 64, 132, 3), 11),  # 64 k-tiles (K 8192 at M = 8): 11 splits of 6, 1 x 10; 16 of 4, 2 x 8
     ((2, 3, 132, 3), 1),  # fewer than 2 x 2 k-tiles: never split
+    # 8192 -> 28672 at M = 16, 1-16 tokens: 224 tiles x 32 k-tiles on 396 slots: 1: 1 x 36 (57% of the slots busy);
+    # 2: 2 x 20; 3: 2 x 15 -> 3
+    ((224, 32, 132, 3), 3),
+    # the same at 17-32 tokens, 448 tiles: 1: 2 x 36; 2: 3 x 20; 3: 4 x 15; 4: 5 x 12 -> 2 (a tie of 2, 3, 4: fewer)
+    ((448, 32, 132, 3), 2),
+    # M = 8 (64 k-tiles), 1-16 tokens: 1: 68; 3: 2 x 26; 4: 3 x 20; 5: 3 x 17 = 51 -> 5
+    ((224, 64, 132, 3), 5),
+    # 5120 -> 13824 at 17-32 tokens, M = 8: 216 tiles x 40 k-tiles: 1: 1 x 44; 2: 2 x 24; 3: 2 x 18 -> 3
+    ((216, 40, 132, 3), 3),
+    # 4096 -> 11008 at 33-64 tokens, M = 8, the 32-token tile (two CTAs per SM): 172 tiles x 32 k-tiles on 264
+    # slots: 1: 36; 2: 2 x 20; 3: 1.95 rounds, 2 x 15 -> 3
+    ((172, 32, 132, 2), 3),
     # One CTA per SM. 13824 -> 5120 at M = 8, 256 tokens: 80 tiles x 108 k-tiles; 1: 1 x 112, 2: 2 x 58, 3: 2 x 40,
     # 4: 3 x 31, 6: 4 x 22, 8: 5 x 18 -> 3
     ((80, 108, 132, 1), 3),
