@@ -110,10 +110,12 @@ inline int sm90_small_bn(long long n_tokens) { return n_tokens <= 16 ? 16 : n_to
 // splits of 16 k-tiles ran 1.04-1.17x faster than 8 of 8, benchmarks/RESULTS.md, "tail map"; at 128 tokens 1.3x).
 inline int sm90_small_min_k_tiles(int bn) { return bn >= 64 ? 16 : kSplitKMinKTiles; }
 constexpr int kSm90SmallCtasPerSm = 2;
-// The V:2:M sparse-wgmma SpMM's tokens per CTA: 16 up to 32 tokens (three CTAs per SM: each waits on memory most of
-// the time, more of them keep more loads in flight), 32 up to 64 (two CTAs per SM), above that 64, and at M = 8 128.
+// The V:2:M sparse-wgmma SpMM's tokens per CTA: 16 up to 16 tokens (three CTAs per SM: each waits on memory most of
+// the time, more of them keep more loads in flight), 32 up to 64 (two CTAs per SM: an SM runs about as many k-tiles a
+// second with either tile, and the 32-token tile reads each weight byte once for 32 tokens), above that 64, and at
+// M = 8 128.
 inline int sm90_vnm_bn(int m, long long n_tokens) {
-  if (n_tokens <= 32) return 16;
+  if (n_tokens <= 16) return 16;
   if (n_tokens <= 64) return 32;
   return m == 8 ? 128 : 64;
 }
