@@ -58,10 +58,6 @@ namespace hf_sparse {
 namespace {
 
 constexpr int kVnmThreads = 256;  // two consumer warpgroups, which also gather
-// CTAs per SM the registers allow: one at 64 and 128 tokens per CTA (the gather's registers, ~200 per thread), two at
-// 32, three at 16, where each CTA waits on memory most of the time and more of them keep more loads in flight.
-constexpr int vnm_ctas_per_sm(int bn) { return bn == 16 ? 3 : bn == 32 ? 2 : 1; }
-
 template <int M, int BN>
 struct VnmCfg {
   static constexpr int B_BYTES = BN * 128;          // one slab's B tile: BN token rows x 64 condensed k
@@ -90,7 +86,7 @@ struct GatherRegs<M, BN, false> {
 // Grid: (row tiles, token tiles, splits); split z of gridDim.z computes k-tiles [z * kt_per_split, (z + 1) *
 // kt_per_split) of its tile (split-K, as spmm_sm90.cu's few-token tiles; tile_config.h).
 template <typename T, int M, int BN, bool PF>
-__global__ void __launch_bounds__(kVnmThreads, vnm_ctas_per_sm(BN))
+__global__ void __launch_bounds__(kVnmThreads, sm90_vnm_ctas_per_sm(BN))
 spmm_vnm_sm90_kernel(const T* __restrict__ x, const uint4* __restrict__ values, const uint32_t* __restrict__ meta,
                      const uint32_t* __restrict__ columns, const T* __restrict__ bias, T* __restrict__ y,
                      int n_tokens, int rows, int rows_padded, int k, int steps, int kt_per_split,
@@ -698,23 +694,16 @@ spmm_vnm_sm90_ws_kernel(const T* __restrict__ x, const uint4* __restrict__ value
 
 #endif  // HF_SPARSE_LAB
 
-// Tokens per CTA (tile_config.h sm90_vnm_bn; the lab's vnm_tile = 64 forces 64 above 64 tokens at M = 8), and the
-// split-K plan of the register pipeline (sm90_split_k: the least work in rounds of CTA slots, vnm_ctas_per_sm per SM).
-// At few tokens a CTA waits about one L2/DRAM round trip per k-tile, so its time is its number of k-tiles, which the
-// splits divide.
-int vnm_bn(const SpmmArgs& a) {
-  const int bn = sm90_vnm_bn(a.m, a.n_tokens);
-#if defined(HF_SPARSE_LAB)
-  if (bn == 128 && lab::tuning().vnm_tile.load(std::memory_order_relaxed) == 64) return 64;
-#endif
-  return bn;
-}
+// The register pipeline's tile and split-K plan (tile_config.h sm90_vnm_plan; the lab's vnm_tile = 64 forces 64
+// tokens per CTA above 64 tokens at M = 8). At few tokens a CTA waits about one L2/DRAM round trip per k-tile, so
+// its time is its number of k-tiles, which the splits divide.
 Sm90SplitPlan vnm_plan(const SpmmArgs& a, int sms) {
-  const int bn = vnm_bn(a);
-  Sm90SplitPlan p = sm90_split_plan(a.rows_padded, a.n_tokens, bn, (a.steps + 1) / 2, sms, vnm_ctas_per_sm(bn),
-                                    kVnmSplitMinKTiles);
+  const long long k_tiles = (a.steps + 1) / 2;
+  Sm90SplitPlan p = sm90_vnm_plan(a.m, a.rows_padded, a.n_tokens, k_tiles, sms);
 #if defined(HF_SPARSE_LAB)
-  p.splits = lab::split_k_or(p.splits, p.tiles, (a.steps + 1) / 2);
+  if (p.bn == 128 && lab::tuning().vnm_tile.load(std::memory_order_relaxed) == 64)
+    p = sm90_split_plan(a.rows_padded, a.n_tokens, 64, k_tiles, sms, sm90_vnm_ctas_per_sm(64), kVnmSplitMinKTiles);
+  p.splits = lab::split_k_or(p.splits, p.tiles, k_tiles);
 #endif
   return p;
 }
@@ -752,7 +741,7 @@ cudaError_t launch_vnm(const SpmmArgs& a, const SpmmPlan& plan, cudaStream_t str
   return cudaGetLastError();
 }
 
-// Tokens per CTA: vnm_bn.
+// Tokens per CTA: vnm_plan.
 // Pipeline: X into registers one k-tile ahead. The lab build (HF_SPARSE_LAB) adds, by lab::tuning(), 64-token tiles
 // at M = 8 above 64 tokens (vnm_tile = 64) and four pipelines (vnm_pipe): 1 staged (where the column offsets of the
 // CTA's two slabs fit its 16 KB, i.e. K / M <= 2048; registers otherwise), 2 registers + L1 prefetch, 3

@@ -110,15 +110,16 @@ inline int sm90_small_bn(long long n_tokens) { return n_tokens <= 16 ? 16 : n_to
 // splits of 16 k-tiles ran 1.04-1.17x faster than 8 of 8, benchmarks/RESULTS.md, "tail map"; at 128 tokens 1.3x).
 inline int sm90_small_min_k_tiles(int bn) { return bn >= 64 ? 16 : kSplitKMinKTiles; }
 constexpr int kSm90SmallCtasPerSm = 2;
-// The V:2:M sparse-wgmma SpMM's tokens per CTA: 16 up to 16 tokens (three CTAs per SM: each waits on memory most of
-// the time, more of them keep more loads in flight), 32 up to 64 (two CTAs per SM: an SM runs about as many k-tiles a
-// second with either tile, and the 32-token tile reads each weight byte once for 32 tokens), above that 64, and at
-// M = 8 128.
+// The V:2:M sparse-wgmma SpMM's register pipeline: its tokens per CTA by default, 16 up to 16 tokens, 32 up to 64,
+// above that 64, and at M = 8 128 (sm90_vnm_plan weighs 16 against 32 at 17-32 tokens), and the CTAs per SM its
+// registers allow: three at 16 tokens, where each CTA waits on memory most of the time and more of them keep more
+// loads in flight, two at 32, one at 64 and 128 (the gather's registers, ~200 per thread).
 inline int sm90_vnm_bn(int m, long long n_tokens) {
   if (n_tokens <= 16) return 16;
   if (n_tokens <= 64) return 32;
   return m == 8 ? 128 : 64;
 }
+constexpr int sm90_vnm_ctas_per_sm(int bn) { return bn == 16 ? 3 : bn == 32 ? 2 : 1; }
 // Whether the V:2:M sparse-wgmma SpMM transposes X and gathers whole kept rows of X^T (spmm_vnm_xt_sm90.cu, the
 // X^T path): only the kept columns then cross L2 -> SM, for one extra pass over X. Taken from kVnmXtMinTokens
 // tokens and from kVnmXtMinRows weight rows, where the GEMM is long enough against the transpose (which reads and
@@ -138,6 +139,12 @@ inline long long sm90_splits_without_empty(long long k_tiles, long long s) {
   const long long per = (k_tiles + s - 1) / s;
   return (k_tiles + per - 1) / per;
 }
+// The cost of `splits` splits in the rounds model above: ceil(tiles x splits / slots) x (k-tiles per split +
+// kSplitKFixedKTiles), in k-tiles of one CTA slot.
+inline long long sm90_split_rounds_cost(long long tiles, long long k_tiles, long long splits, long long slots) {
+  const long long per = (k_tiles + splits - 1) / splits;
+  return (tiles * splits + slots - 1) / slots * (per + kSplitKFixedKTiles);
+}
 inline int sm90_split_k(long long tiles, long long k_tiles, int sms, int ctas_per_sm,
                         int min_k_tiles = kSplitKMinKTiles) {
   if (tiles <= 0 || tiles > kSplitKCounters || sms <= 0) return 1;
@@ -146,8 +153,7 @@ inline int sm90_split_k(long long tiles, long long k_tiles, int sms, int ctas_pe
   const long long slots = (long long)sms * (ctas_per_sm > 1 ? ctas_per_sm : 1);
   long long best = 1, best_cost = -1;
   for (long long s = 1; s <= most; ++s) {
-    const long long n = sm90_splits_without_empty(k_tiles, s), per = (k_tiles + n - 1) / n;
-    const long long cost = (tiles * n + slots - 1) / slots * (per + kSplitKFixedKTiles);
+    const long long n = sm90_splits_without_empty(k_tiles, s), cost = sm90_split_rounds_cost(tiles, k_tiles, n, slots);
     if (best_cost < 0 || cost < best_cost) best = n, best_cost = cost;
   }
   return (int)best;
@@ -227,6 +233,27 @@ inline Sm90SplitPlan sm90_split_plan(long long rows_padded, long long n_tokens, 
                                      int sms, int ctas_per_sm, int min_k_tiles = kSplitKMinKTiles) {
   const long long tiles = sm90_tiles(rows_padded, n_tokens, bn);
   return {bn, sm90_split_k(tiles, k_tiles, sms, ctas_per_sm, min_k_tiles), tiles};
+}
+// The V:2:M register pipeline's plan: sm90_vnm_bn's tile, split by sm90_split_k, except at 17-32 tokens, where it
+// takes the 32-token tile or two 16-token tiles, whichever plan's rounds (sm90_split_rounds_cost, in their CTA
+// slots) cost less, 16 on a tie. The 32-token tile reads each weight byte once for 32 tokens; the 16-token tiles read
+// it twice, in more CTA slots (three per SM against two). A k-tile of the 32-token tile costs as much as one of the
+// 16-token tile at M = 8 (16-byte chunks of X per thread), and kVnmWordTile32Cost / 4 as much at M >= 16 (one word
+// per token and kept column). Fitted to 84 cells, M = 8 / 16 / 32, 17-32 tokens, the Llama shapes
+// (benchmarks/RESULTS.md, "Runs D1-D3"): at M = 8 the 32-token tile was 1.04-1.44x faster in every cell; at M >= 16
+// 1.06-1.50x on the larger shapes, 0.90-1.07x on those with 4096 rows or K = 4096, which keep the 16-token tiles.
+constexpr int kVnmWordTile32Cost = 5;
+inline Sm90SplitPlan sm90_vnm_plan(int m, long long rows_padded, long long n_tokens, long long k_tiles, int sms) {
+  const auto plan = [&](int bn) {
+    return sm90_split_plan(rows_padded, n_tokens, bn, k_tiles, sms, sm90_vnm_ctas_per_sm(bn), kVnmSplitMinKTiles);
+  };
+  const Sm90SplitPlan wide = plan(sm90_vnm_bn(m, n_tokens));
+  if (n_tokens <= 16 || n_tokens > 32 || sms <= 0) return wide;
+  const Sm90SplitPlan narrow = plan(16);
+  const auto cost = [&](const Sm90SplitPlan& p) {
+    return sm90_split_rounds_cost(p.tiles, k_tiles, p.splits, (long long)sms * sm90_vnm_ctas_per_sm(p.bn));
+  };
+  return (m == 8 ? 4 : kVnmWordTile32Cost) * cost(wide) < 4 * cost(narrow) ? wide : narrow;
 }
 // The persistent configurations' plan: the configuration and its split-K. A work unit is a split of a tile, and the
 // CTAs, one per SM, walk the units. A configuration splits only where its tiles leave half the SMs or more idle (e.g.

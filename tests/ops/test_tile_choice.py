@@ -191,6 +191,29 @@ VNM_XT_PLAN_CASES = [
     ((4096, 512, 86, 132), (256, 2)),  # 11008 -> 4096, M = 8: 64 tiles in 2: 448 x (43 + 9) = 23296; 128: 320 x 86
 ]
 
+# (M, rows_padded, tokens, k-tiles) -> the V:2:M register pipeline's (tile tokens, splits) on 132 SMs: sm90_vnm_bn's
+# tile split by sm90_split_k, except at 17-32 tokens: the 32-token tile (264 slots) or two 16-token tiles (396 slots),
+# whichever's ceil(tiles x splits / slots) x (k-tiles per split + 4) is less, that of the 32-token tile x 5/4 at
+# M >= 16, 16 on a tie
+VNM_PLAN_CASES = [
+    # 8192 -> 28672, M = 8, 24 tokens: 32: 224 tiles unsplit, 1 x 68; 16: 448 tiles in 4, 5 x 20 = 100
+    ((8, 28672, 24, 64), (32, 1)),
+    # 4096 -> 4096, M = 8: 32: 32 tiles in 8, 1 x 8; 16: 64 tiles in 6, 1 x (6 + 4) = 10
+    ((8, 4096, 24, 32), (32, 8)),
+    # the same at M = 16 (16 k-tiles): 32: in 8, 1 x 6 x 5/4 = 7.5; 16: in 6 (of 3), 1 x 7 -> 16
+    ((16, 4096, 24, 16), (16, 6)),
+    # 8192 -> 28672, M = 16: 32: 1 x 36 x 5/4 = 45; 16: 448 tiles in 2, 3 x 20 = 60
+    ((16, 28672, 24, 32), (32, 1)),
+    # 5120 -> 13824, M = 32 (10 k-tiles): 32: 108 tiles in 2, 1 x 9 x 5/4 = 11.25; 16: 216 tiles unsplit, 1 x 14
+    ((32, 13824, 17, 10), (32, 2)),
+    # 16 tokens: the 16-token tile (8192 -> 28672, M = 8: 224 tiles in 5, 3 x 17)
+    ((8, 28672, 16, 64), (16, 5)),
+    # 48 tokens: the 32-token tile (448 tiles; unsplit 2 x 68 against 2 splits' 4 x 36)
+    ((8, 28672, 48, 64), (32, 1)),
+    # 65 tokens at M = 8: the 128-token tile, one CTA per SM (224 tiles; unsplit 2 x 68 against 4 x 36)
+    ((8, 28672, 65, 64), (128, 1)),
+]
+
 PROGRAM = r"""
 #include <cstdio>
 #include "tile_config.h"
@@ -211,6 +234,10 @@ int main(int argc, char** argv) {
     if (fn == 'Y') std::printf("%d\n", hf_sparse::sm90_vnm_xt_split_k(a, b, (int)c));
     if (fn == 'Z') {
       const hf_sparse::Sm90SplitPlan p = hf_sparse::sm90_vnm_xt_plan(a, b, c, (int)d);
+      std::printf("%d %d\n", p.bn, p.splits);
+    }
+    if (fn == 'R') {
+      const hf_sparse::Sm90SplitPlan p = hf_sparse::sm90_vnm_plan((int)a, b, c, d, 132);
       std::printf("%d %d\n", p.bn, p.splits);
     }
     if (fn == 'P') {
@@ -262,6 +289,11 @@ def test_few_token_tiles_match_hand_computed_choices(chooser):
 
 def test_vnm_token_tiles_match_hand_computed_choices(chooser):
     assert _choose(chooser, "V", VNM_CASES) == [expected for _, expected in VNM_CASES]
+
+
+def test_vnm_register_pipeline_plan_matches_hand_computed_choices(chooser):
+    got = _choose(chooser, "R", VNM_PLAN_CASES)
+    assert list(zip(got[::2], got[1::2], strict=True)) == [expected for _, expected in VNM_PLAN_CASES]
 
 
 def test_vnm_large_token_path_matches_hand_computed_choices(chooser):
