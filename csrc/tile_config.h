@@ -127,12 +127,18 @@ constexpr int sm90_vnm_ctas_per_sm(int bn) { return bn == 16 ? 3 : bn == 32 ? 2 
 // 72, 96 and 112 tokens (up to 3.9x; 64:2:8 / 128:2:8 / 64:2:16 / 128:2:16 at 4096 -> 4096, 11008 <-> 4096 and 28672
 // -> 8192; 0.83-0.89x at 4096 -> 4096 with V = 64, 0.97x there at 128:2:8 and 72 tokens; benchmarks/RESULTS.md, "the
 // X^T path from 65 tokens"), in 29 of 32 at 128 and 192 tokens and in 34 of 36 at 256-768 ("the X^T path below 1024
-// tokens"). 65 is the first count past the register gather's 64-token tile.
-constexpr long long kVnmXtMinTokens = 65;
+// tokens"). 65 is the first count past the register gather's 64-token tile. At 33-64 tokens it is taken at M >= 16
+// for weights of kVnmXtFewMinWeights and more (the Llama-70B 8192 <-> 28672 projections), where the GEMM is long
+// enough against the transpose: with its 128-token tiles it ran 1.18-1.34x faster than the register gather's
+// 32-token tiles there at 64:2:16, 0.96-1.09x at the 13B shapes, 0.56-0.84x at 4096 rows; at M = 8, whose register
+// gather reads X in 16-byte chunks, 0.56-1.01x everywhere (benchmarks/RESULTS.md, "Runs D1-D5").
+constexpr long long kVnmXtMinTokens = 65, kVnmXtFewMinTokens = 33, kVnmXtFewMinWeights = 1LL << 27;
 constexpr int kVnmXtBN = 256;  // the X^T path's widest tile: 128 weight rows x 256 tokens (sm90_vnm_xt_plan)
 constexpr int kVnmXtMinRows = 1024;
-inline bool sm90_vnm_xt(int m, long long n_tokens, int rows) {
-  return m >= 8 && n_tokens >= kVnmXtMinTokens && rows >= kVnmXtMinRows;
+inline bool sm90_vnm_xt(int m, long long n_tokens, int rows, long long k) {
+  if (m < 8 || rows < kVnmXtMinRows) return false;
+  if (n_tokens >= kVnmXtMinTokens) return true;
+  return m >= 16 && n_tokens >= kVnmXtFewMinTokens && (long long)rows * k >= kVnmXtFewMinWeights;
 }
 // `s` splits of k_tiles k-tiles, fewer where the k-tiles per split (rounded up) would leave the last ones empty.
 inline long long sm90_splits_without_empty(long long k_tiles, long long s) {
@@ -240,7 +246,7 @@ inline Sm90SplitPlan sm90_split_plan(long long rows_padded, long long n_tokens, 
 // it twice, in more CTA slots (three per SM against two). A k-tile of the 32-token tile costs as much as one of the
 // 16-token tile at M = 8 (16-byte chunks of X per thread), and kVnmWordTile32Cost / 4 as much at M >= 16 (one word
 // per token and kept column). Fitted to 84 cells, M = 8 / 16 / 32, 17-32 tokens, the Llama shapes
-// (benchmarks/RESULTS.md, "Runs D1-D3"): at M = 8 the 32-token tile was 1.04-1.44x faster in every cell; at M >= 16
+// (benchmarks/RESULTS.md, "Runs D1-D5"): at M = 8 the 32-token tile was 1.04-1.44x faster in every cell; at M >= 16
 // 1.06-1.50x on the larger shapes, 0.90-1.07x on those with 4096 rows or K = 4096, which keep the 16-token tiles.
 constexpr int kVnmWordTile32Cost = 5;
 inline Sm90SplitPlan sm90_vnm_plan(int m, long long rows_padded, long long n_tokens, long long k_tiles, int sms) {

@@ -225,6 +225,22 @@ def test_spmm_vnm_xt_path_runs_rounds_of_tiles_call_after_call(v, m, groups):
             _assert_spmm_matches_reference(x, w, p, b)
 
 
+@pytest.mark.parametrize(("v", "m"), [(64, 16), (128, 32)])
+def test_spmm_vnm_xt_path_at_33_to_64_tokens_on_a_large_weight(v, m):
+    """From 33 tokens at M >= 16 a weight of 2^27 elements and more takes the X^T path (``sm90_vnm_xt``,
+    ``csrc/tile_config.h``: 16384 rows x K 8192 is exactly 2^27), each call in one 128-token tile per row block;
+    against the reference on poisoned memory, with bias, at 33 (the first count), 47 and 64 tokens."""
+    if not _wgmma_runs_here():
+        pytest.skip("sparse wgmma needs a cc 9.0 GPU and an sm_90a build")
+    rows, cols = 16384, 8192
+    w, mask, p = _pack_cuda(rows, cols, v, m, torch.bfloat16, seed=m)
+    b = torch.randn(rows, device="cuda").to(torch.bfloat16)
+    with force_kernel(spmm="wgmma"):
+        for tokens in (33, 47, 64):
+            x = torch.randn(tokens, cols, device="cuda").to(torch.bfloat16)
+            _assert_spmm_matches_reference(x, w, p, b)
+
+
 @pytest.mark.parametrize(("v", "m"), [(128, 8), (64, 16)])
 def test_spmm_vnm_xt_path_under_cuda_graph_capture(v, m):
     """The X^T path (its transpose, then its GEMM: 1024 rows x 1000 tokens, 64 tiles of 128 tokens, 4 k-tiles, not

@@ -153,17 +153,24 @@ VNM_CASES = [
     ((128, 8192, 0), 64),
 ]
 
-# (M, tokens, rows) -> whether the V:2:M sparse-wgmma SpMM takes its X^T path (X transposed): M >= 8, from 65
-# tokens and 1024 weight rows
+# (M, tokens, rows, K) -> whether the V:2:M sparse-wgmma SpMM takes its X^T path (X transposed): M >= 8, from 65
+# tokens and 1024 weight rows; from 33 tokens at M >= 16 where rows x K >= 2^27 (134M weights)
 VNM_XT_CASES = [
-    ((8, 1024, 1024), 1),
-    ((16, 8192, 11008), 1),
-    ((8, 128, 4096), 1),
-    ((16, 65, 4096), 1),
-    ((8, 64, 4096), 0),
-    ((64, 300, 1023), 0),
-    ((8, 8192, 768), 0),
-    ((4, 8192, 4096), 0),  # 2:4 has its own kernel
+    ((8, 1024, 1024, 4096), 1),
+    ((16, 8192, 11008, 4096), 1),
+    ((8, 128, 4096, 4096), 1),
+    ((16, 65, 4096, 4096), 1),
+    ((8, 64, 4096, 4096), 0),
+    ((64, 300, 1023, 4096), 0),
+    ((8, 8192, 768, 3072), 0),
+    ((4, 8192, 4096, 4096), 0),  # 2:4 has its own kernel
+    ((16, 33, 28672, 8192), 1),  # 8192 -> 28672: 235M weights
+    ((32, 64, 8192, 28672), 1),
+    ((16, 32, 28672, 8192), 0),  # the 32-token tile's count
+    ((8, 64, 28672, 8192), 0),  # M = 8: the register gather's 16-byte chunks
+    ((16, 64, 13824, 5120), 0),  # 70.8M weights
+    ((16, 64, 16384, 8192), 1),  # exactly 2^27
+    ((16, 64, 16383, 8192), 0),
 ]
 
 # (tiles, k-tiles, SMs) -> the V:2:M X^T path's split count (256-token tiles): the least busiest-SM work,
@@ -230,7 +237,7 @@ int main(int argc, char** argv) {
       std::printf("%d\n", hf_sparse::sm90_few_token(b) ? hf_sparse::sm90_small_plan(a, b, c, (int)d).bn : 0);
     }
     if (fn == 'V') std::printf("%d\n", hf_sparse::sm90_vnm_bn((int)a, b));
-    if (fn == 'X') std::printf("%d\n", hf_sparse::sm90_vnm_xt((int)a, b, (int)c) ? 1 : 0);
+    if (fn == 'X') std::printf("%d\n", hf_sparse::sm90_vnm_xt((int)a, b, (int)c, d) ? 1 : 0);
     if (fn == 'Y') std::printf("%d\n", hf_sparse::sm90_vnm_xt_split_k(a, b, (int)c));
     if (fn == 'Z') {
       const hf_sparse::Sm90SplitPlan p = hf_sparse::sm90_vnm_xt_plan(a, b, c, (int)d);
