@@ -129,9 +129,10 @@ constexpr int sm90_vnm_ctas_per_sm(int bn) { return bn == 16 ? 3 : bn == 32 ? 2 
 // X^T path from 65 tokens"), in 29 of 32 at 128 and 192 tokens and in 34 of 36 at 256-768 ("the X^T path below 1024
 // tokens"). 65 is the first count past the register gather's 64-token tile. At 33-64 tokens it is taken at M >= 16
 // for weights of kVnmXtFewMinWeights and more (the Llama-70B 8192 <-> 28672 projections), where the GEMM is long
-// enough against the transpose: with its 128-token tiles it ran 1.18-1.34x faster than the register gather's
-// 32-token tiles there at 64:2:16, 0.96-1.09x at the 13B shapes, 0.56-0.84x at 4096 rows; at M = 8, whose register
-// gather reads X in 16-byte chunks, 0.56-1.01x everywhere (benchmarks/RESULTS.md, "Runs D1-D5").
+// enough against the transpose: with its 128-token tiles it ran 1.10-1.95x faster than the register gather's
+// 32-token tiles there (64:2:16, 64:2:32, 128:2:16), at 64:2:16 0.96-1.09x on the 13B shapes and 0.56-0.84x at
+// 4096 rows; at M = 8, whose register gather reads X in 16-byte chunks, 0.61-1.01x everywhere (benchmarks/RESULTS.md,
+// "Runs D1-D5").
 constexpr long long kVnmXtMinTokens = 65, kVnmXtFewMinTokens = 33, kVnmXtFewMinWeights = 1LL << 27;
 constexpr int kVnmXtBN = 256;  // the X^T path's widest tile: 128 weight rows x 256 tokens (sm90_vnm_xt_plan)
 constexpr int kVnmXtMinRows = 1024;
