@@ -247,8 +247,9 @@ inline Sm90SplitPlan sm90_split_plan(long long rows_padded, long long n_tokens, 
 // it twice, in more CTA slots (three per SM against two). A k-tile of the 32-token tile costs as much as one of the
 // 16-token tile at M = 8 (16-byte chunks of X per thread), and kVnmWordTile32Cost / 4 as much at M >= 16 (one word
 // per token and kept column). Fitted to 84 cells, M = 8 / 16 / 32, 17-32 tokens, the Llama shapes
-// (benchmarks/RESULTS.md, "Runs D1-D5"): at M = 8 the 32-token tile was 1.04-1.44x faster in every cell; at M >= 16
-// 1.06-1.50x on the larger shapes, 0.90-1.07x on those with 4096 rows or K = 4096, which keep the 16-token tiles.
+// (benchmarks/RESULTS.md, "Runs D1-D5"), time of the 16-token tiles / the 32-token tile: at M = 8 0.98-1.37x
+// (1.04-1.44x in a chain over distinct weights); at M >= 16 1.06-1.52x on 8192 <-> 28672 and, at 64:2:16, on
+// 5120 <-> 13824, 0.90-1.04x elsewhere.
 constexpr int kVnmWordTile32Cost = 5;
 inline Sm90SplitPlan sm90_vnm_plan(int m, long long rows_padded, long long n_tokens, long long k_tiles, int sms) {
   const auto plan = [&](int bn) {
