@@ -132,7 +132,7 @@ constexpr int sm90_vnm_ctas_per_sm(int bn) { return bn == 16 ? 3 : bn == 32 ? 2 
 // enough against the transpose: with its 128-token tiles it ran 1.10-1.95x faster than the register gather's
 // 32-token tiles there (64:2:16, 64:2:32, 128:2:16), at 64:2:16 0.96-1.09x on the 13B shapes and 0.56-0.84x at
 // 4096 rows; at M = 8, whose register gather reads X in 16-byte chunks, 0.61-1.01x everywhere (benchmarks/RESULTS.md,
-// "Runs D1-D5").
+// "the V:2:M plan at 1-64 tokens").
 constexpr long long kVnmXtMinTokens = 65, kVnmXtFewMinTokens = 33, kVnmXtFewMinWeights = 1LL << 27;
 constexpr int kVnmXtBN = 256;  // the X^T path's widest tile: 128 weight rows x 256 tokens (sm90_vnm_xt_plan)
 constexpr int kVnmXtMinRows = 1024;
@@ -247,9 +247,9 @@ inline Sm90SplitPlan sm90_split_plan(long long rows_padded, long long n_tokens, 
 // it twice, in more CTA slots (three per SM against two). A k-tile of the 32-token tile costs as much as one of the
 // 16-token tile at M = 8 (16-byte chunks of X per thread), and kVnmWordTile32Cost / 4 as much at M >= 16 (one word
 // per token and kept column). Fitted to 84 cells, M = 8 / 16 / 32, 17-32 tokens, the Llama shapes
-// (benchmarks/RESULTS.md, "Runs D1-D5"), time of the 16-token tiles / the 32-token tile: at M = 8 0.98-1.37x
-// (1.04-1.44x in a chain over distinct weights); at M >= 16 1.06-1.52x on 8192 <-> 28672 and, at 64:2:16, on
-// 5120 <-> 13824, 0.90-1.04x elsewhere.
+// (benchmarks/RESULTS.md, "the V:2:M plan at 1-64 tokens"), time of the 16-token tiles / the 32-token tile: at
+// M = 8 0.98-1.37x (1.04-1.44x in a chain over distinct weights); at M >= 16 1.06-1.52x on 8192 <-> 28672 and, at
+// 64:2:16, on 5120 <-> 13824, 0.90-1.04x elsewhere.
 constexpr int kVnmWordTile32Cost = 5;
 inline Sm90SplitPlan sm90_vnm_plan(int m, long long rows_padded, long long n_tokens, long long k_tiles, int sms) {
   const auto plan = [&](int bn) {
