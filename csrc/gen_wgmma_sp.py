@@ -13,7 +13,7 @@ from wgmma_codegen import accumulators, write_header
 
 # 16: the SpMMs' few-token tile (<= 16 tokens); 32: the V:2:M SpMM's 33-64-token tile; 64, 128, 256: larger token tiles
 NS = (16, 32, 64, 128, 256)
-NS_T = (128, 256)  # the X^T path's tiles
+NS_T = (64, 128, 256)  # the X^T path's tiles (64: at 33-64 tokens)
 
 COMMENT = """// Sparse wgmma (sm_90a) with A (2:4, compressed 64x16) from registers and B (32 x N) from shared memory through a
 // matrix descriptor; fp32 accumulators in d, metadata register e with sparsity selector 0, scale-d = 1 (accumulate),

@@ -53,13 +53,14 @@ struct XtCfg {
   static constexpr int E_OFF = A_OFF + A_BYTES;
   static constexpr int E_BYTES = 8 * 2 * 16 * 4;   // 8 m16 tiles x 2 k-steps x 16 words
   static constexpr int STAGE = E_OFF + E_BYTES;
-  static constexpr int STAGES = BN == 256 ? 4 : 6;  // 128-token stages: more of them in flight in the same memory
+  // narrower stages: more of them in flight in the same memory
+  static constexpr int STAGES = BN == 256 ? 4 : BN == 128 ? 6 : 8;
   static constexpr int PRODUCER_REGS = 88, CONSUMER_REGS = 208;  // setmaxnreg
   static_assert(128 * (2 * CONSUMER_REGS + PRODUCER_REGS) <= 65536, "the register split must fit the register file");
   // The staged epilogue (sm90_common.cuh store_tile_staged): per consumer warpgroup one buffer of 64 rows x 128
   // tokens, so a 256-token tile takes two chunks, each with its own pair of warpgroup barriers (the fewer chunks,
   // the fewer barriers; a whole tile staged does not fit beside four stages).
-  static constexpr int EPI_N = 128, EPI_BUFS = 1, EPI_CHUNK = EPI_N * 128;
+  static constexpr int EPI_N = BN < 128 ? BN : 128, EPI_BUFS = 1, EPI_CHUNK = EPI_N * 128;
   static constexpr int EPI_OFF = STAGES * STAGE;
   // + the staging buffers, full / empty barriers, 16 bytes of step info per stage, alignment slack
   static constexpr int SMEM = EPI_OFF + 2 * EPI_BUFS * EPI_CHUNK + 2 * 8 * STAGES + 16 * STAGES + 1024;
@@ -419,6 +420,7 @@ cudaError_t launch_xt(const SpmmArgs& a, const Sm90SplitPlan& plan, cudaStream_t
 
 template <typename T, int M>
 cudaError_t dispatch_width(const SpmmArgs& a, const Sm90SplitPlan& plan, cudaStream_t stream) {
+  if (plan.bn == kVnmXtFewBN) return launch_xt<T, M, kVnmXtFewBN>(a, plan, stream);
   return plan.bn == kVnmXtBN ? launch_xt<T, M, kVnmXtBN>(a, plan, stream) : launch_xt<T, M, 128>(a, plan, stream);
 }
 
@@ -439,7 +441,7 @@ bool spmm_vnm_sm90_takes_xt(const SpmmArgs& a) {
   return sm90_vnm_xt(a.m, a.n_tokens, a.rows, a.k);
 }
 
-// The X^T path's work units: 128-row x (256 or 128)-token tiles, each split along K (tile_config.h
+// The X^T path's work units: 128-row x (256, 128 or 64)-token tiles, each split along K (tile_config.h
 // sm90_vnm_xt_plan; the launch takes 1 split where the binding passed no split-K scratch).
 Sm90SplitPlan spmm_vnm_xt_sm90_split(const SpmmArgs& a, int sms) {
   Sm90SplitPlan p = sm90_vnm_xt_plan(a.rows_padded, a.n_tokens, (a.steps + 1) / 2, sms);

@@ -127,19 +127,20 @@ constexpr int sm90_vnm_ctas_per_sm(int bn) { return bn == 16 ? 3 : bn == 32 ? 2 
 // 72, 96 and 112 tokens (up to 3.9x; 64:2:8 / 128:2:8 / 64:2:16 / 128:2:16 at 4096 -> 4096, 11008 <-> 4096 and 28672
 // -> 8192; 0.83-0.89x at 4096 -> 4096 with V = 64, 0.97x there at 128:2:8 and 72 tokens; benchmarks/RESULTS.md, "the
 // X^T path from 65 tokens"), in 29 of 32 at 128 and 192 tokens and in 34 of 36 at 256-768 ("the X^T path below 1024
-// tokens"). 65 is the first count past the register gather's 64-token tile. At 33-64 tokens it is taken at M >= 16
-// for weights of kVnmXtFewMinWeights and more (the Llama-70B 8192 <-> 28672 projections), where the GEMM is long
-// enough against the transpose: with its 128-token tiles it ran 1.10-1.95x faster than the register gather's
-// 32-token tiles there (64:2:16, 64:2:32, 128:2:16), at 64:2:16 0.96-1.09x on the 13B shapes and 0.56-0.84x at
-// 4096 rows; at M = 8, whose register gather reads X in 16-byte chunks, 0.61-1.01x everywhere (benchmarks/RESULTS.md,
-// "the V:2:M plan at 1-64 tokens").
+// tokens"). 65 is the first count past the register gather's 64-token tile. At 33-64 tokens, with its 64-token tile
+// (kVnmXtFewBN), it is taken at M >= 16 from kVnmXtFewMinRows rows, and at any M for weights of kVnmXtFewMinWeights
+// and more (the Llama-70B 8192 <-> 28672 projections): there its 64-token tiles at 64 tokens ran 1.05-1.47x faster
+// than the register gather, 0.63-0.92x at M >= 16 on 4096 rows and 0.73-1.01x at M = 8 on the smaller shapes
+// (benchmarks/RESULTS.md, "Runs C1-C7", C2).
 constexpr long long kVnmXtMinTokens = 65, kVnmXtFewMinTokens = 33, kVnmXtFewMinWeights = 1LL << 27;
-constexpr int kVnmXtBN = 256;  // the X^T path's widest tile: 128 weight rows x 256 tokens (sm90_vnm_xt_plan)
-constexpr int kVnmXtMinRows = 1024;
+constexpr int kVnmXtBN = 256;    // the X^T path's widest tile: 128 weight rows x 256 tokens (sm90_vnm_xt_plan)
+constexpr int kVnmXtFewBN = 64;  // its tile at 64 tokens or fewer
+constexpr int kVnmXtMinRows = 1024, kVnmXtFewMinRows = 4097;
 inline bool sm90_vnm_xt(int m, long long n_tokens, int rows, long long k) {
   if (m < 8 || rows < kVnmXtMinRows) return false;
   if (n_tokens >= kVnmXtMinTokens) return true;
-  return m >= 16 && n_tokens >= kVnmXtFewMinTokens && (long long)rows * k >= kVnmXtFewMinWeights;
+  if (n_tokens < kVnmXtFewMinTokens) return false;
+  return (m >= 16 && rows >= kVnmXtFewMinRows) || (long long)rows * k >= kVnmXtFewMinWeights;
 }
 // `s` splits of k_tiles k-tiles, fewer where the k-tiles per split (rounded up) would leave the last ones empty.
 inline long long sm90_splits_without_empty(long long k_tiles, long long s) {
@@ -219,12 +220,17 @@ inline int sm90_vnm_xt_split_k(long long tiles, long long k_tiles, int sms, int 
   }
   return best.splits;
 }
-// The X^T path's plan: tiles of kVnmXtBN or 128 tokens, each with its split count (sm90_vnm_xt_split_k), whichever
-// gives the busiest SM the least work, the wider tile on a tie. E.g. 4096 -> 4096 at 256 tokens, M = 16 (32 row
+// The X^T path's plan: at kVnmXtFewBN tokens or fewer one tile of kVnmXtFewBN tokens per row block; above, tiles of
+// kVnmXtBN or 128 tokens, each with its split count (sm90_vnm_xt_split_k), whichever gives the busiest SM the least
+// work, the wider tile on a tie. E.g. 4096 -> 4096 at 256 tokens, M = 16 (32 row
 // blocks, 16 k-tiles): 256 tokens, 32 tiles, 1 round x 448 x 16 = 7168; 128 tokens, 64 tiles, 1 x 320 x 16 = 5120:
 // 128. 4096 -> 11008 at 512 tokens, M = 8 (86 row blocks, 32 k-tiles): 2 rounds x 448 x 32 = 28672 against 3 x 320 x
 // 32 = 30720: 256.
 inline Sm90SplitPlan sm90_vnm_xt_plan(long long rows_padded, long long n_tokens, long long k_tiles, int sms) {
+  if (n_tokens <= kVnmXtFewBN) {
+    const long long tiles = sm90_tiles(rows_padded, n_tokens, kVnmXtFewBN);
+    return {kVnmXtFewBN, sm90_vnm_xt_split_k(tiles, k_tiles, sms, kVnmXtFewBN), tiles};
+  }
   Sm90SplitPlan best{};
   long long best_work = -1;
   const int widths[2] = {kVnmXtBN, 128};

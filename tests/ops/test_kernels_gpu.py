@@ -225,10 +225,10 @@ def test_spmm_vnm_xt_path_runs_rounds_of_tiles_call_after_call(v, m, groups):
             _assert_spmm_matches_reference(x, w, p, b)
 
 
-@pytest.mark.parametrize(("v", "m"), [(64, 16), (128, 32)])
+@pytest.mark.parametrize(("v", "m"), [(64, 8), (64, 16), (128, 32)])
 def test_spmm_vnm_xt_path_at_33_to_64_tokens_on_a_large_weight(v, m):
-    """From 33 tokens at M >= 16 a weight of 2^27 elements and more takes the X^T path (``sm90_vnm_xt``,
-    ``csrc/tile_config.h``: 16384 rows x K 8192 is exactly 2^27), each call in one 128-token tile per row block;
+    """From 33 tokens a weight of 2^27 elements and more takes the X^T path at any M (``sm90_vnm_xt``,
+    ``csrc/tile_config.h``: 16384 rows x K 8192 is exactly 2^27), each call in one 64-token tile per row block;
     against the reference on poisoned memory, with bias, at 33 (the first count), 47 and 64 tokens."""
     if not _wgmma_runs_here():
         pytest.skip("sparse wgmma needs a cc 9.0 GPU and an sm_90a build")
@@ -239,6 +239,30 @@ def test_spmm_vnm_xt_path_at_33_to_64_tokens_on_a_large_weight(v, m):
         for tokens in (33, 47, 64):
             x = torch.randn(tokens, cols, device="cuda").to(torch.bfloat16)
             _assert_spmm_matches_reference(x, w, p, b)
+
+
+@pytest.mark.parametrize(("v", "m"), [(64, 16), (128, 32)])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", [33, 64])
+def test_spmm_vnm_xt_path_64_token_tiles_split_along_k(v, m, dtype, tokens):
+    """At 33-64 tokens and M >= 16 from 4097 rows the X^T path runs 64-token tiles (33 tokens: 31 of them X^T's
+    padding): 4160 rows at V = 64 (33 row blocks, the last one half padding), 4224 at V = 128, x 648 groups (40.5
+    k-tiles, the last one k-step) split along K in 3;
+    against the reference on poisoned memory with bias, the same result on a second call (partial sums added in split
+    order), and V = 64 slabs that keep different columns."""
+    if not _wgmma_runs_here():
+        pytest.skip("sparse wgmma needs a cc 9.0 GPU and an sm_90a build")
+    rows, cols = (4160 if v == 64 else 4224), 648 * m
+    w, mask, p = _pack_cuda(rows, cols, v, m, dtype, seed=tokens + m + v)
+    x = torch.randn(tokens, cols, device="cuda").to(dtype)
+    b = torch.randn(rows, device="cuda").to(dtype)
+    with force_kernel(spmm="wgmma"):
+        _assert_spmm_matches_reference(x, w, p, b)
+        assert torch.equal(spmm(x, p, b), spmm(x, p, b))
+        if v == 64:
+            mask = _mask_with_distinct_slab_columns(rows, cols, v, m, seed=m).cuda()
+            w = torch.randn(rows, cols, device="cuda") * mask
+            _assert_spmm_matches_reference(x, w, pack(w, mask, v, m, dtype))
 
 
 @pytest.mark.parametrize(("v", "m"), [(128, 8), (64, 16)])

@@ -154,7 +154,7 @@ VNM_CASES = [
 ]
 
 # (M, tokens, rows, K) -> whether the V:2:M sparse-wgmma SpMM takes its X^T path (X transposed): M >= 8, from 65
-# tokens and 1024 weight rows; from 33 tokens at M >= 16 where rows x K >= 2^27 (134M weights)
+# tokens and 1024 weight rows; from 33 tokens at M >= 16 from 4097 rows, and at any M where rows x K >= 2^27 (134M)
 VNM_XT_CASES = [
     ((8, 1024, 1024, 4096), 1),
     ((16, 8192, 11008, 4096), 1),
@@ -164,13 +164,15 @@ VNM_XT_CASES = [
     ((64, 300, 1023, 4096), 0),
     ((8, 8192, 768, 3072), 0),
     ((4, 8192, 4096, 4096), 0),  # 2:4 has its own kernel
-    ((16, 33, 28672, 8192), 1),  # 8192 -> 28672: 235M weights
+    ((16, 33, 28672, 8192), 1),  # 8192 -> 28672
     ((32, 64, 8192, 28672), 1),
-    ((16, 32, 28672, 8192), 0),  # the 32-token tile's count
-    ((8, 64, 28672, 8192), 0),  # M = 8: the register gather's 16-byte chunks
-    ((16, 64, 13824, 5120), 0),  # 70.8M weights
-    ((16, 64, 16384, 8192), 1),  # exactly 2^27
-    ((16, 64, 16383, 8192), 0),
+    ((16, 32, 28672, 8192), 0),  # the register gather's 32-token tile
+    ((16, 64, 5120, 13824), 1),  # 5120 rows
+    ((16, 64, 4096, 11008), 0),  # 4096 rows
+    ((8, 64, 28672, 8192), 1),  # M = 8: 235M weights
+    ((8, 64, 13824, 5120), 0),  # M = 8: 70.8M weights
+    ((8, 64, 16384, 8192), 1),  # exactly 2^27
+    ((8, 64, 16383, 8192), 0),
 ]
 
 # (tiles, k-tiles, SMs) -> the V:2:M X^T path's split count (256-token tiles): the least busiest-SM work,
@@ -186,9 +188,16 @@ VNM_XT_SPLIT_CASES = [
     ((32, 3, 132), 1),  # fewer k-tiles than two splits' minimum
 ]
 
-# (rows, tokens, k-tiles, SMs) -> the X^T path's (tile tokens, splits): the width (256 or 128) and split whose
-# busiest SM has the least work, (tile tokens + 192) per k-tile, the wider tile on a tie
+# (rows, tokens, k-tiles, SMs) -> the X^T path's (tile tokens, splits): at 64 tokens or fewer 64; above, the width (256
+# or 128) and split whose busiest SM has the least work, (tile tokens + 192) per k-tile, the wider tile on a tie
 VNM_XT_PLAN_CASES = [
+    # 64 tokens or fewer: one 64-token tile per row block, split by the same work model. 4160 rows (33 row blocks) x
+    # 40 k-tiles at 33 tokens: 1 split 256 x 40 = 10240; 2: 256 x (20 + 9); 3: 256 x (14 + 12); 4: 256 x (10 + 15) =
+    # 6400; 5: two rounds, 2 x 256 x (8 + 18) -> 4
+    ((4160, 33, 40, 132), (64, 4)),
+    # 8192 -> 28672 at 64 tokens, M = 16 (224 row blocks, 32 k-tiles): unsplit, 2 rounds x 256 x 32 = 16384; 2 splits:
+    # 4 x 256 x (16 + 9) = 25600 -> 1
+    ((28672, 64, 32, 132), (64, 1)),
     ((11008, 512, 32, 132), (256, 1)),  # 256: 172 tiles, 2 x 448 x 32 = 28672; 128: 344 tiles, 3 x 320 x 32 = 30720
     ((11008, 1024, 32, 132), (256, 1)),  # 3 x 448 x 32 = 43008 against 6 x 320 x 32 = 61440
     ((8192, 256, 224, 132), (256, 2)),  # 256 in 2 splits: 448 x (112 + 9) = 54208; 128 unsplit: 320 x 224 = 71680
