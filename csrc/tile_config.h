@@ -129,9 +129,11 @@ constexpr int sm90_vnm_ctas_per_sm(int bn) { return bn == 16 ? 3 : bn == 32 ? 2 
 // X^T path from 65 tokens"), in 29 of 32 at 128 and 192 tokens and in 34 of 36 at 256-768 ("the X^T path below 1024
 // tokens"). 65 is the first count past the register gather's 64-token tile. At 33-64 tokens, with its 64-token tile
 // (kVnmXtFewBN), it is taken at M >= 16 from kVnmXtFewMinRows rows, and at any M for weights of kVnmXtFewMinWeights
-// and more (the Llama-70B 8192 <-> 28672 projections): there its 64-token tiles at 64 tokens ran 1.05-1.47x faster
-// than the register gather, 0.63-0.92x at M >= 16 on 4096 rows and 0.73-1.01x at M = 8 on the smaller shapes
-// (benchmarks/RESULTS.md, "Runs C1-C7", C2).
+// and more (the Llama-70B 8192 <-> 28672 projections). Against the register gather's 32-token tiles at 33, 48 and 64
+// tokens (benchmarks/RESULTS.md, "the X^T path's 64-token tile at 33-64 tokens"): 128:2:16 1.29-1.48x on the
+// 7B/13B shapes it takes, 1.11-1.16x on 70B; 64:2:16 1.04-1.12x; 64:2:8 on 70B 1.05-1.12x; 64:2:32 1.07-1.11x on 70B
+// and 0.92-1.04x elsewhere (0.99-1.19x in a chain over cold weights). It lost at 4096 rows (0.63-0.92x at M >= 16) and
+// at M = 8 below kVnmXtFewMinWeights (0.73-1.01x), where it is not taken.
 constexpr long long kVnmXtMinTokens = 65, kVnmXtFewMinTokens = 33, kVnmXtFewMinWeights = 1LL << 27;
 constexpr int kVnmXtBN = 256;    // the X^T path's widest tile: 128 weight rows x 256 tokens (sm90_vnm_xt_plan)
 constexpr int kVnmXtFewBN = 64;  // its tile at 64 tokens or fewer
