@@ -86,7 +86,7 @@ struct GatherRegs<M, BN, false> {
 // Grid: (row tiles, token tiles, splits); split z of gridDim.z computes k-tiles [z * kt_per_split, (z + 1) *
 // kt_per_split) of its tile (split-K, as spmm_sm90.cu's few-token tiles; tile_config.h).
 template <typename T, int M, int BN, bool PF>
-__global__ void __launch_bounds__(kVnmThreads, sm90_vnm_ctas_per_sm(BN))
+__global__ void __launch_bounds__(kVnmThreads, sm90_vnm_ctas_per_sm(M, BN))
 spmm_vnm_sm90_kernel(const T* __restrict__ x, const uint4* __restrict__ values, const uint32_t* __restrict__ meta,
                      const uint32_t* __restrict__ columns, const T* __restrict__ bias, T* __restrict__ y,
                      int n_tokens, int rows, int rows_padded, int k, int steps, int kt_per_split,
@@ -702,7 +702,7 @@ Sm90SplitPlan vnm_plan(const SpmmArgs& a, int sms) {
   Sm90SplitPlan p = sm90_vnm_plan(a.m, a.rows_padded, a.n_tokens, k_tiles, sms);
 #if defined(HF_SPARSE_LAB)
   if (p.bn == 128 && lab::tuning().vnm_tile.load(std::memory_order_relaxed) == 64)
-    p = sm90_split_plan(a.rows_padded, a.n_tokens, 64, k_tiles, sms, sm90_vnm_ctas_per_sm(64), kVnmSplitMinKTiles);
+    p = sm90_split_plan(a.rows_padded, a.n_tokens, 64, k_tiles, sms, sm90_vnm_ctas_per_sm(a.m, 64), kVnmSplitMinKTiles);
   p.splits = lab::split_k_or(p.splits, p.tiles, k_tiles);
 #endif
   return p;
@@ -771,9 +771,7 @@ cudaError_t dispatch_tile(const SpmmArgs& a, const SpmmPlan& plan, cudaStream_t 
   if (bn == 16) return launch_vnm<T, M, 16, false>(a, plan, stream);  // the register pipeline only
   if (bn == 32) return launch_vnm<T, M, 32, false>(a, plan, stream);
   if constexpr (M == 8) {
-#if defined(HF_SPARSE_LAB)
-    if (bn == 64) return launch_pipe<T, M, 64, 3>(a, plan, stream);  // vnm_tile = 64
-#endif
+    if (bn == 64) return launch_pipe<T, M, 64, 3>(a, plan, stream);  // 33-64 tokens; above, the lab's vnm_tile = 64
     return launch_pipe<T, M, 128, 3>(a, plan, stream);
   }
   return launch_pipe<T, M, 64, 4>(a, plan, stream);

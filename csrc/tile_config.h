@@ -110,16 +110,18 @@ inline int sm90_small_bn(long long n_tokens) { return n_tokens <= 16 ? 16 : n_to
 // splits of 16 k-tiles ran 1.04-1.17x faster than 8 of 8, benchmarks/RESULTS.md, "tail map"; at 128 tokens 1.3x).
 inline int sm90_small_min_k_tiles(int bn) { return bn >= 64 ? 16 : kSplitKMinKTiles; }
 constexpr int kSm90SmallCtasPerSm = 2;
-// The V:2:M sparse-wgmma SpMM's register pipeline: its tokens per CTA by default, 16 up to 16 tokens, 32 up to 64,
-// above that 64, and at M = 8 128 (sm90_vnm_plan weighs 16 against 32 at 17-32 tokens), and the CTAs per SM its
-// registers allow: three at 16 tokens, where each CTA waits on memory most of the time and more of them keep more
-// loads in flight, two at 32, one at 64 and 128 (the gather's registers, ~200 per thread).
+// The V:2:M sparse-wgmma SpMM's register pipeline: its tokens per CTA by default, 16 up to 16 tokens, 32 up to 32,
+// 32 up to 64 at M >= 16 and 64 at M = 8, above that 64, and at M = 8 128 (sm90_vnm_plan weighs 16 against 32 at
+// 17-32 tokens), and the CTAs per SM its registers allow: three at 16 tokens, where each CTA waits on memory most of
+// the time and more of them keep more loads in flight, two at 32 and at M = 8's 64 (the chunk gather's 123 registers),
+// one at M >= 16's 64 and at 128 (~200 registers per thread).
 inline int sm90_vnm_bn(int m, long long n_tokens) {
   if (n_tokens <= 16) return 16;
-  if (n_tokens <= 64) return 32;
+  if (n_tokens <= 32) return 32;
+  if (n_tokens <= 64) return m == 8 ? 64 : 32;
   return m == 8 ? 128 : 64;
 }
-constexpr int sm90_vnm_ctas_per_sm(int bn) { return bn == 16 ? 3 : bn == 32 ? 2 : 1; }
+constexpr int sm90_vnm_ctas_per_sm(int m, int bn) { return bn == 16 ? 3 : bn == 32 || (m == 8 && bn == 64) ? 2 : 1; }
 // Whether the V:2:M sparse-wgmma SpMM transposes X and gathers whole kept rows of X^T (spmm_vnm_xt_sm90.cu, the
 // X^T path): only the kept columns then cross L2 -> SM, for one extra pass over X. Taken from kVnmXtMinTokens
 // tokens and from kVnmXtMinRows weight rows, where the GEMM is long enough against the transpose (which reads and
@@ -261,13 +263,13 @@ inline Sm90SplitPlan sm90_split_plan(long long rows_padded, long long n_tokens, 
 constexpr int kVnmWordTile32Cost = 5;
 inline Sm90SplitPlan sm90_vnm_plan(int m, long long rows_padded, long long n_tokens, long long k_tiles, int sms) {
   const auto plan = [&](int bn) {
-    return sm90_split_plan(rows_padded, n_tokens, bn, k_tiles, sms, sm90_vnm_ctas_per_sm(bn), kVnmSplitMinKTiles);
+    return sm90_split_plan(rows_padded, n_tokens, bn, k_tiles, sms, sm90_vnm_ctas_per_sm(m, bn), kVnmSplitMinKTiles);
   };
   const Sm90SplitPlan wide = plan(sm90_vnm_bn(m, n_tokens));
   if (n_tokens <= 16 || n_tokens > 32 || sms <= 0) return wide;
   const Sm90SplitPlan narrow = plan(16);
   const auto cost = [&](const Sm90SplitPlan& p) {
-    return sm90_split_rounds_cost(p.tiles, k_tiles, p.splits, (long long)sms * sm90_vnm_ctas_per_sm(p.bn));
+    return sm90_split_rounds_cost(p.tiles, k_tiles, p.splits, (long long)sms * sm90_vnm_ctas_per_sm(m, p.bn));
   };
   return (m == 8 ? 4 : kVnmWordTile32Cost) * cost(wide) < 4 * cost(narrow) ? wide : narrow;
 }

@@ -139,8 +139,8 @@ VNM_CASES = [
     ((8, 16, 0), 16),
     ((8, 17, 0), 32),
     ((8, 32, 0), 32),
-    ((8, 33, 0), 32),
-    ((8, 64, 0), 32),
+    ((8, 33, 0), 64),  # the chunk gather (M = 8): 64 tokens in two CTAs per SM
+    ((8, 64, 0), 64),
     ((8, 65, 0), 128),
     ((16, 1, 0), 16),  # the word gather (M >= 16): 16, 32 or 64 tokens
     ((16, 16, 0), 16),
@@ -224,8 +224,14 @@ VNM_PLAN_CASES = [
     ((32, 13824, 17, 10), (32, 2)),
     # 16 tokens: the 16-token tile (8192 -> 28672, M = 8: 224 tiles in 5, 3 x 17)
     ((8, 28672, 16, 64), (16, 5)),
-    # 48 tokens: the 32-token tile (448 tiles; unsplit 2 x 68 against 2 splits' 4 x 36)
-    ((8, 28672, 48, 64), (32, 1)),
+    # 48 tokens at M = 8: the 64-token tile, two CTAs per SM (224 tiles in 264 slots; unsplit 1 x 68 against 2 splits'
+    # 2 x 36)
+    ((8, 28672, 48, 64), (64, 1)),
+    # 4096 -> 11008 at 48 tokens, M = 8: 86 tiles; 1 x 36 unsplit, 1 x 20 in 2, 1 x 15 in 3, 2 x 12 in 4
+    ((8, 11008, 48, 32), (64, 3)),
+    # 48 tokens at M >= 16: the 32-token tile (8192 -> 28672 at M = 16 below the X^T path's weights: 448 tiles in 264
+    # slots; unsplit 2 x 36 against 2 splits' 4 x 20)
+    ((16, 28672, 48, 32), (32, 1)),
     # 65 tokens at M = 8: the 128-token tile, one CTA per SM (224 tiles; unsplit 2 x 68 against 4 x 36)
     ((8, 28672, 65, 64), (128, 1)),
 ]
