@@ -251,27 +251,32 @@ inline Sm90SplitPlan sm90_split_plan(long long rows_padded, long long n_tokens, 
   const long long tiles = sm90_tiles(rows_padded, n_tokens, bn);
   return {bn, sm90_split_k(tiles, k_tiles, sms, ctas_per_sm, min_k_tiles), tiles};
 }
-// The V:2:M register pipeline's plan: sm90_vnm_bn's tile, split by sm90_split_k, except at 17-32 tokens, where it
-// takes the 32-token tile or two 16-token tiles, whichever plan's rounds (sm90_split_rounds_cost, in their CTA
-// slots) cost less, 16 on a tie. The 32-token tile reads each weight byte once for 32 tokens; the 16-token tiles read
-// it twice, in more CTA slots (three per SM against two). A k-tile of the 32-token tile costs as much as one of the
-// 16-token tile at M = 8 (16-byte chunks of X per thread), and kVnmWordTile32Cost / 4 as much at M >= 16 (one word
-// per token and kept column). Fitted to 84 cells, M = 8 / 16 / 32, 17-32 tokens, the Llama shapes
-// (benchmarks/RESULTS.md, "the V:2:M plan at 1-64 tokens"), time of the 16-token tiles / the 32-token tile: at
-// M = 8 0.98-1.37x (1.04-1.44x in a chain over distinct weights); at M >= 16 1.06-1.52x on 8192 <-> 28672 and, at
-// 64:2:16, on 5120 <-> 13824, 0.90-1.04x elsewhere.
-constexpr int kVnmWordTile32Cost = 5;
+// The V:2:M register pipeline's plan: sm90_vnm_bn's tile, split by sm90_split_k, except where a narrower tile that
+// reads the weight more often may still be faster: at 17-32 tokens the 32-token tile against two 16-token tiles, and
+// at M = 8 and 33-64 tokens the 64-token tile against two 32-token tiles. It takes whichever plan's rounds
+// (sm90_split_rounds_cost, in their CTA slots) cost less, the narrower on a tie, a k-tile of the wider tile costing
+// so many eighths of one of the narrower:
+// - 32 against 16 tokens: as much at M = 8 (16-byte chunks of X per thread), 5/4 at M >= 16 (one word per token and
+//   kept column). Fitted to 84 cells, M = 8 / 16 / 32, 17-32 tokens, the Llama shapes (benchmarks/RESULTS.md, "the V:2:M
+//   plan at 1-64 tokens"), time of the 16-token tiles / the 32-token tile: at M = 8 0.98-1.37x (1.04-1.44x in a chain
+//   over distinct weights); at M >= 16 1.06-1.52x on 8192 <-> 28672 and, at 64:2:16, on 5120 <-> 13824, 0.90-1.04x
+//   elsewhere.
+// - 64 against 32 tokens at M = 8: 13/8. Fitted to 56 cells, 64:2:8 and 128:2:8 at 33-64 tokens on the Llama shapes
+//   ("the M = 8 64-token tile"): the 64-token tile was 1.13-1.30x faster on the 7B/13B shapes, whose rounds cost 1.73-2.0x
+//   as much in 32-token tiles, and 0.92-0.97x at 4096 -> 4096 (1.5x).
+constexpr int kVnmWord32Cost = 10, kVnmChunk32Cost = 8, kVnmChunk64Cost = 13;  // eighths, above
 inline Sm90SplitPlan sm90_vnm_plan(int m, long long rows_padded, long long n_tokens, long long k_tiles, int sms) {
   const auto plan = [&](int bn) {
     return sm90_split_plan(rows_padded, n_tokens, bn, k_tiles, sms, sm90_vnm_ctas_per_sm(m, bn), kVnmSplitMinKTiles);
   };
   const Sm90SplitPlan wide = plan(sm90_vnm_bn(m, n_tokens));
-  if (n_tokens <= 16 || n_tokens > 32 || sms <= 0) return wide;
-  const Sm90SplitPlan narrow = plan(16);
+  if (sms <= 0 || n_tokens <= 16 || n_tokens > 64 || n_tokens > wide.bn) return wide;
+  const Sm90SplitPlan narrow = plan(wide.bn / 2);
   const auto cost = [&](const Sm90SplitPlan& p) {
     return sm90_split_rounds_cost(p.tiles, k_tiles, p.splits, (long long)sms * sm90_vnm_ctas_per_sm(m, p.bn));
   };
-  return (m == 8 ? 4 : kVnmWordTile32Cost) * cost(wide) < 4 * cost(narrow) ? wide : narrow;
+  const int weight = wide.bn == 64 ? kVnmChunk64Cost : m == 8 ? kVnmChunk32Cost : kVnmWord32Cost;
+  return weight * cost(wide) < 8 * cost(narrow) ? wide : narrow;
 }
 // The persistent configurations' plan: the configuration and its split-K. A work unit is a split of a tile, and the
 // CTAs, one per SM, walk the units. A configuration splits only where its tiles leave half the SMs or more idle (e.g.

@@ -209,8 +209,9 @@ VNM_XT_PLAN_CASES = [
 
 # (M, rows_padded, tokens, k-tiles) -> the V:2:M register pipeline's (tile tokens, splits) on 132 SMs: sm90_vnm_bn's
 # tile split by sm90_split_k, except at 17-32 tokens: the 32-token tile (264 slots) or two 16-token tiles (396 slots),
-# whichever's ceil(tiles x splits / slots) x (k-tiles per split + 4) is less, that of the 32-token tile x 5/4 at
-# M >= 16, 16 on a tie
+# and at M = 8 and 33-64 tokens: the 64-token tile (264 slots) or two 32-token tiles, whichever's
+# ceil(tiles x splits / slots) x (k-tiles per split + 4) is less, that of the 32-token tile x 5/4 at M >= 16, of the
+# 64-token tile x 13/8, the narrower on a tie
 VNM_PLAN_CASES = [
     # 8192 -> 28672, M = 8, 24 tokens: 32: 224 tiles unsplit, 1 x 68; 16: 448 tiles in 4, 5 x 20 = 100
     ((8, 28672, 24, 64), (32, 1)),
@@ -224,11 +225,14 @@ VNM_PLAN_CASES = [
     ((32, 13824, 17, 10), (32, 2)),
     # 16 tokens: the 16-token tile (8192 -> 28672, M = 8: 224 tiles in 5, 3 x 17)
     ((8, 28672, 16, 64), (16, 5)),
-    # 48 tokens at M = 8: the 64-token tile, two CTAs per SM (224 tiles in 264 slots; unsplit 1 x 68 against 2 splits'
-    # 2 x 36)
+    # 8192 -> 28672 at 48 tokens, M = 8: 64: 224 tiles unsplit (1 x 68 against 2 splits' 2 x 36), 68 x 13/8 = 110.5;
+    # 32: 448 tiles unsplit, 2 x 68 = 136
     ((8, 28672, 48, 64), (64, 1)),
-    # 4096 -> 11008 at 48 tokens, M = 8: 86 tiles; 1 x 36 unsplit, 1 x 20 in 2, 1 x 15 in 3, 2 x 12 in 4
+    # 4096 -> 11008 at 48 tokens, M = 8: 64: 86 tiles in 3 (1 x 15; 1 x 36 unsplit, 1 x 20 in 2, 2 x 12 in 4),
+    # 15 x 13/8 = 24.4; 32: 172 tiles in 3, 2 x 15 = 30
     ((8, 11008, 48, 32), (64, 3)),
+    # 4096 -> 4096 at 48 tokens, M = 8: 64: 32 tiles in 8, 1 x 8 x 13/8 = 13; 32: 64 tiles in 4, 1 x 12 -> 32
+    ((8, 4096, 48, 32), (32, 4)),
     # 48 tokens at M >= 16: the 32-token tile (8192 -> 28672 at M = 16 below the X^T path's weights: 448 tiles in 264
     # slots; unsplit 2 x 36 against 2 splits' 4 x 20)
     ((16, 28672, 48, 32), (32, 1)),
