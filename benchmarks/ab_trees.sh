@@ -13,7 +13,7 @@
 # command line), all trees at once, run in the tree. sweeps: RUNS is a list of (tree, sweep) pairs run in order: tree's
 # package and kernels timing `sweep_split_k.py --product-only --cold $SWEEP_<sweep>`, its rows appended to
 # $OUT/ab_<sweep>_<tree>.jsonl; alternate base and branch runs ("base a a a base b b b") so that drift hits both. The
-# time left is divided among the runs still to come. LIMIT: seconds the whole call may take (default 575).
+# time left is divided evenly among the runs still to come. LIMIT: seconds the whole call may take (default 575).
 set -u
 cd "$(dirname "$0")/.."
 root=$PWD
@@ -59,8 +59,8 @@ if [[ $phases == *" sweeps "* ]]; then
   while [ $# -ge 2 ]; do
     tree=$1 sweep=$2
     shift 2
-    budget=$(($(left) / ($# / 2 + 1) - 5))
-    if [ "$budget" -lt 30 ]; then
+    budget=$(($(left) / ($# / 2 + 1)))
+    if [ "$budget" -lt 15 ]; then  # a run killed part-way still leaves the rows it finished
       echo "skipped ($(left) s left): $sweep on $tree" | tee -a "$log"
       continue
     fi
