@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from wgmma_codegen import accumulators, write_header
 
-# 16: the SpMMs' few-token tile (<= 16 tokens); 32: the V:2:M SpMM's 33-64-token tile; 64, 128, 256: larger token tiles
+# 16: the SpMMs' few-token tile (<= 16 tokens); 32: the V:2:M SpMM's 17-64-token tile (17-32 at M = 8); 64, 128, 256:
+# larger token tiles
 NS = (16, 32, 64, 128, 256)
 NS_T = (64, 128, 256)  # the X^T path's tiles (64: at 33-64 tokens)
 
