@@ -112,7 +112,7 @@ inline int sm90_small_min_k_tiles(int bn) { return bn >= 64 ? 16 : kSplitKMinKTi
 constexpr int kSm90SmallCtasPerSm = 2;
 // The V:2:M sparse-wgmma SpMM's register pipeline: its tokens per CTA by default, 16 up to 16 tokens, 32 up to 32,
 // 32 up to 64 at M >= 16 and 64 at M = 8, above that 64, and at M = 8 128 (sm90_vnm_plan weighs 16 against 32 at
-// 17-32 tokens), and the CTAs per SM its registers allow: three at 16 tokens, where each CTA waits on memory most of
+// 17-32 tokens and, at M = 8, 32 against 64 at 33-64), and the CTAs per SM its registers allow: three at 16 tokens, where each CTA waits on memory most of
 // the time and more of them keep more loads in flight, two at 32 and at M = 8's 64 (the chunk gather's 123 registers),
 // one at M >= 16's 64 and at 128 (~200 registers per thread).
 inline int sm90_vnm_bn(int m, long long n_tokens) {
@@ -135,7 +135,10 @@ constexpr int sm90_vnm_ctas_per_sm(int m, int bn) { return bn == 16 ? 3 : bn == 
 // tokens (benchmarks/RESULTS.md, "the X^T path's 64-token tile at 33-64 tokens"): 128:2:16 1.29-1.48x on the
 // 7B/13B shapes it takes, 1.11-1.16x on 70B; 64:2:16 1.04-1.12x; 64:2:8 on 70B 1.05-1.12x; 64:2:32 1.07-1.11x on 70B
 // and 0.92-1.04x elsewhere (0.99-1.19x in a chain over cold weights). It lost at 4096 rows (0.63-0.92x at M >= 16) and
-// at M = 8 below kVnmXtFewMinWeights (0.73-1.01x), where it is not taken.
+// at M = 8 below kVnmXtFewMinWeights (0.73-1.01x), where it is not taken. At M = 8 on the 70B shapes the register
+// pipeline's 64-token tile, measured later, was 1.32-1.36x faster than it at V = 64 but 0.84-0.86x at V = 128 (where
+// one gathered B tile feeds both slabs of a CTA); this function does not see V, so M = 8 stays on the X^T path there
+// ("the M = 8 64-token tile").
 constexpr long long kVnmXtMinTokens = 65, kVnmXtFewMinTokens = 33, kVnmXtFewMinWeights = 1LL << 27;
 constexpr int kVnmXtBN = 256;    // the X^T path's widest tile: 128 weight rows x 256 tokens (sm90_vnm_xt_plan)
 constexpr int kVnmXtFewBN = 64;  // its tile at 64 tokens or fewer
