@@ -112,9 +112,9 @@ inline int sm90_small_min_k_tiles(int bn) { return bn >= 64 ? 16 : kSplitKMinKTi
 constexpr int kSm90SmallCtasPerSm = 2;
 // The V:2:M sparse-wgmma SpMM's register pipeline: its tokens per CTA by default, 16 up to 16 tokens, 32 up to 32,
 // 32 up to 64 at M >= 16 and 64 at M = 8, above that 64, and at M = 8 128 (sm90_vnm_plan weighs 16 against 32 at
-// 17-32 tokens and, at M = 8, 32 against 64 at 33-64), and the CTAs per SM its registers allow: three at 16 tokens, where each CTA waits on memory most of
-// the time and more of them keep more loads in flight, two at 32 and at M = 8's 64 (the chunk gather's 123 registers),
-// one at M >= 16's 64 and at 128 (~200 registers per thread).
+// 17-32 tokens and, at M = 8, 32 against 64 at 33-64), and the CTAs per SM its registers allow: three at 16 tokens,
+// where each CTA waits on memory most of the time and more of them keep more loads in flight, two at 32 and at M = 8's
+// 64 (the chunk gather's 123 registers), one at M >= 16's 64 and at 128 (~200 registers per thread).
 inline int sm90_vnm_bn(int m, long long n_tokens) {
   if (n_tokens <= 16) return 16;
   if (n_tokens <= 32) return 32;
