@@ -260,13 +260,13 @@ inline Sm90SplitPlan sm90_split_plan(long long rows_padded, long long n_tokens, 
 // (sm90_split_rounds_cost, in their CTA slots) cost less, the narrower on a tie, a k-tile of the wider tile costing
 // so many eighths of one of the narrower:
 // - 32 against 16 tokens: as much at M = 8 (16-byte chunks of X per thread), 5/4 at M >= 16 (one word per token and
-//   kept column). Fitted to 84 cells, M = 8 / 16 / 32, 17-32 tokens, the Llama shapes (benchmarks/RESULTS.md, "the V:2:M
-//   plan at 1-64 tokens"), time of the 16-token tiles / the 32-token tile: at M = 8 0.98-1.37x (1.04-1.44x in a chain
-//   over distinct weights); at M >= 16 1.06-1.52x on 8192 <-> 28672 and, at 64:2:16, on 5120 <-> 13824, 0.90-1.04x
-//   elsewhere.
+//   kept column). Fitted to 84 cells, M = 8 / 16 / 32, 17-32 tokens, the Llama shapes (benchmarks/RESULTS.md, "the
+//   V:2:M plan at 1-64 tokens"), time of the 16-token tiles / the 32-token tile: at M = 8 0.98-1.37x (1.04-1.44x in a
+//   chain over distinct weights); at M >= 16 1.06-1.52x on 8192 <-> 28672 and, at 64:2:16, on 5120 <-> 13824,
+//   0.90-1.04x elsewhere.
 // - 64 against 32 tokens at M = 8: 13/8. Fitted to 56 cells, 64:2:8 and 128:2:8 at 33-64 tokens on the Llama shapes
-//   ("the M = 8 64-token tile"): the 64-token tile was 1.13-1.30x faster on the 7B/13B shapes, whose rounds cost 1.73-2.0x
-//   as much in 32-token tiles, and 0.92-0.97x at 4096 -> 4096 (1.5x).
+//   ("the M = 8 64-token tile"): the 64-token tile was 1.13-1.30x faster on the 7B/13B shapes, whose rounds cost
+//   1.73-2.0x as much in 32-token tiles, and 0.92-0.97x at 4096 -> 4096 (1.5x).
 constexpr int kVnmWord32Cost = 10, kVnmChunk32Cost = 8, kVnmChunk64Cost = 13;  // eighths, above
 inline Sm90SplitPlan sm90_vnm_plan(int m, long long rows_padded, long long n_tokens, long long k_tiles, int sms) {
   const auto plan = [&](int bn) {
