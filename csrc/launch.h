@@ -76,8 +76,9 @@ cudaError_t once_per_device(std::atomic<int> (&memo)[kMaxCachedDevices], int* va
 // The current device's number of SMs in *sms, queried once per device.
 inline cudaError_t current_sm_count(int* sms) {
   static std::atomic<int> counts[kMaxCachedDevices];
-  return once_per_device(counts, sms,
-                         [](int dev, int* n) { return cudaDeviceGetAttribute(n, cudaDevAttrMultiProcessorCount, dev); });
+  return once_per_device(counts, sms, [](int dev, int* n) {
+    return cudaDeviceGetAttribute(n, cudaDevAttrMultiProcessorCount, dev);
+  });
 }
 
 #if defined(HF_SPARSE_TIMELINE)
