@@ -33,7 +33,7 @@ def measure(ext, pattern, rows: int, cols: int, tokens: int, repeats: int) -> tu
     times = dispatch.costs(
         {
             "view24": lambda: ext.view24(vnm.values, vnm.meta, vnm.columns, rows, cols, pattern.m),
-            "spmm": lambda: fn(x, view.values, view.meta, view.columns, None, rows, cols, 4, 0),
+            "spmm": lambda: fn(x, view.values, view.meta, view.columns, None, rows, cols, 64, 4, 0),
         },
         rounds=repeats,
     )

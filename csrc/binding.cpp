@@ -111,7 +111,9 @@ int* split_counters(const at::Device& device, cudaStream_t stream) {
 
 at::Tensor spmm_impl(const char* op, bool wgmma, const at::Tensor& x, const at::Tensor& values,
                      const at::Tensor& meta, const at::Tensor& columns, const c10::optional<at::Tensor>& bias,
-                     int64_t rows, int64_t k, int64_t m, int64_t act) {
+                     int64_t rows, int64_t k, int64_t v, int64_t m, int64_t act) {
+  HF_CHECK(m == 4 || v == 64 || v == 128, "hf_sparse.", op, ": v=", v,
+           " is not a V:2:M block height; pass the packed weight's v (64 or 128)");
   HF_CHECK(act == 0 || (act == 1 && wgmma && m == 4), "hf_sparse.", op,
               ": a fused activation (act=", act, ") is only in the 2:4 sparse-wgmma kernel; apply it after the call");
   const auto dtype = x.scalar_type();
@@ -137,7 +139,7 @@ at::Tensor spmm_impl(const char* op, bool wgmma, const at::Tensor& x, const at::
     for (int64_t start = 0; start < x.size(0); start += kSlice) {
       const int64_t len = std::min(kSlice, x.size(0) - start);
       y.narrow(0, start, len)
-          .copy_(spmm_impl(op, wgmma, x.narrow(0, start, len), values, meta, columns, bias, rows, k, m, act));
+          .copy_(spmm_impl(op, wgmma, x.narrow(0, start, len), values, meta, columns, bias, rows, k, v, m, act));
     }
     return y;
   }
@@ -153,6 +155,7 @@ at::Tensor spmm_impl(const char* op, bool wgmma, const at::Tensor& x, const at::
   a.rows_padded = (int)values.size(0) * 16;
   a.k = (int)k;
   a.m = (int)m;
+  a.v = m == 4 ? 64 : (int)v;
   a.steps = (int)values.size(1);
   a.is_bf16 = dtype == at::kBFloat16;
   a.act = (int)act;
@@ -180,16 +183,17 @@ at::Tensor spmm_impl(const char* op, bool wgmma, const at::Tensor& x, const at::
   return y;
 }
 
-// act: the epilogue activation (0 none, 1 exact GELU); only the 2:4 sparse-wgmma kernel has one, the others need 0.
+// v: the packed weight's V (ignored at m = 4); act: the epilogue activation (0 none, 1 exact GELU); only the 2:4
+// sparse-wgmma kernel has one, the others need 0.
 at::Tensor spmm(const at::Tensor& x, const at::Tensor& values, const at::Tensor& meta, const at::Tensor& columns,
-                const c10::optional<at::Tensor>& bias, int64_t rows, int64_t k, int64_t m, int64_t act) {
-  return spmm_impl("spmm", false, x, values, meta, columns, bias, rows, k, m, act);
+                const c10::optional<at::Tensor>& bias, int64_t rows, int64_t k, int64_t v, int64_t m, int64_t act) {
+  return spmm_impl("spmm", false, x, values, meta, columns, bias, rows, k, v, m, act);
 }
 
 at::Tensor spmm_wgmma(const at::Tensor& x, const at::Tensor& values, const at::Tensor& meta,
                       const at::Tensor& columns, const c10::optional<at::Tensor>& bias, int64_t rows, int64_t k,
-                      int64_t m, int64_t act) {
-  return spmm_impl("spmm(wgmma)", true, x, values, meta, columns, bias, rows, k, m, act);
+                      int64_t v, int64_t m, int64_t act) {
+  return spmm_impl("spmm(wgmma)", true, x, values, meta, columns, bias, rows, k, v, m, act);
 }
 
 bool spmm_wgmma_available() { return hf_sparse::spmm_sm90_available(); }
@@ -481,7 +485,7 @@ at::Tensor spmm_view24_impl(const char* op, bool wgmma, const at::Tensor& x, con
                             const at::Tensor& meta, const at::Tensor& columns, const at::Tensor& columns24,
                             const c10::optional<at::Tensor>& bias, int64_t rows, int64_t k, int64_t m, int64_t act) {
   const auto view = view24(values, meta, columns, rows, k, m);
-  return spmm_impl(op, wgmma, x, view[0], view[1], columns24, bias, rows, k, 4, act);
+  return spmm_impl(op, wgmma, x, view[0], view[1], columns24, bias, rows, k, 64, 4, act);
 }
 
 at::Tensor spmm_view24(const at::Tensor& x, const at::Tensor& values, const at::Tensor& meta,
@@ -696,7 +700,7 @@ at::Tensor compact_forward(const at::Tensor& x2, const at::Tensor& weight, const
     const auto made = values.numel() > 0 ? values
                                          : pack_in_call(m == m_g ? hf_sparse::kRefreshPack : hf_sparse::kRefreshView24,
                                                         weight, meta, pos, rows, cols, xa.scalar_type(), "compact_linear");
-    return spmm_impl("compact_linear", kernels & 1, xa, made, meta, columns, bias_c, rows, cols, m, 0);
+    return spmm_impl("compact_linear", kernels & 1, xa, made, meta, columns, bias_c, rows, cols, v_g, m, 0);
   }
   return at::linear(xa, dense_weight(weight, pos, rows, cols, xa.scalar_type()), bias_c);
 }
@@ -727,7 +731,7 @@ std::vector<at::Tensor> compact_backward(const at::Tensor& dy, const at::Tensor&
                                             : pack_in_call(hf_sparse::kRefreshTransposed, weight, *meta_t, pos, rows,
                                                            cols, dtype, "compact_linear(input gradient)");
     dx = spmm_impl("compact_linear(input gradient)", kernels & 2, dy2, made, *meta_t, *columns_t, c10::nullopt, cols,
-                   rows, 4, 0);
+                   rows, 64, 4, 0);
   } else if (need_dx) {
     dx = at::mm(dy2, dense_weight(weight, pos, rows, cols, dtype));
   }

@@ -17,6 +17,7 @@ struct SpmmArgs {
   const void* bias;       // (rows,) or nullptr
   void* y;                // (n_tokens, rows) row-major
   int n_tokens, rows, rows_padded, k, m, steps;
+  int v = 64;  // V:2:M's V, the rows of a block that keep the same columns (64 or 128): the V:2:M plan reads it
   bool is_bf16;
   int act = 0;  // epilogue activation (common.cuh kActNone / kActGelu); only spmm_sm90 takes one other than none
   // Split-K scratch of the sparse-wgmma SpMMs (tile_config.h sm90_split_k): split_ws holds the fp32 partial sums,

@@ -438,7 +438,7 @@ bool spmm_vnm_sm90_takes_xt(const SpmmArgs& a) {
   const int forced = lab::tuning().vnm_xt.load(std::memory_order_relaxed);
   if (forced >= 0) return forced == 1;
 #endif
-  return sm90_vnm_xt(a.m, a.n_tokens, a.rows, a.k);
+  return sm90_vnm_xt(a.m, a.n_tokens, a.rows, a.k, a.v);
 }
 
 // The X^T path's work units: 128-row x (256, 128 or 64)-token tiles, each split along K (tile_config.h

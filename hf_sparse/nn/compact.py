@@ -210,7 +210,7 @@ def _spmm(x2, values, meta, columns, valid, bias, rows, cols, v, m, fn, code, af
     """``act(x2 @ W^T + bias)``: the extension's function ``fn`` where it can take ``x2`` as it is, else the
     ``hf_sparse::spmm`` op (torch.compile, CPU, misaligned input)."""
     if fn is not None and x2.is_contiguous() and x2.data_ptr() % 16 == 0:
-        y = fn(x2, values, meta, columns, bias, rows, cols, m, code)
+        y = fn(x2, values, meta, columns, bias, rows, cols, v, m, code)
         return y if after is None else activate(y, after)
     y = torch.ops.hf_sparse.spmm(x2.contiguous(), values, meta, columns, valid, bias, rows, cols, v, m)
     return y if activation is None else activate(y, activation)
@@ -386,7 +386,7 @@ class CompactKernel:
         ``forward`` (the activation fused), or None where that needs more than one call."""
         q = self.packed
         if forward == "sparse" and self.fns[0] is not None and self.after is None:
-            return self.fns[0], (q.values, q.meta, q.columns), (self.rows, self.cols, self.m, self.code)
+            return self.fns[0], (q.values, q.meta, q.columns), (self.rows, self.cols, self.v, self.m, self.code)
         fn = self.spmm_view24.get(getattr(self.fn24, "__name__", None))
         if forward == "sparse24" and fn is not None and self.after24 is None:
             return fn, (q.values, q.meta, q.columns, self._columns24()), (self.rows, self.cols, self.m, self.code24)

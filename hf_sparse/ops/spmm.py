@@ -97,7 +97,7 @@ def spmm_kernel(m: int, device: torch.device | None = None) -> str:
 
 def spmm_function(m: int, device: torch.device):
     """The extension function :func:`spmm_kernel` picks for group size ``m`` on ``device``, called as
-    ``fn(x2, values, meta, columns, bias, rows, cols, m, act)`` with ``x2`` 2-D, contiguous, 16-byte aligned,
+    ``fn(x2, values, meta, columns, bias, rows, cols, v, m, act)`` with ``x2`` 2-D, contiguous, 16-byte aligned,
     ``cols % 8 == 0`` and everything in one dtype (the binding checks the rest); ``act``: 0, or an
     :data:`ACTIVATIONS` code where :func:`fuses_activation` says the kernel has it."""
     return kernel_function("spmm", m, device)
@@ -111,13 +111,14 @@ def _run_kernel(
     bias: Tensor | None,
     rows: int,
     cols: int,
+    v: int,
     m: int,
     activation: str | None = None,
 ) -> Tensor:
     """The CUDA kernel call itself (``x`` 2-D, contiguous, 16-byte aligned, ``cols % 8 == 0``), the activation fused
     where the kernel has it, else applied after."""
     code, after = (0, None) if activation is None else kernel_activation(activation, m, x.device)
-    y = spmm_function(m, x.device)(x, values, meta, columns, bias, rows, cols, m, code)
+    y = spmm_function(m, x.device)(x, values, meta, columns, bias, rows, cols, v, m, code)
     return y if after is None else activate(y, after)
 
 
@@ -137,7 +138,7 @@ def _spmm_op(
     p = PackedWeight(values, meta, columns, valid, rows, cols, v, m)
     if x.is_cuda:
         if _kernel_ok(x, cols):
-            return _run_kernel(x, values, meta, columns, bias, rows, cols, m)
+            return _run_kernel(x, values, meta, columns, bias, rows, cols, v, m)
         warnings.warn(
             f"hf_sparse.spmm: in_features={cols} is not a multiple of 8 (or x is misaligned); using the slow "
             "reference path. Pad the layer to a multiple of 8 for the kernel.",
@@ -171,7 +172,16 @@ def spmm(x: Tensor, packed: PackedWeight, bias: Tensor | None = None, activation
         # hot path (every sparse linear call): straight to the kernel, without the host time of the custom op's
         # Python dispatch; the op below is the same call, kept for torch.compile and opcheck
         y = _run_kernel(
-            x2, packed.values, packed.meta, packed.columns, bias, packed.rows, packed.cols, packed.m, activation
+            x2,
+            packed.values,
+            packed.meta,
+            packed.columns,
+            bias,
+            packed.rows,
+            packed.cols,
+            packed.v,
+            packed.m,
+            activation,
         )
         return y.reshape(*lead, packed.rows)
     y = _spmm_op(

@@ -225,11 +225,12 @@ def test_spmm_vnm_xt_path_runs_rounds_of_tiles_call_after_call(v, m, groups):
             _assert_spmm_matches_reference(x, w, p, b)
 
 
-@pytest.mark.parametrize(("v", "m"), [(64, 8), (64, 16), (128, 32)])
+@pytest.mark.parametrize(("v", "m"), [(128, 8), (64, 8), (64, 16), (128, 32)])
 def test_spmm_vnm_xt_path_at_33_to_64_tokens_on_a_large_weight(v, m):
-    """From 33 tokens a weight of 2^27 elements and more takes the X^T path at any M (``sm90_vnm_xt``,
-    ``csrc/tile_config.h``: 16384 rows x K 8192 is exactly 2^27), each call in one 64-token tile per row block;
-    against the reference on poisoned memory, with bias, at 33 (the first count), 47 and 64 tokens."""
+    """From 33 tokens a weight of 2^27 elements and more takes the X^T path at M >= 16 and at M = 8 where V = 128
+    (``sm90_vnm_xt``, ``csrc/tile_config.h``: 16384 rows x K 8192 is exactly 2^27), each call in one 64-token tile per
+    row block; 64:2:8 takes the register pipeline's 64-token tile there. Against the reference on poisoned memory,
+    with bias, at 33 (the first count), 47 and 64 tokens."""
     if not _wgmma_runs_here():
         pytest.skip("sparse wgmma needs a cc 9.0 GPU and an sm_90a build")
     rows, cols = 16384, 8192
@@ -832,15 +833,19 @@ w = torch.randn(128, 256, device="cuda", dtype=torch.bfloat16)
 mask = torch.zeros(128, 64, 4, dtype=torch.bool, device="cuda")
 mask[..., :2] = True
 p = pack(w, mask.view(128, 256), 64, 4)
+mask8 = torch.zeros(128, 32, 8, dtype=torch.bool, device="cuda")
+mask8[..., :2] = True
+p8 = pack(w, mask8.view(128, 256), 64, 8)
 x = torch.randn(32, 256, device="cuda", dtype=torch.bfloat16)
 calls = {
-    "cpu input": ("spmm", lambda: ext.spmm(x.cpu(), p.values, p.meta, p.columns, None, 128, 256, 4, 0)),
-    "wrong dtype": ("spmm", lambda: ext.spmm(x.float(), p.values, p.meta, p.columns, None, 128, 256, 4, 0)),
+    "cpu input": ("spmm", lambda: ext.spmm(x.cpu(), p.values, p.meta, p.columns, None, 128, 256, 64, 4, 0)),
+    "wrong dtype": ("spmm", lambda: ext.spmm(x.float(), p.values, p.meta, p.columns, None, 128, 256, 64, 4, 0)),
     "wrong features": ("spmm", lambda: ext.spmm(x[:, :128].contiguous(), p.values, p.meta, p.columns, None, 128, 256,
-                                                4, 0)),
-    "wrong pack shape": ("spmm", lambda: ext.spmm(x, p.values[:1].contiguous(), p.meta, p.columns, None, 128, 256, 4,
-                                                  0)),
-    "wrong group size": ("spmm", lambda: ext.spmm(x, p.values, p.meta, p.columns, None, 128, 256, 3, 0)),
+                                                64, 4, 0)),
+    "wrong pack shape": ("spmm", lambda: ext.spmm(x, p.values[:1].contiguous(), p.meta, p.columns, None, 128, 256, 64,
+                                                  4, 0)),
+    "wrong group size": ("spmm", lambda: ext.spmm(x, p.values, p.meta, p.columns, None, 128, 256, 64, 3, 0)),
+    "wrong block height": ("spmm", lambda: ext.spmm(x, p8.values, p8.meta, p8.columns, None, 128, 256, 96, 8, 0)),
     "wrong table": ("refresh_packs", lambda: ext.refresh_packs(torch.zeros(2, 5, dtype=torch.int64, device="cuda"),
                                                                1)),
     "wrong positions": ("gather_kept", lambda: ext.gather_kept(w, torch.zeros(128, 3, dtype=torch.uint8,
@@ -852,7 +857,7 @@ try:
     call()
 except RuntimeError as err:
     assert "hf_sparse." + op in str(err), err
-    y = ext.spmm(x, p.values, p.meta, p.columns, None, 128, 256, 4, 0)
+    y = ext.spmm(x, p.values, p.meta, p.columns, None, 128, 256, 64, 4, 0)
     assert torch.isfinite(y).all()  # the extension still works after the error
     print("raised")
 """
@@ -864,6 +869,7 @@ BAD_ARGUMENTS = [
     "wrong features",
     "wrong pack shape",
     "wrong group size",
+    "wrong block height",
     "wrong table",
     "wrong positions",
 ]

@@ -153,26 +153,30 @@ VNM_CASES = [
     ((128, 8192, 0), 64),
 ]
 
-# (M, tokens, rows, K) -> whether the V:2:M sparse-wgmma SpMM takes its X^T path (X transposed): M >= 8, from 65
-# tokens and 1024 weight rows; from 33 tokens at M >= 16 from 4097 rows, and at any M where rows x K >= 2^27 (134M)
+# (M, tokens, rows, K, V) -> whether the V:2:M sparse-wgmma SpMM takes its X^T path (X transposed): M >= 8, from 65
+# tokens and 1024 weight rows; from 33 tokens at M >= 16 from 4097 rows or where rows x K >= 2^27 (134M), and at M = 8
+# where rows x K >= 2^27 and V = 128
 VNM_XT_CASES = [
-    ((8, 1024, 1024, 4096), 1),
-    ((16, 8192, 11008, 4096), 1),
-    ((8, 128, 4096, 4096), 1),
-    ((16, 65, 4096, 4096), 1),
-    ((8, 64, 4096, 4096), 0),
-    ((64, 300, 1023, 4096), 0),
-    ((8, 8192, 768, 3072), 0),
-    ((4, 8192, 4096, 4096), 0),  # 2:4 has its own kernel
-    ((16, 33, 28672, 8192), 1),  # 8192 -> 28672
-    ((32, 64, 8192, 28672), 1),
-    ((16, 32, 28672, 8192), 0),  # the register gather's 32-token tile
-    ((16, 64, 5120, 13824), 1),  # 5120 rows
-    ((16, 64, 4096, 11008), 0),  # 4096 rows
-    ((8, 64, 28672, 8192), 1),  # M = 8: 235M weights
-    ((8, 64, 13824, 5120), 0),  # M = 8: 70.8M weights
-    ((8, 64, 16384, 8192), 1),  # exactly 2^27
-    ((8, 64, 16383, 8192), 0),
+    ((8, 1024, 1024, 4096, 64), 1),
+    ((16, 8192, 11008, 4096, 64), 1),
+    ((8, 128, 4096, 4096, 64), 1),
+    ((16, 65, 4096, 4096, 64), 1),
+    ((8, 64, 4096, 4096, 64), 0),
+    ((64, 300, 1023, 4096, 64), 0),
+    ((8, 8192, 768, 3072, 64), 0),
+    ((4, 8192, 4096, 4096, 64), 0),  # 2:4 has its own kernel
+    ((16, 33, 28672, 8192, 64), 1),  # 8192 -> 28672
+    ((32, 64, 8192, 28672, 128), 1),
+    ((16, 32, 28672, 8192, 64), 0),  # the register gather's 32-token tile
+    ((16, 64, 5120, 13824, 64), 1),  # 5120 rows
+    ((16, 64, 4096, 11008, 64), 0),  # 4096 rows, 45M weights
+    ((16, 64, 4096, 32768, 64), 1),  # 4096 rows, exactly 2^27 weights
+    ((16, 64, 4096, 32767, 64), 0),
+    ((8, 64, 28672, 8192, 128), 1),  # M = 8: 235M weights at V = 128
+    ((8, 64, 28672, 8192, 64), 0),  # at V = 64: the register pipeline's 64-token tile
+    ((8, 64, 13824, 5120, 128), 0),  # M = 8: 70.8M weights
+    ((8, 64, 16384, 8192, 128), 1),  # exactly 2^27
+    ((8, 64, 16383, 8192, 128), 0),
 ]
 
 # (tiles, k-tiles, SMs) -> the V:2:M X^T path's split count (256-token tiles): the least busiest-SM work,
@@ -245,8 +249,8 @@ PROGRAM = r"""
 #include "tile_config.h"
 int main(int argc, char** argv) {
   char fn;
-  long long a, b, c, d;
-  while (std::scanf(" %c %lld %lld %lld %lld", &fn, &a, &b, &c, &d) == 5) {
+  long long a, b, c, d, e;
+  while (std::scanf(" %c %lld %lld %lld %lld %lld", &fn, &a, &b, &c, &d, &e) == 6) {
     if (fn == 'L') std::printf("%d\n", hf_sparse::sm90_large_config(a, b, (int)c));
     if (fn == 'S') std::printf("%d\n", hf_sparse::sm90_split_k(a, b, (int)c, (int)d));
     if (fn == 'T') std::printf("%d\n", hf_sparse::sm90_split_k(a, b, (int)c, (int)d, hf_sparse::kVnmSplitMinKTiles));
@@ -256,7 +260,7 @@ int main(int argc, char** argv) {
       std::printf("%d\n", hf_sparse::sm90_few_token(b) ? hf_sparse::sm90_small_plan(a, b, c, (int)d).bn : 0);
     }
     if (fn == 'V') std::printf("%d\n", hf_sparse::sm90_vnm_bn((int)a, b));
-    if (fn == 'X') std::printf("%d\n", hf_sparse::sm90_vnm_xt((int)a, b, (int)c, d) ? 1 : 0);
+    if (fn == 'X') std::printf("%d\n", hf_sparse::sm90_vnm_xt((int)a, b, (int)c, d, (int)e) ? 1 : 0);
     if (fn == 'Y') std::printf("%d\n", hf_sparse::sm90_vnm_xt_split_k(a, b, (int)c));
     if (fn == 'Z') {
       const hf_sparse::Sm90SplitPlan p = hf_sparse::sm90_vnm_xt_plan(a, b, c, (int)d);
@@ -289,7 +293,7 @@ def chooser(tmp_path_factory):
 
 
 def _choose(chooser, fn: str, cases) -> list[int]:
-    stdin = "".join(f"{fn} {' '.join(str(v) for v in (*args, 0)[:4])}\n" for args, _ in cases)
+    stdin = "".join(f"{fn} {' '.join(str(v) for v in (*args, 0, 0)[:5])}\n" for args, _ in cases)
     out = subprocess.run([str(chooser)], input=stdin, capture_output=True, text=True, check=True).stdout.split()
     return [int(c) for c in out]
 
