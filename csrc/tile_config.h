@@ -133,14 +133,11 @@ constexpr int sm90_vnm_ctas_per_sm(int m, int bn) { return bn == 16 ? 3 : bn == 
 // (kVnmXtFewBN), it is taken at M >= 16 from kVnmXtFewMinRows rows and for weights of kVnmXtFewMinWeights and more
 // (the Llama-70B 8192 <-> 28672 projections), and at M = 8 for such weights where V = 128: there one gathered B tile
 // feeds both of a CTA's slabs, and the X^T path was 1.16-1.19x faster than the register pipeline's 64-token tile, which
-// was 1.32-1.36x faster than it at V = 64 (benchmarks/RESULTS.md, "the M = 8 64-token tile"). Against the register gather's 32-token tiles at 33, 48 and 64
-// tokens (benchmarks/RESULTS.md, "the X^T path's 64-token tile at 33-64 tokens"): 128:2:16 1.29-1.48x on the
-// 7B/13B shapes it takes, 1.11-1.16x on 70B; 64:2:16 1.04-1.12x; 64:2:8 on 70B 1.05-1.12x; 64:2:32 1.07-1.11x on 70B
-// and 0.92-1.04x elsewhere (0.99-1.19x in a chain over cold weights). It lost at 4096 rows (0.63-0.92x at M >= 16) and
-// at M = 8 below kVnmXtFewMinWeights (0.73-1.01x), where it is not taken. At M = 8 on the 70B shapes the register
-// pipeline's 64-token tile was 1.32-1.36x faster than it at V = 64 but 0.84-0.86x at V = 128 (where
-// one gathered B tile feeds both slabs of a CTA); this function does not see V, so M = 8 stays on the X^T path there
-// ("the M = 8 64-token tile").
+// was 1.32-1.36x faster than it at V = 64 (benchmarks/RESULTS.md, "the M = 8 64-token tile"). Against the register
+// gather's 32-token tiles at 33, 48 and 64 tokens (benchmarks/RESULTS.md, "the X^T path's 64-token tile at 33-64
+// tokens"): 128:2:16 1.29-1.48x on the 7B/13B shapes it takes, 1.11-1.16x on 70B; 64:2:16 1.04-1.12x; 64:2:8 on 70B
+// 1.05-1.12x; 64:2:32 1.07-1.11x on 70B and 0.92-1.04x elsewhere (0.99-1.19x in a chain over cold weights). It lost
+// at 4096 rows (0.63-0.92x at M >= 16) and at M = 8 below kVnmXtFewMinWeights (0.73-1.01x), where it is not taken.
 constexpr long long kVnmXtMinTokens = 65, kVnmXtFewMinTokens = 33, kVnmXtFewMinWeights = 1LL << 27;
 constexpr int kVnmXtBN = 256;    // the X^T path's widest tile: 128 weight rows x 256 tokens (sm90_vnm_xt_plan)
 constexpr int kVnmXtFewBN = 64;  // its tile at 64 tokens or fewer
