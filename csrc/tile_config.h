@@ -131,14 +131,16 @@ constexpr int sm90_vnm_ctas_per_sm(int m, int bn) { return bn == 16 ? 3 : bn == 
 // X^T path from 65 tokens"), in 29 of 32 at 128 and 192 tokens and in 34 of 36 at 256-768 ("the X^T path below 1024
 // tokens"). 65 is the first count past the register gather's 64-token tile. At 33-64 tokens, with its 64-token tile
 // (kVnmXtFewBN), it is taken at M >= 16 from kVnmXtFewMinRows rows and for weights of kVnmXtFewMinWeights and more
-// (the Llama-70B 8192 <-> 28672 projections), and at M = 8 for such weights where V = 128: there one gathered B tile
-// feeds both of a CTA's slabs, and the X^T path was 1.16-1.19x faster than the register pipeline's 64-token tile, which
-// was 1.32-1.36x faster than it at V = 64 (benchmarks/RESULTS.md, "the M = 8 64-token tile"). Against the register
-// gather's 32-token tiles at 33, 48 and 64 tokens (benchmarks/RESULTS.md, "the X^T path's 64-token tile at 33-64
-// tokens"): 128:2:16 1.29-1.48x on the 7B/13B shapes it takes, 1.11-1.16x on 70B; 64:2:16 1.04-1.12x; 64:2:8 on 70B
-// 1.05-1.12x; 64:2:32 1.07-1.11x on 70B and 0.92-1.04x elsewhere (0.99-1.19x in a chain over cold weights). It lost
-// at 4096 rows (0.63-0.92x at M >= 16) and at M = 8 below kVnmXtFewMinWeights (0.73-1.01x), where it is not taken.
-constexpr long long kVnmXtMinTokens = 65, kVnmXtFewMinTokens = 33, kVnmXtFewMinWeights = 1LL << 27;
+// (the Llama-70B 8192 <-> 28672 projections). Against the register gather's 32-token tiles at 33, 48 and 64 tokens
+// (benchmarks/RESULTS.md, "the X^T path's 64-token tile at 33-64 tokens"): 128:2:16 1.29-1.48x on the 7B/13B shapes it
+// takes, 1.11-1.16x on 70B; 64:2:16 1.04-1.12x; 64:2:32 1.07-1.11x on 70B and 0.92-1.04x elsewhere (0.99-1.19x in a
+// chain over cold weights). It lost at 4096 rows (0.63-0.92x at M >= 16). At M = 8 it is taken only where V = 128,
+// where one gathered B tile feeds both of a CTA's slabs, on weights of kVnmXtFewMinWeightsV128 and more: against the
+// register pipeline's 64-token tile 1.16-1.19x on 8192 <-> 28672, 1.13-1.18x at 5120 -> 13824, 1.02-1.09x at 13824 ->
+// 5120, 0.93-0.99x at 4096 -> 11008 (45M weights, not taken); at V = 64 that tile was 1.32-1.36x faster than it on
+// 8192 <-> 28672 (benchmarks/RESULTS.md, "the M = 8 64-token tile" and "V in the V:2:M plan").
+constexpr long long kVnmXtMinTokens = 65, kVnmXtFewMinTokens = 33;
+constexpr long long kVnmXtFewMinWeights = 1LL << 27, kVnmXtFewMinWeightsV128 = 1LL << 26;
 constexpr int kVnmXtBN = 256;    // the X^T path's widest tile: 128 weight rows x 256 tokens (sm90_vnm_xt_plan)
 constexpr int kVnmXtFewBN = 64;  // its tile at 64 tokens or fewer
 constexpr int kVnmXtMinRows = 1024, kVnmXtFewMinRows = 4097;
@@ -146,8 +148,9 @@ inline bool sm90_vnm_xt(int m, long long n_tokens, int rows, long long k, int v)
   if (m < 8 || rows < kVnmXtMinRows) return false;
   if (n_tokens >= kVnmXtMinTokens) return true;
   if (n_tokens < kVnmXtFewMinTokens) return false;
-  if ((long long)rows * k >= kVnmXtFewMinWeights && (m >= 16 || v >= 128)) return true;
-  return m >= 16 && rows >= kVnmXtFewMinRows;
+  const long long weights = (long long)rows * k;
+  if (m >= 16) return rows >= kVnmXtFewMinRows || weights >= kVnmXtFewMinWeights;
+  return v >= 128 && weights >= kVnmXtFewMinWeightsV128;
 }
 // `s` splits of k_tiles k-tiles, fewer where the k-tiles per split (rounded up) would leave the last ones empty.
 inline long long sm90_splits_without_empty(long long k_tiles, long long s) {
