@@ -788,6 +788,10 @@ cudaError_t spmm_vnm_sm90_plan(const SpmmArgs& a, SpmmPlan* plan) {
   *plan = SpmmPlan{};
   if (a.m < 8) return cudaErrorInvalidValue;
   if (a.n_tokens <= 0) return cudaSuccess;  // nothing to launch
+  if (sm90_vnm_gemv(a.m, a.n_tokens)) {
+    plan->gemv = true;
+    return cudaSuccess;
+  }
   int sms = 0;
   const cudaError_t err = current_sm_count(&sms);
   if (err != cudaSuccess) return err;
@@ -801,6 +805,7 @@ cudaError_t spmm_vnm_sm90(const SpmmArgs& a, const SpmmPlan& plan, cudaStream_t 
   if (a.m < 8) return cudaErrorInvalidValue;
   if (!spmm_sm90_available()) return cudaErrorNoKernelImageForDevice;
   if (a.n_tokens == 0) return cudaSuccess;
+  if (plan.gemv) return spmv_vnm(a, stream);
   if (plan.split.tiles <= 0) return cudaErrorInvalidValue;  // not spmm_vnm_sm90_plan's plan of these arguments
   if (plan.xt) return spmm_vnm_xt_sm90(a, plan, stream);     // (which refuses a call without its X^T scratch)
   return a.is_bf16 ? dispatch_m<__nv_bfloat16>(a, plan, stream) : dispatch_m<__half>(a, plan, stream);

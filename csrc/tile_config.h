@@ -122,6 +122,12 @@ inline int sm90_vnm_bn(int m, long long n_tokens) {
   return m == 8 ? 128 : 64;
 }
 constexpr int sm90_vnm_ctas_per_sm(int m, int bn) { return bn == 16 ? 3 : bn == 32 || (m == 8 && bn == 64) ? 2 : 1; }
+// Whether a V:2:M call of n_tokens runs on the CUDA cores (spmv_vnm.cu) instead of a sparse-wgmma tile: at so few
+// tokens the product is a pass over the weight's bytes, which the few-token form moves with more loads in flight.
+constexpr int kVnmGemvMaxTokens = 8;
+constexpr bool sm90_vnm_gemv(int m, long long n_tokens) {
+  return m >= 8 && n_tokens >= 1 && n_tokens <= kVnmGemvMaxTokens;
+}
 // Whether the V:2:M sparse-wgmma SpMM transposes X and gathers whole kept rows of X^T (spmm_vnm_xt_sm90.cu, the
 // X^T path): only the kept columns then cross L2 -> SM, for one extra pass over X. Taken from kVnmXtMinTokens
 // tokens and from kVnmXtMinRows weight rows, where the GEMM is long enough against the transpose (which reads and

@@ -55,6 +55,7 @@ SOURCES = (
     "spmm_sm90.cu",
     "spmm_vnm_sm90.cu",
     "spmm_vnm_xt_sm90.cu",
+    "spmv_vnm.cu",
     "sddmm.cu",
     "sddmm_sm90.cu",
     "pack.cu",
