@@ -788,13 +788,13 @@ cudaError_t spmm_vnm_sm90_plan(const SpmmArgs& a, SpmmPlan* plan) {
   *plan = SpmmPlan{};
   if (a.m < 8) return cudaErrorInvalidValue;
   if (a.n_tokens <= 0) return cudaSuccess;  // nothing to launch
-  if (sm90_vnm_gemv(a.m, a.n_tokens)) {
-    plan->gemv = true;
-    return cudaSuccess;
-  }
   int sms = 0;
   const cudaError_t err = current_sm_count(&sms);
   if (err != cudaSuccess) return err;
+  if (sm90_vnm_gemv(a.m, a.n_tokens, a.rows_padded, sms)) {
+    plan->gemv = true;
+    return cudaSuccess;
+  }
   plan->xt = spmm_vnm_sm90_takes_xt(a);
   plan->split = plan->xt ? spmm_vnm_xt_sm90_split(a, sms) : vnm_plan(a, sms);
   plan->xt_elems = plan->xt ? spmm_vnm_xt_sm90_elems(a) : 0;

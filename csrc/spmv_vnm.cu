@@ -1,18 +1,18 @@
-// V:2:M product at a few tokens on the CUDA cores: Y (n x R) = X (n x K) * W^T (+ bias) for n <= kVnmGemvMaxTokens
-// (tile_config.h sm90_vnm_gemv), reading the tensor-core pack (pack.cu) in place.
+// V:2:M product of one token on the CUDA cores: y (R) = W x (+ bias), where tile_config.h sm90_vnm_gemv takes it,
+// reading the tensor-core pack (pack.cu) in place.
 //
-// Why: at so few tokens the product is a pass over the weight's bytes. The sparse-wgmma kernel pads the tokens to a
+// Why: at one token the product is a pass over the weight's bytes. The sparse-wgmma kernel pads the token to a
 // 16-token tile and each of its warps runs a long chain of dependent gather instructions per k-tile with few warps
 // resident, so it moves the weight at well under the DRAM rate. Here each weight value costs a handful of independent
-// integer and FMA instructions per token, and 32 warps per SM keep enough loads in flight.
+// integer instructions and one FMA, and 32 warps per SM keep more loads in flight.
 //
 // Work: one CTA per 16-row m-tile, its 16 warps taking the m-tile's k-steps in turn (warp w: steps w, w + 16, ...), two
 // steps' loads issued before either is used. Per step a lane reads the 16-byte fragment slot (g8, t) of the pack: rows
 // g8 and g8 + 8, groups 8s + t and 8s + 4 + t, two values each; the row's 2-bit positions (its metadata nibble) pick
-// two of the group's 4 kept columns (the slab's column bytes), and each value multiplies X at that column for every
-// token (X stays in L1; the weight is read once, without allocating in L1). Lanes of one row add their sums with two
-// shuffles, the 16 warps' sums meet in shared memory, and 16 x n threads add the bias and store Y.
-// Groups past K (the last step's padding, whose values are zero) are skipped, so nothing past X's rows is read.
+// two of the group's 4 kept columns (the slab's column bytes), and each value multiplies x at that column (x stays in
+// L1; the weight is read once, without allocating in L1). Lanes of one row add their sums with two shuffles, the 16
+// warps' sums meet in shared memory, and 16 threads add the bias and store y.
+// Groups past K (the last step's padding, whose values are zero) are skipped, so nothing past x is read.
 
 #include "common.cuh"
 #include "kernels.h"
@@ -64,9 +64,9 @@ __device__ __forceinline__ void load_step(GemvStep& st, const uint4* vals, const
   st.cols[1] = __ldg(cols + (size_t)s * 8 + 4);
 }
 
-template <typename T, int NT>
-__device__ __forceinline__ void run_step(const GemvStep& st, int s, int t, int groups, int m, int k, int n_tokens,
-                                         const unsigned short* __restrict__ x, float (&acc)[NT][2]) {
+template <typename T>
+__device__ __forceinline__ void run_step(const GemvStep& st, int s, int t, int groups, int m,
+                                         const unsigned short* __restrict__ x, float (&acc)[2]) {
   const uint32_t words[4] = {st.v.x, st.v.y, st.v.z, st.v.w};
   const uint32_t meta[2] = {st.meta.x, st.meta.y};
 #pragma unroll
@@ -79,21 +79,15 @@ __device__ __forceinline__ void run_step(const GemvStep& st, int s, int t, int g
       const uint32_t nib = meta[c] >> (16 * rh + 4 * t);
       const int i0 = base + (int)__byte_perm(st.cols[c], 0, 0x4440u | (nib & 3u));
       const int i1 = base + (int)__byte_perm(st.cols[c], 0, 0x4440u | ((nib >> 2) & 3u));
-      const float w0 = GemvElem<T>::lo(words[2 * c + rh]), w1 = GemvElem<T>::hi(words[2 * c + rh]);
-#pragma unroll
-      for (int n = 0; n < NT; ++n) {
-        if (n < n_tokens) {
-          const unsigned short* xn = x + (size_t)n * k;
-          acc[n][rh] = fmaf(w0, GemvElem<T>::one(__ldg(xn + i0)), acc[n][rh]);
-          acc[n][rh] = fmaf(w1, GemvElem<T>::one(__ldg(xn + i1)), acc[n][rh]);
-        }
-      }
+      const uint32_t w = words[2 * c + rh];
+      acc[rh] = fmaf(GemvElem<T>::lo(w), GemvElem<T>::one(__ldg(x + i0)), acc[rh]);
+      acc[rh] = fmaf(GemvElem<T>::hi(w), GemvElem<T>::one(__ldg(x + i1)), acc[rh]);
     }
   }
 }
 
-template <typename T, int NT>
-__global__ void __launch_bounds__(kGemvWarps * 32, 2) spmv_vnm_kernel(const SpmmArgs a) {
+template <typename T>
+__global__ void __launch_bounds__(kGemvWarps * 32, kVnmGemvCtasPerSm) spmv_vnm_kernel(const SpmmArgs a) {
   const int mt = blockIdx.x, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g8 = lane >> 2, t = lane & 3;
   const int groups = a.k / a.m, steps = a.steps;
@@ -102,47 +96,36 @@ __global__ void __launch_bounds__(kGemvWarps * 32, 2) spmv_vnm_kernel(const Spmm
   const uint2* meta = reinterpret_cast<const uint2*>(a.meta) + tile * 8 + g8;
   const uint32_t* cols = reinterpret_cast<const uint32_t*>(a.columns) + (size_t)(mt >> 2) * steps * 8 + t;
   const unsigned short* x = reinterpret_cast<const unsigned short*>(a.x);
-  float acc[NT][2];
-#pragma unroll
-  for (int n = 0; n < NT; ++n) acc[n][0] = acc[n][1] = 0.f;
+  float acc[2] = {0.f, 0.f};  // rows g8 and g8 + 8 of the m-tile
   for (int s = warp; s < steps; s += 2 * kGemvWarps) {
     const int s2 = s + kGemvWarps;
     GemvStep first, second;
     load_step(first, vals, meta, cols, s);
     if (s2 < steps) load_step(second, vals, meta, cols, s2);
-    run_step<T, NT>(first, s, t, groups, a.m, a.k, a.n_tokens, x, acc);
-    if (s2 < steps) run_step<T, NT>(second, s2, t, groups, a.m, a.k, a.n_tokens, x, acc);
+    run_step<T>(first, s, t, groups, a.m, x, acc);
+    if (s2 < steps) run_step<T>(second, s2, t, groups, a.m, x, acc);
   }
-  __shared__ float part[kGemvWarps][NT][16];
+  __shared__ float part[kGemvWarps][16];
 #pragma unroll
-  for (int n = 0; n < NT; ++n) {
-#pragma unroll
-    for (int rh = 0; rh < 2; ++rh) {
-      float v = acc[n][rh];
-      v += __shfl_xor_sync(0xffffffffu, v, 1);
-      v += __shfl_xor_sync(0xffffffffu, v, 2);
-      if (t == 0) part[warp][n][8 * rh + g8] = v;
-    }
+  for (int rh = 0; rh < 2; ++rh) {
+    float v = acc[rh];
+    v += __shfl_xor_sync(0xffffffffu, v, 1);
+    v += __shfl_xor_sync(0xffffffffu, v, 2);
+    if (t == 0) part[warp][8 * rh + g8] = v;
   }
   __syncthreads();
-  const int i = threadIdx.x;
-  if (i >= a.n_tokens * 16) return;
-  const int n = i >> 4, r = i & 15, row = mt * 16 + r;
-  if (row >= a.rows) return;
+  const int r = threadIdx.x, row = mt * 16 + r;
+  if (r >= 16 || row >= a.rows) return;
   float sum = 0.f;
 #pragma unroll
-  for (int w = 0; w < kGemvWarps; ++w) sum += part[w][n][r];
+  for (int w = 0; w < kGemvWarps; ++w) sum += part[w][r];
   if (a.bias != nullptr) sum += MmaType<T>::to_float(static_cast<const T*>(a.bias)[row]);
-  static_cast<T*>(a.y)[(size_t)n * a.rows + row] = MmaType<T>::from_float(sum);
+  static_cast<T*>(a.y)[row] = MmaType<T>::from_float(sum);
 }
 
 template <typename T>
 cudaError_t launch_gemv(const SpmmArgs& a, cudaStream_t stream) {
-  const dim3 grid(a.rows_padded / 16), block(kGemvWarps * 32);
-  if (a.n_tokens == 1) spmv_vnm_kernel<T, 1><<<grid, block, 0, stream>>>(a);
-  else if (a.n_tokens == 2) spmv_vnm_kernel<T, 2><<<grid, block, 0, stream>>>(a);
-  else if (a.n_tokens <= 4) spmv_vnm_kernel<T, 4><<<grid, block, 0, stream>>>(a);
-  else spmv_vnm_kernel<T, kVnmGemvMaxTokens><<<grid, block, 0, stream>>>(a);
+  spmv_vnm_kernel<T><<<a.rows_padded / 16, kGemvWarps * 32, 0, stream>>>(a);
   return cudaGetLastError();
 }
 

@@ -122,11 +122,13 @@ inline int sm90_vnm_bn(int m, long long n_tokens) {
   return m == 8 ? 128 : 64;
 }
 constexpr int sm90_vnm_ctas_per_sm(int m, int bn) { return bn == 16 ? 3 : bn == 32 || (m == 8 && bn == 64) ? 2 : 1; }
-// Whether a V:2:M call of n_tokens runs on the CUDA cores (spmv_vnm.cu) instead of a sparse-wgmma tile: at so few
-// tokens the product is a pass over the weight's bytes, which the few-token form moves with more loads in flight.
-constexpr int kVnmGemvMaxTokens = 8;
-constexpr bool sm90_vnm_gemv(int m, long long n_tokens) {
-  return m >= 8 && n_tokens >= 1 && n_tokens <= kVnmGemvMaxTokens;
+// Whether a V:2:M call runs on the CUDA cores (spmv_vnm.cu) instead of a sparse-wgmma tile: at one token, where its
+// grid (one CTA per 16-row m-tile, kVnmGemvCtasPerSm per SM) fits one wave on `sms` SMs. At one token the product is a
+// pass over the weight's bytes, which that form moves with more loads in flight than the 16-token tile; past one wave
+// its last partial wave costs more than that saves, and each further token adds its X loads to every value.
+constexpr int kVnmGemvMaxTokens = 1, kVnmGemvCtasPerSm = 2;
+constexpr bool sm90_vnm_gemv(int m, long long n_tokens, long long rows_padded, int sms) {
+  return m >= 8 && n_tokens == 1 && rows_padded / 16 <= (long long)kVnmGemvCtasPerSm * sms;
 }
 // Whether the V:2:M sparse-wgmma SpMM transposes X and gathers whole kept rows of X^T (spmm_vnm_xt_sm90.cu, the
 // X^T path): only the kept columns then cross L2 -> SM, for one extra pass over X. Taken from kVnmXtMinTokens

@@ -182,6 +182,18 @@ VNM_XT_CASES = [
     ((16, 64, 4096, 16384, 128), 0),  # M >= 16 below 4097 rows: 2^27, whatever V
 ]
 
+# (M, tokens, padded rows, SMs) -> whether the V:2:M SpMM runs on the CUDA cores: M >= 8, one token, one CTA per 16
+# rows within 2 per SM
+VNM_GEMV_CASES = [
+    ((8, 1, 4096, 132), 1),  # 256 CTAs in 264 slots
+    ((16, 1, 4224, 132), 1),  # 264: exactly one wave
+    ((16, 1, 4288, 132), 0),
+    ((8, 1, 5120, 132), 0),  # 320 CTAs: a second, partial wave
+    ((8, 2, 4096, 132), 0),  # two tokens: the 16-token tile
+    ((4, 1, 4096, 132), 0),  # 2:4 has its own kernel
+    ((128, 1, 192, 132), 1),
+]
+
 # (tiles, k-tiles, SMs) -> the V:2:M X^T path's split count (256-token tiles): the least busiest-SM work,
 # ceil(tiles x splits / SMs) x (256 + 192) x (k-tiles per split + 3 x (splits + 1) where split), fewer splits on a tie
 VNM_XT_SPLIT_CASES = [
@@ -264,6 +276,7 @@ int main(int argc, char** argv) {
     }
     if (fn == 'V') std::printf("%d\n", hf_sparse::sm90_vnm_bn((int)a, b));
     if (fn == 'X') std::printf("%d\n", hf_sparse::sm90_vnm_xt((int)a, b, (int)c, d, (int)e) ? 1 : 0);
+    if (fn == 'G') std::printf("%d\n", hf_sparse::sm90_vnm_gemv((int)a, b, c, (int)d) ? 1 : 0);
     if (fn == 'Y') std::printf("%d\n", hf_sparse::sm90_vnm_xt_split_k(a, b, (int)c));
     if (fn == 'Z') {
       const hf_sparse::Sm90SplitPlan p = hf_sparse::sm90_vnm_xt_plan(a, b, c, (int)d);
@@ -335,6 +348,10 @@ def test_vnm_register_pipeline_plan_matches_hand_computed_choices(chooser):
 
 def test_vnm_large_token_path_matches_hand_computed_choices(chooser):
     assert _choose(chooser, "X", VNM_XT_CASES) == [expected for _, expected in VNM_XT_CASES]
+
+
+def test_vnm_gemv_matches_hand_computed_choices(chooser):
+    assert _choose(chooser, "G", VNM_GEMV_CASES) == [expected for _, expected in VNM_GEMV_CASES]
 
 
 def test_vnm_xt_plan_matches_hand_computed_choices(chooser):
