@@ -3,8 +3,9 @@
 //
 // Why: at one token the product is a pass over the weight's bytes. The sparse-wgmma kernel pads the token to a
 // 16-token tile and each of its warps runs a long chain of dependent gather instructions per k-tile with few warps
-// resident, so it moves the weight at well under the DRAM rate. Here each weight value costs a handful of independent
-// integer instructions and one FMA, and 32 warps per SM keep more loads in flight.
+// resident. Here each weight value costs a handful of independent integer instructions and one FMA, with 32 warps per
+// SM. It is faster where its grid fits one wave (the figures: tile_config.h sm90_vnm_gemv); neither form reaches the
+// DRAM rate (~2 TB/s of weight bytes at 8192 -> 28672, against cuBLAS's ~3.7 TB/s dense).
 //
 // Work: one CTA per 16-row m-tile, its 16 warps taking the m-tile's k-steps in turn (warp w: steps w, w + 16, ...), two
 // steps' loads issued before either is used. Per step a lane reads the 16-byte fragment slot (g8, t) of the pack: rows

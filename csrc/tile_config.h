@@ -123,9 +123,12 @@ inline int sm90_vnm_bn(int m, long long n_tokens) {
 }
 constexpr int sm90_vnm_ctas_per_sm(int m, int bn) { return bn == 16 ? 3 : bn == 32 || (m == 8 && bn == 64) ? 2 : 1; }
 // Whether a V:2:M call runs on the CUDA cores (spmv_vnm.cu) instead of a sparse-wgmma tile: at one token, where its
-// grid (one CTA per 16-row m-tile, kVnmGemvCtasPerSm per SM) fits one wave on `sms` SMs. At one token the product is a
-// pass over the weight's bytes, which that form moves with more loads in flight than the 16-token tile; past one wave
-// its last partial wave costs more than that saves, and each further token adds its X loads to every value.
+// grid (one CTA per 16-row m-tile, kVnmGemvCtasPerSm per SM) fits one wave on `sms` SMs. Against the 16-token tile at
+// one token (H200; benchmarks/RESULTS.md, "the V:2:M product of one token on the CUDA cores"): 4096 -> 4096 1.13x at
+// 64:2:8, 1.25x at 128:2:8, 1.23x at 64:2:16 (1.41-1.63x in a chain over cold weights); 11008 -> 4096 0.99-1.17x
+// (1.10-1.39x). Past one wave (from 5120 rows) it was 0.66-0.97x but at 64:2:16 on 4096 -> 11008 and 8192 -> 28672
+// (1.04-1.08x), and at 2 / 4 / 8 tokens 0.52-1.10x / 0.34-0.93x / 0.17-0.57x (each token adds its X loads to every
+// value).
 constexpr int kVnmGemvMaxTokens = 1, kVnmGemvCtasPerSm = 2;
 constexpr bool sm90_vnm_gemv(int m, long long n_tokens, long long rows_padded, int sms) {
   return m >= 8 && n_tokens == 1 && rows_padded / 16 <= (long long)kVnmGemvCtasPerSm * sms;
