@@ -20,6 +20,9 @@ template <> struct MmaType<__nv_bfloat16> {
   }
   static __device__ __forceinline__ __nv_bfloat16 from_float(float v) { return __float2bfloat16_rn(v); }
   static __device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+  // bf16 is fp32's upper half, so the shift is the whole conversion (through __bfloat162float spmv_vnm's kernel took
+  // 8 more SASS instructions)
+  static __device__ __forceinline__ float bits_to_float(unsigned short u) { return __uint_as_float((uint32_t)u << 16); }
 };
 template <> struct MmaType<__half> {
   static __device__ __forceinline__ uint32_t pack(__half lo, __half hi) {
@@ -27,6 +30,7 @@ template <> struct MmaType<__half> {
   }
   static __device__ __forceinline__ __half from_float(float v) { return __float2half_rn(v); }
   static __device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
+  static __device__ __forceinline__ float bits_to_float(unsigned short u) { return to_float(__ushort_as_half(u)); }
 };
 
 // D += A(sparse 16x32, 2:4) * B(32x8), fp32 accumulate. `e` is the metadata register, sparsity selector 0.

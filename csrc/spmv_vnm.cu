@@ -24,23 +24,6 @@ namespace {
 
 constexpr int kGemvWarps = 16;
 
-template <typename T>
-struct GemvElem;
-template <>
-struct GemvElem<__nv_bfloat16> {
-  static __device__ __forceinline__ float lo(uint32_t w) { return __uint_as_float(w << 16); }
-  static __device__ __forceinline__ float hi(uint32_t w) { return __uint_as_float(w & 0xffff0000u); }
-  static __device__ __forceinline__ float one(unsigned short u) { return __uint_as_float((uint32_t)u << 16); }
-};
-template <>
-struct GemvElem<__half> {
-  static __device__ __forceinline__ float lo(uint32_t w) { return __half2float(__ushort_as_half((unsigned short)w)); }
-  static __device__ __forceinline__ float hi(uint32_t w) {
-    return __half2float(__ushort_as_half((unsigned short)(w >> 16)));
-  }
-  static __device__ __forceinline__ float one(unsigned short u) { return __half2float(__ushort_as_half(u)); }
-};
-
 __device__ __forceinline__ uint4 load_streamed(const uint4* p) {
   uint4 v;
   asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];\n"
@@ -81,8 +64,9 @@ __device__ __forceinline__ void run_step(const GemvStep& st, int s, int t, int g
       const int i0 = base + (int)__byte_perm(st.cols[c], 0, 0x4440u | (nib & 3u));
       const int i1 = base + (int)__byte_perm(st.cols[c], 0, 0x4440u | ((nib >> 2) & 3u));
       const uint32_t w = words[2 * c + rh];
-      acc[rh] = fmaf(GemvElem<T>::lo(w), GemvElem<T>::one(__ldg(x + i0)), acc[rh]);
-      acc[rh] = fmaf(GemvElem<T>::hi(w), GemvElem<T>::one(__ldg(x + i1)), acc[rh]);
+      acc[rh] = fmaf(MmaType<T>::bits_to_float((unsigned short)w), MmaType<T>::bits_to_float(__ldg(x + i0)), acc[rh]);
+      acc[rh] = fmaf(MmaType<T>::bits_to_float((unsigned short)(w >> 16)), MmaType<T>::bits_to_float(__ldg(x + i1)),
+                     acc[rh]);
     }
   }
 }
