@@ -131,7 +131,8 @@ constexpr int sm90_vnm_ctas_per_sm(int m, int bn) { return bn == 16 ? 3 : bn == 
 // value).
 constexpr int kVnmGemvMaxTokens = 1, kVnmGemvCtasPerSm = 2;
 constexpr bool sm90_vnm_gemv(int m, long long n_tokens, long long rows_padded, int sms) {
-  return m >= 8 && n_tokens == 1 && rows_padded / 16 <= (long long)kVnmGemvCtasPerSm * sms;
+  return m >= 8 && n_tokens >= 1 && n_tokens <= kVnmGemvMaxTokens &&
+         rows_padded / 16 <= (long long)kVnmGemvCtasPerSm * sms;
 }
 // Whether the V:2:M sparse-wgmma SpMM transposes X and gathers whole kept rows of X^T (spmm_vnm_xt_sm90.cu, the
 // X^T path): only the kept columns then cross L2 -> SM, for one extra pass over X. Taken from kVnmXtMinTokens
