@@ -40,7 +40,7 @@ struct SpmmPlan {
   bool few_token = false;  // 2:4: the few-token tiles; else the persistent configuration `config`
   int config = 0;
   bool xt = false;                // V:2:M: the X^T path (spmm_vnm_xt_sm90.cu); else the register pipeline
-  bool gemv = false;              // V:2:M: the one-token CUDA-core form (spmv_vnm.cu); takes no scratch
+  bool gemv = false;              // V:2:M: the few-token CUDA-core form (spmv_vnm.cu); takes no scratch
   Sm90SplitPlan split{0, 1, 0};  // token width, split-K parts, tiles; the launch runs one split without scratch
   int64_t xt_elems = 0;           // X^T scratch elements (x's dtype) where xt
   int64_t split_floats() const { return split.scratch_floats(); }  // split-K scratch, fp32 elements (0: unsplit)
@@ -64,8 +64,9 @@ int spmm_sm90_timeline_marks();
 // memory, or through X^T where the plan says so; same arguments and layout as spmm, same availability as spmm_sm90.
 cudaError_t spmm_vnm_sm90_plan(const SpmmArgs& args, SpmmPlan* plan);
 cudaError_t spmm_vnm_sm90(const SpmmArgs& args, const SpmmPlan& plan, cudaStream_t stream);
-// Its one-token form (csrc/spmv_vnm.cu), taken where the plan's `gemv` is set (tile_config.h sm90_vnm_gemv): the
-// product on the CUDA cores, reading the same pack; n_tokens <= kVnmGemvMaxTokens, no activation, no scratch.
+// Its few-token form (csrc/spmv_vnm.cu), taken where the plan's `gemv` is set (tile_config.h sm90_vnm_gemv): the
+// product on the CUDA cores, reading the same pack; n_tokens <= kVnmGemvMaxTokens (from two, n_tokens x k <=
+// kVnmGemvMaxK), no activation, no scratch.
 cudaError_t spmv_vnm(const SpmmArgs& args, cudaStream_t stream);
 // Its X^T path (csrc/spmm_vnm_xt_sm90.cu), for spmm_vnm_sm90 and its plan: whether a call takes it (tile_config.h
 // sm90_vnm_xt; the lab build's vnm_xt knob forces it on or off), the path's tiles and split on `sms` SMs, its X^T

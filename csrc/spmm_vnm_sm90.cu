@@ -791,7 +791,7 @@ cudaError_t spmm_vnm_sm90_plan(const SpmmArgs& a, SpmmPlan* plan) {
   int sms = 0;
   const cudaError_t err = current_sm_count(&sms);
   if (err != cudaSuccess) return err;
-  if (sm90_vnm_gemv(a.m, a.n_tokens, a.rows_padded, sms)) {
+  if (sm90_vnm_gemv(a.m, a.n_tokens, a.k, a.rows_padded, sms)) {
     plan->gemv = true;
     return cudaSuccess;
   }

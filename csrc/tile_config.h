@@ -122,17 +122,26 @@ inline int sm90_vnm_bn(int m, long long n_tokens) {
   return m == 8 ? 128 : 64;
 }
 constexpr int sm90_vnm_ctas_per_sm(int m, int bn) { return bn == 16 ? 3 : bn == 32 || (m == 8 && bn == 64) ? 2 : 1; }
-// Whether a V:2:M call runs on the CUDA cores (spmv_vnm.cu) instead of a sparse-wgmma tile: at one token, where its
-// grid (one CTA per 16-row m-tile, kVnmGemvCtasPerSm per SM) fits one wave on `sms` SMs. Against the 16-token tile at
-// one token (H200; benchmarks/RESULTS.md, "the V:2:M product of one token on the CUDA cores"): 4096 -> 4096 1.13x at
-// 64:2:8, 1.25x at 128:2:8, 1.23x at 64:2:16 (1.41-1.63x in a chain over cold weights); 11008 -> 4096 0.99-1.17x
-// (1.10-1.39x). Past one wave (from 5120 rows) it was 0.66-0.97x but at 64:2:16 on 4096 -> 11008 and 8192 -> 28672
-// (1.04-1.08x), and at 2 / 4 / 8 tokens 0.52-1.10x / 0.34-0.93x / 0.17-0.57x (each token adds its X loads to every
-// value).
-constexpr int kVnmGemvMaxTokens = 1, kVnmGemvCtasPerSm = 2;
-constexpr bool sm90_vnm_gemv(int m, long long n_tokens, long long rows_padded, int sms) {
-  return m >= 8 && n_tokens >= 1 && n_tokens <= kVnmGemvMaxTokens &&
-         rows_padded / 16 <= (long long)kVnmGemvCtasPerSm * sms;
+// Whether a V:2:M call runs on the CUDA cores (spmv_vnm.cu) instead of a sparse-wgmma tile: where its grid (one CTA
+// per 16-row m-tile, kVnmGemvCtasPerSm per SM) fits one wave on `sms` SMs, at one token, and at 2-4 tokens (X in shared
+// memory) up to 4096 features at M = 8 and up to kVnmGemvMaxK features x tokens at M >= 16. Against the 16-token tile
+// (H200; benchmarks/RESULTS.md, "the V:2:M product of a few tokens on the CUDA cores"):
+// - one token: 4096 -> 4096 1.13x at 64:2:8, 1.25x at 128:2:8, 1.23x at 64:2:16 (1.41-1.63x in a chain over cold
+//   weights); 11008 -> 4096 0.99-1.17x (1.10-1.39x). Past one wave (from 5120 rows) 0.66-0.97x but at 64:2:16 on
+//   4096 -> 11008 and 8192 -> 28672 (1.04-1.08x).
+// - 2-4 tokens, X in shared memory: 4096 -> 4096 1.03-1.13x in the chain at 64:2:8, 1.16-1.39x at 64:2:16; 11008 ->
+//   4096 1.02-1.14x at 64:2:16 but 0.80-0.93x at 64:2:8; past one wave 0.63-0.94x. X read through L1 instead: 0.52-1.10x
+//   at 2 tokens, 0.34-0.93x at 4. At one token X in shared memory was 0.80-0.97x of X through L1 but at 64:2:16.
+constexpr int kVnmGemvMaxTokens = 4, kVnmGemvCtasPerSm = 2;
+// X in shared memory: up to kVnmGemvMaxK features x tokens (96 KB, two CTAs per SM); at M = 8 up to
+// kVnmGemvM8MaxK features.
+constexpr int kVnmGemvMaxK = 49152, kVnmGemvM8MaxK = 4096;
+constexpr int sm90_vnm_gemv_smem(long long x_elems) { return (int)(2 * x_elems); }
+constexpr bool sm90_vnm_gemv(int m, long long n_tokens, long long k, long long rows_padded, int sms) {
+  if (m < 8 || n_tokens < 1 || n_tokens > kVnmGemvMaxTokens) return false;
+  if (rows_padded / 16 > (long long)kVnmGemvCtasPerSm * sms) return false;
+  if (n_tokens == 1) return true;
+  return m == 8 ? k <= kVnmGemvM8MaxK : n_tokens * k <= kVnmGemvMaxK;
 }
 // Whether the V:2:M sparse-wgmma SpMM transposes X and gathers whole kept rows of X^T (spmm_vnm_xt_sm90.cu, the
 // X^T path): only the kept columns then cross L2 -> SM, for one extra pass over X. Taken from kVnmXtMinTokens

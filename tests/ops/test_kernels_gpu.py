@@ -316,20 +316,22 @@ def test_spmm_wgmma_split_k_at_few_tokens(v, m, dtype, tokens):
 
 
 @pytest.mark.parametrize(
-    ("v", "m", "rows"),
-    [(v, m, 3 * v) for v, m in PATTERNS if m >= 8] + [(64, 8, 4224), (64, 8, 4352), (128, 16, 4352)],
+    ("v", "m", "rows", "groups"),
+    [(v, m, 3 * v, 8 * 37 + 3) for v, m in PATTERNS if m >= 8]
+    + [(64, 8, 4224, 299), (64, 8, 4352, 299), (128, 16, 4352, 299), (64, 8, 192, 513), (64, 16, 192, 769)],
 )
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_spmm_vnm_one_token_on_the_cuda_cores(v, m, rows, dtype):
-    """One token: the V:2:M SpMM's CUDA-core form (``csrc/spmv_vnm.cu``) where its grid fits one wave
-    (``sm90_vnm_gemv``: 3V rows; 4224 rows, 264 m-tiles, on a 132-SM H100/H200), the 16-token tile past it (4352 rows).
+@pytest.mark.parametrize("tokens", [1, 2, 3, 4])
+def test_spmm_vnm_few_tokens_on_the_cuda_cores(v, m, rows, groups, dtype, tokens):
+    """1-4 tokens: the V:2:M SpMM's CUDA-core form (``csrc/spmv_vnm.cu``, ``sm90_vnm_gemv``) where its grid fits one
+    wave (3V rows; 4224 rows, 264 m-tiles, on a 132-SM H100/H200), the 16-token tile past it (4352 rows) and past the
+    features its X in shared memory takes from two tokens (4104 at M = 8; 12304 at M = 16, whose 4 tokens pass 49152).
     3V rows: V = 64 leaves a 128-row block with one slab, V = 128 spans 128-row blocks; a last k-step holding 3 of its 8
-    groups; with and without a bias; poisoned memory."""
+    groups (299 groups); with and without a bias; poisoned memory."""
     if not _wgmma_runs_here():
         pytest.skip("the V:2:M plan runs on sm_90a")
-    groups = 8 * 37 + 3
-    w, mask, p = _pack_cuda(rows, groups * m, v, m, dtype, seed=rows + 7 * m + v)
-    x = torch.randn(1, w.shape[1], device="cuda").to(dtype)
+    w, mask, p = _pack_cuda(rows, groups * m, v, m, dtype, seed=rows + 7 * m + v + tokens)
+    x = torch.randn(tokens, w.shape[1], device="cuda").to(dtype)
     b = torch.randn(rows, device="cuda").to(dtype)
     with force_kernel(spmm="wgmma"):
         _assert_spmm_matches_reference(x, w, p, b)

@@ -182,16 +182,25 @@ VNM_XT_CASES = [
     ((16, 64, 4096, 16384, 128), 0),  # M >= 16 below 4097 rows: 2^27, whatever V
 ]
 
-# (M, tokens, padded rows, SMs) -> whether the V:2:M SpMM runs on the CUDA cores: M >= 8, one token, one CTA per 16
-# rows within 2 per SM
+# (M, tokens, K, padded rows, SMs) -> whether the V:2:M SpMM runs on the CUDA cores: M >= 8, one CTA per 16 rows
+# within 2 per SM, and one token, or 2-4 tokens with K <= 4096 at M = 8 and tokens x K <= 49152 at M >= 16
 VNM_GEMV_CASES = [
-    ((8, 1, 4096, 132), 1),  # 256 CTAs in 264 slots
-    ((16, 1, 4224, 132), 1),  # 264: exactly one wave
-    ((16, 1, 4288, 132), 0),
-    ((8, 1, 5120, 132), 0),  # 320 CTAs: a second, partial wave
-    ((8, 2, 4096, 132), 0),  # two tokens: the 16-token tile
-    ((4, 1, 4096, 132), 0),  # 2:4 has its own kernel
-    ((128, 1, 192, 132), 1),
+    ((8, 1, 11008, 4096, 132), 1),  # 256 CTAs in 264 slots
+    ((16, 1, 4096, 4224, 132), 1),  # 264: exactly one wave
+    ((16, 1, 4096, 4288, 132), 0),
+    ((8, 1, 4096, 5120, 132), 0),  # 320 CTAs: a second, partial wave
+    ((8, 2, 4096, 4096, 132), 1),
+    ((8, 4, 4096, 4224, 132), 1),
+    ((8, 2, 4104, 4096, 132), 0),  # M = 8 past 4096 features: the 16-token tile
+    ((8, 3, 11008, 4096, 132), 0),
+    ((16, 2, 11008, 4096, 132), 1),
+    ((16, 4, 12288, 4096, 132), 1),  # 96 KB of X
+    ((16, 4, 12296, 4096, 132), 0),
+    ((32, 2, 24584, 4096, 132), 0),
+    ((16, 4, 4096, 4352, 132), 0),  # past one wave
+    ((8, 5, 4096, 4096, 132), 0),  # five tokens: the 16-token tile
+    ((4, 1, 4096, 4096, 132), 0),  # 2:4 has its own kernel
+    ((128, 1, 1024, 192, 132), 1),
 ]
 
 # (tiles, k-tiles, SMs) -> the V:2:M X^T path's split count (256-token tiles): the least busiest-SM work,
@@ -276,7 +285,7 @@ int main(int argc, char** argv) {
     }
     if (fn == 'V') std::printf("%d\n", hf_sparse::sm90_vnm_bn((int)a, b));
     if (fn == 'X') std::printf("%d\n", hf_sparse::sm90_vnm_xt((int)a, b, (int)c, d, (int)e) ? 1 : 0);
-    if (fn == 'G') std::printf("%d\n", hf_sparse::sm90_vnm_gemv((int)a, b, c, (int)d) ? 1 : 0);
+    if (fn == 'G') std::printf("%d\n", hf_sparse::sm90_vnm_gemv((int)a, b, c, d, (int)e) ? 1 : 0);
     if (fn == 'Y') std::printf("%d\n", hf_sparse::sm90_vnm_xt_split_k(a, b, (int)c));
     if (fn == 'Z') {
       const hf_sparse::Sm90SplitPlan p = hf_sparse::sm90_vnm_xt_plan(a, b, c, (int)d);
