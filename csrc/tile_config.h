@@ -125,13 +125,14 @@ constexpr int sm90_vnm_ctas_per_sm(int m, int bn) { return bn == 16 ? 3 : bn == 
 // Whether a V:2:M call runs on the CUDA cores (spmv_vnm.cu) instead of a sparse-wgmma tile: where its grid (one CTA
 // per 16-row m-tile, kVnmGemvCtasPerSm per SM) fits one wave on `sms` SMs, at one token, and at 2-4 tokens (X in shared
 // memory) up to 4096 features at M = 8 and up to kVnmGemvMaxK features x tokens at M >= 16. Against the 16-token tile
-// (H200; benchmarks/RESULTS.md, "the V:2:M product of a few tokens on the CUDA cores"):
+// (H200; benchmarks/RESULTS.md, "the V:2:M product of one token on the CUDA cores" and "... of 2-4 tokens ..."):
 // - one token: 4096 -> 4096 1.13x at 64:2:8, 1.25x at 128:2:8, 1.23x at 64:2:16 (1.41-1.63x in a chain over cold
 //   weights); 11008 -> 4096 0.99-1.17x (1.10-1.39x). Past one wave (from 5120 rows) 0.66-0.97x but at 64:2:16 on
 //   4096 -> 11008 and 8192 -> 28672 (1.04-1.08x).
-// - 2-4 tokens, X in shared memory: 4096 -> 4096 1.03-1.13x in the chain at 64:2:8, 1.16-1.39x at 64:2:16; 11008 ->
-//   4096 1.02-1.14x at 64:2:16 but 0.80-0.93x at 64:2:8; past one wave 0.63-0.94x. X read through L1 instead: 0.52-1.10x
-//   at 2 tokens, 0.34-0.93x at 4. At one token X in shared memory was 0.80-0.97x of X through L1 but at 64:2:16.
+// - 2-4 tokens, X in shared memory: 4096 -> 4096 1.04-1.34x (1.06-1.41x in the chain) at 64:2:8, 128:2:8, 64:2:16
+//   and 64:2:32; 11008 -> 4096 at M >= 16 1.02-1.17x (0.98-1.16x), at M = 8 0.86-0.99x (0.80-0.93x); past one wave
+//   0.67-0.94x (0.63-0.93x). X read through L1 instead: 0.52-1.10x at 2 tokens, 0.34-0.93x at 4. At one token X in
+//   shared memory was 0.80-0.97x of X through L1 but at 64:2:16.
 constexpr int kVnmGemvMaxTokens = 4, kVnmGemvCtasPerSm = 2;
 // X in shared memory: up to kVnmGemvMaxK features x tokens (96 KB, two CTAs per SM); at M = 8 up to
 // kVnmGemvM8MaxK features.
