@@ -208,7 +208,7 @@ def _extension_name(lab: bool, extra: tuple[str, ...]) -> str:
 def load_extension() -> ModuleType:
     """Compile (first call only; cached on disk) and import the extension. Raises KernelUnavailableError.
 
-    A compile says so on stderr when it starts (about half a minute on 16 cores) and when it ends. A compile that
+    A compile says so on stderr when it starts (about a minute on 16 cores) and when it ends. A compile that
     failed is not retried in the same process (``SparseTrainer`` asks at train start and again when it switches
     layers to the kernels): it would fail the same way, after the same time."""
     _check_toolchain()
@@ -226,7 +226,7 @@ def load_extension() -> ModuleType:
     if compiles:
         print(
             f"hf_sparse: compiling the CUDA kernels{' (lab build)' if lab else ''} into {cache} (first use only, "
-            "about half a minute on 16 cores; `python -m hf_sparse.ops.build` does it ahead of time)...",
+            "about a minute on 16 cores; `python -m hf_sparse.ops.build` does it ahead of time)...",
             file=sys.stderr,
             flush=True,
         )
