@@ -10,7 +10,10 @@ choice of the pattern's sparse-``wgmma`` kernel, and that kernel with each split
 (``small_tiles=1``) and the persistent large configurations (``small_tiles=0``) with their own split rule
 (``large``) and with each split count forced (``Ls<count>``); with ``--vnm-xt``, V:2:M with its X^T path forced on
 (``xts<count>``), and with ``--vnm-rg`` off (``rgs<count>``). ``--product-only`` times dense and the product's choice alone, so that two
-checkouts (``PYTHONPATH``) can be compared in one session with any build. Every configuration is checked against the dense product before it is timed.
+checkouts (``PYTHONPATH``) can be compared in one session with any build. ``--bound`` also times cuBLAS on a dense
+weight of as many bytes as the pack (values, metadata, column offsets): the ratio a SpMM that moves its bytes as
+cuBLAS does would reach (``bytes`` / ``bytes_chain``). Every configuration is checked against the dense product before
+it is timed.
 Times are ``triton.testing.do_bench`` medians (CUDA events, GPU time), in µs; ratios are cuBLAS time / ours.
 """
 # ruff: noqa: B023  (every benchmarked lambda is called at once, inside its own loop iteration)
@@ -22,7 +25,7 @@ import sys
 
 import torch
 import torch.nn.functional as F
-from bench_kernels import checked_error, json_lines, magnitude_pack, parse_shape, view24_time
+from bench_kernels import checked_error, json_lines, magnitude_pack, pack_bytes, parse_shape, view24_time
 from gpu_timing import chain_us, cold_copies, flushed_us
 from lab.tuning import require_lab_build, tuning
 
@@ -35,6 +38,12 @@ def bench_us(fn) -> float:
     from triton.testing import do_bench
 
     return 1000.0 * float(do_bench(fn, warmup=5, rep=25, return_mode="median"))
+
+
+def same_bytes_weights(p, k: int, copies: int) -> list[torch.Tensor]:
+    """``copies`` dense bf16 weights of ``k`` features and as many bytes as the pack ``p`` (rows rounded up to 8)."""
+    rows = -(-pack_bytes(p) // (2 * k) // 8) * 8
+    return [torch.randn(rows, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
 
 
 def timed(x: torch.Tensor, p, ref: torch.Tensor, what: str, **knobs: int) -> float:
@@ -84,6 +93,11 @@ def main() -> int:
         help="also dense and the product issued behind a busy GPU after do_bench's L2 flush (gpu_timing.flushed_us)",
     )
     ap.add_argument(
+        "--bound",
+        action="store_true",
+        help="also cuBLAS on a dense weight of the pack's bytes (bytes; with --cold, in a chain: bytes_chain)",
+    )
+    ap.add_argument(
         "--cold",
         action="store_true",
         help="also dense and the product after a clean L2 flush and in a chain over distinct weights (gpu_timing)",
@@ -111,6 +125,7 @@ def main() -> int:
                     # its metadata, i.e. what a sparse kernel as efficient as cuBLAS would take (dense_chain / half_chain:
                     # the ratio that allows); made once per shape, as the copies are
                     halves = [wb_i[: wb_i.shape[0] // 2].clone() for wb_i, _ in copies]
+                same_bytes = same_bytes_weights(p, k, max(1, len(copies))) if args.bound else []
                 for n in args.tokens:
                     x = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
                     ref = F.linear(x.float(), wb.float())
@@ -143,6 +158,10 @@ def main() -> int:
                             row["product_queued"] = flushed_us(lambda: spmm(x, p))
                     if args.cold:
                         row.update(cold_times(x, pattern, wb, p, copies, halves))
+                    if same_bytes:
+                        row["bytes"] = bench_us(lambda: F.linear(x, same_bytes[0]))
+                        if args.cold:
+                            row["bytes_chain"] = chain_us([lambda b=b: F.linear(x, b) for b in same_bytes])
                     line = (
                         f"{pattern:>8} {k:>5}->{r:<5} n={n:<4} dense {dense:7.1f} product {row['product']:7.1f} "
                         f"({dense / row['product']:.2f}x)"
@@ -157,6 +176,8 @@ def main() -> int:
                             for how in ("read", "chain")
                         )
                         line += f" half {row['half_chain']:7.1f} (ideal {row['dense_chain'] / row['half_chain']:.2f}x)"
+                    if same_bytes:
+                        line += f" bytes {row['bytes']:7.1f} (bound {dense / row['bytes']:.2f}x)"
                     if "view24" in row:
                         line += f" view24 {row['view24']:7.1f} ({dense / row['view24']:.2f}x)"
                     if extra:
