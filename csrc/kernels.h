@@ -65,8 +65,7 @@ int spmm_sm90_timeline_marks();
 cudaError_t spmm_vnm_sm90_plan(const SpmmArgs& args, SpmmPlan* plan);
 cudaError_t spmm_vnm_sm90(const SpmmArgs& args, const SpmmPlan& plan, cudaStream_t stream);
 // Its few-token form (csrc/spmv_vnm.cu), taken where the plan's `gemv` is set (tile_config.h sm90_vnm_gemv): the
-// product on the CUDA cores, reading the same pack; n_tokens <= kVnmGemvMaxTokens (from two, n_tokens x k <=
-// kVnmGemvMaxK), no activation, no scratch.
+// product on the CUDA cores, reading the same pack; X as sm90_vnm_gemv_x_fits allows, no activation, no scratch.
 cudaError_t spmv_vnm(const SpmmArgs& args, cudaStream_t stream);
 // Its X^T path (csrc/spmm_vnm_xt_sm90.cu), for spmm_vnm_sm90 and its plan: whether a call takes it (tile_config.h
 // sm90_vnm_xt; the lab build's vnm_xt knob forces it on or off), the path's tiles and split on `sms` SMs, its X^T

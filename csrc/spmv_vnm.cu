@@ -200,9 +200,7 @@ cudaError_t launch_gemv(const SpmmArgs& a, cudaStream_t stream) {
 }  // namespace
 
 cudaError_t spmv_vnm(const SpmmArgs& a, cudaStream_t stream) {
-  if (a.m < 8 || a.act != kActNone || a.n_tokens > kVnmGemvMaxTokens ||
-      (a.n_tokens > 1 && a.n_tokens * (long long)a.k > kVnmGemvMaxK))
-    return cudaErrorInvalidValue;
+  if (a.m < 8 || a.act != kActNone || !sm90_vnm_gemv_x_fits(a.n_tokens, a.k)) return cudaErrorInvalidValue;
   if (a.n_tokens <= 0 || a.rows <= 0) return cudaSuccess;
   return a.is_bf16 ? launch_gemv<__nv_bfloat16>(a, stream) : launch_gemv<__half>(a, stream);
 }

@@ -138,11 +138,15 @@ constexpr int kVnmGemvMaxTokens = 4, kVnmGemvCtasPerSm = 2;
 // kVnmGemvM8MaxK features.
 constexpr int kVnmGemvMaxK = 49152, kVnmGemvM8MaxK = 4096;
 constexpr int sm90_vnm_gemv_smem(long long x_elems) { return (int)(2 * x_elems); }
+// Whether the form can take X of n_tokens x k (one token reads it through L1): what spmv_vnm requires, whatever the
+// rule below prefers.
+constexpr bool sm90_vnm_gemv_x_fits(long long n_tokens, long long k) {
+  return n_tokens == 1 || (n_tokens <= kVnmGemvMaxTokens && n_tokens * k <= kVnmGemvMaxK);
+}
 constexpr bool sm90_vnm_gemv(int m, long long n_tokens, long long k, long long rows_padded, int sms) {
-  if (m < 8 || n_tokens < 1 || n_tokens > kVnmGemvMaxTokens) return false;
+  if (m < 8 || n_tokens < 1 || !sm90_vnm_gemv_x_fits(n_tokens, k)) return false;
   if (rows_padded / 16 > (long long)kVnmGemvCtasPerSm * sms) return false;
-  if (n_tokens == 1) return true;
-  return m == 8 ? k <= kVnmGemvM8MaxK : n_tokens * k <= kVnmGemvMaxK;
+  return n_tokens == 1 || m != 8 || k <= kVnmGemvM8MaxK;
 }
 // Whether the V:2:M sparse-wgmma SpMM transposes X and gathers whole kept rows of X^T (spmm_vnm_xt_sm90.cu, the
 // X^T path): only the kept columns then cross L2 -> SM, for one extra pass over X. Taken from kVnmXtMinTokens
