@@ -12,9 +12,9 @@
 // (benchmarks/roofline_sm90.cu, rows_cp) runs at the 2:4 skeleton's cycles per k-tile.
 //
 // Kernel: tiles of 128 weight rows x BN (256 or 128) tokens (tile_config.h sm90_vnm_xt_plan, split along K where the
-// tiles are few), one persistent CTA per SM walking the work units. Producer warpgroup (warps 8-11): per step, warp
-// w copies kept column w of each of the k-tile's 16 groups (64 rows of X^T), lane l its 16-byte chunk l (tokens 8l
-// ..), by cp.async into the B tile (64 condensed k x BN tokens, MN-major, 128-byte swizzle: BN / 64 blocks of 64
+// tiles are few), one persistent CTA per SM walking the work units. Producer warpgroup (warps 8-11; at 64 and 128
+// tokens a second one, warps 12-15, and the two take alternate steps): per step, warp w copies kept column w of
+// each of the k-tile's 16 groups (64 rows of X^T), lane l its 16-byte chunk l (tokens 8l ..), by cp.async into the B tile (64 condensed k x BN tokens, MN-major, 128-byte swizzle: BN / 64 blocks of 64
 // tokens, k-row r of a block at r x 128 bytes, chunk c at c ^ (r & 7)), plus the k-tile's A fragments and metadata
 // of the CTA's 8 m16 tiles; each thread's cp.async.mbarrier.arrive.noinc completes the stage's "full" barrier.
 // Consumer warpgroups (0, 1: slabs 0, 1): wait, fence.proxy.async (cp.async writes through the generic proxy), read
@@ -44,7 +44,6 @@
 
 namespace hf_sparse {
 namespace {
-constexpr int kXtThreads = 384;
 template <int BN>
 struct XtCfg {
   static constexpr int B_BYTES = BN * 128;         // 64 condensed k-rows x BN tokens
@@ -55,8 +54,13 @@ struct XtCfg {
   static constexpr int STAGE = E_OFF + E_BYTES;
   // narrower stages: more of them in flight in the same memory
   static constexpr int STAGES = BN == 256 ? 4 : BN == 128 ? 6 : 8;
-  static constexpr int PRODUCER_REGS = 88, CONSUMER_REGS = 208;  // setmaxnreg
-  static_assert(128 * (2 * CONSUMER_REGS + PRODUCER_REGS) <= 65536, "the register split must fit the register file");
+  // Producer warpgroups: at 64 and 128 tokens a step's copies are few and its wgmmas short, so one warpgroup's chain
+  // of address arithmetic per step is what the consumers wait for; two take alternate steps (their accumulators, 32
+  // or 64 floats a thread, leave the consumers registers to spare). At 256 tokens one, for the consumers' 208.
+  static constexpr int PRODUCERS = BN <= 128 ? 2 : 1, THREADS = 128 * (2 + PRODUCERS);
+  static constexpr int PRODUCER_REGS = PRODUCERS == 2 ? 104 : 88, CONSUMER_REGS = PRODUCERS == 2 ? 152 : 208;
+  static_assert(128 * (2 * CONSUMER_REGS + PRODUCERS * PRODUCER_REGS) <= 65536,
+                "the register split must fit the register file");
   // The staged epilogue (sm90_common.cuh store_tile_staged): per consumer warpgroup one buffer of 64 rows x 128
   // tokens, so a 256-token tile takes two chunks, each with its own pair of warpgroup barriers (the fewer chunks,
   // the fewer barriers; a whole tile staged does not fit beside four stages).
@@ -132,7 +136,7 @@ struct XtCycles {
 // Persistent: CTA b takes tiles b, b + gridDim.x, ... (row blocks fastest); the ring, its barriers and the step
 // count run on across tiles, so the producer fills the next tile's first stages while the consumers store the last.
 template <typename T, int M, int BN>
-__global__ void __launch_bounds__(kXtThreads, 1)
+__global__ void __launch_bounds__(XtCfg<BN>::THREADS, 1)
 spmm_vnm_sm90_xt_kernel(const T* __restrict__ xt, int ld, const uint4* __restrict__ values,
                         const uint32_t* __restrict__ meta, const uint32_t* __restrict__ columns,
                         const T* __restrict__ bias, T* __restrict__ y, int n_tokens, int rows, int rows_padded, int k,
@@ -164,12 +168,14 @@ spmm_vnm_sm90_xt_kernel(const T* __restrict__ xt, int ld, const uint4* __restric
   }
   __syncthreads();
 
-  if (wg == 2) {  // producer
+  if (wg >= 2) {  // producer warpgroup p: the steps p, p + PRODUCERS, .. of every unit
     setmaxnreg_dec<Cfg::PRODUCER_REGS>();
+    constexpr int P = Cfg::PRODUCERS;
+    const int p = wg - 2;
     const int t = tid & 127, w = warp & 3;
     XtCycles cycles;
     const long long start = cycles.now();
-    int gs = 0;  // steps issued so far, over all tiles
+    int gs = 0;  // the steps of every unit before this one, over all tiles
     for (int unit = blockIdx.x; unit < n_units; unit += gridDim.x) {
       const long long unit_start = cycles.now();
       const int tile = unit % n_tiles, kt0 = (unit / n_tiles) * kt_per_split;
@@ -185,7 +191,7 @@ spmm_vnm_sm90_xt_kernel(const T* __restrict__ xt, int ld, const uint4* __restric
           const uint4 a = reinterpret_cast<const uint4*>(col0)[i], b = reinterpret_cast<const uint4*>(col1)[i];
           differ |= a.x != b.x || a.y != b.y || a.z != b.z || a.w != b.w;
         }
-      const bool share = !bar_red_or(1, 128, differ);
+      const bool share = !bar_red_or(p == 0 ? 1 : 5, 128, differ);  // named barriers 1, 5: one per warpgroup
       const int n_steps = share ? k_tiles : 2 * k_tiles;
       // Roles: warp w copies B rows 16w .. 16w + 15 (groups 4w .. 4w + 3 of the k-tile, their 4 kept columns each),
       // lane l rows 16w + 4s + l / 8 for s = 0..3 (group 4w + s, kept column l / 8), 16-byte chunks l % 8 + 8q of
@@ -229,10 +235,10 @@ spmm_vnm_sm90_xt_kernel(const T* __restrict__ xt, int ld, const uint4* __restric
         return col[min(kt * 16 + 4 * w + lane, groups - 1)];
       };
       auto issue = [&](int ls, uint32_t cw) {
-        const int slot = gs % STAGES, kt = kt0 + (share ? ls : ls >> 1);
+        const int g = gs + ls, slot = g % STAGES, kt = kt0 + (share ? ls : ls >> 1);
         const uint32_t stage = base + slot * Cfg::STAGE;
         const long long wait_start = cycles.now();
-        mbar_wait(empty + 8 * slot, ((gs / STAGES) & 1) ^ 1);
+        mbar_wait(empty + 8 * slot, ((g / STAGES) & 1) ^ 1);
         cycles.add(kXcEmptyWait, wait_start);
 #pragma unroll
         for (int s4 = 0; s4 < 4; ++s4) {
@@ -257,26 +263,26 @@ spmm_vnm_sm90_xt_kernel(const T* __restrict__ xt, int ld, const uint4* __restric
         }
         if (t == 0) cp_async_16_bytes(info + slot * 16, &kXtShareWord[share ? 1 : 0], 16u);
         cp_async_arrive_noinc(full + 8 * slot);
-        ++gs;
       };
-      uint32_t cw0 = column_word(0), cw1 = column_word(1), cw2 = column_word(2);
+      uint32_t cw0 = column_word(p), cw1 = column_word(p + P), cw2 = column_word(p + 2 * P);
       cycles.add(kXcSetUp, unit_start);
-      for (int ls = 0; ls < n_steps; ls += 3) {
+      for (int ls = p; ls < n_steps; ls += 3 * P) {
         issue(ls, cw0);
-        cw0 = column_word(ls + 3);
-        if (ls + 1 < n_steps) {
-          issue(ls + 1, cw1);
-          cw1 = column_word(ls + 4);
+        cw0 = column_word(ls + 3 * P);
+        if (ls + P < n_steps) {
+          issue(ls + P, cw1);
+          cw1 = column_word(ls + 4 * P);
         }
-        if (ls + 2 < n_steps) {
-          issue(ls + 2, cw2);
-          cw2 = column_word(ls + 5);
+        if (ls + 2 * P < n_steps) {
+          issue(ls + 2 * P, cw2);
+          cw2 = column_word(ls + 5 * P);
         }
       }
+      gs += n_steps;
     }
     cp_async_wait_all();
     cycles.add(kXcProducerTotal, start);
-    cycles.store(t == 0, kXcProducerTotal, kXcConsumerTotal);
+    cycles.store(p == 0 && t == 0, kXcProducerTotal, kXcConsumerTotal);
     return;
   }
 
@@ -411,7 +417,7 @@ cudaError_t launch_xt(const SpmmArgs& a, const Sm90SplitPlan& plan, cudaStream_t
   const int splits = a.split_ws != nullptr && a.split_counters != nullptr ? plan.splits : 1;  // see SpmmArgs
   CUtensorMap y_map{};
   const bool staged = encode_y_map(a, XtCfg<BN>::EPI_N, &y_map);  // else the direct epilogue (rows % 8 != 0)
-  kernel<<<(unsigned)std::min<long long>(plan.tiles * splits, sms), kXtThreads, XtCfg<BN>::SMEM, stream>>>(
+  kernel<<<(unsigned)std::min<long long>(plan.tiles * splits, sms), XtCfg<BN>::THREADS, XtCfg<BN>::SMEM, stream>>>(
       xt, ld, static_cast<const uint4*>(a.values), static_cast<const uint32_t*>(a.meta),
       reinterpret_cast<const uint32_t*>(a.columns), static_cast<const T*>(a.bias), static_cast<T*>(a.y), a.n_tokens,
       a.rows, a.rows_padded, a.k, a.steps, splits, a.split_ws, a.split_counters, y_map, staged);
