@@ -155,7 +155,7 @@ VNM_CASES = [
 
 # (M, tokens, rows, K, V) -> whether the V:2:M sparse-wgmma SpMM takes its X^T path (X transposed): M >= 8, from 65
 # tokens and 1024 weight rows; from 33 tokens at M >= 16 from 4097 rows or where rows x K >= 2^27 (134M), and at M = 8
-# where V = 128 and rows x K >= 2^26 (67M)
+# where V = 128 and rows x K >= 2^25 (33.5M)
 VNM_XT_CASES = [
     ((8, 1024, 1024, 4096, 64), 1),
     ((16, 8192, 11008, 4096, 64), 1),
@@ -176,9 +176,10 @@ VNM_XT_CASES = [
     ((8, 64, 28672, 8192, 64), 0),  # at V = 64: the register pipeline's 64-token tile
     ((8, 64, 13824, 5120, 128), 1),  # M = 8, V = 128: 70.8M weights
     ((8, 64, 13824, 5120, 64), 0),  # at V = 64: never
-    ((8, 64, 11008, 4096, 128), 0),  # 45M weights
-    ((8, 33, 8192, 8192, 128), 1),  # exactly 2^26
-    ((8, 64, 8191, 8192, 128), 0),
+    ((8, 64, 11008, 4096, 128), 1),  # 45M weights
+    ((8, 64, 4096, 4096, 128), 0),  # 16.8M weights
+    ((8, 33, 4096, 8192, 128), 1),  # exactly 2^25
+    ((8, 64, 4095, 8192, 128), 0),
     ((16, 64, 4096, 16384, 128), 0),  # M >= 16 below 4097 rows: 2^27, whatever V
 ]
 
