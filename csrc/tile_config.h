@@ -160,14 +160,12 @@ constexpr bool sm90_vnm_gemv(int m, long long n_tokens, long long k, long long r
 // (the Llama-70B 8192 <-> 28672 projections). Against the register gather's 32-token tiles at 33, 48 and 64 tokens
 // (benchmarks/RESULTS.md, "the X^T path's 64-token tile at 33-64 tokens"): 128:2:16 1.29-1.48x on the 7B/13B shapes it
 // takes, 1.11-1.16x on 70B; 64:2:16 1.04-1.12x; 64:2:32 1.07-1.11x on 70B and 0.92-1.04x elsewhere (0.99-1.19x in a
-// chain over cold weights). It lost at 4096 rows (0.63-0.92x at M >= 16; with two producer warpgroups 0.72-0.74x at
-// 4096 -> 4096 and 1.00x at 11008 -> 4096). At M = 8 it is taken only where V = 128, where one gathered B tile feeds
-// both of a CTA's slabs, on weights of kVnmXtFewMinWeightsV128 and more: against the register pipeline's 64-token tile
-// 1.16-1.19x on 8192 <-> 28672, 1.13-1.18x at 5120 -> 13824, 1.02-1.09x at 13824 -> 5120 with one producer
-// warpgroup; with two, 1.07-1.12x at 4096 -> 11008 and 1.00-1.06x at 11008 -> 4096 (45M weights each; chain
-// 1.06-1.16x), 0.83-0.89x at 4096 -> 4096 (16.8M, not taken). At V = 64 the register pipeline's tile stays 0.99-1.09x
-// faster than it even with two (benchmarks/RESULTS.md, "the M = 8 64-token tile", "V in the V:2:M plan" and "two
-// producer warpgroups").
+// chain over cold weights). At 4096 rows it loses (64:2:16 0.72-0.74x at 4096 -> 4096, level at 11008 -> 4096).
+// At M = 8 it is taken only where V = 128, where one gathered B tile feeds both of a CTA's slabs, on weights of
+// kVnmXtFewMinWeightsV128 and more: against the register pipeline's 64-token tile 1.07-1.12x at 4096 -> 11008 and
+// 1.00-1.06x at 11008 -> 4096 (45M weights each; chain 1.06-1.16x), 0.83-0.89x at 4096 -> 4096 (16.8M, not taken)
+// ("two producer warpgroups"), 1.02-1.19x on the 13B and 70B shapes ("V in the V:2:M plan"). At V = 64 the register
+// pipeline's tile is 0.99-1.09x faster than it ("two producer warpgroups").
 constexpr long long kVnmXtMinTokens = 65, kVnmXtFewMinTokens = 33;
 constexpr long long kVnmXtFewMinWeights = 1LL << 27, kVnmXtFewMinWeightsV128 = 1LL << 25;
 constexpr int kVnmXtBN = 256;    // the X^T path's widest tile: 128 weight rows x 256 tokens (sm90_vnm_xt_plan)
