@@ -60,8 +60,12 @@ struct XtCfg {
   // or 64 floats a thread, leave the consumers registers to spare). At 256 tokens one, for the consumers' 208.
   static constexpr int PRODUCERS = BN <= 128 ? 2 : 1, THREADS = 128 * (2 + PRODUCERS);
   static constexpr int PRODUCER_REGS = PRODUCERS == 2 ? 104 : 88, CONSUMER_REGS = PRODUCERS == 2 ? 152 : 208;
-  static_assert(128 * (2 * CONSUMER_REGS + PRODUCERS * PRODUCER_REGS) <= 65536,
-                "the register split must fit the register file");
+  // setmaxnreg only moves registers within what the CTA was launched with: THREADS x the per-thread count ptxas
+  // compiles to under __launch_bounds__(THREADS, 1) (the register file over THREADS, in steps of 8; ptxas reports it
+  // as "Used"). A split above that would leave the consumers' setmaxnreg.inc waiting forever.
+  static constexpr int LAUNCH_REGS = 65536 / THREADS / 8 * 8;
+  static_assert(2 * CONSUMER_REGS + PRODUCERS * PRODUCER_REGS <= (2 + PRODUCERS) * LAUNCH_REGS,
+                "the register split must fit the registers the CTA is launched with");
   // The staged epilogue (sm90_common.cuh store_tile_staged): per consumer warpgroup one buffer of 64 rows x 128
   // tokens, so a 256-token tile takes two chunks, each with its own pair of warpgroup barriers (the fewer chunks,
   // the fewer barriers; a whole tile staged does not fit beside four stages).
