@@ -11,7 +11,7 @@
 // 256 tokens, 9 KB of A) for M / 4 times the original columns; the feed skeleton of that design
 // (benchmarks/roofline_sm90.cu, rows_cp) runs at the 2:4 skeleton's cycles per k-tile.
 //
-// Kernel: tiles of 128 weight rows x BN (256 or 128) tokens (tile_config.h sm90_vnm_xt_plan, split along K where the
+// Kernel: tiles of 128 weight rows x BN (256, 128 or 64) tokens (tile_config.h sm90_vnm_xt_plan, split along K where the
 // tiles are few), one persistent CTA per SM walking the work units. Producer warpgroup (warps 8-11; at 64 and 128
 // tokens a second one, warps 12-15, and the two take alternate steps): per step, warp w copies kept column w of
 // each of the k-tile's 16 groups (64 rows of X^T), lane l its 16-byte chunk l (tokens 8l ..), by cp.async into
@@ -231,8 +231,9 @@ spmm_vnm_sm90_xt_kernel(const T* __restrict__ xt, int ld, const uint4* __restric
         a_base[u] = is_a ? (uint32_t)mt * steps * 32 + (c & 31) : (uint32_t)mt * steps * 4 + (e & 3);
       }
       const uint4* meta4 = reinterpret_cast<const uint4*>(meta);
-      // Lane s < 4 holds the column word of group 4w + s of a step's k-tile, loaded three steps ahead into one of
-      // three registers that the unrolled loop names statically (a register rotation would wait for each load at once).
+      // Lane s < 4 holds the column word of group 4w + s of a step's k-tile, loaded three of this warpgroup's steps
+      // ahead into one of three registers that the unrolled loop names statically (a register rotation would wait for
+      // each load at once).
       auto column_word = [&](int ls) -> uint32_t {
         if (ls >= n_steps || lane >= 4) return 0u;
         const int kt = kt0 + (share ? ls : ls >> 1);
