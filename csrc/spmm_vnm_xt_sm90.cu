@@ -11,8 +11,8 @@
 // 256 tokens, 9 KB of A) for M / 4 times the original columns; the feed skeleton of that design
 // (benchmarks/roofline_sm90.cu, rows_cp) runs at the 2:4 skeleton's cycles per k-tile.
 //
-// Kernel: tiles of 128 weight rows x BN (256, 128 or 64) tokens (tile_config.h sm90_vnm_xt_plan, split along K where the
-// tiles are few), one persistent CTA per SM walking the work units. Producer warpgroup (warps 8-11; at 64 and 128
+// Kernel: tiles of 128 weight rows x BN (256, 128 or 64) tokens (tile_config.h sm90_vnm_xt_plan, split along K where
+// the tiles are few), one persistent CTA per SM walking the work units. Producer warpgroup (warps 8-11; at 64 and 128
 // tokens a second one, warps 12-15, and the two take alternate steps): per step, warp w copies kept column w of
 // each of the k-tile's 16 groups (64 rows of X^T), lane l its 16-byte chunk l (tokens 8l ..), by cp.async into
 // the B tile (64 condensed k x BN tokens, MN-major, 128-byte swizzle: BN / 64 blocks of 64 tokens, k-row r of a block
