@@ -190,6 +190,9 @@ spmm_vnm_sm90_xt_kernel(const T* __restrict__ xt, int ld, const uint4* __restric
       const uint32_t* col0 = columns + (size_t)(cta_row0 >> 6) * groups_padded;
       const bool two_slabs = ((rows_padded - cta_row0) >> 4) > 4;
       const uint32_t* col1 = two_slabs ? col0 + groups_padded : col0;
+      // Whether the slabs share columns, from the columns themselves although the launch knows V: these loads also
+      // bring the column words into L1 for the row addresses below, and taking it from V with an L1 prefetch instead
+      // was slower (benchmarks/RESULTS.md, "two producer warpgroups": 0.81-1.01x).
       bool differ = false;
       if (two_slabs)  // groups_padded is a multiple of 8: whole 16-byte words
         for (int i = t; i < groups_padded / 4; i += 128) {
