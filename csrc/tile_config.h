@@ -239,11 +239,13 @@ inline long long sm90_tiles(long long rows_padded, long long n_tokens, int bn) {
 // full). Over the 48 cells measured (V:2:M, 256-768 tokens, 4096 -> 4096, 11008 <-> 4096, 28672 -> 8192;
 // benchmarks/RESULTS.md, "the X^T path below 1024 tokens") its choices took 1.002x the time of the best split count
 // of each cell (geometric mean), at worst 1.07x.
-// A k-tile of the X^T path costs (tile tokens + kVnmXtKTileFixedTokens) in the work model: its producer's per-step
-// work (A fragments, metadata, column words, 4 row addresses a lane) costs as much whatever the width. Fitted to the
-// 20 cells where 128- and 256-token tiles were both measured (benchmarks/RESULTS.md, "the X^T path below 1024
-// tokens"): 64 chose wrong in 9 (3.2% slower than the better width, geometric mean), 128-320 in 3 (0.2-0.5%).
-constexpr int kVnmXtKTileFixedTokens = 192;
+// A k-tile of the X^T path costs (tile tokens + kVnmXtKTileFixedTokens) in the work model: the part of a k-tile that
+// does not grow with the width (A fragments, metadata, column words: the producers' per-step work). It decides only
+// the 256- against 128-token choice (for one width it scales every split count's work alike). Fitted to the 58 cells
+// where the plans of different values were each measured (64:2:8 and 64:2:16, 192-960 tokens, the Llama shapes;
+// benchmarks/RESULTS.md, "the X^T path's width at 129-1024 tokens"): 16 took the fastest measured plan of every
+// cell; 32 was 1.011x slower (geometric mean; at worst 1.13x), 64 1.057x (1.18x), 192 1.127x (1.25x).
+constexpr int kVnmXtKTileFixedTokens = 16;
 inline int sm90_vnm_xt_split_k(long long tiles, long long k_tiles, int sms, int bn = kVnmXtBN) {
   if (tiles <= 0 || tiles > kSplitKCounters || sms <= 0) return 1;
   long long most = k_tiles / kSplitKMinKTiles;
@@ -259,10 +261,9 @@ inline int sm90_vnm_xt_split_k(long long tiles, long long k_tiles, int sms, int 
 }
 // The X^T path's plan: at kVnmXtFewBN tokens or fewer one tile of kVnmXtFewBN tokens per row block; above, tiles of
 // kVnmXtBN or 128 tokens, each with its split count (sm90_vnm_xt_split_k), whichever gives the busiest SM the least
-// work, the wider tile on a tie. E.g. 4096 -> 4096 at 256 tokens, M = 16 (32 row
-// blocks, 16 k-tiles): 256 tokens, 32 tiles, 1 round x 448 x 16 = 7168; 128 tokens, 64 tiles, 1 x 320 x 16 = 5120:
-// 128. 4096 -> 11008 at 512 tokens, M = 8 (86 row blocks, 32 k-tiles): 2 rounds x 448 x 32 = 28672 against 3 x 320 x
-// 32 = 30720: 256.
+// work, the wider tile on a tie. E.g. 4096 -> 11008 at 512 tokens, M = 8 (86 row blocks, 32 k-tiles): 256 tokens,
+// 172 tiles, 2 rounds x 272 x 32 = 17408; 128 tokens, 344 tiles, 3 x 144 x 32 = 13824: 128. The same at 1024 tokens:
+// 3 x 272 x 32 = 26112 against 6 x 144 x 32 = 27648: 256.
 inline Sm90SplitPlan sm90_vnm_xt_plan(long long rows_padded, long long n_tokens, long long k_tiles, int sms) {
   if (n_tokens <= kVnmXtFewBN) {
     const long long tiles = sm90_tiles(rows_padded, n_tokens, kVnmXtFewBN);

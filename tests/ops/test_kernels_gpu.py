@@ -193,12 +193,12 @@ def test_spmm_vnm_large_token_path(v, m, dtype, tokens, groups, blocks):
 
 @pytest.mark.parametrize(("v", "m"), [(64, 8), (128, 16)])
 def test_spmm_vnm_xt_path_splits_256_token_tiles(v, m):
-    """The X^T path's plan where 256-token tiles split beat 128-token ones: 7680 rows (60 row blocks) x 256 tokens and
-    1544 groups (97 k-tiles, the last one k-step) take 60 tiles of 256 tokens in two splits (49 + 48 k-tiles); poisoned
-    memory, bias, the same result on a second call."""
+    """The X^T path's plan where 256-token tiles split beat 128-token ones (13824 -> 5120 at M = 8 and 129-256 tokens):
+    5120 rows (40 row blocks) x 256 tokens and 1704 groups (107 k-tiles, the last one k-step) take 40 tiles of 256
+    tokens in three splits (36 + 36 + 35 k-tiles); poisoned memory, bias, the same result on a second call."""
     if not _wgmma_runs_here():
         pytest.skip("sparse wgmma needs a cc 9.0 GPU and an sm_90a build")
-    rows, cols = 7680, 1544 * m
+    rows, cols = 5120, 1704 * m
     w, mask, p = _pack_cuda(rows, cols, v, m, torch.bfloat16, seed=m)
     x = torch.randn(256, cols, device="cuda").to(torch.bfloat16)
     b = torch.randn(rows, device="cuda").to(torch.bfloat16)

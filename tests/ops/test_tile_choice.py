@@ -207,10 +207,10 @@ VNM_GEMV_CASES = [
 # (tiles, k-tiles, SMs) -> the V:2:M X^T path's split count (256-token tiles): the least busiest-SM work,
 # ceil(tiles x splits / SMs) x (256 + 192) x (k-tiles per split + 3 x (splits + 1) where split), fewer splits on a tie
 VNM_XT_SPLIT_CASES = [
-    ((32, 43, 132), 4),  # 11008 -> 4096, M = 16, 256 tokens: 1 x 448 x (11 + 15) = 11648 < 3 splits' 12096
-    ((32, 32, 132), 3),  # 4096 -> 4096, M = 8: 3 and 4 splits tie at 10304 (2: 11200, 5: two rounds, 22400)
-    ((32, 16, 132), 1),  # M = 16: 7168 unsplit, 7616 in 2
-    ((192, 224, 132), 2),  # 28672 -> 8192 at 768 tokens: 3 rounds x 448 x (112 + 9) < 2 rounds x 448 x 224
+    ((32, 43, 132), 4),  # 11008 -> 4096, M = 16, 256 tokens: 1 x 272 x (11 + 15) = 7072 < 3 splits' 7344
+    ((32, 32, 132), 3),  # 4096 -> 4096, M = 8: 3 and 4 splits tie at 6256 (2: 6800, 5: two rounds, 13600)
+    ((32, 16, 132), 1),  # M = 16: 4352 unsplit, 4624 in 2
+    ((192, 224, 132), 2),  # 28672 -> 8192 at 768 tokens: 3 rounds x 272 x (112 + 9) < 2 rounds x 272 x 224
     ((128, 224, 132), 1),  # the same at 512 tokens: one full round unsplit
     ((2752, 32, 132), 1),  # 4096 -> 11008 at 8192 tokens
     ((4097, 448, 132), 1),  # more tiles than split-K counters
@@ -218,22 +218,29 @@ VNM_XT_SPLIT_CASES = [
 ]
 
 # (rows, tokens, k-tiles, SMs) -> the X^T path's (tile tokens, splits): at 64 tokens or fewer 64; above, the width (256
-# or 128) and split whose busiest SM has the least work, (tile tokens + 192) per k-tile, the wider tile on a tie
+# or 128) and split whose busiest SM has the least work, (tile tokens + 16) per k-tile, the wider tile on a tie
 VNM_XT_PLAN_CASES = [
     # 64 tokens or fewer: one 64-token tile per row block, split by the same work model. 4160 rows (33 row blocks) x
-    # 40 k-tiles at 33 tokens: 1 split 256 x 40 = 10240; 2: 256 x (20 + 9); 3: 256 x (14 + 12); 4: 256 x (10 + 15) =
-    # 6400; 5: two rounds, 2 x 256 x (8 + 18) -> 4
+    # 40 k-tiles at 33 tokens: 1 split 80 x 40 = 3200; 2: 80 x (20 + 9); 3: 80 x (14 + 12); 4: 80 x (10 + 15) = 2000;
+    # 5: two rounds, 2 x 80 x (8 + 18) -> 4
     ((4160, 33, 40, 132), (64, 4)),
-    # 8192 -> 28672 at 64 tokens, M = 16 (224 row blocks, 32 k-tiles): unsplit, 2 rounds x 256 x 32 = 16384; 2 splits:
-    # 4 x 256 x (16 + 9) = 25600 -> 1
+    # 8192 -> 28672 at 64 tokens, M = 16 (224 row blocks, 32 k-tiles): unsplit, 2 rounds x 80 x 32 = 5120; 2 splits:
+    # 4 x 80 x (16 + 9) = 8000 -> 1
     ((28672, 64, 32, 132), (64, 1)),
-    ((11008, 512, 32, 132), (256, 1)),  # 256: 172 tiles, 2 x 448 x 32 = 28672; 128: 344 tiles, 3 x 320 x 32 = 30720
-    ((11008, 1024, 32, 132), (256, 1)),  # 3 x 448 x 32 = 43008 against 6 x 320 x 32 = 61440
-    ((8192, 256, 224, 132), (256, 2)),  # 256 in 2 splits: 448 x (112 + 9) = 54208; 128 unsplit: 320 x 224 = 71680
-    ((4096, 256, 16, 132), (128, 1)),  # 32 tiles: 448 x 16 = 7168; 64 tiles: 320 x 16 = 5120
-    ((4096, 72, 16, 132), (128, 1)),  # 32 tiles either way: 448 x 16 = 7168 against 320 x 16 = 5120 (2 splits: 5440)
-    ((4096, 256, 32, 132), (128, 2)),  # 128 tiles in 2 splits: 320 x (16 + 9) = 8000 < 10240 unsplit, 10304 at 256
-    ((4096, 512, 86, 132), (256, 2)),  # 11008 -> 4096, M = 8: 64 tiles in 2: 448 x (43 + 9) = 23296; 128: 320 x 86
+    ((11008, 512, 32, 132), (128, 1)),  # 256: 172 tiles, 2 x 272 x 32 = 17408; 128: 344 tiles, 3 x 144 x 32 = 13824
+    ((11008, 1024, 32, 132), (256, 1)),  # 3 x 272 x 32 = 26112 against 6 x 144 x 32 = 27648
+    # 28672 -> 8192 at 256 tokens, M = 8 (64 row blocks, 224 k-tiles): 256 in 2 splits, 272 x (112 + 9) = 32912;
+    # 128 unsplit, 144 x 224 = 32256 (in 2: 2 rounds x 144 x 121)
+    ((8192, 256, 224, 132), (128, 1)),
+    # 13824 -> 5120 at 256 tokens, M = 8 (40 row blocks, 107 k-tiles): 256 in 3 splits, 120 units, 272 x (36 + 12) =
+    # 13056 (2: 272 x 63; 4: 2 rounds); 128 unsplit, 80 tiles, 144 x 107 = 15408 (in 2: 2 rounds x 144 x 63)
+    ((5120, 256, 107, 132), (256, 3)),
+    ((4096, 256, 16, 132), (128, 1)),  # 32 tiles: 272 x 16 = 4352; 64 tiles: 144 x 16 = 2304 (2 splits: 2448)
+    ((4096, 72, 16, 132), (128, 1)),  # 32 tiles either way: 272 x 16 = 4352 against 144 x 16 = 2304 (2 splits: 2448)
+    ((4096, 256, 32, 132), (128, 2)),  # 128 tiles in 2 splits: 144 x (16 + 9) = 3600 < 4608 unsplit, 6256 at 256
+    # 11008 -> 4096, M = 8 (32 row blocks, 86 k-tiles) at 512 tokens: 256, 64 tiles in 2: 272 x (43 + 9) = 14144; 128,
+    # 128 tiles unsplit: 144 x 86 = 12384
+    ((4096, 512, 86, 132), (128, 1)),
 ]
 
 # (M, rows_padded, tokens, k-tiles) -> the V:2:M register pipeline's (tile tokens, splits) on 132 SMs: sm90_vnm_bn's
