@@ -244,7 +244,7 @@ inline long long sm90_tiles(long long rows_padded, long long n_tokens, int bn) {
 // the 256- against 128-token choice (for one width it scales every split count's work alike). Fitted to the 58 cells
 // where the plans of different values were each measured (64:2:8 and 64:2:16, 192-960 tokens, the Llama shapes;
 // benchmarks/RESULTS.md, "the X^T path's width at 129-1024 tokens"): 16 took the fastest measured plan of every
-// cell; 32 was 1.011x slower (geometric mean; at worst 1.13x), 64 1.057x (1.18x), 192 1.127x (1.25x).
+// cell; 32 was 1.011x slower (geometric mean; at worst 1.13x), 64 1.058x (1.18x), 192 1.127x (1.25x).
 constexpr int kVnmXtKTileFixedTokens = 16;
 inline int sm90_vnm_xt_split_k(long long tiles, long long k_tiles, int sms, int bn = kVnmXtBN) {
   if (tiles <= 0 || tiles > kSplitKCounters || sms <= 0) return 1;
