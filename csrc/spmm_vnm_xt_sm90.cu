@@ -385,7 +385,7 @@ spmm_vnm_sm90_xt_kernel(const T* __restrict__ xt, int ld, const uint4* __restric
     const long long epilogue_start = cycles.now();
     if (wg * 4 < ((rows_padded - cta_row0) >> 4)) {
       const int row0 = cta_row0 + 64 * wg + 16 * wq;
-      if (staged) {  // named barriers 2, 3: one per consumer warpgroup (1 is the producer's)
+      if (staged) {  // named barriers 2, 3: one per consumer warpgroup (1 and 5 are the producers', 4 the split sum's)
         // Y with an L2 evict-first policy: this kernel never reads it back, while the X^T rows it re-reads (every row
         // block of a token tile) and the next kernel's inputs keep their L2 lines (benchmarks/RESULTS.md, "evict-first
         // Y stores": faster at 768 -> 3072 and 1024 -> 4096, level at 4096 <-> 11008).
