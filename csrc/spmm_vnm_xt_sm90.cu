@@ -138,6 +138,15 @@ struct XtCycles {
 // the host pass's registration stub names it.
 [[maybe_unused]] __device__ const uint4 kXtShareWord[2] = {{0u, 0u, 0u, 0u}, {1u, 1u, 1u, 1u}};
 
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// p + a x b bytes, the product 64-bit: one mad.wide.u32.
+__device__ __forceinline__ const unsigned char* mad_wide(uint32_t a, uint32_t b, const unsigned char* p) {
+  unsigned long long r;
+  asm("mad.wide.u32 %0, %1, %2, %3;" : "=l"(r) : "r"(a), "r"(b), "l"(reinterpret_cast<unsigned long long>(p)));
+  return reinterpret_cast<const unsigned char*>(r);
+}
+#endif
+
 // Persistent: CTA b takes tiles b, b + gridDim.x, ... (row blocks fastest); the ring, its barriers and the step
 // count run on across tiles, so the producer fills the next tile's first stages while the consumers store the last.
 template <typename T, int M, int BN>
@@ -217,23 +226,30 @@ spmm_vnm_sm90_xt_kernel(const T* __restrict__ xt, int ld, const uint4* __restric
         dst_off[s4] = (uint32_t)(r * 128 + ((part ^ (r & 7)) << 4));
       }
       const unsigned char* xt_lane = reinterpret_cast<const unsigned char*>(xt + n);
-      const size_t ld_bytes = (size_t)ld * sizeof(T);
+      const uint32_t ld_bytes = (uint32_t)ld * sizeof(T);  // a row of X^T; a column's offset is one 32x32->64 multiply
       // A fragments and metadata: chunk c = t + 128u (u = 0..4) of the stage's 576 (c < 512: m16 tile c / 64, k-step
-      // (c / 32) % 2, lane c % 32; then metadata: m16 tile / 8, k-step / 4 % 2, words 4 x (/ 1 % 4) ..): source =
-      // base (in 16-byte words) + k-step x stride; a k-step past `steps` (k-step 1 of the last k-tile) copies 0
-      // bytes from k-step steps - 1.
-      uint32_t a_base[5], a_stride[5];
-      int a_second[5];
+      // (c / 32) % 2, lane c % 32; then metadata: m16 tile / 8, k-step / 4 % 2, words 4 x (/ 1 % 4) ..). a_src[u]:
+      // the unit's first k-tile's chunk; k-tile i of the unit is i x a_step[u] bytes further (2 k-steps x the stride:
+      // 32 words of A, 4 of metadata). A k-step past `steps` (k-step 1 of the last k-tile where steps is odd) copies 0
+      // bytes from a_src[u], which is inside the pack.
+      const unsigned char* a_src[5];
+      // Whether this thread's A chunks (u < 4: all of them the same k-step) and metadata chunk are k-step 1 of a unit
+      // whose last k-tile has no k-step 1.
+      const bool odd_tail = (steps & 1) != 0 && kt0 + k_tiles == all_k_tiles;
+      const bool odd_a = odd_tail && ((t >> 5) & 1) != 0, odd_e = odd_tail && ((t >> 2) & 1) != 0;
 #pragma unroll
       for (int u = 0; u < 5; ++u) {
         const int c = t + 128 * u, e = c - 512;
         const bool is_a = c < 512;
         const int mt = min(mt_cta + (is_a ? c >> 6 : max(e, 0) >> 3), mt_last);
-        a_second[u] = is_a ? (c >> 5) & 1 : (e >> 2) & 1;
-        a_stride[u] = is_a ? 32u : 4u;
-        a_base[u] = is_a ? (uint32_t)mt * steps * 32 + (c & 31) : (uint32_t)mt * steps * 4 + (e & 3);
+        const int second = is_a ? (c >> 5) & 1 : (e >> 2) & 1;
+        const uint32_t stride = is_a ? 32u : 4u;
+        const uint32_t st0 = min(2 * kt0 + second, steps - 1);
+        const uint32_t word = (is_a ? (uint32_t)mt * steps * 32 + (c & 31) : (uint32_t)mt * steps * 4 + (e & 3)) +
+                              st0 * stride;
+        a_src[u] = reinterpret_cast<const unsigned char*>(is_a ? values + word
+                                                              : reinterpret_cast<const uint4*>(meta) + word);
       }
-      const uint4* meta4 = reinterpret_cast<const uint4*>(meta);
       // Lane s < 4 holds the column word of group 4w + s of a step's k-tile, loaded three of this warpgroup's steps
       // ahead into one of three registers that the unrolled loop names statically (a register rotation would wait for
       // each load at once).
@@ -243,35 +259,41 @@ spmm_vnm_sm90_xt_kernel(const T* __restrict__ xt, int ld, const uint4* __restric
         const uint32_t* col = share || (ls & 1) == 0 ? col0 : col1;
         return col[min(kt * 16 + 4 * w + lane, groups - 1)];
       };
+      // This warpgroup's next ring slot and its phase, kept as the steps go (STAGES is a multiple of P).
+      int slot = (gs + p) % STAGES;
+      uint32_t phase = ((gs + p) / STAGES) & 1;
+      const int g_last = groups - 1, g_lane = kt0 * 16 + 4 * w;
       auto issue = [&](int ls, uint32_t cw) {
-        const int g = gs + ls, slot = g % STAGES, kt = kt0 + (share ? ls : ls >> 1);
+        const int i = share ? ls : ls >> 1;  // the unit's k-tile
         const uint32_t stage = base + slot * Cfg::STAGE;
         const long long wait_start = cycles.now();
-        mbar_wait(empty + 8 * slot, ((g / STAGES) & 1) ^ 1);
+        mbar_wait(empty + 8 * slot, phase ^ 1);
         cycles.add(kXcEmptyWait, wait_start);
 #pragma unroll
         for (int s4 = 0; s4 < 4; ++s4) {
           const uint32_t word = __shfl_sync(0xffffffffu, cw, s4);
-          const uint32_t column =
-              (uint32_t)min(kt * 16 + 4 * w + s4, groups - 1) * M + ((word >> (8 * kept)) & 0xFFu);
-          const unsigned char* src = xt_lane + column * ld_bytes;
+          const uint32_t column = (uint32_t)min(g_lane + i * 16 + s4, g_last) * M + ((word >> (8 * kept)) & 0xFFu);
+          const unsigned char* src = mad_wide(column, ld_bytes, xt_lane);
 #pragma unroll
           for (int q = 0; q < BLOCKS; ++q) cp_async_16_bytes(stage + dst_off[s4] + q * 8192, src + q * 128, bytes[q]);
         }
         // A step of one slab (its own columns) copies that slab's A fragments (u = 2 x slab, + 1) and metadata
         // (threads 32 x slab ..) only: the other consumer warpgroup skips the step.
         const int slab = share ? -1 : ls & 1;
+        const bool last = i == k_tiles - 1, none_a = last && odd_a, none_e = last && odd_e;
+        // a k-tile further: 2 k-steps x 32 16-byte words of A, x 4 of metadata
+        const uint32_t off_a = none_a ? 0u : (uint32_t)i * 1024u, off_e = none_e ? 0u : (uint32_t)i * 128u;
 #pragma unroll
         for (int u = 0; u < 5; ++u) {
           if (u == 4 && t >= 64) break;
           if (slab >= 0 && (u < 4 ? u >> 1 : t >> 5) != slab) continue;
-          const int st = 2 * kt + a_second[u];
-          const uint32_t word = a_base[u] + (uint32_t)min(st, steps - 1) * a_stride[u];
-          cp_async_16_bytes(stage + Cfg::A_OFF + (t + 128 * u) * 16, u < 4 ? values + word : meta4 + word,
-                            st < steps ? 16u : 0u);
+          cp_async_16_bytes(stage + Cfg::A_OFF + (t + 128 * u) * 16, a_src[u] + (u < 4 ? off_a : off_e),
+                            (u < 4 ? none_a : none_e) ? 0u : 16u);
         }
         if (t == 0) cp_async_16_bytes(info + slot * 16, &kXtShareWord[share ? 1 : 0], 16u);
         cp_async_arrive_noinc(full + 8 * slot);
+        slot += P;
+        if (slot >= STAGES) slot -= STAGES, phase ^= 1;
       };
       uint32_t cw0 = column_word(p), cw1 = column_word(p + P), cw2 = column_word(p + 2 * P);
       cycles.add(kXcSetUp, unit_start);
