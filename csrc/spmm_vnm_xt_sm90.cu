@@ -229,9 +229,9 @@ spmm_vnm_sm90_xt_kernel(const T* __restrict__ xt, int ld, const uint4* __restric
       const uint32_t ld_bytes = (uint32_t)ld * sizeof(T);  // a row of X^T; a column's offset is one 32x32->64 multiply
       // A fragments and metadata: chunk c = t + 128u (u = 0..4) of the stage's 576 (c < 512: m16 tile c / 64, k-step
       // (c / 32) % 2, lane c % 32; then metadata: m16 tile / 8, k-step / 4 % 2, words 4 x (/ 1 % 4) ..). a_src[u]:
-      // the unit's first k-tile's chunk; k-tile i of the unit is i x a_step[u] bytes further (2 k-steps x the stride:
-      // 32 words of A, 4 of metadata). A k-step past `steps` (k-step 1 of the last k-tile where steps is odd) copies 0
-      // bytes from a_src[u], which is inside the pack.
+      // the chunk of the unit's first k-tile; k-tile i of the unit lies i x 2 k-steps further (1024 bytes of A, 128 of
+      // metadata), so a step adds one offset per kind instead of working out each address. A k-step past `steps`
+      // (k-step 1 of the last k-tile where steps is odd) copies 0 bytes from a_src[u], which is inside the pack.
       const unsigned char* a_src[5];
       // Whether this thread's A chunks (u < 4: all of them the same k-step) and metadata chunk are k-step 1 of a unit
       // whose last k-tile has no k-step 1.
