@@ -59,6 +59,7 @@ struct XtCfg {
   // of address arithmetic per step is what the consumers wait for; two take alternate steps (their accumulators, 32
   // or 64 floats a thread, leave the consumers registers to spare). At 256 tokens one, for the consumers' 208.
   static constexpr int PRODUCERS = BN <= 128 ? 2 : 1, THREADS = 128 * (2 + PRODUCERS);
+  static_assert(STAGES % PRODUCERS == 0, "a producer warpgroup's ring slot steps by PRODUCERS and must wrap to 0");
   static constexpr int PRODUCER_REGS = PRODUCERS == 2 ? 104 : 88, CONSUMER_REGS = PRODUCERS == 2 ? 152 : 208;
   // setmaxnreg only moves registers within what the CTA was launched with: THREADS x the per-thread count ptxas
   // compiles to under __launch_bounds__(THREADS, 1) (the register file over THREADS, in steps of 8; ptxas reports it
