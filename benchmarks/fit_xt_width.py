@@ -54,16 +54,17 @@ def plan_inputs(cell: Cell) -> tuple[int, int, int]:
     return (rows + v - 1) // v * v, tokens, (steps + 1) // 2
 
 
-def plans_for(value: int, cells: list[Cell], workdir: Path) -> dict[Cell, Plan]:
-    """Every cell's X^T plan under kVnmXtKTileFixedTokens = value."""
+def plans_for(value: int | None, cells: list[Cell], workdir: Path) -> dict[Cell, Plan]:
+    """Every cell's X^T plan under kVnmXtKTileFixedTokens = value (None: the header as it is)."""
     cxx = shutil.which("g++") or shutil.which("c++")
     if cxx is None:
         raise SystemExit("needs a host C++ compiler (g++ or c++)")
-    header = (CSRC / "tile_config.h").read_text()
-    patched, n = re.subn(r"(constexpr int kVnmXtKTileFixedTokens = )\d+;", rf"\g<1>{value};", header)
-    if n != 1:
-        raise SystemExit("kVnmXtKTileFixedTokens not found in csrc/tile_config.h: update this script")
-    folder = workdir / f"fixed{value}"
+    patched = (CSRC / "tile_config.h").read_text()
+    if value is not None:
+        patched, n = re.subn(r"(constexpr int kVnmXtKTileFixedTokens = )\d+;", rf"\g<1>{value};", patched)
+        if n != 1:
+            raise SystemExit("kVnmXtKTileFixedTokens not found in csrc/tile_config.h: update this script")
+    folder = workdir / ("header" if value is None else f"fixed{value}")
     folder.mkdir()
     (folder / "tile_config.h").write_text(patched)
     (folder / "main.cpp").write_text(CHOOSER.replace("SMS", str(SMS)))
