@@ -11,7 +11,11 @@ as a model's forward issues them); the counters are cleared, the chain runs once
 last call that ran it. Printed: the chain's µs per call; per CTA (median over CTAs) the units it ran, its cycles per
 unit, and the share of the consumer's and of the producer's cycles each wait takes (the rest: issuing wgmmas or
 copies). What is not waiting is what the role spends its cycles on; a consumer that waits on full stages most of the
-time is fed too slowly, a producer that waits on free stages is ahead of its consumers.
+time is fed too slowly, a producer that waits on free stages is ahead of its consumers. Then a stage's flight (from
+the producer's first copy into it to the consumer's full-wait returning) against the consumer's cycles per step: a
+flight near the steps the ring holds in flight (its stages less the one or two the consumer holds) times the step
+says the ring is too shallow for the copies' latency; a flight well under it says the producer's issue sets the
+pace.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from statistics import median
 from timeline_build import chain_and_rows, timeline_extension
 
 # XtCounter in csrc/spmm_vnm_xt_sm90.cu, in order
-UNITS, PRODUCER, SET_UP, EMPTY_WAIT, CONSUMER, FULL_WAIT, DRAIN, SPLIT, EPILOGUE = range(9)
+UNITS, PRODUCER, SET_UP, EMPTY_WAIT, CONSUMER, FULL_WAIT, DRAIN, SPLIT, EPILOGUE, STAGE_FLIGHT, STEPS = range(11)
 MAX_CTAS = 1024  # kXtTimelineCtas
 CONSUMER_PARTS = {"full wait": FULL_WAIT, "drain": DRAIN, "split-K": SPLIT, "epilogue": EPILOGUE}
 PRODUCER_PARTS = {"set-up": SET_UP, "empty wait": EMPTY_WAIT}
@@ -32,7 +36,7 @@ PRODUCER_PARTS = {"set-up": SET_UP, "empty wait": EMPTY_WAIT}
 def summarize(counters: list[list[int]]) -> dict:
     """Medians over the CTAs that ran units (rows of ``XtCounter`` values): units per CTA, consumer and producer
     cycles per unit, and each part's share of its role's cycles (the rest under ``"other"``)."""
-    rows = [r for r in counters if r[UNITS] > 0 and r[CONSUMER] > 0 and r[PRODUCER] > 0]
+    rows = [r for r in counters if r[UNITS] > 0 and r[CONSUMER] > 0 and r[PRODUCER] > 0 and r[STEPS] > 0]
     if not rows:
         raise ValueError("no CTA counted a unit: was the call made on the timeline build's X^T path?")
 
@@ -46,6 +50,8 @@ def summarize(counters: list[list[int]]) -> dict:
         "units": median(r[UNITS] for r in rows),
         "consumer_cycles_per_unit": median(r[CONSUMER] / r[UNITS] for r in rows),
         "producer_cycles_per_unit": median(r[PRODUCER] / r[UNITS] for r in rows),
+        "consumer_cycles_per_step": median(r[CONSUMER] / r[STEPS] for r in rows),
+        "stage_flight_cycles": median(r[STAGE_FLIGHT] / r[STEPS] for r in rows),
         "consumer": shares(CONSUMER, CONSUMER_PARTS),
         "producer": shares(PRODUCER, PRODUCER_PARTS),
     }
@@ -57,7 +63,8 @@ def describe(s: dict) -> str:
     prod = " ".join(f"{k} {100 * v:.0f}%" for k, v in s["producer"].items())
     return (
         f"{s['ctas']} CTAs, {s['units']:.0f} units each; consumer {s['consumer_cycles_per_unit']:.0f} cycles/unit"
-        f" ({cons}); producer {s['producer_cycles_per_unit']:.0f} cycles/unit ({prod})"
+        f" ({cons}); producer {s['producer_cycles_per_unit']:.0f} cycles/unit ({prod}); a step"
+        f" {s['consumer_cycles_per_step']:.0f} cycles, a stage in flight {s['stage_flight_cycles']:.0f}"
     )
 
 

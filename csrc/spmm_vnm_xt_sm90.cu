@@ -72,8 +72,14 @@ struct XtCfg {
   // the fewer barriers; a whole tile staged does not fit beside four stages).
   static constexpr int EPI_N = BN < 128 ? BN : 128, EPI_BUFS = 1, EPI_CHUNK = EPI_N * 128;
   static constexpr int EPI_OFF = STAGES * STAGE;
-  // + the staging buffers, full / empty barriers, 16 bytes of step info per stage, alignment slack
-  static constexpr int SMEM = EPI_OFF + 2 * EPI_BUFS * EPI_CHUNK + 2 * 8 * STAGES + 16 * STAGES + 1024;
+  // The timeline build's issue clock per stage (XtCycles::stamp), after the step info; none in the product build.
+#if defined(HF_SPARSE_TIMELINE)
+  static constexpr int STAMP_BYTES = 8 * STAGES;
+#else
+  static constexpr int STAMP_BYTES = 0;
+#endif
+  // + the staging buffers, full / empty barriers, 16 bytes of step info per stage, stamps, alignment slack
+  static constexpr int SMEM = EPI_OFF + 2 * EPI_BUFS * EPI_CHUNK + 2 * 8 * STAGES + 16 * STAGES + STAMP_BYTES + 1024;
   static_assert(STAGE % 1024 == 0, "stages must start on 1024-byte boundaries (128-byte swizzle atoms)");
   static_assert(SMEM <= 227 * 1024, "over the sm_90 shared-memory limit");
 };
@@ -94,19 +100,22 @@ __device__ __forceinline__ bool bar_red_or(int id, int threads, bool v) {
 // Timeline build (nvcc -DHF_SPARSE_TIMELINE through HF_SPARSE_NVCC_FLAGS; benchmarks/timeline_xt.py): each CTA sums
 // SM cycles (clock64) by what its roles wait on over all its work units: the producer (thread 0 of its warpgroup) in
 // each unit's set-up before its first copy and waiting for free stages; the consumers (thread 0 of warpgroup 0)
-// waiting for full stages, draining the last wgmmas, in split-K and in the epilogue. The product build compiles none
-// of it.
+// waiting for full stages, draining the last wgmmas, in split-K and in the epilogue. And how long a stage takes from
+// the producer's first copy into it to the consumer's full-wait returning (the copies' flight, or more where the
+// consumer came later), summed over the steps the consumer computed, and their count. The product build compiles
+// none of it.
 enum XtCounter { kXcUnits, kXcProducerTotal, kXcSetUp, kXcEmptyWait, kXcConsumerTotal, kXcFullWait, kXcDrain,
-                 kXcSplit, kXcEpilogue, kXtCounters };
+                 kXcSplit, kXcEpilogue, kXcStageFlight, kXcSteps, kXtCounters };
 #if defined(HF_SPARSE_TIMELINE)
 constexpr int kXtTimelineCtas = 1024;
 __device__ unsigned long long g_xt_counters[kXtTimelineCtas][kXtCounters];
 #endif
 // One role's cycle sums in a CTA (timeline build only: in the product build every member is empty code): add(c,
-// since) adds the cycles since `since` (a now() value) to counter c, store() writes them into the CTA's row.
+// since) adds the cycles since `since` (a now() value) to counter c, store() writes them into the CTA's row. The sums
+// of one call are held in 32 bits (2^32 cycles: over 2 s), half the registers of 64, which the consumers lack.
 struct XtCycles {
 #if defined(HF_SPARSE_TIMELINE)
-  unsigned long long sum[kXtCounters] = {};
+  unsigned sum[kXtCounters] = {};
 #endif
   __device__ __forceinline__ long long now() const {
 #if defined(HF_SPARSE_TIMELINE) && defined(__CUDA_ARCH__)
@@ -117,12 +126,25 @@ struct XtCycles {
   }
   __device__ __forceinline__ void add(int c, long long since) {
 #if defined(HF_SPARSE_TIMELINE) && defined(__CUDA_ARCH__)
-    sum[c] += (unsigned long long)(clock64() - since);
+    sum[c] += (unsigned)(clock64() - since);
 #endif
   }
   __device__ __forceinline__ void count(int c) {
 #if defined(HF_SPARSE_TIMELINE)
     ++sum[c];
+#endif
+  }
+  // The now() of the producer's first copy into a stage, into that stage's stamp (clock64 is per SM: both roles of a
+  // CTA read the same clock). The stage's full barrier, which the consumer waits on before reading it, completes
+  // only after this thread's arrive, which follows the store.
+  __device__ __forceinline__ void stamp(volatile long long* at) const {
+#if defined(HF_SPARSE_TIMELINE) && defined(__CUDA_ARCH__)
+    *at = clock64();
+#endif
+  }
+  __device__ __forceinline__ void add_since_stamp(int c, const volatile long long* at) {
+#if defined(HF_SPARSE_TIMELINE) && defined(__CUDA_ARCH__)
+    add(c, *at);
 #endif
   }
   // Thread `writer`'s sums of counters [first, last) into this CTA's row.
@@ -168,6 +190,7 @@ spmm_vnm_sm90_xt_kernel(const T* __restrict__ xt, int ld, const uint4* __restric
   const uint32_t epi = base + Cfg::EPI_OFF;
   const uint32_t full = epi + 2 * Cfg::EPI_BUFS * Cfg::EPI_CHUNK, empty = full + 8 * STAGES;
   const uint32_t info = empty + 8 * STAGES;  // 16 bytes per stage, after the barriers
+  volatile long long* stamps = reinterpret_cast<volatile long long*>(smem + (info - base) + 16 * STAGES);  // timeline
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = warp >> 2;
   const int row_blocks = (rows_padded + 127) >> 7, n_tiles = row_blocks * ((n_tokens + BN - 1) / BN);
   const int n_units = n_tiles * splits;
@@ -270,6 +293,7 @@ spmm_vnm_sm90_xt_kernel(const T* __restrict__ xt, int ld, const uint4* __restric
         const long long wait_start = cycles.now();
         mbar_wait(empty + 8 * slot, phase ^ 1);
         cycles.add(kXcEmptyWait, wait_start);
+        if (t == 0) cycles.stamp(stamps + slot);
 #pragma unroll
         for (int s4 = 0; s4 < 4; ++s4) {
           const uint32_t word = __shfl_sync(0xffffffffu, cw, s4);
@@ -332,6 +356,8 @@ spmm_vnm_sm90_xt_kernel(const T* __restrict__ xt, int ld, const uint4* __restric
     const long long wait_start = cycles.now();
     mbar_wait(full + 8 * slot, (s / STAGES) & 1);
     cycles.add(kXcFullWait, wait_start);
+    cycles.add_since_stamp(kXcStageFlight, stamps + slot);
+    cycles.count(kXcSteps);
     fence_proxy_async();  // the stage was written by cp.async (generic proxy); the wgmmas read it (async proxy)
     const unsigned char* stage = smem + slot * Cfg::STAGE;
     uint4 a[2];
