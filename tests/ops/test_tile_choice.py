@@ -205,7 +205,7 @@ VNM_GEMV_CASES = [
 ]
 
 # (tiles, k-tiles, SMs) -> the V:2:M X^T path's split count (256-token tiles): the least busiest-SM work,
-# ceil(tiles x splits / SMs) x (256 + 192) x (k-tiles per split + 3 x (splits + 1) where split), fewer splits on a tie
+# ceil(tiles x splits / SMs) x (256 + 16) x (k-tiles per split + 3 x (splits + 1) where split), fewer splits on a tie
 VNM_XT_SPLIT_CASES = [
     ((32, 43, 132), 4),  # 11008 -> 4096, M = 16, 256 tokens: 1 x 272 x (11 + 15) = 7072 < 3 splits' 7344
     ((32, 32, 132), 3),  # 4096 -> 4096, M = 8: 3 and 4 splits tie at 6256 (2: 6800, 5: two rounds, 13600)
