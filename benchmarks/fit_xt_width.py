@@ -17,7 +17,6 @@ copy of the header), as tests/ops/test_tile_choice.py compiles it; 132 SMs, an H
 from __future__ import annotations
 
 import argparse
-import math
 import re
 import shutil
 import statistics
@@ -25,7 +24,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from compare_sweeps import load
+from compare_sweeps import load, median_of
 
 CSRC = Path(__file__).resolve().parents[1] / "csrc"
 SMS = 132
@@ -78,10 +77,6 @@ def plans_for(value: int | None, cells: list[Cell], workdir: Path) -> dict[Cell,
     return {c: (int(out[2 * i]), int(out[2 * i + 1])) for i, c in enumerate(cells)}
 
 
-def geomean(xs: list[float]) -> float:
-    return math.exp(sum(math.log(x) for x in xs) / len(xs))
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", nargs="+", required=True, help="FILE=VALUE: sweep rows and their tree's constant")
@@ -105,7 +100,7 @@ def main() -> None:
     for path, value in runs:
         for cell, rows in rows_by_file[path].items():
             timings.setdefault((cell, plans[value][cell]), []).extend(rows)
-    chain = {key: statistics.median(r["product_chain"] for r in rows) for key, rows in timings.items()}
+    chain = {key: median_of(rows, "product_chain") for key, rows in timings.items()}
 
     for value in args.values:
         ratios = []
@@ -118,9 +113,9 @@ def main() -> None:
         if not ratios:
             print(f"{value:4d}: no cell with two plans timed, one of them this value's")
             continue
-        worst = max(ratios)
+        worst, mean = max(ratios), statistics.geometric_mean([r for r, _ in ratios])
         print(
-            f"{value:4d}: {len(ratios)} cells, x{geomean([r for r, _ in ratios]):.3f} the fastest plan's chain time "
+            f"{value:4d}: {len(ratios)} cells, x{mean:.3f} the fastest plan's chain time "
             f"(geometric mean), worst x{worst[0]:.2f} ({worst[1][0]} {worst[1][1]} -> {worst[1][2]}, {worst[1][3]} "
             "tokens)"
         )
@@ -135,9 +130,9 @@ def main() -> None:
             ra, rb = timings.get((cell, a)), timings.get((cell, b))
             if a == b or not ra or not rb:
                 continue
-            ta, tb = (statistics.median(r["product"] for r in rs) for rs in (ra, rb))
+            ta, tb = median_of(ra, "product"), median_of(rb, "product")
             ca, cb = chain[(cell, a)], chain[(cell, b)]
-            dense = statistics.median(r["dense"] for r in ra + rb)
+            dense = median_of(ra + rb, "dense")
             cold.append(ta / tb)
             chains.append(ca / cb)
             pattern, k, rows, tokens = cell
@@ -147,8 +142,8 @@ def main() -> None:
             )
         if cold:
             print(
-                f"\n{len(cold)} cells: cold x{geomean(cold):.3f} ({min(cold):.2f}-{max(cold):.2f}), "
-                f"chain x{geomean(chains):.3f} ({min(chains):.2f}-{max(chains):.2f})"
+                f"\n{len(cold)} cells: cold x{statistics.geometric_mean(cold):.3f} ({min(cold):.2f}-{max(cold):.2f}), "
+                f"chain x{statistics.geometric_mean(chains):.3f} ({min(chains):.2f}-{max(chains):.2f})"
             )
 
 
