@@ -32,10 +32,11 @@ CHOOSER = r"""
 #include "tile_config.h"
 #include <cstdio>
 int main() {
-  long long rows_padded, tokens, k_tiles;
-  while (std::scanf("%lld %lld %lld", &rows_padded, &tokens, &k_tiles) == 3) {
+  int m, v, rows;
+  long long k, rows_padded, tokens, k_tiles;
+  while (std::scanf("%d %d %d %lld %lld %lld %lld", &m, &v, &rows, &k, &rows_padded, &tokens, &k_tiles) == 7) {
     const hf_sparse::Sm90SplitPlan p = hf_sparse::sm90_vnm_xt_plan(rows_padded, tokens, k_tiles, SMS);
-    std::printf("%d %d\n", p.bn, p.splits);
+    std::printf("%d %d %d\n", (int)hf_sparse::sm90_vnm_xt(m, tokens, rows, k, v), p.bn, p.splits);
   }
 }
 """
@@ -53,8 +54,9 @@ def plan_inputs(cell: Cell) -> tuple[int, int, int]:
     return (rows + v - 1) // v * v, tokens, (steps + 1) // 2
 
 
-def plans_for(value: int | None, cells: list[Cell], workdir: Path) -> dict[Cell, Plan]:
-    """Every cell's X^T plan under kVnmXtKTileFixedTokens = value (None: the header as it is)."""
+def choices_for(value: int | None, cells: list[Cell], workdir: Path) -> dict[Cell, tuple[bool, Plan]]:
+    """Every cell's (whether the V:2:M SpMM takes the X^T path, the X^T plan) under kVnmXtKTileFixedTokens = value
+    (None: the header as it is)."""
     cxx = shutil.which("g++") or shutil.which("c++")
     if cxx is None:
         raise SystemExit("needs a host C++ compiler (g++ or c++)")
@@ -72,9 +74,18 @@ def plans_for(value: int | None, cells: list[Cell], workdir: Path) -> dict[Cell,
     subprocess.run(
         [cxx, "-std=c++17", f"-I{folder}", f"-I{CSRC}", str(folder / "main.cpp"), "-o", str(exe)], check=True
     )
-    stdin = "".join(" ".join(map(str, plan_inputs(c))) + "\n" for c in cells)
-    out = subprocess.run([str(exe)], input=stdin, capture_output=True, text=True, check=True).stdout.split()
-    return {c: (int(out[2 * i]), int(out[2 * i + 1])) for i, c in enumerate(cells)}
+    lines = []
+    for cell in cells:
+        pattern, k, rows, _ = cell
+        v, _, m = (int(x) for x in pattern.split(":"))
+        lines.append(" ".join(map(str, (m, v, rows, k, *plan_inputs(cell)))) + "\n")
+    out = subprocess.run([str(exe)], input="".join(lines), capture_output=True, text=True, check=True).stdout.split()
+    return {c: (out[3 * i] == "1", (int(out[3 * i + 1]), int(out[3 * i + 2]))) for i, c in enumerate(cells)}
+
+
+def plans_for(value: int | None, cells: list[Cell], workdir: Path) -> dict[Cell, Plan]:
+    """Every cell's X^T plan under kVnmXtKTileFixedTokens = value (None: the header as it is)."""
+    return {cell: plan for cell, (_, plan) in choices_for(value, cells, workdir).items()}
 
 
 def main() -> None:

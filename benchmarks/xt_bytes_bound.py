@@ -3,8 +3,8 @@
     python benchmarks/xt_bytes_bound.py RUNS.jsonl [...] [--copy-rate 9.0] [--dram-rate 4.6]
 
 RUNS: ``sweep_split_k.py --json`` rows (cuBLAS and the product timed in chains over distinct weight copies, each cold
-in L2). Only cells where the X^T path always runs are taken: 65 tokens and more, 1024 rows and more, M >= 8
-(tile_config.h ``sm90_vnm_xt``). Per cell, with the plan tile_config.h gives it (``fit_xt_width.plans_for``):
+in L2). Only the cells that take the X^T path are kept, each with its plan: tile_config.h's ``sm90_vnm_xt`` and
+``sm90_vnm_xt_plan``, compiled on the host (``fit_xt_width.choices_for``). Per cell:
 
 - L2 -> SM: the GEMM's bytes (``profile_xt_chain.feed_bytes``: per tile and k-tile the B tile, twice at V = 64, A and
   metadata; then Y) and split-K's fp32 partial sums, each written and read once, at the copy rate (the cp.async rate
@@ -20,20 +20,12 @@ the bytes, the bound as x cuBLAS and the share of it the call reaches.
 from __future__ import annotations
 
 import argparse
-import statistics
 import tempfile
 from pathlib import Path
 
-from compare_sweeps import load
-from fit_xt_width import Cell, plan_inputs, plans_for
+from compare_sweeps import load, median_of
+from fit_xt_width import Cell, choices_for, plan_inputs
 from profile_xt_chain import A_AND_META_BYTES, feed_bytes
-
-XT_MIN_TOKENS, XT_MIN_ROWS = 65, 1024  # tile_config.h kVnmXtMinTokens, kVnmXtMinRows
-
-
-def takes_xt(cell: Cell) -> bool:
-    pattern, _, rows, tokens = cell
-    return int(pattern.split(":")[2]) >= 8 and tokens >= XT_MIN_TOKENS and rows >= XT_MIN_ROWS
 
 
 def bound_us(cell: Cell, bn: int, splits: int, copy_tbs: float, dram_tbs: float) -> tuple[float, int, int]:
@@ -57,11 +49,11 @@ def main() -> None:
     parser.add_argument("--dram-rate", type=float, default=4.6, help="DRAM -> SM, TB/s")
     args = parser.parse_args()
     rows = load(args.runs)
-    cells = sorted((c for c in rows if takes_xt(c)), key=lambda c: (c[0], c[1] * c[2], c[1], c[3]))
-    if not cells:
-        raise SystemExit("no cell of 65 tokens or more on 1024 rows or more at M >= 8 in these files")
     with tempfile.TemporaryDirectory() as work:
-        plans = plans_for(None, cells, Path(work))
+        choices = choices_for(None, sorted(rows), Path(work))
+    cells = sorted((c for c, (xt, _) in choices.items() if xt), key=lambda c: (c[0], c[1] * c[2], c[1], c[3]))
+    if not cells:
+        raise SystemExit("no cell in these files takes the X^T path")
     print(
         "| pattern | shape | tokens | tile / splits | cuBLAS µs | call µs (x cuBLAS) | L2 -> SM / DRAM MB |"
         " bound µs (x cuBLAS) | reached |"
@@ -69,10 +61,9 @@ def main() -> None:
     print("| --- | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: |")
     for cell in cells:
         pattern, k, r, tokens = cell
-        bn, splits = plans[cell]
+        _, (bn, splits) = choices[cell]
         bound, feed, dram = bound_us(cell, bn, splits, args.copy_rate, args.dram_rate)
-        dense = statistics.median(x["dense_chain"] for x in rows[cell])
-        ours = statistics.median(x["product_chain"] for x in rows[cell])
+        dense, ours = median_of(rows[cell], "dense_chain"), median_of(rows[cell], "product_chain")
         print(
             f"| {pattern} | {k} -> {r} | {tokens} | {bn} / {splits} | {dense:.1f} | {ours:.1f} ({dense / ours:.2f}x) |"
             f" {feed / 1e6:.0f} / {dram / 1e6:.0f} | {bound:.1f} ({dense / bound:.2f}x) | {100 * bound / ours:.0f}% |"

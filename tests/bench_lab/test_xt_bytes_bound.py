@@ -12,8 +12,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from fit_xt_width import plans_for
-from xt_bytes_bound import bound_us, takes_xt
+from fit_xt_width import choices_for
+from xt_bytes_bound import bound_us
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "xt_bytes_bound.py"
 needs_cxx = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None, reason="no C++ compiler")
@@ -45,16 +45,17 @@ def test_dram_sets_the_bound_where_it_is_the_slower():
     assert bound == pytest.approx(27.4596 + 0.4660, abs=1e-3)
 
 
-def test_only_cells_the_xt_path_always_takes():
-    assert takes_xt(WIDE) and takes_xt(SPLIT)
-    assert not takes_xt(("64:2:8", 4096, 11008, 64))  # 64 tokens: the path depends on rows and weights
-    assert not takes_xt(("128:2:8", 3072, 768, 2048))  # 768 rows: the register pipeline
-    assert not takes_xt(("64:2:4", 4096, 11008, 256))  # M = 4
-
-
 @needs_cxx
-def test_plans_of_the_header_as_it_is(tmp_path):
-    assert plans_for(None, [WIDE, SPLIT], tmp_path) == {WIDE: (256, 1), SPLIT: (128, 4)}
+def test_path_and_plans_of_the_header_as_it_is(tmp_path):
+    at_64 = ("64:2:8", 4096, 11008, 64)  # 33-64 tokens at M = 8 and V = 64: the register pipeline
+    at_64_v128 = ("128:2:8", 4096, 11008, 64)  # V = 128 and 45M >= 2^25 weights: the X^T path's 64-token tile
+    few_rows = ("128:2:8", 3072, 768, 2048)  # 768 rows: the register pipeline
+    m4 = ("64:2:4", 4096, 11008, 256)  # M = 4
+    choices = choices_for(None, [WIDE, SPLIT, at_64, at_64_v128, few_rows, m4], tmp_path)
+    assert choices[WIDE] == (True, (256, 1))
+    assert choices[SPLIT] == (True, (128, 4))
+    assert choices[at_64_v128][0] and choices[at_64_v128][1][0] == 64
+    assert not choices[at_64][0] and not choices[few_rows][0] and not choices[m4][0]
 
 
 @needs_cxx
