@@ -651,8 +651,8 @@ void run_bulk(const char* what, const unsigned char* buf, size_t bytes, int sms,
       time_stream(bulk_read<CHUNK, STAGES>, buf, bytes, CHUNK, sms * ctas_per_sm, 32, STAGES * CHUNK + 8 * STAGES);
   std::printf(
       "{\"what\": \"bulk\", \"case\": \"%s\", \"buffer_mb\": %.0f, \"chunk\": %d, \"stages\": %d, \"ctas_per_sm\": %d, "
-      "\"ms\": %.4f, \"tb_per_s\": %.2f}\n",
-      what, bytes / 1048576.0, CHUNK, STAGES, ctas_per_sm, ms, tb_per_s);
+      "\"ctas\": %d, \"ms\": %.4f, \"tb_per_s\": %.2f}\n",
+      what, bytes / 1048576.0, CHUNK, STAGES, ctas_per_sm, sms * ctas_per_sm, ms, tb_per_s);
 }
 
 void run_ldg(const char* what, const unsigned char* buf, size_t bytes, int sms, uint32_t* sink) {
@@ -675,8 +675,9 @@ void run_ldgsts(const char* what, const unsigned char* buf, size_t bytes, int sm
                                           sms * ctas_per_sm, THREADS, STAGES * CHUNK + 8 * STAGES);
   std::printf(
       "{\"what\": \"ldgsts\", \"case\": \"%s\", \"buffer_mb\": %.0f, \"threads\": %d, \"chunk\": %d, \"stages\": %d, "
-      "\"scatter\": %s, \"ctas_per_sm\": %d, \"ms\": %.4f, \"tb_per_s\": %.2f}\n",
-      what, bytes / 1048576.0, THREADS, CHUNK, STAGES, SCATTER ? "true" : "false", ctas_per_sm, ms, tb_per_s);
+      "\"scatter\": %s, \"ctas_per_sm\": %d, \"ctas\": %d, \"ms\": %.4f, \"tb_per_s\": %.2f}\n",
+      what, bytes / 1048576.0, THREADS, CHUNK, STAGES, SCATTER ? "true" : "false", ctas_per_sm, sms * ctas_per_sm, ms,
+      tb_per_s);
   std::fflush(stdout);
 }
 
@@ -706,6 +707,12 @@ void run_streams(int sms) {
   run_ldgsts<512, 6, 32768, true>("cp.async, L2-resident", l2_buf, l2_bytes, sms, 1);
   run_ldgsts<256, 3, 32768, true>("cp.async, L2-resident", l2_buf, l2_bytes, sms, 2);
   run_ldgsts<128, 4, 32768, true>("cp.async, DRAM", dram_buf, dram_bytes, sms, 1);
+  // On fewer SMs (a plan whose tiles leave SMs idle: 86 row blocks at 4096 -> 11008): whether an SM streams faster
+  // when the others do not, i.e. whether the rate is the L2's, shared, or each SM's own.
+  for (int ctas : {99, 86, 66, 33}) {
+    run_ldgsts<128, 4, 32768, true>("cp.async, L2-resident, fewer SMs", l2_buf, l2_bytes, std::min(ctas, sms), 1);
+    run_bulk<16384, 8>("bulk copy, L2-resident, fewer SMs", l2_buf, l2_bytes, std::min(ctas, sms), 1);
+  }
   CHECK_CUDA(cudaDeviceSynchronize());
   cudaFree(l2_buf);
   cudaFree(dram_buf);
