@@ -34,7 +34,8 @@
 // Build and run where the GPU is (no torch needed):
 //
 //   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -Icsrc benchmarks/roofline_sm90.cu -o roofline
-//   ./roofline > roofline.jsonl            (./roofline streams: the bulk, ldg and ldgsts rows only)
+//   ./roofline > roofline.jsonl            (./roofline streams: the bulk, ldg and ldgsts rows only; ./roofline
+//                                            xt_feed: the X^T path's rows_cp feeds on 132, 86 and 66 SMs)
 //
 // One JSON object per line. What the figures gave and the bounds drawn from them: benchmarks/RESULTS.md (the sections
 // on "the ceilings that bound the sparse-wgmma SpMMs" and "the V:2:M X^T path").
@@ -733,6 +734,17 @@ int main(int argc, char** argv) {
   std::fflush(stdout);
   if (argc > 1 && std::strcmp(argv[1], "streams") == 0) {
     run_streams(sms);
+    return 0;
+  }
+  if (argc > 1 && std::strcmp(argv[1], "xt_feed") == 0) {  // the X^T path's feed on every SM and on fewer
+    unsigned char* src;
+    CHECK_CUDA(cudaMalloc(&src, kSrcBytes));
+    CHECK_CUDA(cudaMemset(src, 0x3B, kSrcBytes));
+    for (int ctas : {132, 86, 66}) {
+      run_feed<kFeedRowsCpT, 256, 2, 4, 0>(std::min(ctas, sms), src);
+      run_feed<kFeedRowsCp, 128, 2, 6, 0>(std::min(ctas, sms), src);
+    }
+    cudaFree(src);
     return 0;
   }
 
