@@ -213,6 +213,9 @@ spmm_vnm_sm90_xt_kernel(const T* __restrict__ xt, int ld, const uint4* __restric
     const int t = tid & 127, w = warp & 3;
     XtCycles cycles;
     const long long start = cycles.now();
+    // Launched as the transpose's programmatic dependent: X^T is complete and visible only after this wait (what came
+    // before, the CTA's launch and barrier set-up, overlaps the transpose's end). At once where launched plainly.
+    asm volatile("griddepcontrol.wait;" ::: "memory");
     int gs = 0;  // the steps of every unit before this one, over all tiles
     for (int unit = blockIdx.x; unit < n_units; unit += gridDim.x) {
       const long long unit_start = cycles.now();
@@ -475,11 +478,22 @@ cudaError_t launch_xt(const SpmmArgs& a, const Sm90SplitPlan& plan, cudaStream_t
   const int splits = a.split_ws != nullptr && a.split_counters != nullptr ? plan.splits : 1;  // see SpmmArgs
   CUtensorMap y_map{};
   const bool staged = encode_y_map(a, XtCfg<BN>::EPI_N, &y_map);  // else the direct epilogue (rows % 8 != 0)
-  kernel<<<(unsigned)std::min<long long>(plan.tiles * splits, sms), XtCfg<BN>::THREADS, XtCfg<BN>::SMEM, stream>>>(
-      xt, ld, static_cast<const uint4*>(a.values), static_cast<const uint32_t*>(a.meta),
-      reinterpret_cast<const uint32_t*>(a.columns), static_cast<const T*>(a.bias), static_cast<T*>(a.y), a.n_tokens,
-      a.rows, a.rows_padded, a.k, a.steps, splits, a.split_ws, a.split_counters, y_map, staged);
-  return cudaGetLastError();
+  // A programmatic dependent of the transpose: its CTAs' launch and set-up overlap the transpose's end (the producers
+  // wait for the transpose's grid before their first copy of X^T).
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3((unsigned)std::min<long long>(plan.tiles * splits, sms));
+  cfg.blockDim = dim3(XtCfg<BN>::THREADS);
+  cfg.dynamicSmemBytes = XtCfg<BN>::SMEM;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  return cudaLaunchKernelEx(&cfg, kernel, static_cast<const T*>(xt), ld, static_cast<const uint4*>(a.values),
+                            static_cast<const uint32_t*>(a.meta), reinterpret_cast<const uint32_t*>(a.columns),
+                            static_cast<const T*>(a.bias), static_cast<T*>(a.y), a.n_tokens, a.rows, a.rows_padded,
+                            a.k, a.steps, splits, a.split_ws, a.split_counters, y_map, staged);
 }
 
 template <typename T, int M>

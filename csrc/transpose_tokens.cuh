@@ -36,6 +36,12 @@ __global__ void __launch_bounds__(256) transpose_tokens_kernel(const T* __restri
       w[j] = ((tile[ch * 8 + 2 * j][cr >> 1] >> half) & 0xFFFFu) | ((tile[ch * 8 + 2 * j + 1][cr >> 1] >> half) << 16);
     *reinterpret_cast<uint4*>(xt + (size_t)c * ld + n) = make_uint4(w[0], w[1], w[2], w[3]);
   }
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  // This CTA is done: once every CTA is, the GEMM launched after it as a programmatic dependent may start its set-up
+  // (it waits for this grid's completion before it reads X^T). At the end, so the GEMM's CTAs, which take a whole SM,
+  // never wait on SMs the transpose still needs.
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
 }
 
 }  // namespace hf_sparse
