@@ -12,12 +12,14 @@
 // (benchmarks/roofline_sm90.cu, rows_cp) runs at the 2:4 skeleton's cycles per k-tile.
 //
 // Kernel: tiles of 128 weight rows x BN (256, 128 or 64) tokens (tile_config.h sm90_vnm_xt_plan, split along K where
-// the tiles are few), one persistent CTA per SM walking the work units. Producer warpgroup (warps 8-11; at 64 and 128
-// tokens a second one, warps 12-15, and the two take alternate steps): per step, warp w copies kept column w of
-// each of the k-tile's 16 groups (64 rows of X^T), lane l its 16-byte chunk l (tokens 8l ..), by cp.async into
-// the B tile (64 condensed k x BN tokens, MN-major, 128-byte swizzle: BN / 64 blocks of 64 tokens, k-row r of a block
-// at r x 128 bytes, chunk c at c ^ (r & 7)), plus the k-tile's A fragments and metadata of the CTA's 8 m16 tiles;
-// each thread's cp.async.mbarrier.arrive.noinc completes the stage's "full" barrier.
+// the tiles are few), one persistent CTA per SM walking the work units, launched as the transpose's programmatic
+// dependent (its launch and set-up overlap the transpose's end; the producers wait for the transpose's grid).
+// Producer warpgroup (warps 8-11; at 64 and 128 tokens a second one, warps 12-15, and the two take alternate steps):
+// per step, warp w copies kept column w of each of the k-tile's 16 groups (64 rows of X^T), lane l its 16-byte chunk
+// l (tokens 8l ..), by cp.async into the B tile (64 condensed k x BN tokens, MN-major, 128-byte swizzle: BN / 64
+// blocks of 64 tokens, k-row r of a block at r x 128 bytes, chunk c at c ^ (r & 7)), plus the k-tile's A fragments
+// and metadata of the CTA's 8 m16 tiles; each thread's cp.async.mbarrier.arrive.noinc completes the stage's "full"
+// barrier.
 // Consumer warpgroups (0, 1: slabs 0, 1): wait, fence.proxy.async (cp.async writes through the generic proxy), read
 // their A fragments and metadata from the stage, two sparse wgmmas with B transposed (WgmmaSpT), release the
 // previous stage per warp. Where the CTA's two slabs keep the same columns (V = 128, checked at the start) one B
