@@ -474,6 +474,8 @@ cudaError_t launch_xt(const SpmmArgs& a, const Sm90SplitPlan& plan, cudaStream_t
   const dim3 tgrid((a.k + 63) / 64, (ld + 63) / 64);
   if (tgrid.y > 65535) return cudaErrorInvalidConfiguration;
   transpose_tokens_kernel<T><<<tgrid, 256, 0, stream>>>(static_cast<const T*>(a.x), xt, a.n_tokens, a.k, ld);
+  err = cudaGetLastError();  // the GEMM's own launch returns only its own error
+  if (err != cudaSuccess) return err;
   int sms = 0;
   err = current_sm_count(&sms);
   if (err != cudaSuccess) return err;
