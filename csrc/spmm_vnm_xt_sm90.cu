@@ -47,7 +47,7 @@
 
 namespace hf_sparse {
 namespace {
-template <int BN>
+template <int M, int BN>
 struct XtCfg {
   static constexpr int B_BYTES = BN * 128;         // 64 condensed k-rows x BN tokens
   static constexpr int A_OFF = B_BYTES;
@@ -55,8 +55,10 @@ struct XtCfg {
   static constexpr int E_OFF = A_OFF + A_BYTES;
   static constexpr int E_BYTES = 8 * 2 * 16 * 4;   // 8 m16 tiles x 2 k-steps x 16 words
   static constexpr int STAGE = E_OFF + E_BYTES;
-  // narrower stages: more of them in flight in the same memory
-  static constexpr int STAGES = BN == 256 ? 4 : BN == 128 ? 6 : 8;
+  // Narrower stages: more of them in flight in the same memory. The 64-token tile fits 12; at M >= 16 (each k-tile
+  // covers 256 or more of X's columns, so the calls it serves stream more weight per B row) they are faster than 8,
+  // at M = 8 slower (benchmarks/RESULTS.md, "stages of the 64-token tile").
+  static constexpr int STAGES = BN == 256 ? 4 : BN == 128 ? 6 : M >= 16 ? 12 : 8;
   // Producer warpgroups: at 64 and 128 tokens a step's copies are few and its wgmmas short, so one warpgroup's chain
   // of address arithmetic per step is what the consumers wait for; two take alternate steps (their accumulators, 32
   // or 64 floats a thread, leave the consumers registers to spare). At 256 tokens one, for the consumers' 208.
@@ -175,14 +177,14 @@ __device__ __forceinline__ const unsigned char* mad_wide(uint32_t a, uint32_t b,
 // Persistent: CTA b takes tiles b, b + gridDim.x, ... (row blocks fastest); the ring, its barriers and the step
 // count run on across tiles, so the producer fills the next tile's first stages while the consumers store the last.
 template <typename T, int M, int BN>
-__global__ void __launch_bounds__(XtCfg<BN>::THREADS, 1)
+__global__ void __launch_bounds__(XtCfg<M, BN>::THREADS, 1)
 spmm_vnm_sm90_xt_kernel(const T* __restrict__ xt, int ld, const uint4* __restrict__ values,
                         const uint32_t* __restrict__ meta, const uint32_t* __restrict__ columns,
                         const T* __restrict__ bias, T* __restrict__ y, int n_tokens, int rows, int rows_padded, int k,
                         int steps, int splits, float* __restrict__ split_ws, int* __restrict__ split_counters,
                         const __grid_constant__ CUtensorMap y_map, bool staged) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  using Cfg = XtCfg<BN>;
+  using Cfg = XtCfg<M, BN>;
   constexpr int STAGES = Cfg::STAGES, BLOCKS = BN / 64;  // BLOCKS: 64-token blocks of the B tile
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   const uint32_t raw_u32 = (uint32_t)__cvta_generic_to_shared(smem_raw);
@@ -467,7 +469,7 @@ inline int xt_ld(const SpmmArgs& a) { return (a.n_tokens + 7) / 8 * 8; }
 template <typename T, int M, int BN>
 cudaError_t launch_xt(const SpmmArgs& a, const Sm90SplitPlan& plan, cudaStream_t stream) {
   constexpr auto kernel = spmm_vnm_sm90_xt_kernel<T, M, BN>;
-  cudaError_t err = raise_smem_limit_once<kernel>(XtCfg<BN>::SMEM);
+  cudaError_t err = raise_smem_limit_once<kernel>(XtCfg<M, BN>::SMEM);
   if (err != cudaSuccess) return err;
   const int ld = xt_ld(a);
   T* xt = static_cast<T*>(a.xt);
@@ -481,13 +483,13 @@ cudaError_t launch_xt(const SpmmArgs& a, const Sm90SplitPlan& plan, cudaStream_t
   if (err != cudaSuccess) return err;
   const int splits = a.split_ws != nullptr && a.split_counters != nullptr ? plan.splits : 1;  // see SpmmArgs
   CUtensorMap y_map{};
-  const bool staged = encode_y_map(a, XtCfg<BN>::EPI_N, &y_map);  // else the direct epilogue (rows % 8 != 0)
+  const bool staged = encode_y_map(a, XtCfg<M, BN>::EPI_N, &y_map);  // else the direct epilogue (rows % 8 != 0)
   // A programmatic dependent of the transpose: its CTAs' launch and set-up overlap the transpose's end (the producers
   // wait for the transpose's grid before their first copy of X^T).
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3((unsigned)std::min<long long>(plan.tiles * splits, sms));
-  cfg.blockDim = dim3(XtCfg<BN>::THREADS);
-  cfg.dynamicSmemBytes = XtCfg<BN>::SMEM;
+  cfg.blockDim = dim3(XtCfg<M, BN>::THREADS);
+  cfg.dynamicSmemBytes = XtCfg<M, BN>::SMEM;
   cfg.stream = stream;
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
