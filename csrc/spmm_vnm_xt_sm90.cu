@@ -55,9 +55,8 @@ struct XtCfg {
   static constexpr int E_OFF = A_OFF + A_BYTES;
   static constexpr int E_BYTES = 8 * 2 * 16 * 4;   // 8 m16 tiles x 2 k-steps x 16 words
   static constexpr int STAGE = E_OFF + E_BYTES;
-  // Narrower stages: more of them in flight in the same memory. The 64-token tile fits 12; at M >= 16 (each k-tile
-  // covers 256 or more of X's columns, so the calls it serves stream more weight per B row) they are faster than 8,
-  // at M = 8 slower (benchmarks/RESULTS.md, "stages of the 64-token tile").
+  // Narrower stages: more of them in flight in the same memory. The 64-token tile fits 12: measured faster than 8 at
+  // M >= 16 and slower at M = 8 (benchmarks/RESULTS.md, "12 stages for the 64-token tile at M >= 16").
   static constexpr int STAGES = BN == 256 ? 4 : BN == 128 ? 6 : M >= 16 ? 12 : 8;
   // Producer warpgroups: at 64 and 128 tokens a step's copies are few and its wgmmas short, so one warpgroup's chain
   // of address arithmetic per step is what the consumers wait for; two take alternate steps (their accumulators, 32
