@@ -47,7 +47,9 @@
 
 namespace hf_sparse {
 namespace {
-template <int M, int BN>
+// DEEP (256-token tiles only, tile_config.h sm90_vnm_xt_deep_ring): five stages instead of four, the staged epilogue
+// in 64-token chunks so that they fit.
+template <int M, int BN, bool DEEP = false>
 struct XtCfg {
   static constexpr int B_BYTES = BN * 128;         // 64 condensed k-rows x BN tokens
   static constexpr int A_OFF = B_BYTES;
@@ -57,7 +59,7 @@ struct XtCfg {
   static constexpr int STAGE = E_OFF + E_BYTES;
   // Narrower stages: more of them in flight in the same memory. The 64-token tile fits 12: measured faster than 8 at
   // M >= 16 and slower at M = 8 (benchmarks/RESULTS.md, "12 stages for the 64-token tile at M >= 16").
-  static constexpr int STAGES = BN == 256 ? 4 : BN == 128 ? 6 : M >= 16 ? 12 : 8;
+  static constexpr int STAGES = BN == 256 ? (DEEP ? 5 : 4) : BN == 128 ? 6 : M >= 16 ? 12 : 8;
   // Producer warpgroups: at 64 and 128 tokens a step's copies are few and its wgmmas short, so one warpgroup's chain
   // of address arithmetic per step is what the consumers wait for; two take alternate steps (their accumulators, 32
   // or 64 floats a thread, leave the consumers registers to spare). At 256 tokens one, for the consumers' 208.
@@ -72,8 +74,9 @@ struct XtCfg {
                 "the register split must fit the registers the CTA is launched with");
   // The staged epilogue (sm90_common.cuh store_tile_staged): per consumer warpgroup one buffer of 64 rows x 128
   // tokens, so a 256-token tile takes two chunks, each with its own pair of warpgroup barriers (the fewer chunks,
-  // the fewer barriers; a whole tile staged does not fit beside four stages).
-  static constexpr int EPI_N = BN < 128 ? BN : 128, EPI_BUFS = 1, EPI_CHUNK = EPI_N * 128;
+  // the fewer barriers; a whole tile staged does not fit beside four stages); DEEP: 64 tokens, four chunks, which
+  // leave room for a fifth stage.
+  static constexpr int EPI_N = DEEP ? 64 : BN < 128 ? BN : 128, EPI_BUFS = 1, EPI_CHUNK = EPI_N * 128;
   static constexpr int EPI_OFF = STAGES * STAGE;
   // The timeline build's issue clock per stage (XtCycles::stamp), after the step info; none in the product build.
 #if defined(HF_SPARSE_TIMELINE)
@@ -175,15 +178,15 @@ __device__ __forceinline__ const unsigned char* mad_wide(uint32_t a, uint32_t b,
 
 // Persistent: CTA b takes tiles b, b + gridDim.x, ... (row blocks fastest); the ring, its barriers and the step
 // count run on across tiles, so the producer fills the next tile's first stages while the consumers store the last.
-template <typename T, int M, int BN>
-__global__ void __launch_bounds__(XtCfg<M, BN>::THREADS, 1)
+template <typename T, int M, int BN, bool DEEP>
+__global__ void __launch_bounds__(XtCfg<M, BN, DEEP>::THREADS, 1)
 spmm_vnm_sm90_xt_kernel(const T* __restrict__ xt, int ld, const uint4* __restrict__ values,
                         const uint32_t* __restrict__ meta, const uint32_t* __restrict__ columns,
                         const T* __restrict__ bias, T* __restrict__ y, int n_tokens, int rows, int rows_padded, int k,
                         int steps, int splits, float* __restrict__ split_ws, int* __restrict__ split_counters,
                         const __grid_constant__ CUtensorMap y_map, bool staged) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  using Cfg = XtCfg<M, BN>;
+  using Cfg = XtCfg<M, BN, DEEP>;
   constexpr int STAGES = Cfg::STAGES, BLOCKS = BN / 64;  // BLOCKS: 64-token blocks of the B tile
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   const uint32_t raw_u32 = (uint32_t)__cvta_generic_to_shared(smem_raw);
@@ -465,10 +468,11 @@ spmm_vnm_sm90_xt_kernel(const T* __restrict__ xt, int ld, const uint4* __restric
 // X^T's leading dimension: the tokens rounded up to 8 (16-byte rows).
 inline int xt_ld(const SpmmArgs& a) { return (a.n_tokens + 7) / 8 * 8; }
 
-template <typename T, int M, int BN>
+template <typename T, int M, int BN, bool DEEP = false>
 cudaError_t launch_xt(const SpmmArgs& a, const Sm90SplitPlan& plan, cudaStream_t stream) {
-  constexpr auto kernel = spmm_vnm_sm90_xt_kernel<T, M, BN>;
-  cudaError_t err = raise_smem_limit_once<kernel>(XtCfg<M, BN>::SMEM);
+  constexpr auto kernel = spmm_vnm_sm90_xt_kernel<T, M, BN, DEEP>;
+  using Cfg = XtCfg<M, BN, DEEP>;
+  cudaError_t err = raise_smem_limit_once<kernel>(Cfg::SMEM);
   if (err != cudaSuccess) return err;
   const int ld = xt_ld(a);
   T* xt = static_cast<T*>(a.xt);
@@ -482,13 +486,13 @@ cudaError_t launch_xt(const SpmmArgs& a, const Sm90SplitPlan& plan, cudaStream_t
   if (err != cudaSuccess) return err;
   const int splits = a.split_ws != nullptr && a.split_counters != nullptr ? plan.splits : 1;  // see SpmmArgs
   CUtensorMap y_map{};
-  const bool staged = encode_y_map(a, XtCfg<M, BN>::EPI_N, &y_map);  // else the direct epilogue (rows % 8 != 0)
+  const bool staged = encode_y_map(a, Cfg::EPI_N, &y_map);  // else the direct epilogue (rows % 8 != 0)
   // A programmatic dependent of the transpose: its CTAs' launch and set-up overlap the transpose's end (the producers
   // wait for the transpose's grid before their first copy of X^T).
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3((unsigned)std::min<long long>(plan.tiles * splits, sms));
-  cfg.blockDim = dim3(XtCfg<M, BN>::THREADS);
-  cfg.dynamicSmemBytes = XtCfg<M, BN>::SMEM;
+  cfg.blockDim = dim3(Cfg::THREADS);
+  cfg.dynamicSmemBytes = Cfg::SMEM;
   cfg.stream = stream;
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
@@ -504,7 +508,13 @@ cudaError_t launch_xt(const SpmmArgs& a, const Sm90SplitPlan& plan, cudaStream_t
 template <typename T, int M>
 cudaError_t dispatch_width(const SpmmArgs& a, const Sm90SplitPlan& plan, cudaStream_t stream) {
   if (plan.bn == kVnmXtFewBN) return launch_xt<T, M, kVnmXtFewBN>(a, plan, stream);
-  return plan.bn == kVnmXtBN ? launch_xt<T, M, kVnmXtBN>(a, plan, stream) : launch_xt<T, M, 128>(a, plan, stream);
+  if (plan.bn == kVnmXtBN) {
+    if constexpr (M == 16) {  // the deeper ring is compiled where it is taken (sm90_vnm_xt_deep_ring)
+      if (sm90_vnm_xt_deep_ring(M, plan.bn, a.n_tokens, a.v)) return launch_xt<T, M, kVnmXtBN, true>(a, plan, stream);
+    }
+    return launch_xt<T, M, kVnmXtBN>(a, plan, stream);
+  }
+  return launch_xt<T, M, 128>(a, plan, stream);
 }
 
 template <typename T>

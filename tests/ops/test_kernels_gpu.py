@@ -207,6 +207,35 @@ def test_spmm_vnm_xt_path_splits_256_token_tiles(v, m):
         assert torch.equal(spmm(x, p, b), spmm(x, p, b))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    ("rows", "groups", "tokens"),
+    # (sm90_vnm_xt_plan on 132 SMs) 11008 rows x 256 groups (16 k-tiles) at 200 tokens: 86 tiles of 256 tokens,
+    # unsplit, the last 56 tokens X^T's padding; 5120 rows x 1704 groups (107 k-tiles, the last one k-step) at 256
+    # tokens: 40 tiles in three splits
+    [(11008, 256, 200), (5120, 1704, 256)],
+)
+def test_spmm_vnm_xt_path_deep_ring_at_v64(dtype, rows, groups, tokens):
+    """64:2:16 at 129-256 tokens in 256-token tiles takes the deeper ring (``sm90_vnm_xt_deep_ring``, five stages and
+    64-token epilogue chunks): against the reference on poisoned memory, with bias, the same result on a second call;
+    then with every slab pair keeping different columns (two stages per k-tile, the case the ring is deeper for)."""
+    if not _wgmma_runs_here():
+        pytest.skip("sparse wgmma needs a cc 9.0 GPU and an sm_90a build")
+    v, m = 64, 16
+    cols = groups * m
+    w, mask, p = _pack_cuda(rows, cols, v, m, dtype, seed=rows + tokens)
+    x = torch.randn(tokens, cols, device="cuda").to(dtype)
+    b = torch.randn(rows, device="cuda").to(dtype)
+    with force_kernel(spmm="wgmma"):
+        _assert_spmm_matches_reference(x, w, p, b)
+        assert torch.equal(spmm(x, p, b), spmm(x, p, b))  # split partial sums are added in split order
+    mask = _mask_with_distinct_slab_columns(rows, cols, v, m, seed=tokens).cuda()
+    w = torch.randn(rows, cols, device="cuda") * mask
+    p = pack(w, mask, v, m, dtype)
+    with force_kernel(spmm="wgmma"):
+        _assert_spmm_matches_reference(x, w, p)
+
+
 @pytest.mark.parametrize(("v", "m", "groups"), [(64, 8, 25), (128, 16, 25), (128, 8, 40)])
 def test_spmm_vnm_xt_path_runs_rounds_of_tiles_call_after_call(v, m, groups):
     """The X^T path where the persistent CTAs walk several rounds of tiles: 1152 rows (9 row blocks) x 8200 tokens is

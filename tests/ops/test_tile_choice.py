@@ -243,6 +243,21 @@ VNM_XT_PLAN_CASES = [
     ((4096, 512, 86, 132), (128, 1)),
 ]
 
+# (M, tile tokens, tokens, V) -> whether the X^T path runs its tiles with the deeper ring: 256-token tiles at M = 16
+# and V < 128, up to 256 tokens
+VNM_XT_DEEP_RING_CASES = [
+    ((16, 256, 256, 64), 1),
+    ((16, 256, 129, 64), 1),
+    ((16, 256, 257, 64), 0),  # past 256 tokens (not measured there)
+    ((16, 256, 8192, 64), 0),
+    ((16, 256, 256, 128), 0),  # V = 128: one B tile feeds both slabs
+    ((16, 256, 200, 256), 0),
+    ((8, 256, 256, 64), 0),  # M = 8: not measured, not compiled
+    ((32, 256, 256, 64), 0),
+    ((16, 128, 256, 64), 0),  # 128-token tiles keep their ring
+    ((16, 64, 64, 64), 0),
+]
+
 # (M, rows_padded, tokens, k-tiles) -> the V:2:M register pipeline's (tile tokens, splits) on 132 SMs: sm90_vnm_bn's
 # tile split by sm90_split_k, except at 17-32 tokens: the 32-token tile (264 slots) or two 16-token tiles (396 slots),
 # and at M = 8 and 33-64 tokens: the 64-token tile (264 slots) or two 32-token tiles, whichever's
@@ -295,6 +310,7 @@ int main(int argc, char** argv) {
     if (fn == 'X') std::printf("%d\n", hf_sparse::sm90_vnm_xt((int)a, b, (int)c, d, (int)e) ? 1 : 0);
     if (fn == 'G') std::printf("%d\n", hf_sparse::sm90_vnm_gemv((int)a, b, c, d, (int)e) ? 1 : 0);
     if (fn == 'Y') std::printf("%d\n", hf_sparse::sm90_vnm_xt_split_k(a, b, (int)c));
+    if (fn == 'D') std::printf("%d\n", hf_sparse::sm90_vnm_xt_deep_ring((int)a, (int)b, c, (int)d) ? 1 : 0);
     if (fn == 'Z') {
       const hf_sparse::Sm90SplitPlan p = hf_sparse::sm90_vnm_xt_plan(a, b, c, (int)d);
       std::printf("%d %d\n", p.bn, p.splits);
@@ -377,3 +393,7 @@ def test_vnm_xt_plan_matches_hand_computed_choices(chooser):
 
 def test_vnm_xt_split_matches_hand_computed_choices(chooser):
     assert _choose(chooser, "Y", VNM_XT_SPLIT_CASES) == [expected for _, expected in VNM_XT_SPLIT_CASES]
+
+
+def test_vnm_xt_deep_ring_matches_hand_computed_choices(chooser):
+    assert _choose(chooser, "D", VNM_XT_DEEP_RING_CASES) == [expected for _, expected in VNM_XT_DEEP_RING_CASES]
