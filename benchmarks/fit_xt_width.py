@@ -24,6 +24,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from bench_kernels import parse
 from compare_sweeps import load, median_of
 
 CSRC = Path(__file__).resolve().parents[1] / "csrc"
@@ -49,7 +50,7 @@ def plan_inputs(cell: Cell) -> tuple[int, int, int]:
     """(rows_padded, tokens, k-tiles) of a V:2:M cell as the X^T launch computes them: rows padded to V, K / M groups
     in steps of 8, two steps a k-tile."""
     pattern, k, rows, tokens = cell
-    v, _, m = (int(x) for x in pattern.split(":"))
+    v, m = parse(pattern)
     steps = (k // m + 7) // 8
     return (rows + v - 1) // v * v, tokens, (steps + 1) // 2
 
@@ -77,7 +78,7 @@ def choices_for(value: int | None, cells: list[Cell], workdir: Path) -> dict[Cel
     lines = []
     for cell in cells:
         pattern, k, rows, _ = cell
-        v, _, m = (int(x) for x in pattern.split(":"))
+        v, m = parse(pattern)
         lines.append(" ".join(map(str, (m, v, rows, k, *plan_inputs(cell)))) + "\n")
     out = subprocess.run([str(exe)], input="".join(lines), capture_output=True, text=True, check=True).stdout.split()
     return {c: (out[3 * i] == "1", (int(out[3 * i + 1]), int(out[3 * i + 2]))) for i, c in enumerate(cells)}

@@ -52,9 +52,14 @@ def tile_tokens(name: str, xt: bool) -> int:
     return ints[1] if xt else ints[0]
 
 
+def xt_tiles(rows: int, tokens: int, bn: int) -> int:
+    """Output tiles of a call: 128-row blocks x bn-token tiles."""
+    return -(-rows // 128) * -(-tokens // bn)
+
+
 def feed_bytes(rows: int, tokens: int, k_tiles: int, bn: int, b_copies: int) -> int:
     """L2 <-> SM bytes of a call: per tile and k-tile the B tile (b_copies times), A and metadata; then Y."""
-    tiles = -(-rows // 128) * -(-tokens // bn)
+    tiles = xt_tiles(rows, tokens, bn)
     return tiles * k_tiles * (b_copies * bn * 64 * 2 + A_AND_META_BYTES) + rows * tokens * 2
 
 

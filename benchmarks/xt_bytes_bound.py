@@ -23,20 +23,20 @@ import argparse
 import tempfile
 from pathlib import Path
 
+from bench_kernels import parse
 from compare_sweeps import load, median_of
 from fit_xt_width import Cell, choices_for, plan_inputs
-from profile_xt_chain import A_AND_META_BYTES, feed_bytes
+from profile_xt_chain import A_AND_META_BYTES, feed_bytes, xt_tiles
 
 
 def bound_us(cell: Cell, bn: int, splits: int, copy_tbs: float, dram_tbs: float) -> tuple[float, int, int]:
     """(bound µs, L2 -> SM bytes, DRAM bytes) of a cell under plan (bn, splits)."""
     pattern, k, rows, tokens = cell
-    v = int(pattern.split(":")[0])
+    v, _ = parse(pattern)
     rows_padded, _, k_tiles = plan_inputs(cell)
     feed = feed_bytes(rows_padded, tokens, k_tiles, bn, 1 if v >= 128 else 2)
-    tiles = -(-rows_padded // 128) * -(-tokens // bn)
     if splits > 1:
-        feed += 2 * tiles * splits * 128 * bn * 4
+        feed += 2 * xt_tiles(rows_padded, tokens, bn) * splits * 128 * bn * 4
     dram = -(-rows_padded // 128) * k_tiles * A_AND_META_BYTES + k * tokens * 2
     transpose = 2 * k * tokens * 2
     return max(feed / (copy_tbs * 1e6), dram / (dram_tbs * 1e6)) + transpose / (copy_tbs * 1e6), feed, dram
