@@ -51,6 +51,7 @@ namespace {
 // in 64-token chunks so that they fit.
 template <int M, int BN, bool DEEP = false>
 struct XtCfg {
+  static_assert(!DEEP || BN == 256, "the deeper ring is a 256-token tile's");
   static constexpr int B_BYTES = BN * 128;         // 64 condensed k-rows x BN tokens
   static constexpr int A_OFF = B_BYTES;
   static constexpr int A_BYTES = 8 * 2 * 32 * 16;  // 8 m16 tiles x 2 k-steps x 32 lanes x 16 bytes
@@ -509,7 +510,7 @@ template <typename T, int M>
 cudaError_t dispatch_width(const SpmmArgs& a, const Sm90SplitPlan& plan, cudaStream_t stream) {
   if (plan.bn == kVnmXtFewBN) return launch_xt<T, M, kVnmXtFewBN>(a, plan, stream);
   if (plan.bn == kVnmXtBN) {
-    if constexpr (M == 16) {  // the deeper ring is compiled where it is taken (sm90_vnm_xt_deep_ring)
+    if constexpr (M == kVnmXtDeepRingM) {  // the deeper ring is compiled only where it can be taken
       if (sm90_vnm_xt_deep_ring(M, plan.bn, a.n_tokens, a.v)) return launch_xt<T, M, kVnmXtBN, true>(a, plan, stream);
     }
     return launch_xt<T, M, kVnmXtBN>(a, plan, stream);

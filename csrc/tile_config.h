@@ -287,10 +287,11 @@ inline Sm90SplitPlan sm90_vnm_xt_plan(long long rows_padded, long long n_tokens,
 // (benchmarks/RESULTS.md, "a fifth stage for the 256-token tile at V = 64"): 64:2:16 at 192 and 256 tokens 1.11-1.16x
 // faster (chain 1.08-1.16x) on 4096 -> 11008 and 8192 -> 28672; at V = 128 level there (1.01-1.03x, chain
 // 0.99-1.01x) and at 8192 tokens 0.94-1.07x (768 -> 3072 0.94x, chain 0.94x). Taken where it was measured: M = 16
-// (the only M it is compiled for), V = 64, up to 256 tokens.
+// (kVnmXtDeepRingM, the only M it is compiled for), V = 64, up to 256 tokens.
+constexpr int kVnmXtDeepRingM = 16;
 constexpr long long kVnmXtDeepRingMaxTokens = 256;
 inline bool sm90_vnm_xt_deep_ring(int m, int bn, long long n_tokens, int v) {
-  return m == 16 && bn == kVnmXtBN && v < 128 && n_tokens <= kVnmXtDeepRingMaxTokens;
+  return m == kVnmXtDeepRingM && bn == kVnmXtBN && v < 128 && n_tokens <= kVnmXtDeepRingMaxTokens;
 }
 inline Sm90SplitPlan sm90_split_plan(long long rows_padded, long long n_tokens, int bn, long long k_tiles,
                                      int sms, int ctas_per_sm, int min_k_tiles = kSplitKMinKTiles) {
