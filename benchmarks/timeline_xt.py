@@ -3,7 +3,7 @@
     python benchmarks/timeline_xt.py [--shapes 768x3072 ...] [--patterns 128:2:8 ...] [--tokens 8192] [--json out]
 
 The script sets ``HF_SPARSE_NVCC_FLAGS=-DHF_SPARSE_TIMELINE`` before the extension loads (a build of its own, cached
-beside the product's). Each persistent CTA of ``csrc/spmm_vnm_xt_sm90.cu`` then sums SM cycles (``clock64``) over its
+beside the product's). Each persistent CTA of ``csrc/spmm_vnm_xt_sm90.cuh`` then sums SM cycles (``clock64``) over its
 work units (``XtCounter``): the producer's thread 0 in each unit's set-up before its first copy and waiting for free
 stages; thread 0 of the first consumer warpgroup waiting for full stages, draining its last wgmmas, in split-K and in
 the epilogue. For each (shape, pattern) the call runs in a chain over distinct weight copies (``gpu_timing.chain_us``,
@@ -26,7 +26,7 @@ from statistics import median
 
 from timeline_build import chain_and_rows, timeline_extension
 
-# XtCounter in csrc/spmm_vnm_xt_sm90.cu, in order
+# XtCounter in csrc/spmm_vnm_xt_sm90.cuh, in order
 UNITS, PRODUCER, SET_UP, EMPTY_WAIT, CONSUMER, FULL_WAIT, DRAIN, SPLIT, EPILOGUE, STAGE_FLIGHT, STEPS = range(11)
 MAX_CTAS = 1024  # kXtTimelineCtas
 CONSUMER_PARTS = {"full wait": FULL_WAIT, "drain": DRAIN, "split-K": SPLIT, "epilogue": EPILOGUE}

@@ -75,7 +75,7 @@ Sm90SplitPlan spmm_vnm_xt_sm90_split(const SpmmArgs& args, int sms);
 int64_t spmm_vnm_xt_sm90_elems(const SpmmArgs& args);
 cudaError_t spmm_vnm_xt_sm90(const SpmmArgs& args, const SpmmPlan& plan, cudaStream_t stream);
 #if defined(HF_SPARSE_TIMELINE)
-// Timeline build only: the cycle counters (XtCounter in spmm_vnm_xt_sm90.cu, spmm_vnm_xt_sm90_timeline_counters() u64
+// Timeline build only: the cycle counters (XtCounter in spmm_vnm_xt_sm90.cuh, spmm_vnm_xt_sm90_timeline_counters() u64
 // per CTA) of the X^T path's CTAs 0 .. ctas - 1 (each row the last call that ran that CTA, zero where none since the
 // last read) into `host`, then zeroed; the rows copied, or -1.
 int spmm_vnm_xt_sm90_timeline(unsigned long long* host, int ctas);

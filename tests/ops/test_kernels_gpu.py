@@ -209,21 +209,24 @@ def test_spmm_vnm_xt_path_splits_256_token_tiles(v, m):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
-    ("rows", "groups", "tokens"),
-    # (sm90_vnm_xt_plan on 132 SMs) 11008 rows x 256 groups (16 k-tiles) at 200 tokens: 86 tiles of 256 tokens,
-    # unsplit, the last 56 tokens X^T's padding; 5120 rows x 1704 groups (107 k-tiles, the last one k-step) at 256
-    # tokens: 40 tiles in three splits
-    [(11008, 256, 200), (5120, 1704, 256)],
+    ("m", "rows", "groups", "tokens"),
+    # (sm90_vnm_xt_plan on 132 SMs) M = 16, 11008 rows x 256 groups (16 k-tiles) at 200 tokens: 86 tiles of 256
+    # tokens, unsplit, the last 56 tokens X^T's padding; M = 16 and M = 8, 5120 rows x 1704 groups (107 k-tiles, the
+    # last one k-step) at 256 tokens: 40 tiles of 256 in three splits; M = 8, 1088 rows (the last 128-row block one
+    # slab) x 520 groups at 100 tokens: 9 tiles of 128 tokens in three splits, 28 tokens of padding; M = 32, 4096 rows
+    # x 400 groups at 128 tokens: 32 tiles of 128 in three splits
+    [(16, 11008, 256, 200), (16, 5120, 1704, 256), (8, 5120, 1704, 256), (8, 1088, 520, 100), (32, 4096, 400, 128)],
 )
-def test_spmm_vnm_xt_path_deep_ring_at_v64(dtype, rows, groups, tokens):
-    """64:2:16 at 129-256 tokens in 256-token tiles takes the deeper ring (``sm90_vnm_xt_deep_ring``, five stages and
-    64-token epilogue chunks): against the reference on poisoned memory, with bias, the same result on a second call;
-    then with every slab pair keeping different columns (two stages per k-tile, the case the ring is deeper for)."""
+def test_spmm_vnm_xt_path_deep_ring_at_v64(dtype, m, rows, groups, tokens):
+    """V = 64 at M = 8, 16, 32 and 65-256 tokens takes the deeper ring (``sm90_vnm_xt_deep_ring``: 256-token tiles in
+    five stages, 128-token tiles in eight, 64-token epilogue chunks): against the reference on poisoned memory, with
+    bias, the same result on a second call; then with every slab pair keeping different columns (two stages per
+    k-tile, the case the ring is deeper for)."""
     if not _wgmma_runs_here():
         pytest.skip("sparse wgmma needs a cc 9.0 GPU and an sm_90a build")
-    v, m = 64, 16
+    v = 64
     cols = groups * m
-    w, mask, p = _pack_cuda(rows, cols, v, m, dtype, seed=rows + tokens)
+    w, mask, p = _pack_cuda(rows, cols, v, m, dtype, seed=rows + tokens + m)
     x = torch.randn(tokens, cols, device="cuda").to(dtype)
     b = torch.randn(rows, device="cuda").to(dtype)
     with force_kernel(spmm="wgmma"):

@@ -243,8 +243,8 @@ VNM_XT_PLAN_CASES = [
     ((4096, 512, 86, 132), (128, 1)),
 ]
 
-# (M, tile tokens, tokens, V) -> whether the X^T path runs its tiles with the deeper ring: 256-token tiles at M = 16
-# and V < 128, up to 256 tokens
+# (M, tile tokens, tokens, V) -> whether the X^T path runs its tiles with the deeper ring: 128- and 256-token tiles at
+# M = 8, 16, 32 and V < 128, up to 256 tokens
 VNM_XT_DEEP_RING_CASES = [
     ((16, 256, 256, 64), 1),
     ((16, 256, 129, 64), 1),
@@ -252,10 +252,17 @@ VNM_XT_DEEP_RING_CASES = [
     ((16, 256, 8192, 64), 0),
     ((16, 256, 256, 128), 0),  # V = 128: one B tile feeds both slabs
     ((16, 256, 200, 256), 0),
-    ((8, 256, 256, 64), 0),  # M = 8: not measured, not compiled
-    ((32, 256, 256, 64), 0),
-    ((16, 128, 256, 64), 0),  # 128-token tiles keep their ring
-    ((16, 64, 64, 64), 0),
+    ((8, 256, 256, 64), 1),
+    ((32, 256, 256, 64), 1),
+    ((64, 256, 256, 64), 0),  # M = 64: not measured, not compiled
+    ((16, 128, 256, 64), 1),
+    ((8, 128, 65, 64), 1),
+    ((32, 128, 100, 64), 1),
+    ((8, 128, 100, 128), 0),
+    ((128, 128, 100, 64), 0),
+    ((8, 128, 300, 64), 0),
+    ((16, 64, 64, 64), 0),  # the 64-token tile keeps its ring
+    ((8, 64, 40, 64), 0),
 ]
 
 # (M, rows_padded, tokens, k-tiles) -> the V:2:M register pipeline's (tile tokens, splits) on 132 SMs: sm90_vnm_bn's
