@@ -27,6 +27,30 @@ def random_masked(rows: int, cols: int, v: int, m: int, *, device="cpu", dtype=t
     return torch.where(mask, w, torch.zeros((), dtype=dtype, device=device)), mask
 
 
+def mask_with_distinct_slab_columns(rows: int, cols: int, v: int, m: int, seed: int) -> torch.Tensor:
+    """A V:2:M mask (CPU, bool) whose 4 kept columns differ between consecutive 64-row slabs in every group where
+    V = 64 (slab s keeps a random 4-subset, slab s+1 a different one), each row keeping a random 2 of its block's 4.
+    Drawn a block at a time with tensor ops: the GPU tests take it on weights of up to 10^8 elements. M >= 8: at M = 4
+    every slab keeps all 4 columns."""
+    if m < 8:
+        raise ValueError(f"slabs keep distinct 4-subsets of M columns only for M >= 8, got M = {m}")
+    gen = torch.Generator().manual_seed(seed)
+    groups = cols // m
+    mask = torch.zeros(rows, groups, m, dtype=torch.bool)
+    prev = None
+    for blk in range(rows // v):
+        chosen = torch.rand(groups, m, generator=gen).argsort(-1)[:, :4].sort(-1).values  # a random 4-subset a group
+        if prev is not None and v == 64:
+            same = (chosen == prev).all(-1)
+            chosen[same] = (chosen[same] + 1) % m  # a shifted 4-subset of Z_m is never the same subset
+            chosen = chosen.sort(-1).values
+        prev = chosen
+        pick = torch.rand(v, groups, 4, generator=gen).argsort(-1)[..., :2]  # 2 of the 4 for each row and group
+        idx = torch.gather(chosen.expand(v, groups, 4), 2, pick)
+        mask[blk * v : (blk + 1) * v].scatter_(2, idx, True)
+    return mask.reshape(rows, cols)
+
+
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     out, ref = out.detach().double(), ref.detach().double()
     return float((out - ref).norm() / ref.norm().clamp_min(1e-30))

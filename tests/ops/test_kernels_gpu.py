@@ -9,7 +9,15 @@ import torch.nn.functional as F
 from hf_sparse.ops import dense_from_packed, force_kernel, pack, scatter_dense, sddmm, spmm
 from hf_sparse.ops._layout import logical_from_dense, packed_from_logical
 
-from ._helpers import PATTERNS, assert_linear_matches, lab_knobs, poison_allocator, random_masked, rel_err
+from ._helpers import (
+    PATTERNS,
+    assert_linear_matches,
+    lab_knobs,
+    mask_with_distinct_slab_columns,
+    poison_allocator,
+    random_masked,
+    rel_err,
+)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -184,7 +192,7 @@ def test_spmm_vnm_large_token_path(v, m, dtype, tokens, groups, blocks):
         _assert_spmm_matches_reference(x, w, p, b)
         assert torch.equal(spmm(x, p, b), spmm(x, p, b))  # split partial sums are added in split order
     if v == 64:  # every slab pair keeps different columns: the two-step k-tiles, each slab from its own
-        mask = _mask_with_distinct_slab_columns(rows, cols, v, m, seed=m).cuda()
+        mask = mask_with_distinct_slab_columns(rows, cols, v, m, seed=m).cuda()
         w = torch.randn(rows, cols, device="cuda") * mask
         p = pack(w, mask, v, m, dtype)
         with force_kernel(spmm="wgmma"):
@@ -232,7 +240,7 @@ def test_spmm_vnm_xt_path_deep_ring_at_v64(dtype, m, rows, groups, tokens):
     with force_kernel(spmm="wgmma"):
         _assert_spmm_matches_reference(x, w, p, b)
         assert torch.equal(spmm(x, p, b), spmm(x, p, b))  # split partial sums are added in split order
-    mask = _mask_with_distinct_slab_columns(rows, cols, v, m, seed=tokens).cuda()
+    mask = mask_with_distinct_slab_columns(rows, cols, v, m, seed=tokens).cuda()
     w = torch.randn(rows, cols, device="cuda") * mask
     p = pack(w, mask, v, m, dtype)
     with force_kernel(spmm="wgmma"):
@@ -293,7 +301,7 @@ def test_spmm_vnm_xt_path_64_token_tiles_split_along_k(v, m, dtype, tokens):
         _assert_spmm_matches_reference(x, w, p, b)
         assert torch.equal(spmm(x, p, b), spmm(x, p, b))
         if v == 64:
-            mask = _mask_with_distinct_slab_columns(rows, cols, v, m, seed=m).cuda()
+            mask = mask_with_distinct_slab_columns(rows, cols, v, m, seed=m).cuda()
             w = torch.randn(rows, cols, device="cuda") * mask
             _assert_spmm_matches_reference(x, w, pack(w, mask, v, m, dtype))
 
@@ -561,27 +569,6 @@ def test_spmm_vnm_long_k_falls_back_to_register_pipeline(m, groups, pipe):
         _assert_spmm_matches_reference(x, w, p, torch.randn(192, device="cuda").bfloat16())
 
 
-def _mask_with_distinct_slab_columns(rows: int, cols: int, v: int, m: int, seed: int) -> torch.Tensor:
-    """A V:2:M mask whose 4 kept columns differ between consecutive 64-row slabs in every group where V = 64 (slab s
-    keeps a random 4-subset, slab s+1 a different one), each row keeping a random 2 of its block's 4."""
-    gen = torch.Generator().manual_seed(seed)
-    groups = cols // m
-    mask = torch.zeros(rows, groups, m, dtype=torch.bool)
-    prev = None
-    for blk in range(rows // v):
-        chosen = torch.stack([torch.randperm(m, generator=gen)[:4].sort().values for _ in range(groups)])
-        if prev is not None and v == 64:
-            same = (chosen == prev).all(-1)
-            chosen[same] = (chosen[same] + 1) % m  # a shifted 4-subset of Z_m is never the same subset
-            chosen = chosen.sort(-1).values
-        prev = chosen
-        for r in range(blk * v, (blk + 1) * v):
-            pick = torch.stack([torch.randperm(4, generator=gen)[:2] for _ in range(groups)])
-            idx = torch.gather(chosen, 1, pick)
-            mask[r].scatter_(1, idx, True)
-    return mask.reshape(rows, cols)
-
-
 @pytest.mark.parametrize(("v", "m"), [(64, 8), (128, 8), (64, 16), (64, 32), (64, 128)])
 @pytest.mark.parametrize("pipe", [1, 0, 2, 3, 4])
 def test_spmm_vnm_gather_uses_each_slabs_columns(v, m, pipe):
@@ -595,7 +582,7 @@ def test_spmm_vnm_gather_uses_each_slabs_columns(v, m, pipe):
 
 def _check_gather_uses_each_slabs_columns(v, m):
     rows, cols = 256, 24 * m
-    mask = _mask_with_distinct_slab_columns(rows, cols, v, m, seed=m + v).cuda()
+    mask = mask_with_distinct_slab_columns(rows, cols, v, m, seed=m + v).cuda()
     w = torch.randn(rows, cols, device="cuda") * mask
     p = pack(w, mask, v, m, torch.bfloat16)
     if v == 64:
@@ -682,7 +669,7 @@ def test_sddmm_gather_uses_each_slabs_columns(v, m, gather, sddmm_kernel_env):
 
 def _check_sddmm_gather_uses_each_slabs_columns(v, m):
     rows, cols = 256, 72 * m
-    mask = _mask_with_distinct_slab_columns(rows, cols, v, m, seed=3 * m + v).cuda()
+    mask = mask_with_distinct_slab_columns(rows, cols, v, m, seed=3 * m + v).cuda()
     w = torch.randn(rows, cols, device="cuda") * mask
     p = pack(w, mask, v, m, torch.bfloat16)
     if v == 64:

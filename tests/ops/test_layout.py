@@ -8,7 +8,7 @@ import torch
 from hf_sparse.ops import dense_from_packed, kept_columns, pack, pack_from_logical
 from hf_sparse.ops._layout import logical_from_dense
 
-from ._helpers import PATTERNS, random_masked
+from ._helpers import PATTERNS, mask_with_distinct_slab_columns, random_masked
 
 
 @pytest.mark.parametrize(("v", "m"), PATTERNS)
@@ -19,6 +19,23 @@ def test_pack_roundtrip_exact(v, m, rows, cols):
     w, mask = random_masked(rows, cols, v, m)
     p = pack(w, mask, v, m, torch.float16)
     assert torch.equal(dense_from_packed(p, torch.float32), w.half().float())
+
+
+@pytest.mark.parametrize(("v", "m"), [(64, 8), (64, 16), (128, 8), (64, 128)])
+def test_distinct_slab_columns_mask_is_v2m_with_its_slabs_apart(v, m):
+    # The GPU tests' mask whose consecutive 64-row slabs keep different columns: 2 of M per row and group, at most 4
+    # columns per group in each V-row block, and (V = 64) no group where two consecutive slabs keep the same columns;
+    # the pack takes it back bit-exactly.
+    rows, groups = 3 * v, 40
+    mask = mask_with_distinct_slab_columns(rows, groups * m, v, m, seed=7).reshape(rows, groups, m)
+    assert (mask.sum(-1) == 2).all()
+    kept = mask.reshape(rows // v, v, groups, m).any(1)  # the columns each block keeps, per group
+    assert (kept.sum(-1) <= 4).all()
+    if v == 64:
+        assert not (kept[1:] == kept[:-1]).all(-1).any()
+    w = torch.randn(rows, groups * m) * mask.reshape(rows, -1)
+    p = pack(w, mask.reshape(rows, -1), v, m, torch.bfloat16)
+    assert torch.equal(dense_from_packed(p, torch.float32), w.bfloat16().float())
 
 
 def test_pack_arange_readable():
