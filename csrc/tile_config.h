@@ -285,11 +285,11 @@ inline Sm90SplitPlan sm90_vnm_xt_plan(long long rows_padded, long long n_tokens,
 // fit): 128- and 256-token tiles at M <= kVnmXtDeepRingMaxM and V < 128, of at most kVnmXtDeepRingMaxTokens tokens.
 // At V = 64 a CTA's two slabs keep their own columns, so a k-tile takes two stages and each consumer warpgroup holds
 // two of its own: the shallower ring leaves the producers waiting for a free one. Measured (benchmarks/RESULTS.md, "a
-// deeper ring for the 128-token tile at V = 64"): 64:2:16 at 96-256 tokens 1.00-1.14x faster (chain 1.00-1.14x), 64:2:8
-// and 64:2:32 at 128 and 256 tokens 1.01-1.18x (chain 1.04-1.17x) on 4096 <-> 11008 and 8192 <-> 28672; at V = 128 the
-// fifth stage of the 256-token tile was level at 192-256 tokens (1.01-1.03x, chain 0.99-1.01x) and 0.94-1.07x at 8192
-// tokens (768 -> 3072 0.94x). Taken where it was measured: M = 8, 16 and 32 (the only M it is compiled for), V = 64, up
-// to 256 tokens.
+// fifth stage for the 256-token tile at V = 64" and "a deeper ring for the X^T path's 128-token tile at V = 64"):
+// 64:2:16 at 96-256 tokens 1.04-1.16x faster (chain 1.01-1.16x), 64:2:8 and 64:2:32 at 128 and 256 tokens 1.01-1.18x
+// (chain 1.04-1.17x), on 4096 <-> 11008 and 8192 <-> 28672; at V = 128 the fifth stage of the 256-token tile was level
+// at 192-256 tokens (1.01-1.03x, chain 0.99-1.01x) and 0.94-1.07x at 8192 tokens (768 -> 3072 0.94x). Taken where it
+// was measured: M = 8, 16 and 32 (the only M it is compiled for), V = 64, up to 256 tokens.
 constexpr int kVnmXtDeepRingMaxM = 32;
 constexpr long long kVnmXtDeepRingMaxTokens = 256;
 inline bool sm90_vnm_xt_deep_ring(int m, int bn, long long n_tokens, int v) {
