@@ -17,6 +17,7 @@
 set -u
 cd "$(dirname "$0")/.."
 root=$PWD
+. benchmarks/pytest_summary.sh
 out=$(mkdir -p "${OUT:-ab_trees_out}" && cd "${OUT:-ab_trees_out}" && pwd) || exit 2
 export PYTHONUNBUFFERED=1 HF_SPARSE_CUDA_ARCH_LIST=${HF_SPARSE_CUDA_ARCH_LIST:-9.0} PYTHONFAULTHANDLER=1
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
@@ -48,7 +49,7 @@ if [[ $phases == *" tests "* ]]; then
     [ -n "${!var:-}" ] || continue
     (in_tree "$tree" timeout -s ABRT -k 5 $(($(left) / 2)) bash -c \
       "python -m pytest -q -m gpu ${!var} -p no:cacheprovider -rfE" >"$out/tests_$tree.log" 2>&1
-      echo "[$tree] $(tail -n 1 "$out/tests_$tree.log")" | tee -a "$log") &
+      summarize_tests "$out/tests_$tree.log" | sed "s/^/[$tree] /" | tee -a "$log") &
   done
   wait
   clear_locks

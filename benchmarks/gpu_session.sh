@@ -25,6 +25,7 @@
 # A run has the time left divided among the runs still to come, less 10 s (without BASE a stage has all of it).
 set -u
 cd "$(dirname "$0")/.."
+. benchmarks/pytest_summary.sh
 out=${OUT:-gpu_session_out}
 mkdir -p "$out"
 root=$PWD
@@ -66,6 +67,7 @@ if [ -n "$tests" ]; then
   # TESTS is parsed as a shell command line, so a quoted -k expression stays one argument
   timeout -s ABRT -k 5 $(($(left) - 10)) bash -c "python -m pytest -q -m gpu $tests -p no:cacheprovider -rfE" 2>&1 |
     tee "$out/gputests.log" | tail -25
+  summarize_tests "$out/gputests.log" | tee -a "$out/session.log"
   clear_locks
   echo "GPU tests: $(($(date +%s) - s)) s" | tee -a "$out/session.log"
 fi

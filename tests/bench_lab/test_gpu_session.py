@@ -102,3 +102,44 @@ def test_a_build_lock_left_by_a_run_is_gone_before_the_next_run(tmp_path):
     assert done.returncode == 0, done.stderr
     bench = (tmp_path / "out" / "bench.log").read_text()
     assert re.findall(r"^(lock there|no lock)$", bench, flags=re.M) == ["no lock", "no lock"]
+
+
+def _summary(tmp_path: Path, log: str) -> list[str]:
+    path = tmp_path / "pytest.log"
+    path.write_text(log)
+    done = subprocess.run(
+        ["bash", "-c", f'. "{REPO}/benchmarks/pytest_summary.sh" && summarize_tests "{path}"'],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout.splitlines()
+
+
+def test_a_finished_runs_summary_is_its_failures_and_last_line(tmp_path):
+    log = (
+        "..F.s [100%]\n=== short test summary info ===\n"
+        "FAILED tests/ops/test_a.py::test_x - AssertionError\n=== 1 failed, 3 passed, 1 skipped in 4.0s ===\n"
+    )
+    assert _summary(tmp_path, log) == [
+        "FAILED tests/ops/test_a.py::test_x - AssertionError",
+        "=== 1 failed, 3 passed, 1 skipped in 4.0s ===",
+    ]
+
+
+def test_a_run_the_limit_stopped_says_how_far_it_got_and_where(tmp_path):
+    # pytest -q's progress, then faulthandler's dump on SIGABRT, innermost frame first
+    log = (
+        "..s.....s" + "." * 63 + " [ 46%]\n"
+        ".....Fatal Python error: Aborted\n\nCurrent thread 0x00007f (most recent call first):\n"
+        '  File "/w/tests/ops/_helpers.py", line 70 in mask_helper\n'
+        '  File "/w/tests/ops/test_k.py", line 296 in test_split\n'
+        '  File "/venv/lib/python3.12/site-packages/_pytest/python.py", line 167 in pytest_pyfunc_call\n'
+        '  File "/w/tests/conftest.py", line 9 in fixture\n\nExtension modules: numpy (total: 1)\n'
+    )
+    assert _summary(tmp_path, log) == [
+        "stopped by the limit after: 75 passed, 2 skipped",
+        '  File "/w/tests/ops/_helpers.py", line 70 in mask_helper',
+        '  File "/w/tests/ops/test_k.py", line 296 in test_split',
+    ]
