@@ -11,12 +11,6 @@
 
 namespace hf_sparse {
 
-// spmm_vnm_xt_sm90_fp16.cu
-cudaError_t spmm_vnm_xt_sm90_fp16(const SpmmArgs& a, const Sm90SplitPlan& plan, cudaStream_t stream);
-#if defined(HF_SPARSE_TIMELINE)
-int spmm_vnm_xt_sm90_fp16_timeline(unsigned long long* host, int ctas);
-#endif
-
 // Whether a call takes the X^T path: tile_config.h sm90_vnm_xt (the lab build's vnm_xt knob forces it on or off).
 bool spmm_vnm_sm90_takes_xt(const SpmmArgs& a) {
   if (a.m < 8 || a.n_tokens <= 0) return false;

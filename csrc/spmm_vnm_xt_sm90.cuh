@@ -529,4 +529,12 @@ cudaError_t dispatch_m(const SpmmArgs& a, const Sm90SplitPlan& plan, cudaStream_
 }
 
 }  // namespace
+
+// The fp16 unit's entry points (spmm_vnm_xt_sm90_fp16.cu), called by the bf16 unit's host functions: the launch of
+// dispatch_m<__half> and, in the timeline build, that unit's counters (read_and_clear_rows).
+cudaError_t spmm_vnm_xt_sm90_fp16(const SpmmArgs& a, const Sm90SplitPlan& plan, cudaStream_t stream);
+#if defined(HF_SPARSE_TIMELINE)
+int spmm_vnm_xt_sm90_fp16_timeline(unsigned long long* host, int ctas);
+#endif
+
 }  // namespace hf_sparse
