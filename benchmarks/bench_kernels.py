@@ -39,6 +39,7 @@ import argparse
 import csv
 import datetime
 import json
+import os
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -92,13 +93,35 @@ def json_lines(path: str | None) -> Iterator[Callable[[dict], None]]:
     if path is None:
         yield lambda row: None
         return
-    with open(path, "a") as f:
+    with open(path, "a+") as f:
+        if f.tell() > 0:  # a run killed while it wrote its last row left it without its newline: end that line
+            f.seek(f.tell() - 1)
+            if f.read(1) != "\n":
+                f.write("\n")
 
         def append(row: dict) -> None:
             f.write(json.dumps(row) + "\n")
             f.flush()
 
         yield append
+
+
+def rows_in(path: str, keys: tuple[str, ...]) -> set[tuple]:
+    """The ``keys`` values of every row ``path`` holds (a ``--json`` file of the scripts here; none if it does not
+    exist), e.g. the cells a sweep already timed, so that a run cut short by a call's limit can go on where it
+    stopped. A line that is not a whole JSON object (the row a killed run was writing) is not a row."""
+    if not os.path.exists(path):
+        return set()
+    done = set()
+    with open(path) as f:
+        for line in f:
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(row, dict) and all(k in row for k in keys):
+                done.add(tuple(row[k] for k in keys))
+    return done
 
 
 def parse_shape(s: str) -> tuple[int, int]:

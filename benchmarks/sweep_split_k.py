@@ -1,7 +1,8 @@
 """Split-K and tile sweep of the sparse-wgmma SpMMs at 64-256 tokens (lab build): the data behind the split rule.
 
     HF_SPARSE_BUILD_LAB=1 python benchmarks/sweep_split_k.py [--tokens 64 128 256] [--splits 1 2 4 8]
-        [--patterns 2:4 64:2:8 64:2:16] [--shapes 4096x11008 ...] [--json out.jsonl] [--configs 20 23 27] [--queued]
+        [--patterns 2:4 64:2:8 64:2:16] [--shapes 4096x11008 ...] [--json out.jsonl [--resume]] [--configs 20 23 27]
+        [--queued]
     python benchmarks/sweep_split_k.py --product-only ...   # dense and the product's choice only (any build)
 
 For every (pattern, shape, token count) it times dense cuBLAS (``F.linear`` on the masked weight), the product's
@@ -25,12 +26,14 @@ import sys
 
 import torch
 import torch.nn.functional as F
-from bench_kernels import checked_error, json_lines, magnitude_pack, pack_bytes, parse_shape, view24_time
+from bench_kernels import checked_error, json_lines, magnitude_pack, pack_bytes, parse_shape, rows_in, view24_time
 from gpu_timing import chain_us, cold_copies, flushed_us
 from lab.tuning import require_lab_build, tuning
 
 from hf_sparse.ops import force_kernel, spmm
 
+# What names a row's cell (--resume skips the cells a --json file holds)
+CELL_KEYS = ("pattern", "k", "r", "tokens")
 LLAMA_SHAPES = ["4096x11008", "11008x4096", "4096x4096", "5120x13824", "13824x5120", "8192x28672", "28672x8192"]
 
 
@@ -74,6 +77,12 @@ def main() -> int:
     ap.add_argument("--patterns", nargs="+", default=["2:4", "64:2:8", "64:2:16"])
     ap.add_argument("--shapes", type=parse_shape, nargs="+", default=[parse_shape(s) for s in LLAMA_SHAPES])
     ap.add_argument("--json", default=None, help="append one JSON object per row to this file")
+    ap.add_argument(
+        "--resume",
+        action="store_true",
+        help="with --json: skip the cells (pattern, shape, tokens) the file already holds, so that a sweep a call's "
+        "limit cut short goes on where it stopped",
+    )
     ap.add_argument("--product-only", action="store_true", help="time dense and the product's choice only")
     ap.add_argument(
         "--configs", type=int, nargs="*", default=[], help="2:4: also each of these tile configurations (sm90_config)"
@@ -103,6 +112,9 @@ def main() -> int:
         help="also dense and the product after a clean L2 flush and in a chain over distinct weights (gpu_timing)",
     )
     args = ap.parse_args()
+    if args.resume and args.json is None:
+        ap.error("--resume needs --json: the file whose cells are skipped")
+    done = rows_in(args.json, CELL_KEYS) if args.resume else set()
     if not args.product_only:
         require_lab_build("sweep_split_k.py")
     if not torch.cuda.is_available():
@@ -112,6 +124,10 @@ def main() -> int:
     with json_lines(args.json) as append_row:
         for pattern in args.patterns:
             for k, r in args.shapes:
+                tokens = [n for n in args.tokens if (pattern, k, r, n) not in done]
+                if not tokens:
+                    print(f"# {pattern} {k}->{r}: every token count is in {args.json} already", flush=True)
+                    continue
                 w = torch.randn(r, k, device="cuda")
                 wm, mask, p = magnitude_pack(w, pattern)
                 wb = wm.to(torch.bfloat16)
@@ -126,7 +142,7 @@ def main() -> int:
                     # the ratio that allows); made once per shape, as the copies are
                     halves = [wb_i[: wb_i.shape[0] // 2].clone() for wb_i, _ in copies]
                 same_bytes = same_bytes_weights(p, k, max(1, len(copies))) if args.bound else []
-                for n in args.tokens:
+                for n in tokens:
                     x = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
                     ref = F.linear(x.float(), wb.float())
                     dense = bench_us(lambda: F.linear(x, wb))

@@ -1,11 +1,17 @@
 """CPU: ``bench_kernels.json_lines``, the ``--json`` output of the timeline and sweep scripts: rows appended one JSON
-object a line after what the file held, each readable before the run ends (a run cut short keeps them)."""
+object a line after what the file held, each readable before the run ends (a run cut short keeps them); and
+``rows_in``, what such a file holds, with which ``sweep_split_k.py --resume`` skips the cells already timed."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
-from bench_kernels import json_lines
+from bench_kernels import json_lines, rows_in
+
+SWEEP = Path(__file__).resolve().parents[2] / "benchmarks" / "sweep_split_k.py"
 
 
 def test_rows_are_appended_and_flushed_at_once(tmp_path):
@@ -27,3 +33,34 @@ def test_without_a_path_nothing_is_written(tmp_path, monkeypatch):
     with json_lines(None) as append_row:
         append_row({"k": 1})
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_row_a_killed_run_left_half_written_is_ended_and_skipped(tmp_path):
+    path = tmp_path / "rows.jsonl"
+    path.write_text('{"pattern": "64:2:8", "k": 4096, "r": 11008, "tokens": 64, "dense": 30.1}\n{"pattern": "64:2')
+    with json_lines(str(path)) as append_row:
+        append_row({"pattern": "64:2:8", "k": 4096, "r": 11008, "tokens": 128, "dense": 35.2})
+    lines = path.read_text().splitlines()
+    assert lines[1] == '{"pattern": "64:2'
+    assert json.loads(lines[2])["tokens"] == 128
+    assert rows_in(str(path), ("pattern", "k", "r", "tokens")) == {
+        ("64:2:8", 4096, 11008, 64),
+        ("64:2:8", 4096, 11008, 128),
+    }
+
+
+def test_rows_without_every_key_and_a_missing_file_give_no_cells(tmp_path):
+    path = tmp_path / "rows.jsonl"
+    path.write_text(
+        '{"pattern": "2:4", "k": 4096, "r": 4096}\n[1, 2]\n{"pattern": "2:4", "k": 8, "r": 16, "tokens": 1}\n'
+    )
+    assert rows_in(str(path), ("pattern", "k", "r", "tokens")) == {("2:4", 8, 16, 1)}
+    assert rows_in(str(tmp_path / "none.jsonl"), ("pattern",)) == set()
+
+
+def test_sweep_resume_without_a_json_file_is_refused():
+    done = subprocess.run(
+        [sys.executable, str(SWEEP), "--product-only", "--resume"], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 2
+    assert "--resume needs --json" in done.stderr
