@@ -65,7 +65,9 @@ shift || true
 if [ -n "$tests" ]; then
   s=$(date +%s)
   # TESTS is parsed as a shell command line, so a quoted -k expression stays one argument
-  timeout -s ABRT -k 5 $(($(left) - 10)) bash -c "python -m pytest -q -m gpu $tests -p no:cacheprovider -rfE" 2>&1 |
+  # --durations: the slowest tests, in gputests.log, are what to trim where the suite outgrows a call
+  timeout -s ABRT -k 5 $(($(left) - 10)) \
+    bash -c "python -m pytest -q -m gpu $tests -p no:cacheprovider -rfE --durations=15" 2>&1 |
     tee "$out/gputests.log" | tail -25
   summarize_tests "$out/gputests.log" | tee -a "$out/session.log"
   clear_locks
