@@ -39,7 +39,6 @@ import argparse
 import csv
 import datetime
 import json
-import os
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -104,24 +103,6 @@ def json_lines(path: str | None) -> Iterator[Callable[[dict], None]]:
             f.flush()
 
         yield append
-
-
-def rows_in(path: str, keys: tuple[str, ...]) -> set[tuple]:
-    """The ``keys`` values of every row ``path`` holds (a ``--json`` file of the scripts here; none if it does not
-    exist), e.g. the cells a sweep already timed, so that a run cut short by a call's limit can go on where it
-    stopped. A line that is not a whole JSON object (the row a killed run was writing) is not a row."""
-    if not os.path.exists(path):
-        return set()
-    done = set()
-    with open(path) as f:
-        for line in f:
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(row, dict) and all(k in row for k in keys):
-                done.add(tuple(row[k] for k in keys))
-    return done
 
 
 def parse_shape(s: str) -> tuple[int, int]:

@@ -13,19 +13,30 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 from collections import defaultdict
 
 Cell = tuple[str, int, int, int]
 
 
 def load(paths: list[str]) -> dict[Cell, list[dict]]:
+    """The rows of ``sweep_split_k.py --json`` files by cell. A line that is not whole JSON is the row a run killed by
+    a call's limit was writing: it is left out, and said so on stderr."""
     rows: dict[Cell, list[dict]] = defaultdict(list)
     for path in paths:
         with open(path) as f:
-            for line in f:
-                if line.strip():
+            for number, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
                     r = json.loads(line)
-                    rows[(r["pattern"], r["k"], r["r"], r["tokens"])].append(r)
+                except json.JSONDecodeError:
+                    print(
+                        f"compare_sweeps.load: {path}:{number} is not a whole row (a killed run's?); left out",
+                        file=sys.stderr,
+                    )
+                    continue
+                rows[(r["pattern"], r["k"], r["r"], r["tokens"])].append(r)
     return rows
 
 

@@ -22,18 +22,18 @@ Times are ``triton.testing.do_bench`` medians (CUDA events, GPU time), in µs; r
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import torch
 import torch.nn.functional as F
-from bench_kernels import checked_error, json_lines, magnitude_pack, pack_bytes, parse_shape, rows_in, view24_time
+from bench_kernels import checked_error, json_lines, magnitude_pack, pack_bytes, parse_shape, view24_time
+from compare_sweeps import load
 from gpu_timing import chain_us, cold_copies, flushed_us
 from lab.tuning import require_lab_build, tuning
 
 from hf_sparse.ops import force_kernel, spmm
 
-# What names a row's cell (--resume skips the cells a --json file holds)
-CELL_KEYS = ("pattern", "k", "r", "tokens")
 LLAMA_SHAPES = ["4096x11008", "11008x4096", "4096x4096", "5120x13824", "13824x5120", "8192x28672", "28672x8192"]
 
 
@@ -114,7 +114,7 @@ def main() -> int:
     args = ap.parse_args()
     if args.resume and args.json is None:
         ap.error("--resume needs --json: the file whose cells are skipped")
-    done = rows_in(args.json, CELL_KEYS) if args.resume else set()
+    done = set(load([args.json])) if args.resume and os.path.exists(args.json) else set()
     if not args.product_only:
         require_lab_build("sweep_split_k.py")
     if not torch.cuda.is_available():

@@ -1,6 +1,6 @@
 """CPU: ``bench_kernels.json_lines``, the ``--json`` output of the timeline and sweep scripts: rows appended one JSON
 object a line after what the file held, each readable before the run ends (a run cut short keeps them); and
-``rows_in``, what such a file holds, with which ``sweep_split_k.py --resume`` skips the cells already timed."""
+``compare_sweeps.load`` on a file a killed run left, whose cells ``sweep_split_k.py --resume`` skips."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from bench_kernels import json_lines, rows_in
+from bench_kernels import json_lines
+from compare_sweeps import load
 
 SWEEP = Path(__file__).resolve().parents[2] / "benchmarks" / "sweep_split_k.py"
 
@@ -35,7 +36,7 @@ def test_without_a_path_nothing_is_written(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_a_row_a_killed_run_left_half_written_is_ended_and_skipped(tmp_path):
+def test_a_row_a_killed_run_left_half_written_is_ended_and_skipped(tmp_path, capsys):
     path = tmp_path / "rows.jsonl"
     path.write_text('{"pattern": "64:2:8", "k": 4096, "r": 11008, "tokens": 64, "dense": 30.1}\n{"pattern": "64:2')
     with json_lines(str(path)) as append_row:
@@ -43,19 +44,10 @@ def test_a_row_a_killed_run_left_half_written_is_ended_and_skipped(tmp_path):
     lines = path.read_text().splitlines()
     assert lines[1] == '{"pattern": "64:2'
     assert json.loads(lines[2])["tokens"] == 128
-    assert rows_in(str(path), ("pattern", "k", "r", "tokens")) == {
-        ("64:2:8", 4096, 11008, 64),
-        ("64:2:8", 4096, 11008, 128),
-    }
-
-
-def test_rows_without_every_key_and_a_missing_file_give_no_cells(tmp_path):
-    path = tmp_path / "rows.jsonl"
-    path.write_text(
-        '{"pattern": "2:4", "k": 4096, "r": 4096}\n[1, 2]\n{"pattern": "2:4", "k": 8, "r": 16, "tokens": 1}\n'
-    )
-    assert rows_in(str(path), ("pattern", "k", "r", "tokens")) == {("2:4", 8, 16, 1)}
-    assert rows_in(str(tmp_path / "none.jsonl"), ("pattern",)) == set()
+    rows = load([str(path)])
+    assert set(rows) == {("64:2:8", 4096, 11008, 64), ("64:2:8", 4096, 11008, 128)}
+    assert [r["dense"] for r in rows[("64:2:8", 4096, 11008, 128)]] == [35.2]
+    assert f"{path}:2 is not a whole row" in capsys.readouterr().err
 
 
 def test_sweep_resume_without_a_json_file_is_refused():
