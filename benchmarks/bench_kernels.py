@@ -105,6 +105,16 @@ def json_lines(path: str | None) -> Iterator[Callable[[dict], None]]:
         yield append
 
 
+# Every projection shape (in_features x out_features) of the Llama-2 7B / 13B / 70B decoders, the shapes issue 17
+# item 2 names: 7B's attention, MLP up and down; 13B's; 70B's query / output, key / value (grouped-query attention: 8
+# heads of 128), MLP up and down.
+LLAMA_SHAPES = [
+    "4096x4096", "4096x11008", "11008x4096",
+    "5120x5120", "5120x13824", "13824x5120",
+    "8192x8192", "8192x1024", "8192x28672", "28672x8192",
+]  # fmt: skip
+
+
 def parse_shape(s: str) -> tuple[int, int]:
     """``"1024x4096"`` -> (1024, 4096): in_features x out_features."""
     try:

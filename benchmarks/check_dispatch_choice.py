@@ -20,13 +20,11 @@ import json
 
 import torch
 from bench_compact_layer import compact_from
-from bench_kernels import parse_shape
+from bench_kernels import LLAMA_SHAPES, parse_shape
 from gpu_timing import flushed_us
 from torch import nn
 
 from hf_sparse.ops import dispatch
-
-LLAMA_SHAPES = ["4096x11008", "11008x4096", "4096x4096", "5120x13824", "13824x5120", "8192x28672", "28672x8192"]
 
 
 class Recorder:

@@ -27,14 +27,20 @@ import sys
 
 import torch
 import torch.nn.functional as F
-from bench_kernels import checked_error, json_lines, magnitude_pack, pack_bytes, parse_shape, view24_time
+from bench_kernels import (
+    LLAMA_SHAPES,
+    checked_error,
+    json_lines,
+    magnitude_pack,
+    pack_bytes,
+    parse_shape,
+    view24_time,
+)
 from compare_sweeps import load
 from gpu_timing import chain_us, cold_copies, flushed_us
 from lab.tuning import require_lab_build, tuning
 
 from hf_sparse.ops import force_kernel, spmm
-
-LLAMA_SHAPES = ["4096x11008", "11008x4096", "4096x4096", "5120x13824", "13824x5120", "8192x28672", "28672x8192"]
 
 
 def bench_us(fn) -> float:
