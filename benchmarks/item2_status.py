@@ -5,7 +5,8 @@
 Per pattern a markdown table (shape x tokens) of cuBLAS / product in GPU time (``do_bench``), the same in a chain
 over distinct weights, each call cold in the L2 (``chain``), the bound (cuBLAS on a dense weight of the pack's bytes,
 in the chain: what moving the call's bytes at cuBLAS's rate allows) and the share of it the chain reaches; for V:2:M
-also its 2:4 view and a compact layer's pick (the fastest of the pack, the view and dense). Then a summary: the cells
+also its 2:4 view held as a weight of its own (a compact layer in inference holds only its pack: its view and dense
+candidates are made in each call, so the pack's figure is what it runs at). Then a summary: the cells
 at the item's target, those whose bound lies under it (out of reach of any kernel that moves those bytes), and the
 share of the bound the rest reach. Rows of a pattern the item sets no target for are left out.
 """
@@ -40,7 +41,6 @@ def cell_status(rows: list[dict], target: float) -> dict:
         "view": ratio("dense", "view24"),
     }
     s["share"] = s["chain"] / s["bound"] if s["bound"] else None
-    s["layer"] = max(v for v in (s["x"], s["view"], 1.0) if v is not None)
     s["state"] = "met" if s["x"] >= target else "beyond" if s["bound"] is not None and s["bound"] < target else "open"
     return s
 
@@ -54,7 +54,7 @@ def render(cells: dict, pattern: str) -> list[str]:
     vnm = pattern != "2:4"
     out = [
         f"{pattern} (target {target}x): do_bench (chain) [bound] <share of the bound>"
-        + (" {2:4 view; a layer's pick}" if vnm else ""),
+        + (" {2:4 view}" if vnm else ""),
         "",
         "| shape | " + " | ".join(str(t) for t in tokens) + " |",
         "| --- |" + " --- |" * len(tokens),
@@ -70,7 +70,7 @@ def render(cells: dict, pattern: str) -> list[str]:
             if s["bound"]:
                 text += f" [{s['bound']:.2f}] <{s['share']:.0%}>"
             if vnm and s["view"]:
-                text += f" {{{s['view']:.2f}; {s['layer']:.2f}}}"
+                text += f" {{{s['view']:.2f}}}"
             row.append(("**" + text + "**") if s["state"] == "met" else text)
         out.append(f"| {k} -> {r} | " + " | ".join(row) + " |")
     by_state = {st: [s for s in mine.values() if s["state"] == st] for st in ("met", "beyond", "open")}
@@ -82,9 +82,9 @@ def render(cells: dict, pattern: str) -> list[str]:
     shares = [s["share"] for s in by_state["open"] if s["share"] is not None]
     if shares:
         out[-1] += f"; the other {len(by_state['open'])} reach {min(shares):.0%}-{max(shares):.0%} of their bound"
-    if vnm:
-        picks = [s["layer"] for s in mine.values()]
-        out[-1] += f"; a layer's pick {min(picks):.2f}-{max(picks):.2f}x"
+    slower = [s for s in mine.values() if s["x"] < 1.0]
+    if slower:
+        out[-1] += f"; {len(slower)} slower than cuBLAS ({min(s['x'] for s in slower):.2f}x at worst)"
     return out + [""]
 
 

@@ -2,8 +2,9 @@
 
 CUDA: the ``mma.sp`` kernel (``csrc/spmm.cu``), or on a cc 9.0 GPU with an sm_90a build a sparse-``wgmma`` kernel
 with the same packed layout: ``csrc/spmm_sm90.cu`` for plain 2:4, ``csrc/spmm_vnm_sm90.cu`` for V:2:M with M >= 8
-(it gathers the kept columns of X into shared memory; from 65 tokens and 1024 rows, and from 33 tokens at M >= 16 from
-4097 rows or on weights of 2^27 elements and more, and at M = 8 where V = 128 on weights of 2^25 and more,
+(it gathers the kept columns of X into shared memory; from 65 tokens on more than 1024 rows, from 256 on 1024, and
+from 33 tokens at M >= 16 from 4097 rows or on weights of 2^27 elements and more, and at M = 8 where V = 128 on
+weights of 2^25 and more,
 ``csrc/spmm_vnm_xt_sm90.cu`` transposes X first and copies whole kept rows of X^T; at 1-4 tokens, where one CTA per 16
 rows fits one wave of two per SM and X fits its shared memory, ``csrc/spmv_vnm.cu`` runs the product on the CUDA
 cores). Which one runs:

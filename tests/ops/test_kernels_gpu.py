@@ -158,15 +158,15 @@ def test_spmm_vnm_ragged_k_and_token_tiles(v, m, dtype, bias, tokens, groups, pi
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
     ("tokens", "groups", "blocks"),
-    # (sm90_vnm_xt_plan on 132 SMs) 65 tokens, the fewest the path takes, and 100: one 128-token tile, mostly or
-    # partly empty (not multiples of 8: X^T's padding); 128: one full tile; 256: two; 1024:
+    # (sm90_vnm_xt_plan on 132 SMs) 65 tokens, the fewest the path takes (on more than 1024 rows), and 100: one
+    # 128-token tile, mostly or partly empty (not multiples of 8: X^T's padding); 128: one full tile; 256: two; 1024:
     # eight; 1061: a last tile of 37 tokens, not a multiple of 8 (X^T's padding); 2309: 256-token tiles; 17 groups: an
     # odd step count (the last k-tile one k-step, 15 padded groups); 40 groups: 2.5 k-tiles; 520: 33 k-tiles; 1000
     # groups at 300 tokens: 27 tiles of 128 tokens leave most SMs idle, so K is split in four (16, 16, 16, 15 k-tiles)
     [
-        (65, 17, 16),
+        (65, 17, 18),
         (100, 40, 17),
-        (128, 17, 16),
+        (128, 17, 18),
         (256, 17, 16),
         (1024, 17, 16),
         (1061, 40, 17),
