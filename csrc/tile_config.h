@@ -155,11 +155,13 @@ constexpr bool sm90_vnm_gemv(int m, long long n_tokens, long long k, long long r
 // 72, 96 and 112 tokens (up to 3.9x; 64:2:8 / 128:2:8 / 64:2:16 / 128:2:16 at 4096 -> 4096, 11008 <-> 4096 and 28672
 // -> 8192; 0.83-0.89x at 4096 -> 4096 with V = 64, 0.97x there at 128:2:8 and 72 tokens; benchmarks/RESULTS.md, "the
 // X^T path from 65 tokens"), in 29 of 32 at 128 and 192 tokens and in 34 of 36 at 256-768 ("the X^T path below 1024
-// tokens"). 65 is the first count past the register gather's 64-token tile. Below kVnmXtFewRowsMinTokens tokens it
-// needs more than kVnmXtMinRows rows: at 1024 rows (8 row blocks: the Llama-70B key / value projection, 8192 -> 1024)
-// its few tiles are split and their partial sums cost more than the transpose saves, and the register gather was
-// 1.08-1.14x faster at 96-256 tokens at 64:2:8 and 1.23-1.28x at 96-128 tokens at 64:2:16 (1.02x at 192, 0.93x at
-// 256; "GQA key / value shapes"). At 33-64 tokens, with its 64-token tile
+// tokens"). 65 is the first count past the register gather's 64-token tile. Below kVnmXtFewRowsMinTokens tokens and
+// at V = 64 it needs more than kVnmXtMinRows rows: at 1024 rows (8 row blocks: the grouped-query key / value
+// projections, 8192 -> 1024 and 4096 -> 1024) its few tiles are split and their partial sums cost more than the
+// transpose saves; the register gather was 1.03-1.18x faster at 64:2:8 and 1.14-1.39x at 64:2:16 at 65-255 tokens
+// (0.92-0.98x at 64:2:16 on 8192 -> 1024 at 192-255), while at 128:2:8 it was level (0.96-1.06x, chain 0.92-1.01x:
+// one gathered tile feeds both slabs there); benchmarks/RESULTS.md, "issue 17 item 2 on every Llama-2 projection
+// shape". At 33-64 tokens, with its 64-token tile
 // (kVnmXtFewBN), it is taken at M >= 16 from kVnmXtFewMinRows rows and for weights of kVnmXtFewMinWeights and more
 // (the Llama-70B 8192 <-> 28672 projections). Against the register gather's 32-token tiles at 33, 48 and 64 tokens
 // (benchmarks/RESULTS.md, "the X^T path's 64-token tile at 33-64 tokens"): 128:2:16 1.29-1.48x on the 7B/13B shapes it
@@ -178,7 +180,7 @@ constexpr int kVnmXtMinRows = 1024, kVnmXtFewMinRows = 4097;
 inline bool sm90_vnm_xt(int m, long long n_tokens, int rows, long long k, int v) {
   if (m < 8 || rows < kVnmXtMinRows) return false;
   if (n_tokens >= kVnmXtFewRowsMinTokens) return true;
-  if (n_tokens >= kVnmXtMinTokens) return rows > kVnmXtMinRows;
+  if (n_tokens >= kVnmXtMinTokens) return rows > kVnmXtMinRows || v >= 128;
   if (n_tokens < kVnmXtFewMinTokens) return false;
   const long long weights = (long long)rows * k;
   if (m >= 16) return rows >= kVnmXtFewMinRows || weights >= kVnmXtFewMinWeights;

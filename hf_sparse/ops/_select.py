@@ -33,9 +33,9 @@ KERNELS = {"spmm": ("mma_sp", "wgmma"), "sddmm": ("mma", "wgmma")}
 
 # Group sizes M at which the wgmma kernel runs where it can (benchmarks/RESULTS.md, "the V:2:M X^T path"). SpMM: every
 # M. At M >= 16 against mma.sp: 1.05-4.8x at 16-64 tokens, 2.9-4.5x at 8192 tokens on the V:2:M kernel's X^T path
-# (from 65 tokens on more than 1024 rows, from 256 tokens on 1024, ``sm90_vnm_xt``); its register gather measured
-# 0.6-2.1x of mma.sp at 256-512 tokens, which it now runs only below 1024 rows: there a compact layer's measured plan
-# takes the weight's 2:4 view, faster than both in every such cell measured. SDDMM: see below.
+# (from 65 tokens on 1024 rows and more, at V = 64 on 1024 from 256 tokens, ``sm90_vnm_xt``); its register gather
+# measured 0.6-2.1x of mma.sp at 256-512 tokens, which it now runs only below 1024 rows: there a compact layer's
+# measured plan takes the weight's 2:4 view, faster than both in every such cell measured. SDDMM: see below.
 SPMM_WGMMA_M = frozenset({4, 8, 16, 32, 64, 128})
 # SDDMM, "SDDMM with dense wgmma": 3.8-5.2x at M = 4, 1.7-2.2x at 8, 1.5-1.9x at 16, 0.98-1.6x at 32; M = 64 and 128
 # are not timed.

@@ -2,7 +2,7 @@
 
 CUDA: the ``mma.sp`` kernel (``csrc/spmm.cu``), or on a cc 9.0 GPU with an sm_90a build a sparse-``wgmma`` kernel
 with the same packed layout: ``csrc/spmm_sm90.cu`` for plain 2:4, ``csrc/spmm_vnm_sm90.cu`` for V:2:M with M >= 8
-(it gathers the kept columns of X into shared memory; from 65 tokens on more than 1024 rows, from 256 on 1024, and
+(it gathers the kept columns of X into shared memory; from 65 tokens on 1024 rows and more, at V = 64 on 1024 from 256,
 from 33 tokens at M >= 16 from 4097 rows or on weights of 2^27 elements and more, and at M = 8 where V = 128 on
 weights of 2^25 and more,
 ``csrc/spmm_vnm_xt_sm90.cu`` transposes X first and copies whole kept rows of X^T; at 1-4 tokens, where one CTA per 16
