@@ -14,6 +14,9 @@
 #   bash benchmarks/gpu_session.sh "tests/" \
 #     "python benchmarks/bench_trainer.py --models bert-large --compile eager --worker-timeout 150"
 #
+# TESTS_LAST=1 runs the stages first and the GPU tests after them, in the time the stages leave: for short stages
+# (a sweep) that must not lose their time to a long suite.
+#
 # Against another commit in the same lease (timings compare only within one lease): BASE names a tree holding that
 # commit's hf_sparse/ and csrc/, made on the machine with git before the call and carried with it,
 #
@@ -62,7 +65,9 @@ clear_locks() { rm -f "$HF_SPARSE_BUILD_DIR"/*/lock; }
 
 tests=${1:-}
 shift || true
-if [ -n "$tests" ]; then
+run_tests() {
+  [ -n "$tests" ] || return 0
+  local s
   s=$(date +%s)
   # TESTS is parsed as a shell command line, so a quoted -k expression stays one argument
   # --durations: the slowest tests, in gputests.log, are what to trim where the suite outgrows a call
@@ -72,7 +77,8 @@ if [ -n "$tests" ]; then
   summarize_tests "$out/gputests.log" | tee -a "$out/session.log"
   clear_locks
   echo "GPU tests: $(($(date +%s) - s)) s" | tee -a "$out/session.log"
-fi
+}
+[ "${TESTS_LAST:-0}" = 1 ] || run_tests
 runs=()  # (stage, tree, round) in the order they run
 rounds=${ROUNDS:-2}
 for stage in "$@"; do
@@ -99,4 +105,5 @@ for ((j = 0; j < n; j++)); do
   "${on[@]}" timeout -s ABRT -k 5 $((budget - 10)) bash -c "$stage" 2>&1 | tee -a "$out/bench.log" | grep -v '^\s*$' | tail -30
   "${on[@]}" clear_locks
 done
+[ "${TESTS_LAST:-0}" = 1 ] && run_tests
 date -u | tee -a "$out/session.log"

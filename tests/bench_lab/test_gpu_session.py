@@ -22,7 +22,7 @@ def _stub(directory: Path, name: str, body: str) -> None:
     path.chmod(path.stat().st_mode | stat.S_IEXEC)
 
 
-def _run(tmp_path: Path, *stages: str, **env: str) -> subprocess.CompletedProcess:
+def _run(tmp_path: Path, *stages: str, tests: str = "", **env: str) -> subprocess.CompletedProcess:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
     _stub(bin_dir, "nvidia-smi", 'echo "Stand-in GPU, 0"\n')
@@ -41,7 +41,7 @@ def _run(tmp_path: Path, *stages: str, **env: str) -> subprocess.CompletedProces
         **env,
     }
     return subprocess.run(
-        ["bash", str(SCRIPT), "", *stages], env=full_env, capture_output=True, text=True, timeout=120
+        ["bash", str(SCRIPT), tests, *stages], env=full_env, capture_output=True, text=True, timeout=120
     )
 
 
@@ -83,6 +83,24 @@ def test_without_base_a_stage_runs_once_on_this_checkout(tmp_path):
     assert re.findall(r"^== (.*?) \(", bench, flags=re.M) == [STAGE]
     assert re.findall(r"^ran on (.*)$", bench, flags=re.M) == [f"{REPO} with {tmp_path / 'build'}"]
     assert "[base]" not in (tmp_path / "out" / "session.log").read_text()
+
+
+def _order(tmp_path: Path) -> list[str]:
+    """The session log's stage heads and GPU-test lines, in the order they were written."""
+    session = (tmp_path / "out" / "session.log").read_text()
+    return re.findall(r"^(== .*? \(|GPU tests: )", session, flags=re.M)
+
+
+def test_the_gpu_tests_run_before_the_stages(tmp_path):
+    done = _run(tmp_path, STAGE, tests="tests/ops")
+    assert done.returncode == 0, done.stderr
+    assert _order(tmp_path) == ["GPU tests: ", f"== {STAGE} ("]
+
+
+def test_tests_last_runs_the_stages_first(tmp_path):
+    done = _run(tmp_path, STAGE, "echo second", tests="tests/ops", TESTS_LAST="1")
+    assert done.returncode == 0, done.stderr
+    assert _order(tmp_path) == [f"== {STAGE} (", "== echo second (", "GPU tests: "]
 
 
 def test_a_base_without_the_package_is_refused(tmp_path):
