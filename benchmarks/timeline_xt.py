@@ -1,6 +1,8 @@
 """Where the V:2:M X^T path's GEMM spends its cycles, CTA by CTA: the timeline build's per-role cycle counters.
 
     python benchmarks/timeline_xt.py [--shapes 768x3072 ...] [--patterns 128:2:8 ...] [--tokens 8192] [--json out]
+    HF_SPARSE_BUILD_LAB=1 python benchmarks/timeline_xt.py ... --splits 0 1 2 4   # each split count forced
+
 
 The script sets ``HF_SPARSE_NVCC_FLAGS=-DHF_SPARSE_TIMELINE`` before the extension loads (a build of its own, cached
 beside the product's). Each persistent CTA of ``csrc/spmm_vnm_xt_sm90.cuh`` then sums SM cycles (``clock64``) over its
@@ -15,12 +17,14 @@ time is fed too slowly, a producer that waits on free stages is ahead of its con
 the producer's first copy into it to the consumer's full-wait returning) against the consumer's cycles per step: a
 flight near the steps the ring holds in flight (its stages less the one or two the consumer holds) times the step
 says the ring is too shallow for the copies' latency; a flight well under it says the producer's issue sets the
-pace.
+pace. ``--splits`` runs each (shape, pattern) once per split count, forced by the lab build's ``split_k`` knob (0: the
+product's count), so that what a split adds (the split-K share) is measured beside what it saves.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from statistics import median
 
@@ -73,11 +77,20 @@ def main() -> int:
     ap.add_argument("--shapes", nargs="+", default=["768x3072", "1024x4096", "4096x11008"])
     ap.add_argument("--patterns", nargs="+", default=["128:2:8", "128:2:16"])
     ap.add_argument("--tokens", type=int, default=8192)
-    ap.add_argument("--json", default=None, help="append one JSON object per (shape, pattern) to this file")
+    ap.add_argument("--json", default=None, help="append one JSON object per (shape, pattern, split) to this file")
+    ap.add_argument(
+        "--splits", type=int, nargs="+", default=[0], help="split counts to force (lab build); 0: the product's count"
+    )
     args = ap.parse_args()
+    if any(s < 0 for s in args.splits):
+        ap.error("--splits: counts are 0 (the product's) or more")
     ext = timeline_extension("spmm_xt_timeline", "timeline_xt.py")
     import torch
     from bench_kernels import checked_error, cold_packs, json_lines, parse_shape
+    from lab.tuning import require_lab_build, tuning
+
+    if any(args.splits):
+        require_lab_build("timeline_xt.py --splits")
 
     from hf_sparse.ops import force_kernel, spmm
 
@@ -89,13 +102,19 @@ def main() -> int:
             x = torch.randn(args.tokens, k, device="cuda", dtype=torch.bfloat16)
             for pattern in args.patterns:
                 wm, packs = cold_packs(torch.randn(r, k, device="cuda"), pattern)
-                with force_kernel(spmm="wgmma"):
-                    checked_error(spmm(x, packs[0]), x.float() @ wm.t(), f"{shape} {pattern}")
-                    calls = [lambda p=p, x=x: spmm(x, p) for p in packs]
-                    per_call, rows = chain_and_rows(calls, lambda: ext.spmm_xt_timeline(MAX_CTAS))
-                s = summarize(rows)
-                print(f"{k:>5}->{r:<5} {pattern:<8} chain {per_call:7.1f} us/call; {describe(s)}", flush=True)
-                append_row({"k": k, "r": r, "pattern": pattern, "chain_us": per_call, **s})
+                for split in args.splits:
+                    forced = tuning(split_k=split) if split else contextlib.nullcontext()
+                    with force_kernel(spmm="wgmma"), forced:
+                        checked_error(spmm(x, packs[0]), x.float() @ wm.t(), f"{shape} {pattern} split {split}")
+                        calls = [lambda p=p, x=x: spmm(x, p) for p in packs]
+                        per_call, rows = chain_and_rows(calls, lambda: ext.spmm_xt_timeline(MAX_CTAS))
+                    s = summarize(rows)
+                    print(
+                        f"{k:>5}->{r:<5} {pattern:<8} split {split or 'product':<7} chain {per_call:7.1f} us/call; "
+                        f"{describe(s)}",
+                        flush=True,
+                    )
+                    append_row({"k": k, "r": r, "pattern": pattern, "split_k": split, "chain_us": per_call, **s})
     return 0
 
 

@@ -3,6 +3,10 @@ per-role shares; the expected figures are worked out by hand from the rows below
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 from timeline_xt import describe, summarize
 
@@ -40,3 +44,12 @@ def test_describe_names_each_share():
 def test_no_counted_unit_is_an_error_that_says_why():
     with pytest.raises(ValueError, match="timeline build"):
         summarize([IDLE, IDLE])
+
+
+def test_a_negative_split_count_is_refused_before_any_gpu_work():
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "timeline_xt.py"
+    done = subprocess.run(
+        [sys.executable, str(script), "--splits", "0", "-2"], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 2
+    assert "--splits: counts are 0 (the product's) or more" in done.stderr
