@@ -14,12 +14,8 @@ share of the bound the rest reach. Rows of a pattern the item sets no target for
 from __future__ import annotations
 
 import argparse
-import statistics
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from compare_sweeps import load  # noqa: E402
+from compare_sweeps import load, median_of
 
 # Issue 17 item 2: cuBLAS / ours in GPU time at 1-256 tokens on every Llama-7B/13B/70B projection shape.
 TARGETS = {"2:4": 1.3, "64:2:8": 1.8, "64:2:16": 2.5}
@@ -32,7 +28,7 @@ def cell_status(rows: list[dict], target: float) -> dict:
     def ratio(num: str, den: str) -> float | None:
         if not all(num in r and den in r for r in rows):
             return None
-        return statistics.median(r[num] for r in rows) / statistics.median(r[den] for r in rows)
+        return median_of(rows, num) / median_of(rows, den)
 
     s = {
         "x": ratio("dense", "product"),
