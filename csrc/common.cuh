@@ -139,16 +139,17 @@ __device__ __forceinline__ float activate(float v) {
 }
 
 // v0, v1: my row's tokens n_pair, n_pair+1. The even lane of a pair keeps token n_pair and receives the odd lane's
-// value of it; the odd lane keeps token n_pair+1. Every lane must call it (shuffle) before any of them returns.
+// value of it; the odd lane keeps token n_pair+1. Every lane must call it (shuffle) before any of them returns; keep:
+// whether it stores (the same in every lane of the warp: a split that does not own the chunk only shuffles).
 template <typename T, int ACT = kActNone>
 __device__ __forceinline__ void store_row_pair(T* __restrict__ y, float v0, float v1, bool odd, int n_pair, int r_even,
-                                               float b0, float b1, int rows, int n_tokens) {
+                                               float b0, float b1, int rows, int n_tokens, bool keep = true) {
   const float send = odd ? v0 : v1;
   const float recv = __shfl_xor_sync(0xffffffffu, send, 4);
   const float lo = odd ? recv : v0;  // row r_even
   const float hi = odd ? v1 : recv;  // row r_even + 1
   const int n = n_pair + (odd ? 1 : 0);
-  if (n >= n_tokens) return;
+  if (!keep || n >= n_tokens) return;
   T* dst = y + (size_t)n * rows + r_even;
   const T o0 = MmaType<T>::from_float(activate<ACT>(lo + b0)), o1 = MmaType<T>::from_float(activate<ACT>(hi + b1));
   if (r_even + 1 < rows && (rows & 1) == 0) {

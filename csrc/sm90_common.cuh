@@ -124,6 +124,18 @@ struct SplitK {
       __stcg(reinterpret_cast<float4*>(ws + q * 4 * THREADS),
              make_float4(acc[4 * q], acc[4 * q + 1], acc[4 * q + 2], acc[4 * q + 3]));
   }
+  // The chunked shared sum (a grid of non-persistent CTAs that are all resident at once, tile_config.h
+  // sm90_split_sum_shared): chunk q of warp w's accumulators (4q .. 4q + 3 among a thread's FLOATS, the same in every
+  // lane) belongs to split (q + w) % splits, which adds it up from every split's partial sums and stores it, so every
+  // split reads back about 1 / splits of the tile, where the last split's sum reads all of it from every split. Use:
+  // store() every array, arrive(shared, sync) (false: this split stores nothing), then sum() every array (the last
+  // split) or sum_owned() every array and leave() (shared), and store the chunks that sum_owned() names.
+  template <typename Sync>
+  __device__ __forceinline__ bool arrive(bool shared, Sync sync) const {
+    if (!shared) return last(sync);
+    meet(sync);
+    return true;
+  }
   // After every thread's store(): true in the last split of the tile to arrive, which has reset the counter for the
   // next launch. A CTA that runs another split later passes `sync` again before rewriting the flag, so every thread
   // has read it by then.
@@ -177,6 +189,45 @@ struct SplitK {
     for (int j = 0; j < N; ++j) acc[j] = 0.f;
     for (int z = 0; z < splits; ++z) add_split(acc, offset, z);
   }
+  // The chunks of the N accumulators at `offset` that this split owns, added up from every split's partial sums in
+  // split order from zero (as sum(): the same bits either way) into acc; bit q of the result: chunk q is this
+  // split's. The splits' partial sums of a chunk are loaded eight at a time, so that one round trip to the L2 serves
+  // eight of them.
+  template <int N>
+  __device__ __forceinline__ uint32_t sum_owned(float (&acc)[N], int offset, int warp) const {
+    static_assert(N % 4 == 0 && N / 4 <= 32, "one bit per chunk of four accumulators");
+    constexpr int kBatch = 8;
+    uint32_t owned = 0;
+    int q = (split - (offset / 4 + warp) % splits + splits) % splits;  // the first chunk this split owns
+    for (; q < N / 4; q += splits) {
+      const float* ws = tile_ws + (offset + 4 * q) * THREADS;
+      float4 t = make_float4(0.f, 0.f, 0.f, 0.f);
+      for (int z0 = 0; z0 < splits; z0 += kBatch) {
+        float4 v[kBatch];
+#pragma unroll
+        for (int i = 0; i < kBatch; ++i)
+          if (z0 + i < splits) v[i] = __ldcg(reinterpret_cast<const float4*>(ws + (size_t)(z0 + i) * PER_SPLIT));
+#pragma unroll
+        for (int i = 0; i < kBatch; ++i) {
+          if (z0 + i >= splits) break;
+          t.x += v[i].x;
+          t.y += v[i].y;
+          t.z += v[i].z;
+          t.w += v[i].w;
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < N / 4; ++j) {
+        if (j != q) continue;
+        acc[4 * j] = t.x;
+        acc[4 * j + 1] = t.y;
+        acc[4 * j + 2] = t.z;
+        acc[4 * j + 3] = t.w;
+      }
+      owned |= 1u << q;
+    }
+    return owned;
+  }
   // acc += split z's partial sums of this thread (the add of sum() and add_others()).
   template <int N>
   __device__ __forceinline__ void add_split(float (&acc)[N], int offset, int z) const {
@@ -194,10 +245,13 @@ struct SplitK {
 
 // Epilogue of one m64 x BN accumulator tile of a warpgroup: this warp's 16 rows start at row0. acc[4*nt + c]: row
 // g + 8*(c >> 1), token n_base + 8*nt + 2t + (c & 1). Lanes g and g^1 swap halves so each lane holds two adjacent
-// rows of one token: 32-bit stores of Y[n, r], r, r+1 (+ bias).
+// rows of one token: 32-bit stores of Y[n, r], r, r+1 (+ bias). Bit nt of `chunks`: whether this warp stores chunk nt
+// (tokens 8nt .. 8nt + 7, acc[4nt .. 4nt + 3]; the same in every lane): all of them, or the chunks a split owns in
+// SplitK's chunked shared sum.
 template <typename T, int BN, int ACT = kActNone>
 __device__ __forceinline__ void store_tile(const float (&acc)[BN / 2], int row0, int n_base, int lane,
-                                           const T* __restrict__ bias, T* __restrict__ y, int rows, int n_tokens) {
+                                           const T* __restrict__ bias, T* __restrict__ y, int rows, int n_tokens,
+                                           uint32_t chunks = ~0u) {
   const int g = lane >> 2, t = lane & 3;
   const bool odd = g & 1;
 #pragma unroll
@@ -208,7 +262,7 @@ __device__ __forceinline__ void store_tile(const float (&acc)[BN / 2], int row0,
 #pragma unroll
     for (int nt = 0; nt < BN / 8; ++nt)  // tokens n, n+1
       store_row_pair<T, ACT>(y, acc[4 * nt + 2 * half], acc[4 * nt + 2 * half + 1], odd, n_base + nt * 8 + 2 * t,
-                             r_even, b0, b1, rows, n_tokens);
+                             r_even, b0, b1, rows, n_tokens, ((chunks >> nt) & 1u) != 0);
   }
 }
 

@@ -129,7 +129,7 @@ __global__ void __launch_bounds__(kSm90Threads, Cfg::MINB)
 spmm_sm90_kernel(const T* __restrict__ x, const uint4* __restrict__ values, const uint32_t* __restrict__ meta,
                  const T* __restrict__ bias, T* __restrict__ y, int n_tokens, int rows, int rows_padded, int k,
                  int steps, int act, bool tokens_fastest, int kt_per_split, float* __restrict__ split_ws,
-                 int* __restrict__ split_counters) {
+                 int* __restrict__ split_counters, bool shared_sum) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr int BN = Cfg::BN, WGM = Cfg::WGM, STAGES = Cfg::STAGES, INFLIGHT = Cfg::INFLIGHT;
   constexpr int THREADS = kSm90Threads, MT = Cfg::MT;
@@ -321,21 +321,33 @@ spmm_sm90_kernel(const T* __restrict__ x, const uint4* __restrict__ values, cons
     for (int j = 0; j < ND; ++j) asm volatile("" : "+f"(acc[i][j])::"memory");  // reads after the wgmma wait
 
   if (tid == 0) timeline_mark(kTlLoopDone);
-  if (gridDim.z > 1) {  // split-K: the last CTA of the tile to finish stores it (sm90_common.cuh SplitK)
+  // The shared sum where the launch says so, in the few-token tiles (the configuration-4 fallback, 256 tokens, runs
+  // unsplit and keeps its registers without it).
+  const bool shared = BN <= 128 && shared_sum;
+  uint32_t mine[WGM];  // the chunks of each m64 tile this CTA stores (SplitK::sum_owned)
+#pragma unroll
+  for (int i = 0; i < WGM; ++i) mine[i] = ~0u;
+  if (gridDim.z > 1) {  // split-K: the last split of the tile to arrive, or each split its own chunks, sums and stores
     const auto split = SplitK<WGM * ND, THREADS>::of_grid(split_ws, split_counters);
 #pragma unroll
     for (int i = 0; i < WGM; ++i) split.store(acc[i], i * ND);
-    const bool last = split.last();
+    const bool sums = split.arrive(shared, [] { __syncthreads(); });
     if (tid == 0) {
       timeline_mark(kTlArrived);
-      timeline_mark(kTlLast, last);
+      timeline_mark(kTlLast, sums);
     }
-    if (!last) {
+    if (!sums) {
       if (tid == 0) timeline_mark(kTlEnd);
       return;
     }
+    if (shared) {
 #pragma unroll
-    for (int i = 0; i < WGM; ++i) split.sum(acc[i], i * ND);
+      for (int i = 0; i < WGM; ++i) mine[i] = split.sum_owned(acc[i], i * ND, warp);
+      split.leave();
+    } else {
+#pragma unroll
+      for (int i = 0; i < WGM; ++i) split.sum(acc[i], i * ND);
+    }
     if (tid == 0) timeline_mark(kTlSummed);
   }
 
@@ -344,9 +356,9 @@ spmm_sm90_kernel(const T* __restrict__ x, const uint4* __restrict__ values, cons
     if (!active[i]) continue;
     const int row0 = cta_row0 + 64 * (wg * WGM + i) + 16 * wq;
     if (act == kActGelu) {
-      store_tile<T, BN, kActGelu>(acc[i], row0, n_base, lane, bias, y, rows, n_tokens);
+      store_tile<T, BN, kActGelu>(acc[i], row0, n_base, lane, bias, y, rows, n_tokens, mine[i]);
     } else {
-      store_tile<T, BN>(acc[i], row0, n_base, lane, bias, y, rows, n_tokens);
+      store_tile<T, BN>(acc[i], row0, n_base, lane, bias, y, rows, n_tokens, mine[i]);
     }
   }
   if (tid == 0) timeline_mark(kTlEnd);
@@ -371,10 +383,14 @@ cudaError_t launch_sm90(const SpmmArgs& a, cudaStream_t stream, int splits = 1, 
   if (grid.y > 65535) return cudaErrorInvalidConfiguration;  // the binding slices larger inputs
   if (splits > 1 && grid.x * grid.y > kSplitKCounters) return cudaErrorInvalidValue;
   const int k_tiles = (a.steps + 1) / 2, kt_per_split = (k_tiles + splits - 1) / splits;
+  int sms = 0;
+  err = current_sm_count(&sms);
+  if (err != cudaSuccess) return err;
+  const bool shared_sum = sm90_split_sum_shared((long long)grid.x * grid.y, splits, sms);
   kernel<<<grid, kSm90Threads, Cfg::SMEM, stream>>>(
       static_cast<const T*>(a.x), static_cast<const uint4*>(a.values), static_cast<const uint32_t*>(a.meta),
       static_cast<const T*>(a.bias), static_cast<T*>(a.y), a.n_tokens, a.rows, a.rows_padded, a.k, a.steps, a.act,
-      tokens_fastest, kt_per_split, a.split_ws, a.split_counters);
+      tokens_fastest, kt_per_split, a.split_ws, a.split_counters, shared_sum);
   return cudaGetLastError();
 }
 

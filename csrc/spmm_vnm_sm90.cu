@@ -90,7 +90,7 @@ __global__ void __launch_bounds__(kVnmThreads, sm90_vnm_ctas_per_sm(M, BN))
 spmm_vnm_sm90_kernel(const T* __restrict__ x, const uint4* __restrict__ values, const uint32_t* __restrict__ meta,
                      const uint32_t* __restrict__ columns, const T* __restrict__ bias, T* __restrict__ y,
                      int n_tokens, int rows, int rows_padded, int k, int steps, int kt_per_split,
-                     float* __restrict__ split_ws, int* __restrict__ split_counters) {
+                     float* __restrict__ split_ws, int* __restrict__ split_counters, bool shared_sum) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using Cfg = VnmCfg<M, BN>;
   using Regs = GatherRegs<M, BN>;
@@ -277,13 +277,19 @@ spmm_vnm_sm90_kernel(const T* __restrict__ x, const uint4* __restrict__ values, 
   }
 #pragma unroll
   for (int j = 0; j < ND; ++j) asm volatile("" : "+f"(acc[j])::"memory");  // reads after the wgmma wait
-  if (gridDim.z > 1) {  // split-K: the last CTA of the tile to finish stores it (sm90_common.cuh SplitK)
+  uint32_t mine = ~0u;  // the chunks of the tile this CTA stores (SplitK::sum_owned)
+  if (gridDim.z > 1) {  // split-K: the last split of the tile to arrive, or each split its own chunks, sums and stores
     const auto split = SplitK<ND, kVnmThreads>::of_grid(split_ws, split_counters);
     split.store(acc, 0);
-    if (!split.last()) return;
-    split.sum(acc, 0);
+    if (!split.arrive(shared_sum, [] { __syncthreads(); })) return;
+    if (shared_sum) {
+      mine = split.sum_owned(acc, 0, warp);
+      split.leave();
+    } else {
+      split.sum(acc, 0);
+    }
   }
-  if (active) store_tile<T, BN>(acc, cta_row0 + 64 * wg + 16 * wq, n_base, lane, bias, y, rows, n_tokens);
+  if (active) store_tile<T, BN>(acc, cta_row0 + 64 * wg + 16 * wq, n_base, lane, bias, y, rows, n_tokens, mine);
 #elif defined(__CUDA_ARCH__)
   __trap();  // built without sm_90a: the host never launches this (spmm_sm90_available() is false)
 #endif
@@ -734,10 +740,14 @@ cudaError_t launch_vnm(const SpmmArgs& a, const SpmmPlan& plan, cudaStream_t str
   const dim3 grid((a.rows_padded + 127) / 128, (a.n_tokens + BN - 1) / BN, splits);
   if (grid.y > 65535) return cudaErrorInvalidConfiguration;  // the binding slices larger inputs
   const int k_tiles = (a.steps + 1) / 2, kt_per_split = (k_tiles + splits - 1) / splits;
+  int sms = 0;
+  err = current_sm_count(&sms);
+  if (err != cudaSuccess) return err;
+  const bool shared_sum = sm90_split_sum_shared((long long)grid.x * grid.y, splits, sms);
   kernel<<<grid, kVnmThreads, Cfg::SMEM, stream>>>(
       static_cast<const T*>(a.x), static_cast<const uint4*>(a.values), static_cast<const uint32_t*>(a.meta),
       reinterpret_cast<const uint32_t*>(a.columns), static_cast<const T*>(a.bias), static_cast<T*>(a.y), a.n_tokens,
-      a.rows, a.rows_padded, a.k, a.steps, kt_per_split, a.split_ws, a.split_counters);
+      a.rows, a.rows_padded, a.k, a.steps, kt_per_split, a.split_ws, a.split_counters, shared_sum);
   return cudaGetLastError();
 }
 

@@ -108,7 +108,9 @@ inline int sm90_small_bn(long long n_tokens) { return n_tokens <= 16 ? 16 : n_to
 // The few-token tiles' shortest split in k-tiles: kSplitKMinKTiles for the 16-token tile, 16 for the 64- and
 // 128-token ones, whose last CTA reads back a 32 / 64 KB fp32 partial tile per split (4096 -> 4096: at 17-64 tokens 4
 // splits of 16 k-tiles ran 1.04-1.17x faster than 8 of 8, benchmarks/RESULTS.md, "tail map"; at 128 tokens 1.3x).
+// kSm90SmallSharedMinKTiles where the splits that allows sum with the shared sum (sm90_small_plan).
 inline int sm90_small_min_k_tiles(int bn) { return bn >= 64 ? 16 : kSplitKMinKTiles; }
+constexpr int kSm90SmallSharedMinKTiles = 8;
 constexpr int kSm90SmallCtasPerSm = 2;
 // The V:2:M sparse-wgmma SpMM's register pipeline: its tokens per CTA by default, 16 up to 16 tokens, 32 up to 32,
 // 32 up to 64 at M >= 16 and 64 at M = 8, above that 64, and at M = 8 128 (sm90_vnm_plan weighs 16 against 32 at
@@ -209,6 +211,18 @@ inline int sm90_split_k(long long tiles, long long k_tiles, int sms, int ctas_pe
     if (best_cost < 0 || cost < best_cost) best = n, best_cost = cost;
   }
   return (int)best;
+}
+// Whether a split launch of non-persistent CTAs (the 2:4 few-token tiles, the V:2:M register pipeline) sums its
+// partial tiles with the chunked shared sum (sm90_common.cuh SplitK::add_owned: every split adds up and stores the
+// chunks of the tile it owns) instead of the last split to arrive reading every split's partial tile alone: where its
+// CTAs, tiles x splits, are at most one per SM, so that every split of a tile is resident at once and may wait for the
+// others. The last-split sum is one CTA reading splits x its partial tile (16 x 64 KB for the 128-token tile in 16
+// splits), which the grouped-query key / value projections' 8 row blocks paid on every call: with the shared sum
+// 8192 -> 1024 and 4096 -> 1024 at 96-192 tokens ran 1.17-1.38x faster at 64:2:8 and 1.05-1.14x at 64:2:16, and at
+// 32-64 tokens 2:4 1.18-1.26x (with sm90_small_plan's 16 splits); benchmarks/RESULTS.md, "the shared split-K sum of
+// the few-token tiles".
+inline bool sm90_split_sum_shared(long long tiles, int splits, int sms) {
+  return splits > 1 && tiles > 0 && tiles * splits <= sms;
 }
 // The split-K plan of a grid of 128-row x bn-token tiles with k_tiles k-tiles each on `sms` SMs running ctas_per_sm
 // CTAs each: the splits (sm90_split_k) and the fp32 scratch their partial sums take, one 128 x bn accumulator tile
@@ -380,10 +394,19 @@ inline Sm90LargePlan sm90_large_plan(long long rows_padded, long long n_tokens, 
   return best;
 }
 
-// The few-token tiles' split-K plan.
+// The few-token tiles' split-K plan: splits of at least sm90_small_min_k_tiles k-tiles, or, for the 64-token tile, of
+// kSm90SmallSharedMinKTiles where that gives more splits that sum with the shared sum (sm90_split_sum_shared; each
+// split then reads back a 1 / splits share of the partial tiles, not the last one all of them): 8192 -> 1024 and
+// 4096 -> 1024 (the grouped-query key / value projections, 8 row blocks) at 32-64 tokens in 16 / 8 splits instead of
+// 8 / 4 (benchmarks/RESULTS.md, "the shared split-K sum of the few-token tiles").
 inline Sm90SplitPlan sm90_small_plan(long long rows_padded, long long n_tokens, long long k_tiles, int sms) {
   const int bn = sm90_small_bn(n_tokens);
-  return sm90_split_plan(rows_padded, n_tokens, bn, k_tiles, sms, kSm90SmallCtasPerSm, sm90_small_min_k_tiles(bn));
+  const Sm90SplitPlan p =
+      sm90_split_plan(rows_padded, n_tokens, bn, k_tiles, sms, kSm90SmallCtasPerSm, sm90_small_min_k_tiles(bn));
+  if (bn < 64) return p;
+  const Sm90SplitPlan q =
+      sm90_split_plan(rows_padded, n_tokens, bn, k_tiles, sms, kSm90SmallCtasPerSm, kSm90SmallSharedMinKTiles);
+  return q.splits > p.splits && sm90_split_sum_shared(q.tiles, q.splits, sms) ? q : p;
 }
 // Where the few-token tiles run: up to kSm90FewTokens tokens; above, the persistent plan (sm90_large_plan: the
 // configuration and its split). At 65-95 tokens the persistent plan was faster at the five Llama shapes where the

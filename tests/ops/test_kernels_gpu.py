@@ -502,6 +502,43 @@ def test_spmm_wgmma_split_k_is_deterministic_across_calls_shapes_and_streams(v, 
     assert torch.equal(other_side, other)
 
 
+@pytest.mark.parametrize(
+    ("v", "m", "rows", "cols", "tokens"),
+    [
+        # 8 row blocks (the grouped-query key / value projections' 1024 rows, here ragged): every split launch is at
+        # most 132 CTAs, so each split sums the chunks of the tile it owns (sm90_split_sum_shared)
+        (64, 4, 1000, 8200, 16),  # 2:4 16-token tiles, ~15 splits
+        (64, 4, 1000, 8200, 40),  # 2:4 64-token tiles, ~15 splits (sm90_small_plan), a ragged token tile
+        (64, 4, 1024, 8192, 64),
+        (64, 8, 960, 8200, 96),  # V:2:M register pipeline, 128-token tiles, ~13 splits; the last block one slab
+        (64, 8, 1024, 8192, 128),
+        (64, 16, 960, 8208, 50),
+        (128, 8, 1024, 8192, 20),
+        # 32 row blocks: 256 CTAs, so the last split of each tile to arrive sums it
+        (64, 4, 4096, 8192, 16),
+        (64, 8, 4096, 8192, 16),
+    ],
+)
+def test_spmm_wgmma_split_k_shared_sum_at_few_row_blocks(v, m, rows, cols, tokens):
+    """Split-K of the non-persistent sparse-wgmma tiles with the chunked shared sum (every split adds up the chunks
+    of its tile that it owns, from every split's partial sums) and, on more row blocks, with the last split's sum:
+    against the reference on poisoned memory with a bias, ragged rows (a last row block of one slab), K and tokens;
+    the same bits on later calls
+    (each chunk's partial sums are added in split order, whichever split owns it)."""
+    if not _wgmma_runs_here():
+        pytest.skip("sparse wgmma needs a cc 9.0 GPU and an sm_90a build")
+    w, mask, p = _pack_cuda(rows, cols, v, m, torch.bfloat16, seed=rows + tokens + m)
+    x = torch.randn(tokens, cols, device="cuda").bfloat16()
+    b = torch.randn(rows, device="cuda").bfloat16()
+    with force_kernel(spmm="wgmma"):
+        _assert_spmm_matches_reference(x, w, p, b)
+        first = spmm(x, p, b)
+        again = [spmm(x, p, b) for _ in range(3)]
+    torch.cuda.synchronize()
+    for y in again:
+        assert torch.equal(y, first)
+
+
 @pytest.mark.parametrize(("v", "m"), [(64, 4), (64, 8)])
 def test_spmm_wgmma_split_k_under_cuda_graph_capture(v, m):
     """Inside a CUDA graph capture the split-K scratch comes from the graph's pool, and a capturing stream without

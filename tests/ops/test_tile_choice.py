@@ -302,6 +302,35 @@ VNM_PLAN_CASES = [
     ((8, 28672, 65, 64), (128, 1)),
 ]
 
+# (rows_padded, tokens, k-tiles, SMs) -> (tile tokens, splits) of the few-token tiles (sm90_small_plan): splits of at
+# least 16 k-tiles for the 64-token tile (4 for the 16-token one), with 2 CTA slots per SM, ceil(tiles x splits / 264)
+# x (k-tiles per split + 4) the least; the 64-token tile in splits of at least 8 k-tiles where that gives more splits
+# and tiles x splits <= SMs (the shared sum).
+SMALL_PLAN_CASES = [
+    # 8192 -> 1024 at 64 tokens, 8 tiles: 8 splits of 16 (1 x 20); of 8: 16 splits (1 x 12), 128 CTAs -> 16
+    ((1024, 64, 128, 132), (64, 16)),
+    # 4096 -> 1024 at 32 tokens: 4 splits of 16; of 8: 8 splits, 64 CTAs -> 8
+    ((1024, 32, 64, 132), (64, 8)),
+    # 4096 -> 4096 at 64 tokens, 32 tiles: 4 splits of 16; of 8: 8 splits but 256 CTAs (the last split sums) -> 4
+    ((4096, 64, 64, 132), (64, 4)),
+    # 11008 -> 4096 at 64 tokens: 8 splits of 22 either way (9 or more take two rounds) -> 8
+    ((4096, 64, 172, 132), (64, 8)),
+    # the 16-token tile: splits of at least 4, 8 tiles x 16 in one round -> 16
+    ((1024, 16, 128, 132), (16, 16)),
+]
+
+# (tiles, splits, SMs) -> whether a split launch of non-persistent CTAs sums with the chunked shared sum
+# (sm90_split_sum_shared): split, and tiles x splits at most the SMs (every split of a tile resident at once).
+SHARED_SUM_CASES = [
+    ((8, 16, 132), 1),  # 8192 -> 1024, V:2:M 128-token tile in 16 splits: 128 CTAs
+    ((8, 8, 132), 1),  # 8192 -> 1024, 2:4 64-token tile in 8 splits
+    ((33, 4, 132), 1),  # exactly one CTA per SM
+    ((32, 8, 132), 0),  # 4096 rows, 16-token tile in 8 splits: 256 CTAs, two per SM (the last split sums)
+    ((34, 4, 132), 0),  # one CTA over
+    ((100, 1, 132), 0),  # unsplit: no sum
+    ((0, 4, 132), 0),
+]
+
 PROGRAM = r"""
 #include <cstdio>
 #include "tile_config.h"
@@ -317,10 +346,15 @@ int main(int argc, char** argv) {
     if (fn == 'B') {
       std::printf("%d\n", hf_sparse::sm90_few_token(b) ? hf_sparse::sm90_small_plan(a, b, c, (int)d).bn : 0);
     }
+    if (fn == 'Q') {
+      const hf_sparse::Sm90SplitPlan p = hf_sparse::sm90_small_plan(a, b, c, (int)d);
+      std::printf("%d %d\n", p.bn, p.splits);
+    }
     if (fn == 'V') std::printf("%d\n", hf_sparse::sm90_vnm_bn((int)a, b));
     if (fn == 'X') std::printf("%d\n", hf_sparse::sm90_vnm_xt((int)a, b, (int)c, d, (int)e) ? 1 : 0);
     if (fn == 'G') std::printf("%d\n", hf_sparse::sm90_vnm_gemv((int)a, b, c, d, (int)e) ? 1 : 0);
     if (fn == 'Y') std::printf("%d\n", hf_sparse::sm90_vnm_xt_split_k(a, b, (int)c));
+    if (fn == 'H') std::printf("%d\n", hf_sparse::sm90_split_sum_shared(a, (int)b, (int)c) ? 1 : 0);
     if (fn == 'D') std::printf("%d\n", hf_sparse::sm90_vnm_xt_deep_ring((int)a, (int)b, c, (int)d) ? 1 : 0);
     if (fn == 'Z') {
       const hf_sparse::Sm90SplitPlan p = hf_sparse::sm90_vnm_xt_plan(a, b, c, (int)d);
@@ -408,3 +442,11 @@ def test_vnm_xt_split_matches_hand_computed_choices(chooser):
 
 def test_vnm_xt_deep_ring_matches_hand_computed_choices(chooser):
     assert _choose(chooser, "D", VNM_XT_DEEP_RING_CASES) == [expected for _, expected in VNM_XT_DEEP_RING_CASES]
+
+
+def test_shared_split_sum_rule_matches_hand_computed_choices(chooser):
+    assert _choose(chooser, "H", SHARED_SUM_CASES) == [expected for _, expected in SHARED_SUM_CASES]
+
+
+def test_few_token_plan_matches_hand_computed_choices(chooser):
+    assert _choose_pairs(chooser, "Q", SMALL_PLAN_CASES) == [expected for _, expected in SMALL_PLAN_CASES]
