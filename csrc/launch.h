@@ -1,14 +1,16 @@
 // Host helpers every kernel launcher shares: the group sizes kernels are instantiated for, the opt-in to more than
-// 48 KB of dynamic shared memory, and the SM count that grid and split choices are made for. The last two are CUDA
-// runtime calls of a few microseconds of host time whose answer does not change, so each is made once per kernel
-// instantiation or device, not on every launch (the training step and few-token inference are host-bound on slow
-// hosts).
+// 48 KB of dynamic shared memory, and the SM count that grid and split choices (and the split-K sum) are made for.
+// The last two are CUDA runtime calls of a few microseconds of host time whose answer does not change, so each is made
+// once per kernel instantiation or device, not on every launch (the training step and few-token inference are
+// host-bound on slow hosts).
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <atomic>
 #include <type_traits>
+
+#include "tile_config.h"
 
 namespace hf_sparse {
 
@@ -79,6 +81,16 @@ inline cudaError_t current_sm_count(int* sms) {
   return once_per_device(counts, sms, [](int dev, int* n) {
     return cudaDeviceGetAttribute(n, cudaDevAttrMultiProcessorCount, dev);
   });
+}
+
+// Whether a split launch of non-persistent CTAs, `grid` = (tiles along x and y, splits along z), sums its partial
+// tiles with SplitK's chunked shared sum on the current device (tile_config.h sm90_split_sum_shared), in *shared.
+inline cudaError_t split_sum_shared(dim3 grid, bool* shared) {
+  int sms = 0;
+  const cudaError_t err = current_sm_count(&sms);
+  if (err != cudaSuccess) return err;
+  *shared = sm90_split_sum_shared((long long)grid.x * grid.y, (int)grid.z, sms);
+  return cudaSuccess;
 }
 
 #if defined(HF_SPARSE_TIMELINE)

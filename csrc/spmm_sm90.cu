@@ -383,10 +383,9 @@ cudaError_t launch_sm90(const SpmmArgs& a, cudaStream_t stream, int splits = 1, 
   if (grid.y > 65535) return cudaErrorInvalidConfiguration;  // the binding slices larger inputs
   if (splits > 1 && grid.x * grid.y > kSplitKCounters) return cudaErrorInvalidValue;
   const int k_tiles = (a.steps + 1) / 2, kt_per_split = (k_tiles + splits - 1) / splits;
-  int sms = 0;
-  err = current_sm_count(&sms);
+  bool shared_sum = false;
+  err = split_sum_shared(grid, &shared_sum);
   if (err != cudaSuccess) return err;
-  const bool shared_sum = sm90_split_sum_shared((long long)grid.x * grid.y, splits, sms);
   kernel<<<grid, kSm90Threads, Cfg::SMEM, stream>>>(
       static_cast<const T*>(a.x), static_cast<const uint4*>(a.values), static_cast<const uint32_t*>(a.meta),
       static_cast<const T*>(a.bias), static_cast<T*>(a.y), a.n_tokens, a.rows, a.rows_padded, a.k, a.steps, a.act,

@@ -740,10 +740,9 @@ cudaError_t launch_vnm(const SpmmArgs& a, const SpmmPlan& plan, cudaStream_t str
   const dim3 grid((a.rows_padded + 127) / 128, (a.n_tokens + BN - 1) / BN, splits);
   if (grid.y > 65535) return cudaErrorInvalidConfiguration;  // the binding slices larger inputs
   const int k_tiles = (a.steps + 1) / 2, kt_per_split = (k_tiles + splits - 1) / splits;
-  int sms = 0;
-  err = current_sm_count(&sms);
+  bool shared_sum = false;
+  err = split_sum_shared(grid, &shared_sum);
   if (err != cudaSuccess) return err;
-  const bool shared_sum = sm90_split_sum_shared((long long)grid.x * grid.y, splits, sms);
   kernel<<<grid, kVnmThreads, Cfg::SMEM, stream>>>(
       static_cast<const T*>(a.x), static_cast<const uint4*>(a.values), static_cast<const uint32_t*>(a.meta),
       reinterpret_cast<const uint32_t*>(a.columns), static_cast<const T*>(a.bias), static_cast<T*>(a.y), a.n_tokens,
