@@ -13,7 +13,8 @@
 # command line), all trees at once, run in the tree. sweeps: RUNS is a list of (tree, sweep) pairs run in order: tree's
 # package and kernels timing `sweep_split_k.py --product-only --cold $SWEEP_<sweep>`, its rows appended to
 # $OUT/ab_<sweep>_<tree>.jsonl; alternate base and branch runs ("base a a a base b b b") so that drift hits both. The
-# time left is divided evenly among the runs still to come. LIMIT: seconds the whole call may take (default 575).
+# time left is divided evenly among the runs still to come. ENV_<sweep>: environment assignments (NAME=VALUE ...) for
+# that sweep's runs, e.g. a branch's experiment switch. LIMIT: seconds the whole call may take (default 575).
 set -u
 cd "$(dirname "$0")/.."
 root=$PWD
@@ -65,9 +66,9 @@ if [[ $phases == *" sweeps "* ]]; then
       echo "skipped ($(left) s left): $sweep on $tree" | tee -a "$log"
       continue
     fi
-    var=SWEEP_$sweep
-    echo "== $sweep on $tree ($budget s, $(date -u +%H:%M:%S))" | tee -a "$log"
-    in_tree "$tree" timeout -s ABRT -k 5 "$budget" python "$root/benchmarks/sweep_split_k.py" --product-only --cold \
+    var=SWEEP_$sweep evar=ENV_$sweep
+    echo "== $sweep on $tree ($budget s, $(date -u +%H:%M:%S)) ${!evar:-}" | tee -a "$log"
+    in_tree "$tree" env ${!evar:-} timeout -s ABRT -k 5 "$budget" python "$root/benchmarks/sweep_split_k.py" --product-only --cold \
       ${!var} --json "$out/ab_${sweep}_$tree.jsonl" >"$out/sweep_${sweep}_$tree.log" 2>&1
     echo "rc $?, $(wc -l <"$out/ab_${sweep}_$tree.jsonl" 2>/dev/null || echo 0) rows" | tee -a "$log"
     clear_locks
