@@ -1014,7 +1014,7 @@ using SmallCfg = Sm90Cfg<BN, 1, BN == 16 ? 6 : 4, 0, 0, kSm90SmallCtasPerSm>;
 // split_k knob the split.
 SpmmPlan plan_call(const SpmmArgs& a, int sms) {
   const long long k_tiles = (a.steps + 1) / 2;
-  bool few_token = sm90_few_token(a.n_tokens);
+  bool few_token = sm90_few_token(a.rows_padded, a.n_tokens, k_tiles, sms);
 #if defined(HF_SPARSE_LAB)
   const int forced = lab::tuning().small_tiles.load(std::memory_order_relaxed);
   if (forced >= 0) few_token = forced == 1 && a.n_tokens <= 256;
@@ -1184,9 +1184,7 @@ cudaError_t dispatch_bn(const SpmmArgs& a, const SpmmPlan& p, cudaStream_t strea
 #endif
   if (p.few_token) {
     if (p.split.bn == 16) return launch_sm90<T, SmallCfg<16>>(a, stream, p.split.splits, true);
-#if defined(HF_SPARSE_LAB)
-    if (p.split.bn == 128) return launch_sm90<T, SmallCfg<128>>(a, stream, p.split.splits, true);  // (small_tiles)
-#endif
+    if (p.split.bn == 128) return launch_sm90<T, SmallCfg<128>>(a, stream, p.split.splits, true);
     return launch_sm90<T, SmallCfg<64>>(a, stream, p.split.splits, true);
   }
   return launch_large<T>(a, stream, p);

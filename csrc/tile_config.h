@@ -335,7 +335,8 @@ inline Sm90SplitPlan sm90_split_plan(long long rows_padded, long long n_tokens, 
 //   ("the M = 8 64-token tile"): the 64-token tile was 1.13-1.30x faster on the 7B/13B shapes, whose rounds cost
 //   1.73-2.0x as much in 32-token tiles, and 0.92-0.97x at 4096 -> 4096 (1.5x).
 constexpr int kVnmWord32Cost = 10, kVnmChunk32Cost = 8, kVnmChunk64Cost = 13;  // eighths, above
-inline Sm90SplitPlan sm90_vnm_plan(int m, long long rows_padded, long long n_tokens, long long k_tiles, int sms) {
+inline Sm90SplitPlan sm90_vnm_rounds_plan(int m, long long rows_padded, long long n_tokens, long long k_tiles,
+                                          int sms) {
   const auto plan = [&](int bn) {
     return sm90_split_plan(rows_padded, n_tokens, bn, k_tiles, sms, sm90_vnm_ctas_per_sm(m, bn), kVnmSplitMinKTiles);
   };
@@ -347,6 +348,27 @@ inline Sm90SplitPlan sm90_vnm_plan(int m, long long rows_padded, long long n_tok
   };
   const int weight = wide.bn == 64 ? kVnmChunk64Cost : m == 8 ? kVnmChunk32Cost : kVnmWord32Cost;
   return weight * cost(wide) < 8 * cost(narrow) ? wide : narrow;
+}
+// The register pipeline's plan: sm90_vnm_rounds_plan's, or, where it splits kVnmSharedMinSplits or more ways and
+// those splits would sum the last-split way (the last to arrive reading back every split's partial tile), tiles of
+// twice its tokens (up to kVnmSharedMaxBN) in as many splits where that halves the grid to one CTA on at least 3/4 of
+// the SMs and at most one on each, so that the splits sum with the shared sum (sm90_split_sum_shared): the rounds
+// model prices every sum alike. Measured on the H200 against sm90_vnm_rounds_plan alone (benchmarks/RESULTS.md, "the
+// V:2:M plan with the shared sum"), GPU time (in a chain over distinct weights): 64:2:8 on 8192 -> 1024 / 4096 ->
+// 1024 / 2048 -> 2048 at 24 tokens 1.00-1.10 / 1.04-1.07 / 1.02x (1.07-1.08 / 1.07 / 1.03x), at 48 tokens 1.04-1.05 /
+// 1.14-1.15 / 1.09x (1.08-1.10 / 1.17-1.18 / 1.11x); 64:2:16 on 8192 -> 1024 at 24 / 48 tokens 0.97-1.04 / 1.10x
+// (1.04-1.05 / 1.11x). Not taken: the same widening in 4 splits (4096 -> 4096, 11008 -> 4096 at 48 tokens:
+// 0.84-0.93x), and fewer splits for the shared sum (4096 -> 4096, 5120 -> 5120, 11008 -> 4096 at M = 16 and 32, 8-24
+// tokens: 0.82-0.96x).
+constexpr int kVnmSharedMaxBN = 64, kVnmSharedMinSplits = 8;
+inline Sm90SplitPlan sm90_vnm_plan(int m, long long rows_padded, long long n_tokens, long long k_tiles, int sms) {
+  const Sm90SplitPlan p = sm90_vnm_rounds_plan(m, rows_padded, n_tokens, k_tiles, sms);
+  if (p.splits < kVnmSharedMinSplits || p.bn >= kVnmSharedMaxBN || n_tokens <= p.bn ||
+      sm90_split_sum_shared(p.tiles, p.splits, sms))
+    return p;
+  const Sm90SplitPlan wide{2 * p.bn, p.splits, sm90_tiles(rows_padded, n_tokens, 2 * p.bn)};
+  const long long ctas = wide.tiles * wide.splits;
+  return 4 * ctas >= 3 * sms && sm90_split_sum_shared(wide.tiles, wide.splits, sms) ? wide : p;
 }
 // The persistent configurations' plan: the configuration and its split-K. A work unit is a split of a tile, and the
 // CTAs, one per SM, walk the units. A configuration splits only where its tiles leave half the SMs or more idle (e.g.
@@ -413,6 +435,22 @@ inline Sm90SplitPlan sm90_small_plan(long long rows_padded, long long n_tokens, 
 // few-token tiles had run there (1.05-1.26x, 1.09-1.42x in a chain over cold weights); at 65-256 tokens a model of both
 // (sm90_split_work, x 1.5 for the cp.async kernel's lower rate per token row and k-tile) preferred the few-token tiles
 // only on exact ties (benchmarks/RESULTS.md, "tail map").
-constexpr int kSm90FewTokens = 64;
-inline bool sm90_few_token(long long n_tokens) { return n_tokens <= kSm90FewTokens; }
+// Up to kSm90FewTokensShared tokens the few-token 128-token tile still runs where the persistent plan splits its tiles
+// kSm90FewTokenLargeMinSplits or more ways (the last split of a partial tile reads back every split's 64 KB partial
+// tile) into work units that fill at most half the SMs, and where the few-token plan's splits sum with the shared sum:
+// the grouped-query key / value projections' 8 row blocks and BERT-base's 3072 -> 768. Measured on the H200
+// (benchmarks/RESULTS.md, "the few-token tiles above 64 tokens"), GPU time (in a chain over distinct weights): 8192 ->
+// 1024 at 96 / 128 tokens 1.19-1.20 / 1.01-1.04x (1.27-1.28 / 1.09x), 4096 -> 1024 at 96 / 128 / 192 1.17-1.19 /
+// 1.03-1.04 / 1.07-1.10x (1.20-1.21 / 1.06-1.07 / 1.09x), 3072 -> 768 1.08-1.10 / 1.00-1.02 / 1.06x. Not taken: where
+// the persistent plan is unsplit or in 2 splits (1024 -> 1024 and 1024 -> 4096 at 96-192 tokens 0.70-0.74x, 2048 ->
+// 2048 0.92-1.03x), and at 256 tokens, where the persistent tiles are full (0.92-0.97x).
+constexpr int kSm90FewTokens = 64, kSm90FewTokensShared = 192, kSm90FewTokenLargeMinSplits = 3;
+inline bool sm90_few_token(long long rows_padded, long long n_tokens, long long k_tiles, int sms) {
+  if (n_tokens <= kSm90FewTokens) return true;
+  if (n_tokens > kSm90FewTokensShared || sms <= 0) return false;
+  const Sm90SplitPlan large = sm90_large_plan(rows_padded, n_tokens, k_tiles, sms).split;
+  const Sm90SplitPlan small = sm90_small_plan(rows_padded, n_tokens, k_tiles, sms);
+  return large.splits >= kSm90FewTokenLargeMinSplits && 2 * large.tiles * large.splits <= sms &&
+         sm90_split_sum_shared(small.tiles, small.splits, sms);
+}
 }  // namespace hf_sparse

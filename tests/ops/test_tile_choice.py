@@ -131,6 +131,15 @@ SMALL_CASES = [
     ((8192, 95, 448, 132), 0),
     ((128, 200, 4, 132), 0),
     ((4096, 257, 64, 132), 0),
+    # 65-192 tokens: the 128-token few-token tile where the persistent plan splits 3 or more ways into at most 66 units
+    # and the few-token plan's splits sum with the shared sum
+    ((1024, 96, 128, 132), 128),  # 8192 -> 1024: persistent 8 tiles x 8 splits = 64 units; 8 x 16 = 128 CTAs
+    ((1024, 192, 64, 132), 128),  # 4096 -> 1024: 16 tiles x 4 = 64 units; 16 x 8 = 128 CTAs
+    ((768, 128, 48, 132), 128),  # 3072 -> 768: 6 tiles x 3 = 18 units; 6 x 6 = 36 CTAs
+    ((1024, 192, 128, 132), 0),  # 8192 -> 1024 at 192: 16 tiles x 8 = 128 units, more than half the SMs
+    ((2048, 96, 32, 132), 0),  # 2048 -> 2048: 16 tiles in 2 splits
+    ((1024, 96, 16, 132), 0),  # 1024 -> 1024: 16 k-tiles, unsplit
+    ((1024, 256, 64, 132), 0),  # above 192 tokens
 ]
 
 # (M, tokens, unused) -> tokens per CTA of the V:2:M sparse-wgmma SpMM
@@ -300,6 +309,18 @@ VNM_PLAN_CASES = [
     ((16, 28672, 48, 32), (32, 1)),
     # 65 tokens at M = 8: the 128-token tile, one CTA per SM (224 tiles; unsplit 2 x 68 against 4 x 36)
     ((8, 28672, 65, 64), (128, 1)),
+    # ... and where that plan's 8 or more splits would sum the last-split way, tiles of twice the tokens in as many
+    # splits where the grid then holds one CTA on 99-132 of the 132 SMs (the shared sum):
+    # 8192 -> 1024, M = 8, 24 tokens: 16-token tiles in 16 splits, 256 CTAs; 32-token tiles, 8 x 16 = 128 CTAs
+    ((8, 1024, 24, 64), (32, 16)),
+    # 4096 -> 1024, M = 8, 48 tokens: 32-token tiles in 16, 256 CTAs; 64-token tiles, 128 CTAs
+    ((8, 1024, 48, 32), (64, 16)),
+    # 8192 -> 1024, M = 16, 48 tokens: the same at M = 16
+    ((16, 1024, 48, 32), (64, 16)),
+    # 3072 -> 768, M = 8, 24 tokens: 16-token tiles in 12 splits, 144 CTAs; 32-token tiles would be 72: not widened
+    ((8, 768, 24, 24), (16, 12)),
+    # 4096 -> 4096, M = 8, 48 tokens: 32-token tiles in 4 splits (fewer than 8): not widened
+    ((8, 4096, 48, 32), (32, 4)),
 ]
 
 # (rows_padded, tokens, k-tiles, SMs) -> (tile tokens, splits) of the few-token tiles (sm90_small_plan): splits of at
@@ -344,7 +365,8 @@ int main(int argc, char** argv) {
     if (fn == 'W')
       std::printf("%d\n", hf_sparse::sm90_split_k(a, b, (int)c, (int)d, hf_sparse::sm90_small_min_k_tiles(64)));
     if (fn == 'B') {
-      std::printf("%d\n", hf_sparse::sm90_few_token(b) ? hf_sparse::sm90_small_plan(a, b, c, (int)d).bn : 0);
+      const bool few = hf_sparse::sm90_few_token(a, b, c, (int)d);
+      std::printf("%d\n", few ? hf_sparse::sm90_small_plan(a, b, c, (int)d).bn : 0);
     }
     if (fn == 'Q') {
       const hf_sparse::Sm90SplitPlan p = hf_sparse::sm90_small_plan(a, b, c, (int)d);
