@@ -1,0 +1,173 @@
+"""The plan each sparse-wgmma SpMM makes per (pattern, shape, token count), from ``csrc/tile_config.h`` alone (host
+C++, no GPU), and, with ``--against REV``, only the cells whose plan another commit's rules make differently: the
+cells an A/B of a rule change has to time.
+
+    python benchmarks/show_plans.py [--patterns 2:4 64:2:8] [--shapes 8192x1024 ...] [--tokens 1 16 64] [--sms 132]
+    python benchmarks/show_plans.py --against main --tokens $(seq 1 256)   # what this checkout changes
+
+A shape is ``KxR`` (K input features -> R output rows), as in the sweep scripts; the default shapes are
+``bench_kernels.LLAMA_SHAPES``. The plan's inputs are those the binding passes: rows padded to whole 64-row slabs and
+``ceil(K / M / 8)`` steps of 32 kept columns, two per k-tile (``hf_sparse/ops/pack.py``). Each line reads, for 2:4,
+``few-token BN x S`` (the cp.async tiles, ``sm90_few_token`` / ``sm90_small_plan``) or ``config C (BN) x S`` (the
+persistent plan, ``sm90_large_plan``); for V:2:M, ``CUDA cores`` (``sm90_vnm_gemv``), ``X^T BN x S``
+(``sm90_vnm_xt_plan``) or ``registers BN x S`` (``sm90_vnm_plan``); then the CTAs of a non-persistent split launch and
+how its splits sum (``shared`` where ``sm90_split_sum_shared`` holds, else ``last``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# One cell per input line: "m v k rows tokens sms"; one plan per output line. The 2:4 rule's signature changed once
+# (the few-token choice took only the token count before it weighed the persistent plan): both compile.
+PROGRAM = r"""
+#include <cstdio>
+#include <type_traits>
+#include "tile_config.h"
+using namespace hf_sparse;
+
+template <class F>
+bool few_token(F rule, long long rows_padded, long long tokens, long long k_tiles, int sms) {
+  if constexpr (std::is_invocable_v<F, long long, long long, long long, int>)
+    return rule(rows_padded, tokens, k_tiles, sms);
+  else
+    return rule(tokens);
+}
+
+static void split(const Sm90SplitPlan& p, int sms) {
+  if (p.splits > 1)
+    std::printf(", %lld CTAs, %s", p.tiles * p.splits, sm90_split_sum_shared(p.tiles, p.splits, sms) ? "shared" : "last");
+}
+
+int main() {
+  long long m, v, k, rows, tokens, sms;
+  while (std::scanf("%lld %lld %lld %lld %lld %lld", &m, &v, &k, &rows, &tokens, &sms) == 6) {
+    const long long rows_padded = (rows + 63) / 64 * 64, steps = (k / m + 7) / 8, k_tiles = (steps + 1) / 2;
+    if (m == 4) {
+      if (few_token(&sm90_few_token, rows_padded, tokens, k_tiles, (int)sms)) {
+        const Sm90SplitPlan p = sm90_small_plan(rows_padded, tokens, k_tiles, (int)sms);
+        std::printf("few-token %d x %d", p.bn, p.splits);
+        split(p, (int)sms);
+      } else {
+        const Sm90LargePlan p = sm90_large_plan(rows_padded, tokens, k_tiles, (int)sms);
+        std::printf("config %d (%d) x %d", p.config, p.split.bn, p.split.splits);
+      }
+    } else if (sm90_vnm_gemv((int)m, tokens, k, rows_padded, (int)sms)) {
+      std::printf("CUDA cores");
+    } else if (sm90_vnm_xt((int)m, tokens, (int)rows, k, (int)v)) {
+      const Sm90SplitPlan p = sm90_vnm_xt_plan(rows_padded, tokens, k_tiles, (int)sms);
+      std::printf("X^T %d x %d", p.bn, p.splits);
+    } else {
+      const Sm90SplitPlan p = sm90_vnm_plan((int)m, rows_padded, tokens, k_tiles, (int)sms);
+      std::printf("registers %d x %d", p.bn, p.splits);
+      split(p, (int)sms);
+    }
+    std::printf("\n");
+  }
+  return 0;
+}
+"""
+
+
+def parse_pattern(text: str) -> tuple[int, int]:
+    """``"2:4"`` -> (64, 4) (the 2:4 kernel's V); ``"V:2:M"`` -> (V, M)."""
+    parts = text.split(":")
+    if parts == ["2", "4"]:
+        return 64, 4
+    if len(parts) == 3 and parts[1] == "2" and all(p.isdigit() for p in parts):
+        v, m = int(parts[0]), int(parts[2])
+        if m >= 8:
+            return v, m
+    raise argparse.ArgumentTypeError(f"pattern {text!r}: give 2:4 or V:2:M with M >= 8 (e.g. 64:2:8)")
+
+
+def parse_shape(text: str) -> tuple[int, int]:
+    try:
+        k, r = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"shape {text!r}: give KxR, e.g. 8192x1024") from None
+    if k <= 0 or r <= 0:
+        raise argparse.ArgumentTypeError(f"shape {text!r}: K and R must be positive")
+    return k, r
+
+
+def build_chooser(header_dir: Path, folder: Path, name: str) -> Path:
+    """Compiles PROGRAM against the ``tile_config.h`` in ``header_dir`` into ``folder/name``."""
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        sys.exit("show_plans.py needs a host C++ compiler (g++ or c++) on PATH")
+    (folder / "plans.cpp").write_text(PROGRAM)
+    exe = folder / name
+    done = subprocess.run(
+        [cxx, "-std=c++17", f"-I{header_dir}", str(folder / "plans.cpp"), "-o", str(exe)],
+        capture_output=True,
+        text=True,
+    )
+    if done.returncode != 0:
+        sys.exit(f"could not compile the plan program against {header_dir / 'tile_config.h'}:\n{done.stderr}")
+    return exe
+
+
+def plans(exe: Path, cells: list[tuple[str, int, int, int, int, int]], sms: int) -> list[str]:
+    """The plan of each (pattern, v, m, k, rows, tokens) cell, one string each."""
+    stdin = "".join(f"{m} {v} {k} {r} {t} {sms}\n" for _, v, m, k, r, t in cells)
+    out = subprocess.run([str(exe)], input=stdin, capture_output=True, text=True, check=True).stdout
+    return out.splitlines()
+
+
+def header_at(rev: str, folder: Path) -> Path:
+    """``csrc/tile_config.h`` as commit ``rev`` has it, written into ``folder``."""
+    done = subprocess.run(
+        ["git", "-C", str(ROOT), "show", f"{rev}:csrc/tile_config.h"], capture_output=True, text=True
+    )
+    if done.returncode != 0:
+        sys.exit(f"--against {rev}: git could not show csrc/tile_config.h there: {done.stderr.strip()}")
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "tile_config.h").write_text(done.stdout)
+    return folder
+
+
+def main(argv: list[str] | None = None) -> int:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_kernels import LLAMA_SHAPES
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--patterns", nargs="+", default=["2:4", "64:2:8", "64:2:16"])
+    ap.add_argument("--shapes", nargs="+", type=parse_shape, default=None, help="KxR (default: the Llama shapes)")
+    ap.add_argument("--tokens", nargs="+", type=int, default=[1, 16, 32, 64, 96, 128, 192, 256])
+    ap.add_argument("--sms", type=int, default=132, help="SMs of the GPU (H200 and H100 SXM: 132)")
+    ap.add_argument("--against", metavar="REV", help="show only the cells whose plan differs at this commit")
+    args = ap.parse_args(argv)
+    patterns = [(p, *parse_pattern(p)) for p in args.patterns]
+    shapes = args.shapes or [parse_shape(s) if isinstance(s, str) else tuple(s) for s in LLAMA_SHAPES]
+    if any(t <= 0 for t in args.tokens) or args.sms <= 0:
+        ap.error("--tokens and --sms must be positive")
+    cells = [(name, v, m, k, r, t) for name, v, m in patterns for k, r in shapes for t in args.tokens]
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        now = plans(build_chooser(ROOT / "csrc", folder, "now"), cells, args.sms)
+        before = None
+        if args.against:
+            old = header_at(args.against, folder / "old")
+            before = plans(build_chooser(old, folder, "before"), cells, args.sms)
+    shown = 0
+    for i, (name, _, _, k, r, t) in enumerate(cells):
+        if before is not None and before[i] == now[i]:
+            continue
+        plan = now[i] if before is None else f"{before[i]}  =>  {now[i]}"
+        print(f"{name:8s} {k:6d} -> {r:6d} {t:5d} tokens: {plan}")
+        shown += 1
+    if before is not None:
+        print(f"{shown} of {len(cells)} cells planned differently at {args.against}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
