@@ -8,10 +8,11 @@ cells an A/B of a rule change has to time.
 A shape is ``KxR`` (K input features -> R output rows), as in the sweep scripts; the default shapes are
 ``bench_kernels.LLAMA_SHAPES``. The plan's inputs are those the binding passes: rows padded to whole 64-row slabs and
 ``ceil(K / M / 8)`` steps of 32 kept columns, two per k-tile (``hf_sparse/ops/pack.py``). Each line reads, for 2:4,
-``few-token BN x S`` (the cp.async tiles, ``sm90_few_token`` / ``sm90_small_plan``) or ``config C (BN) x S`` (the
-persistent plan, ``sm90_large_plan``); for V:2:M, ``CUDA cores`` (``sm90_vnm_gemv``), ``X^T BN x S``
+``few-token BN x S`` (the cp.async tiles) or ``config C (BN) x S`` (a persistent configuration), as
+``sm90_sparse24_plan`` chooses; for V:2:M, ``CUDA cores`` (``sm90_vnm_gemv``), ``X^T BN x S``
 (``sm90_vnm_xt_plan``) or ``registers BN x S`` (``sm90_vnm_plan``); then the CTAs of a non-persistent split launch and
-how its splits sum (``shared`` where ``sm90_split_sum_shared`` holds, else ``last``).
+how its splits sum (``shared`` where ``sm90_split_sum_shared`` holds, else ``last``). ``--against`` compiles the same
+program against REV's header, so REV must have these functions.
 """
 
 from __future__ import annotations
@@ -23,23 +24,17 @@ import sys
 import tempfile
 from pathlib import Path
 
+from bench_kernels import LLAMA_SHAPES, parse_shape
+
+from hf_sparse.patterns import NM, VNM, PatternError, parse_pattern
+
 ROOT = Path(__file__).resolve().parents[1]
 
-# One cell per input line: "m v k rows tokens sms"; one plan per output line. The 2:4 rule's signature changed once
-# (the few-token choice took only the token count before it weighed the persistent plan): both compile.
+# One cell per input line: "m v k rows tokens sms"; one plan per output line.
 PROGRAM = r"""
 #include <cstdio>
-#include <type_traits>
 #include "tile_config.h"
 using namespace hf_sparse;
-
-template <class F>
-bool few_token(F rule, long long rows_padded, long long tokens, long long k_tiles, int sms) {
-  if constexpr (std::is_invocable_v<F, long long, long long, long long, int>)
-    return rule(rows_padded, tokens, k_tiles, sms);
-  else
-    return rule(tokens);
-}
 
 static void split(const Sm90SplitPlan& p, int sms) {
   if (p.splits > 1)
@@ -51,12 +46,11 @@ int main() {
   while (std::scanf("%lld %lld %lld %lld %lld %lld", &m, &v, &k, &rows, &tokens, &sms) == 6) {
     const long long rows_padded = (rows + 63) / 64 * 64, steps = (k / m + 7) / 8, k_tiles = (steps + 1) / 2;
     if (m == 4) {
-      if (few_token(&sm90_few_token, rows_padded, tokens, k_tiles, (int)sms)) {
-        const Sm90SplitPlan p = sm90_small_plan(rows_padded, tokens, k_tiles, (int)sms);
-        std::printf("few-token %d x %d", p.bn, p.splits);
-        split(p, (int)sms);
+      const Sm90Sparse24Plan p = sm90_sparse24_plan(rows_padded, tokens, k_tiles, (int)sms);
+      if (p.few_token) {
+        std::printf("few-token %d x %d", p.split.bn, p.split.splits);
+        split(p.split, (int)sms);
       } else {
-        const Sm90LargePlan p = sm90_large_plan(rows_padded, tokens, k_tiles, (int)sms);
         std::printf("config %d (%d) x %d", p.config, p.split.bn, p.split.splits);
       }
     } else if (sm90_vnm_gemv((int)m, tokens, k, rows_padded, (int)sms)) {
@@ -76,26 +70,18 @@ int main() {
 """
 
 
-def parse_pattern(text: str) -> tuple[int, int]:
-    """``"2:4"`` -> (64, 4) (the 2:4 kernel's V); ``"V:2:M"`` -> (V, M)."""
-    parts = text.split(":")
-    if parts == ["2", "4"]:
-        return 64, 4
-    if len(parts) == 3 and parts[1] == "2" and all(p.isdigit() for p in parts):
-        v, m = int(parts[0]), int(parts[2])
-        if m >= 8:
-            return v, m
-    raise argparse.ArgumentTypeError(f"pattern {text!r}: give 2:4 or V:2:M with M >= 8 (e.g. 64:2:8)")
-
-
-def parse_shape(text: str) -> tuple[int, int]:
+def kernel_pattern(text: str) -> tuple[int, int]:
+    """A pattern the sparse-wgmma SpMMs run, as (V, M): ``"2:4"`` -> (64, 4) (the 2:4 kernel's V); ``"V:2:M"`` with
+    M >= 8 -> (V, M). Parsed by ``hf_sparse.parse_pattern``."""
     try:
-        k, r = (int(v) for v in text.lower().split("x"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"shape {text!r}: give KxR, e.g. 8192x1024") from None
-    if k <= 0 or r <= 0:
-        raise argparse.ArgumentTypeError(f"shape {text!r}: K and R must be positive")
-    return k, r
+        p = parse_pattern(text)
+    except PatternError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if isinstance(p, NM) and p.sptc_runnable:
+        return 64, 4
+    if isinstance(p, VNM) and p.n == 2 and p.m >= 8:
+        return p.v, p.m
+    raise argparse.ArgumentTypeError(f"pattern {text!r}: the sparse-wgmma SpMMs run 2:4 and V:2:M with M >= 8")
 
 
 def build_chooser(header_dir: Path, folder: Path, name: str) -> Path:
@@ -135,9 +121,6 @@ def header_at(rev: str, folder: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from bench_kernels import LLAMA_SHAPES
-
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--patterns", nargs="+", default=["2:4", "64:2:8", "64:2:16"])
     ap.add_argument("--shapes", nargs="+", type=parse_shape, default=None, help="KxR (default: the Llama shapes)")
@@ -145,8 +128,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sms", type=int, default=132, help="SMs of the GPU (H200 and H100 SXM: 132)")
     ap.add_argument("--against", metavar="REV", help="show only the cells whose plan differs at this commit")
     args = ap.parse_args(argv)
-    patterns = [(p, *parse_pattern(p)) for p in args.patterns]
-    shapes = args.shapes or [parse_shape(s) if isinstance(s, str) else tuple(s) for s in LLAMA_SHAPES]
+    try:
+        patterns = [(p, *kernel_pattern(p)) for p in args.patterns]
+    except argparse.ArgumentTypeError as e:
+        ap.error(str(e))
+    shapes = args.shapes or [parse_shape(s) for s in LLAMA_SHAPES]
     if any(t <= 0 for t in args.tokens) or args.sms <= 0:
         ap.error("--tokens and --sms must be positive")
     cells = [(name, v, m, k, r, t) for name, v, m in patterns for k, r in shapes for t in args.tokens]

@@ -35,7 +35,7 @@ struct Tuning {
   // kSplitKMax) wherever the product's plan could split; 0: the product's count (sm90_split_k in tile_config.h).
   std::atomic<int> split_k{0};
   // spmm_sm90.cu: 1 runs the few-token tiles at every count up to 256 tokens, 0 never (the persistent configurations
-  // and their split-K run instead, at any count); -1: the product's rule (sm90_few_token in tile_config.h).
+  // and their split-K run instead, at any count); -1: the product's rule (sm90_sparse24_plan in tile_config.h).
   std::atomic<int> small_tiles{-1};
 };
 

@@ -28,7 +28,7 @@
 //    tiles take a check-free epilogue. 20* / 23* / 27* (128 x 256 / 128 / 192 tiles) add a staged epilogue
 //    (stmatrix into a token-major shared buffer, TMA stores of Y overlapping the next tile's main loop); 15* / 19*
 //    (256 / 128 tokens) take direct stores, where Y has no tensor map (rows % 8 != 0): 15 for 20, 19 for 23 and 27.
-// Where the few-token tiles do not run (sm90_few_token in tile_config.h), the product runs 20, 27 or 23, split K
+// Where the few-token tiles do not run (sm90_sparse24_plan in tile_config.h), the product runs 20, 27 or 23, split K
 // where their tiles leave half the SMs idle (sm90_large_plan). The lab build (HF_SPARSE_LAB) adds every other
 // configuration, run by number (launch_lab); what each measured is in benchmarks/RESULTS.md.
 // Epilogue of configs 0-19: accumulators (row r, token n) are written straight to Y[n, r] (+ bias), as spmm.cu does.
@@ -1008,29 +1008,28 @@ bool encode_u32_rows_map(const void* base, int row_words, int n_rows, int box_wo
 // more stages at 16 tokens (a smaller X tile).
 template <int BN>
 using SmallCfg = Sm90Cfg<BN, 1, BN == 16 ? 6 : 4, 0, 0, kSm90SmallCtasPerSm>;
-// A call's plan (kernels.h SpmmPlan), made once for the split-K scratch the binding allocates and the launch: the
-// few-token tiles (sm90_small_plan) where sm90_few_token takes them, else a persistent configuration (sm90_large_plan),
-// with its split. In the lab build the small_tiles knob forces the few-token tiles up to 256 tokens, or never, and the
-// split_k knob the split.
+// A call's plan (kernels.h SpmmPlan), made once for the split-K scratch the binding allocates and the launch:
+// tile_config.h sm90_sparse24_plan (the few-token tiles or a persistent configuration, with its split). In the lab
+// build the small_tiles knob forces the few-token tiles up to 256 tokens, or never, and the split_k knob the split.
 SpmmPlan plan_call(const SpmmArgs& a, int sms) {
   const long long k_tiles = (a.steps + 1) / 2;
-  bool few_token = sm90_few_token(a.rows_padded, a.n_tokens, k_tiles, sms);
+  Sm90Sparse24Plan q = sm90_sparse24_plan(a.rows_padded, a.n_tokens, k_tiles, sms);
 #if defined(HF_SPARSE_LAB)
   const int forced = lab::tuning().small_tiles.load(std::memory_order_relaxed);
-  if (forced >= 0) few_token = forced == 1 && a.n_tokens <= 256;
+  if (forced >= 0 && (forced == 1 && a.n_tokens <= 256) != q.few_token) {
+    if (q.few_token) {
+      const Sm90LargePlan large = sm90_large_plan(a.rows_padded, a.n_tokens, k_tiles, sms);
+      q = {false, large.config, large.split};
+    } else {
+      q = {true, 0, sm90_small_plan(a.rows_padded, a.n_tokens, k_tiles, sms)};
+    }
+  }
+  q.split.splits = lab::split_k_or(q.split.splits, q.split.tiles, k_tiles);
 #endif
   SpmmPlan p;
-  p.few_token = few_token;
-  if (few_token) {
-    p.split = sm90_small_plan(a.rows_padded, a.n_tokens, k_tiles, sms);
-  } else {
-    const Sm90LargePlan large = sm90_large_plan(a.rows_padded, a.n_tokens, k_tiles, sms);
-    p.config = large.config;
-    p.split = large.split;
-  }
-#if defined(HF_SPARSE_LAB)
-  p.split.splits = lab::split_k_or(p.split.splits, p.split.tiles, k_tiles);
-#endif
+  p.few_token = q.few_token;
+  p.config = q.config;
+  p.split = q.split;
   return p;
 }
 

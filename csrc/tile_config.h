@@ -87,7 +87,7 @@ inline int sm90_large_config(long long rows_padded, long long n_tokens, int sms)
 
 // The cp.async 2:4 wgmma SpMM (spmm_sm90_kernel) at few tokens, and split-K. The few-token tile is 128 rows x
 // sm90_small_bn tokens, kSm90SmallCtasPerSm CTAs per SM, and splits K where its tiles alone would leave SMs idle
-// (sm90_few_token says where it runs rather than a persistent configuration).
+// (sm90_sparse24_plan says where it runs rather than a persistent configuration).
 // Where the tiles cannot keep every SM busy, each tile's k-tiles are split over sm90_split_k CTAs, each k range at
 // least kSplitKMinKTiles k-tiles (64 condensed columns each) long (kVnmSplitMinKTiles for the V:2:M kernel, whose
 // every k-tile waits about one memory round trip); the last CTA of a tile to finish adds every CTA's fp32 partial
@@ -430,11 +430,12 @@ inline Sm90SplitPlan sm90_small_plan(long long rows_padded, long long n_tokens, 
       sm90_split_plan(rows_padded, n_tokens, bn, k_tiles, sms, kSm90SmallCtasPerSm, kSm90SmallSharedMinKTiles);
   return q.splits > p.splits && sm90_split_sum_shared(q.tiles, q.splits, sms) ? q : p;
 }
-// Where the few-token tiles run: up to kSm90FewTokens tokens; above, the persistent plan (sm90_large_plan: the
-// configuration and its split). At 65-95 tokens the persistent plan was faster at the five Llama shapes where the
-// few-token tiles had run there (1.05-1.26x, 1.09-1.42x in a chain over cold weights); at 65-256 tokens a model of both
-// (sm90_split_work, x 1.5 for the cp.async kernel's lower rate per token row and k-tile) preferred the few-token tiles
-// only on exact ties (benchmarks/RESULTS.md, "tail map").
+// The 2:4 wgmma SpMM's plan (spmm_sm90.cu plan_call), each candidate made at most once: the few-token tiles
+// (sm90_small_plan) where they run, else the persistent configuration `config` and its split (sm90_large_plan).
+// The few-token tiles run up to kSm90FewTokens tokens. At 65-95 tokens the persistent plan was faster at the five Llama
+// shapes where the few-token tiles had run there (1.05-1.26x, 1.09-1.42x in a chain over cold weights); at 65-256
+// tokens a model of both (sm90_split_work, x 1.5 for the cp.async kernel's lower rate per token row and k-tile)
+// preferred the few-token tiles only on exact ties (benchmarks/RESULTS.md, "tail map").
 // Up to kSm90FewTokensShared tokens the few-token 128-token tile still runs where the persistent plan splits its tiles
 // kSm90FewTokenLargeMinSplits or more ways (the last split of a partial tile reads back every split's 64 KB partial
 // tile) into work units that fill at most half the SMs, and where the few-token plan's splits sum with the shared sum:
@@ -445,12 +446,19 @@ inline Sm90SplitPlan sm90_small_plan(long long rows_padded, long long n_tokens, 
 // the persistent plan is unsplit or in 2 splits (1024 -> 1024 and 1024 -> 4096 at 96-192 tokens 0.70-0.74x, 2048 ->
 // 2048 0.92-1.03x), and at 256 tokens, where the persistent tiles are full (0.92-0.97x).
 constexpr int kSm90FewTokens = 64, kSm90FewTokensShared = 192, kSm90FewTokenLargeMinSplits = 3;
-inline bool sm90_few_token(long long rows_padded, long long n_tokens, long long k_tiles, int sms) {
-  if (n_tokens <= kSm90FewTokens) return true;
-  if (n_tokens > kSm90FewTokensShared || sms <= 0) return false;
-  const Sm90SplitPlan large = sm90_large_plan(rows_padded, n_tokens, k_tiles, sms).split;
-  const Sm90SplitPlan small = sm90_small_plan(rows_padded, n_tokens, k_tiles, sms);
-  return large.splits >= kSm90FewTokenLargeMinSplits && 2 * large.tiles * large.splits <= sms &&
-         sm90_split_sum_shared(small.tiles, small.splits, sms);
+struct Sm90Sparse24Plan {
+  bool few_token;
+  int config;  // the persistent configuration where !few_token
+  Sm90SplitPlan split;
+};
+inline Sm90Sparse24Plan sm90_sparse24_plan(long long rows_padded, long long n_tokens, long long k_tiles, int sms) {
+  if (n_tokens <= kSm90FewTokens) return {true, 0, sm90_small_plan(rows_padded, n_tokens, k_tiles, sms)};
+  const Sm90LargePlan large = sm90_large_plan(rows_padded, n_tokens, k_tiles, sms);
+  if (n_tokens <= kSm90FewTokensShared && large.split.splits >= kSm90FewTokenLargeMinSplits &&
+      2 * large.split.tiles * large.split.splits <= sms) {
+    const Sm90SplitPlan small = sm90_small_plan(rows_padded, n_tokens, k_tiles, sms);
+    if (sm90_split_sum_shared(small.tiles, small.splits, sms)) return {true, 0, small};
+  }
+  return {false, large.config, large.split};
 }
 }  // namespace hf_sparse

@@ -7,7 +7,7 @@ import argparse
 import shutil
 
 import pytest
-from show_plans import ROOT, build_chooser, main, parse_pattern, plans
+from show_plans import ROOT, build_chooser, kernel_pattern, main, plans
 
 needs_cxx = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None, reason="needs g++")
 
@@ -48,4 +48,4 @@ def test_a_changed_rule_moves_only_its_cells(tmp_path):
 @pytest.mark.parametrize("text", ["2:8", "64:2:4", "64:1:8", "a:2:8"])
 def test_a_pattern_the_kernels_do_not_run_is_refused(text):
     with pytest.raises(argparse.ArgumentTypeError):
-        parse_pattern(text)
+        kernel_pattern(text)

@@ -515,7 +515,7 @@ def test_spmm_wgmma_split_k_is_deterministic_across_calls_shapes_and_streams(v, 
         (64, 16, 960, 8208, 50),
         (128, 8, 1024, 8192, 20),
         (64, 8, 960, 4096, 40),  # V:2:M 64-token tiles at 40 tokens (sm90_vnm_plan's widened tile), 16 splits
-        (64, 4, 1000, 4104, 96),  # 2:4 128-token few-token tiles above 64 tokens (sm90_few_token), ~8 splits
+        (64, 4, 1000, 4104, 96),  # 2:4 128-token few-token tiles above 64 tokens (sm90_sparse24_plan), ~8 splits
         (64, 4, 1000, 4104, 150),  # ... two token tiles, the second partial
         (64, 4, 768, 3080, 100),  # ... 6 row blocks, ~6 splits
         # 32 row blocks: 256 CTAs, so the last split of each tile to arrive sums it

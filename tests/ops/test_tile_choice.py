@@ -365,8 +365,8 @@ int main(int argc, char** argv) {
     if (fn == 'W')
       std::printf("%d\n", hf_sparse::sm90_split_k(a, b, (int)c, (int)d, hf_sparse::sm90_small_min_k_tiles(64)));
     if (fn == 'B') {
-      const bool few = hf_sparse::sm90_few_token(a, b, c, (int)d);
-      std::printf("%d\n", few ? hf_sparse::sm90_small_plan(a, b, c, (int)d).bn : 0);
+      const hf_sparse::Sm90Sparse24Plan p = hf_sparse::sm90_sparse24_plan(a, b, c, (int)d);
+      std::printf("%d\n", p.few_token ? p.split.bn : 0);
     }
     if (fn == 'Q') {
       const hf_sparse::Sm90SplitPlan p = hf_sparse::sm90_small_plan(a, b, c, (int)d);
