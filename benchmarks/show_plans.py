@@ -36,9 +36,11 @@ PROGRAM = r"""
 #include "tile_config.h"
 using namespace hf_sparse;
 
-static void split(const Sm90SplitPlan& p, int sms) {
+// A non-persistent split launch of `ctas_per_sm` CTAs per SM: its CTAs and how its splits sum.
+static void split(const Sm90SplitPlan& p, int sms, int ctas_per_sm) {
   if (p.splits > 1)
-    std::printf(", %lld CTAs, %s", p.tiles * p.splits, sm90_split_sum_shared(p.tiles, p.splits, sms) ? "shared" : "last");
+    std::printf(", %lld CTAs, %s", p.tiles * p.splits,
+                sm90_split_sum_shared(p.tiles, p.splits, (long long)sms * ctas_per_sm) ? "shared" : "last");
 }
 
 int main() {
@@ -49,7 +51,7 @@ int main() {
       const Sm90Sparse24Plan p = sm90_sparse24_plan(rows_padded, tokens, k_tiles, (int)sms);
       if (p.few_token) {
         std::printf("few-token %d x %d", p.split.bn, p.split.splits);
-        split(p.split, (int)sms);
+        split(p.split, (int)sms, kSm90SmallCtasPerSm);
       } else {
         std::printf("config %d (%d) x %d", p.config, p.split.bn, p.split.splits);
       }
@@ -61,7 +63,7 @@ int main() {
     } else {
       const Sm90SplitPlan p = sm90_vnm_plan((int)m, rows_padded, tokens, k_tiles, (int)sms);
       std::printf("registers %d x %d", p.bn, p.splits);
-      split(p, (int)sms);
+      split(p, (int)sms, sm90_vnm_ctas_per_sm((int)m, p.bn));
     }
     std::printf("\n");
   }

@@ -1,6 +1,6 @@
 // Host helpers every kernel launcher shares: the group sizes kernels are instantiated for, the opt-in to more than
-// 48 KB of dynamic shared memory, and the SM count that grid and split choices (and the split-K sum) are made for.
-// The last two are CUDA runtime calls of a few microseconds of host time whose answer does not change, so each is made
+// 48 KB of dynamic shared memory, the SM count that grid and split choices are made for, and the CTAs per SM a split
+// launch keeps resident (which its split-K sum depends on). The last three are CUDA runtime calls of a few microseconds of host time whose answer does not change, so each is made
 // once per kernel instantiation or device, not on every launch (the training step and few-token inference are
 // host-bound on slow hosts).
 #pragma once
@@ -83,13 +83,26 @@ inline cudaError_t current_sm_count(int* sms) {
   });
 }
 
-// Whether a split launch of non-persistent CTAs, `grid` = (tiles along x and y, splits along z), sums its partial
-// tiles with SplitK's chunked shared sum on the current device (tile_config.h sm90_split_sum_shared), in *shared.
-inline cudaError_t split_sum_shared(dim3 grid, bool* shared) {
-  int sms = 0;
-  const cudaError_t err = current_sm_count(&sms);
+// Whether a split launch of Kernel (non-persistent CTAs of `threads` threads and `smem` bytes of dynamic shared memory
+// each; `grid` = tiles along x and y, splits along z) sums its partial tiles with SplitK's chunked shared sum on the
+// current device, in *shared: where its CTAs fit the SMs x ctas_per_sm (the CTAs per SM its plan counts on and its
+// launch bounds declare), capped by the CTAs per SM the device keeps resident (asked once per device), so that a
+// kernel that keeps fewer resident than planned sums the last-split way rather than waits for a split that cannot
+// start (tile_config.h sm90_split_sum_shared). Call after raise_smem_limit_once.
+template <auto Kernel>
+cudaError_t split_sum_shared(dim3 grid, int threads, int smem, int ctas_per_sm, bool* shared) {
+  *shared = false;
+  if (grid.z <= 1) return cudaSuccess;
+  int sms = 0, resident = 0;
+  cudaError_t err = current_sm_count(&sms);
   if (err != cudaSuccess) return err;
-  *shared = sm90_split_sum_shared((long long)grid.x * grid.y, (int)grid.z, sms);
+  static std::atomic<int> resident_per_device[kMaxCachedDevices];
+  err = once_per_device(resident_per_device, &resident, [&](int, int* n) {
+    return cudaOccupancyMaxActiveBlocksPerMultiprocessor(n, Kernel, threads, smem);
+  });
+  if (err != cudaSuccess) return err;
+  const int per_sm = ctas_per_sm < resident ? ctas_per_sm : resident;
+  *shared = sm90_split_sum_shared((long long)grid.x * grid.y, (int)grid.z, (long long)sms * per_sm);
   return cudaSuccess;
 }
 

@@ -384,7 +384,7 @@ cudaError_t launch_sm90(const SpmmArgs& a, cudaStream_t stream, int splits = 1, 
   if (splits > 1 && grid.x * grid.y > kSplitKCounters) return cudaErrorInvalidValue;
   const int k_tiles = (a.steps + 1) / 2, kt_per_split = (k_tiles + splits - 1) / splits;
   bool shared_sum = false;
-  err = split_sum_shared(grid, &shared_sum);
+  err = split_sum_shared<kernel>(grid, kSm90Threads, Cfg::SMEM, Cfg::MINB, &shared_sum);
   if (err != cudaSuccess) return err;
   kernel<<<grid, kSm90Threads, Cfg::SMEM, stream>>>(
       static_cast<const T*>(a.x), static_cast<const uint4*>(a.values), static_cast<const uint32_t*>(a.meta),

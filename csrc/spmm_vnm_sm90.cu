@@ -741,7 +741,7 @@ cudaError_t launch_vnm(const SpmmArgs& a, const SpmmPlan& plan, cudaStream_t str
   if (grid.y > 65535) return cudaErrorInvalidConfiguration;  // the binding slices larger inputs
   const int k_tiles = (a.steps + 1) / 2, kt_per_split = (k_tiles + splits - 1) / splits;
   bool shared_sum = false;
-  err = split_sum_shared(grid, &shared_sum);
+  err = split_sum_shared<kernel>(grid, kVnmThreads, Cfg::SMEM, sm90_vnm_ctas_per_sm(M, BN), &shared_sum);
   if (err != cudaSuccess) return err;
   kernel<<<grid, kVnmThreads, Cfg::SMEM, stream>>>(
       static_cast<const T*>(a.x), static_cast<const uint4*>(a.values), static_cast<const uint32_t*>(a.meta),

@@ -215,14 +215,17 @@ inline int sm90_split_k(long long tiles, long long k_tiles, int sms, int ctas_pe
 // Whether a split launch of non-persistent CTAs (the 2:4 few-token tiles, the V:2:M register pipeline) sums its
 // partial tiles with the chunked shared sum (sm90_common.cuh SplitK::add_owned: every split adds up and stores the
 // chunks of the tile it owns) instead of the last split to arrive reading every split's partial tile alone: where its
-// CTAs, tiles x splits, are at most one per SM, so that every split of a tile is resident at once and may wait for the
-// others. The last-split sum is one CTA reading splits x its partial tile (16 x 64 KB for the 128-token tile in 16
-// splits), which the grouped-query key / value projections' 8 row blocks paid on every call: with the shared sum
-// 8192 -> 1024 and 4096 -> 1024 at 96-192 tokens ran 1.17-1.38x faster at 64:2:8 and 1.05-1.14x at 64:2:16, and at
-// 32-64 tokens 2:4 1.18-1.26x (with sm90_small_plan's 16 splits); benchmarks/RESULTS.md, "the shared split-K sum of
-// the few-token tiles".
-inline bool sm90_split_sum_shared(long long tiles, int splits, int sms) {
-  return splits > 1 && tiles > 0 && tiles * splits <= sms;
+// CTAs, tiles x splits, fit `slots`, the SMs x the CTAs per SM the kernel keeps resident, so that every split of a tile
+// is resident at once and may wait for the others. The last-split sum is one CTA reading splits x its partial tile (16
+// x 64 KB for the 128-token tile in 16 splits). Measured on the H200 (benchmarks/RESULTS.md, "the shared split-K sum
+// of the few-token tiles" and "... at the CTAs per SM the kernels keep resident"): at one CTA per SM, the grouped-query
+// key / value projections' 8 row blocks, 8192 -> 1024 and 4096 -> 1024 at 96-192 tokens, ran 1.17-1.38x faster at
+// 64:2:8 and 1.05-1.14x at 64:2:16, and at 32-64 tokens 2:4 1.18-1.26x (with sm90_small_plan's 16 splits); at two and
+// three per SM, the 88 cells of the Llama shapes at 8-64 tokens whose sum that changes, 1.02x (1.015x in a chain over
+// distinct weights), 1.03x where a tile splits 6 or more ways and 1.016x in 2-5 splits, the most on 5120 -> 5120 and
+// 11008 -> 4096 at 32-64 tokens, 1.05-1.15x (1.05-1.09x).
+inline bool sm90_split_sum_shared(long long tiles, int splits, long long slots) {
+  return splits > 1 && tiles > 0 && tiles * splits <= slots;
 }
 // The split-K plan of a grid of 128-row x bn-token tiles with k_tiles k-tiles each on `sms` SMs running ctas_per_sm
 // CTAs each: the splits (sm90_split_k) and the fp32 scratch their partial sums take, one 128 x bn accumulator tile
@@ -335,8 +338,7 @@ inline Sm90SplitPlan sm90_split_plan(long long rows_padded, long long n_tokens, 
 //   ("the M = 8 64-token tile"): the 64-token tile was 1.13-1.30x faster on the 7B/13B shapes, whose rounds cost
 //   1.73-2.0x as much in 32-token tiles, and 0.92-0.97x at 4096 -> 4096 (1.5x).
 constexpr int kVnmWord32Cost = 10, kVnmChunk32Cost = 8, kVnmChunk64Cost = 13;  // eighths, above
-inline Sm90SplitPlan sm90_vnm_rounds_plan(int m, long long rows_padded, long long n_tokens, long long k_tiles,
-                                          int sms) {
+inline Sm90SplitPlan sm90_vnm_plan(int m, long long rows_padded, long long n_tokens, long long k_tiles, int sms) {
   const auto plan = [&](int bn) {
     return sm90_split_plan(rows_padded, n_tokens, bn, k_tiles, sms, sm90_vnm_ctas_per_sm(m, bn), kVnmSplitMinKTiles);
   };
@@ -348,27 +350,6 @@ inline Sm90SplitPlan sm90_vnm_rounds_plan(int m, long long rows_padded, long lon
   };
   const int weight = wide.bn == 64 ? kVnmChunk64Cost : m == 8 ? kVnmChunk32Cost : kVnmWord32Cost;
   return weight * cost(wide) < 8 * cost(narrow) ? wide : narrow;
-}
-// The register pipeline's plan: sm90_vnm_rounds_plan's, or, where it splits kVnmSharedMinSplits or more ways and
-// those splits would sum the last-split way (the last to arrive reading back every split's partial tile), tiles of
-// twice its tokens (up to kVnmSharedMaxBN) in as many splits where that halves the grid to one CTA on at least 3/4 of
-// the SMs and at most one on each, so that the splits sum with the shared sum (sm90_split_sum_shared): the rounds
-// model prices every sum alike. Measured on the H200 against sm90_vnm_rounds_plan alone (benchmarks/RESULTS.md, "the
-// V:2:M plan with the shared sum"), GPU time (in a chain over distinct weights): 64:2:8 on 8192 -> 1024 / 4096 ->
-// 1024 / 2048 -> 2048 at 24 tokens 1.00-1.10 / 1.04-1.07 / 1.02x (1.07-1.08 / 1.07 / 1.03x), at 48 tokens 1.04-1.05 /
-// 1.14-1.15 / 1.09x (1.08-1.10 / 1.17-1.18 / 1.11x); 64:2:16 on 8192 -> 1024 at 24 / 48 tokens 0.97-1.04 / 1.10x
-// (1.04-1.05 / 1.11x). Not taken: the same widening in 4 splits (4096 -> 4096, 11008 -> 4096 at 48 tokens:
-// 0.84-0.93x), and fewer splits for the shared sum (4096 -> 4096, 5120 -> 5120, 11008 -> 4096 at M = 16 and 32, 8-24
-// tokens: 0.82-0.96x).
-constexpr int kVnmSharedMaxBN = 64, kVnmSharedMinSplits = 8;
-inline Sm90SplitPlan sm90_vnm_plan(int m, long long rows_padded, long long n_tokens, long long k_tiles, int sms) {
-  const Sm90SplitPlan p = sm90_vnm_rounds_plan(m, rows_padded, n_tokens, k_tiles, sms);
-  if (p.splits < kVnmSharedMinSplits || p.bn >= kVnmSharedMaxBN || n_tokens <= p.bn ||
-      sm90_split_sum_shared(p.tiles, p.splits, sms))
-    return p;
-  const Sm90SplitPlan wide{2 * p.bn, p.splits, sm90_tiles(rows_padded, n_tokens, 2 * p.bn)};
-  const long long ctas = wide.tiles * wide.splits;
-  return 4 * ctas >= 3 * sms && sm90_split_sum_shared(wide.tiles, wide.splits, sms) ? wide : p;
 }
 // The persistent configurations' plan: the configuration and its split-K. A work unit is a split of a tile, and the
 // CTAs, one per SM, walk the units. A configuration splits only where its tiles leave half the SMs or more idle (e.g.
@@ -420,7 +401,9 @@ inline Sm90LargePlan sm90_large_plan(long long rows_padded, long long n_tokens, 
 // kSm90SmallSharedMinKTiles where that gives more splits that sum with the shared sum (sm90_split_sum_shared; each
 // split then reads back a 1 / splits share of the partial tiles, not the last one all of them): 8192 -> 1024 and
 // 4096 -> 1024 (the grouped-query key / value projections, 8 row blocks) at 32-64 tokens in 16 / 8 splits instead of
-// 8 / 4 (benchmarks/RESULTS.md, "the shared split-K sum of the few-token tiles").
+// 8 / 4 (benchmarks/RESULTS.md, "the shared split-K sum of the few-token tiles"); 4096 -> 4096 and 5120 -> 5120 at
+// 17-64 tokens in 8 / 6 instead of 4 / 5 (256 / 240 CTAs at two per SM; 0.98-1.06x, 1.00-1.03x in a chain: "... at
+// the CTAs per SM the kernels keep resident").
 inline Sm90SplitPlan sm90_small_plan(long long rows_padded, long long n_tokens, long long k_tiles, int sms) {
   const int bn = sm90_small_bn(n_tokens);
   const Sm90SplitPlan p =
@@ -428,7 +411,7 @@ inline Sm90SplitPlan sm90_small_plan(long long rows_padded, long long n_tokens, 
   if (bn < 64) return p;
   const Sm90SplitPlan q =
       sm90_split_plan(rows_padded, n_tokens, bn, k_tiles, sms, kSm90SmallCtasPerSm, kSm90SmallSharedMinKTiles);
-  return q.splits > p.splits && sm90_split_sum_shared(q.tiles, q.splits, sms) ? q : p;
+  return q.splits > p.splits && sm90_split_sum_shared(q.tiles, q.splits, (long long)sms * kSm90SmallCtasPerSm) ? q : p;
 }
 // The 2:4 wgmma SpMM's plan (spmm_sm90.cu plan_call), each candidate made at most once: the few-token tiles
 // (sm90_small_plan) where they run, else the persistent configuration `config` and its split (sm90_large_plan).
@@ -457,7 +440,7 @@ inline Sm90Sparse24Plan sm90_sparse24_plan(long long rows_padded, long long n_to
   if (n_tokens <= kSm90FewTokensShared && large.split.splits >= kSm90FewTokenLargeMinSplits &&
       2 * large.split.tiles * large.split.splits <= sms) {
     const Sm90SplitPlan small = sm90_small_plan(rows_padded, n_tokens, k_tiles, sms);
-    if (sm90_split_sum_shared(small.tiles, small.splits, sms)) return {true, 0, small};
+    if (sm90_split_sum_shared(small.tiles, small.splits, (long long)sms * kSm90SmallCtasPerSm)) return {true, 0, small};
   }
   return {false, large.config, large.split};
 }

@@ -17,16 +17,24 @@ def test_plans_of_the_grouped_query_projection(capsys):
     # 8192 -> 1024: 8 row blocks; 2:4 k-tiles 8192 / 64 = 128, 64:2:8 (8192 / 8 / 8 = 128 steps) 64.
     # 2:4 at 24 tokens: the 64-token tile, splits of at least 8 k-tiles where the shared sum holds: 16 (8 x 16 = 128
     # CTAs). At 96: the persistent 128-token tiles would split 8 ways (16 k-tiles each) into 64 units, half the SMs, so
-    # the few-token 128-token tile, in 16 splits. 64:2:8 at 24: the rounds model's 16-token tiles in 16 splits are 256
-    # CTAs (last-split sum); the 32-token tile in 16 splits is 128: the shared sum.
+    # the few-token 128-token tile, in 16 splits. 64:2:8 at 24: the rounds model's 16-token tiles in 16 splits, 256
+    # CTAs, within the 3 x 132 the 16-token tile keeps resident: the shared sum.
     main(["--patterns", "2:4", "64:2:8", "--shapes", "8192x1024", "--tokens", "24", "96"])
     lines = [line.split("tokens: ")[1] for line in capsys.readouterr().out.splitlines()]
     assert lines == [
         "few-token 64 x 16, 128 CTAs, shared",
         "few-token 128 x 16, 128 CTAs, shared",
-        "registers 32 x 16, 128 CTAs, shared",
+        "registers 16 x 16, 256 CTAs, shared",
         "registers 128 x 16, 128 CTAs, shared",
     ]
+
+
+@needs_cxx
+def test_a_launch_past_the_resident_ctas_sums_the_last_split_way(capsys):
+    # 4104 -> 12200, 2:4 at 16 tokens: 96 tiles of 65 k-tiles on 2 x 132 slots; 5 splits (13 k-tiles each) take 2
+    # rounds of 17, 2 splits 1 of 37, 4 splits 2 of 21: 5, 480 CTAs, more than the 264 resident: the last split sums.
+    main(["--patterns", "2:4", "--shapes", "4104x12200", "--tokens", "16"])
+    assert capsys.readouterr().out.split("tokens: ")[1].strip() == "few-token 16 x 5, 480 CTAs, last"
 
 
 @needs_cxx

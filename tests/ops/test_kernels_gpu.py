@@ -506,7 +506,7 @@ def test_spmm_wgmma_split_k_is_deterministic_across_calls_shapes_and_streams(v, 
     ("v", "m", "rows", "cols", "tokens"),
     [
         # 8 row blocks (the grouped-query key / value projections' 1024 rows, here ragged): every split launch is at
-        # most 132 CTAs, so each split sums the chunks of the tile it owns (sm90_split_sum_shared)
+        # most one CTA per SM, so each split sums the chunks of the tile it owns (sm90_split_sum_shared)
         (64, 4, 1000, 8200, 16),  # 2:4 16-token tiles, ~15 splits
         (64, 4, 1000, 8200, 40),  # 2:4 64-token tiles, ~15 splits (sm90_small_plan), a ragged token tile
         (64, 4, 1024, 8192, 64),
@@ -518,14 +518,21 @@ def test_spmm_wgmma_split_k_is_deterministic_across_calls_shapes_and_streams(v, 
         (64, 4, 1000, 4104, 96),  # 2:4 128-token few-token tiles above 64 tokens (sm90_sparse24_plan), ~8 splits
         (64, 4, 1000, 4104, 150),  # ... two token tiles, the second partial
         (64, 4, 768, 3080, 100),  # ... 6 row blocks, ~6 splits
-        # 32 row blocks: 256 CTAs, so the last split of each tile to arrive sums it
-        (64, 4, 4096, 8192, 16),
-        (64, 8, 4096, 8192, 16),
+        # 32 row blocks: two or three CTAs per SM, all resident, so still the shared sum
+        (64, 4, 4096, 8192, 16),  # 2:4 16-token tiles in 8 splits, 256 CTAs at two per SM
+        (64, 4, 4000, 4104, 48),  # 2:4 64-token tiles in 8 splits of 8 k-tiles (sm90_small_plan), 256 CTAs
+        (64, 8, 4096, 8192, 16),  # V:2:M 16-token tiles in 11 splits, 352 CTAs at three per SM
+        (64, 16, 4032, 11008, 24),  # 16-token tiles in 6 splits, 384 CTAs, two token tiles
+        (64, 8, 1024, 8192, 24),  # 8 row blocks, 16-token tiles in 16 splits, 256 CTAs
+        # more CTAs than the SMs keep resident (480), so the last split of each tile to arrive sums it
+        (64, 4, 12200, 4104, 16),  # 2:4 16-token tiles in 5 splits
+        (64, 8, 12224, 8200, 40),  # V:2:M 64-token tiles in 5 splits
     ],
 )
 def test_spmm_wgmma_split_k_shared_sum_at_few_row_blocks(v, m, rows, cols, tokens):
     """Split-K of the non-persistent sparse-wgmma tiles with the chunked shared sum (every split adds up the chunks
-    of its tile that it owns, from every split's partial sums) and, on more row blocks, with the last split's sum:
+    of its tile that it owns, from every split's partial sums) at one to three CTAs per SM and, past the CTAs the SMs
+    keep resident, with the last split's sum:
     against the reference on poisoned memory with a bias, ragged rows (a last row block of one slab), K and tokens;
     the same bits on later calls
     (each chunk's partial sums are added in split order, whichever split owns it)."""

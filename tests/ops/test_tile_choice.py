@@ -309,44 +309,50 @@ VNM_PLAN_CASES = [
     ((16, 28672, 48, 32), (32, 1)),
     # 65 tokens at M = 8: the 128-token tile, one CTA per SM (224 tiles; unsplit 2 x 68 against 4 x 36)
     ((8, 28672, 65, 64), (128, 1)),
-    # ... and where that plan's 8 or more splits would sum the last-split way, tiles of twice the tokens in as many
-    # splits where the grid then holds one CTA on 99-132 of the 132 SMs (the shared sum):
-    # 8192 -> 1024, M = 8, 24 tokens: 16-token tiles in 16 splits, 256 CTAs; 32-token tiles, 8 x 16 = 128 CTAs
-    ((8, 1024, 24, 64), (32, 16)),
-    # 4096 -> 1024, M = 8, 48 tokens: 32-token tiles in 16, 256 CTAs; 64-token tiles, 128 CTAs
-    ((8, 1024, 48, 32), (64, 16)),
-    # 8192 -> 1024, M = 16, 48 tokens: the same at M = 16
-    ((16, 1024, 48, 32), (64, 16)),
-    # 3072 -> 768, M = 8, 24 tokens: 16-token tiles in 12 splits, 144 CTAs; 32-token tiles would be 72: not widened
+    # the grouped-query 8 row blocks, split 16 ways, at two or three CTAs per SM (their splits sum shared):
+    # 8192 -> 1024, M = 8, 24 tokens: 32: 8 tiles in 16, 1 x (4 + 4) = 8; 16: 16 tiles in 16 (256 CTAs, 396 slots),
+    # 1 x 8: a tie, the narrower
+    ((8, 1024, 24, 64), (16, 16)),
+    # 4096 -> 1024, M = 8, 48 tokens: 64: 8 tiles in 16, 1 x (2 + 4) x 13/8 = 9.75; 32: 16 tiles in 16 (256 CTAs,
+    # 264 slots), 1 x 6
+    ((8, 1024, 48, 32), (32, 16)),
+    # 8192 -> 1024, M = 16, 48 tokens: the 32-token tile, 16 tiles in 16 (1 x 6 against 8 splits' 1 x 8)
+    ((16, 1024, 48, 32), (32, 16)),
+    # 3072 -> 768, M = 8, 24 tokens: 16: 12 tiles in 12 (144 CTAs), 1 x (2 + 4); 32: 6 tiles in 12, 1 x 6: a tie
     ((8, 768, 24, 24), (16, 12)),
-    # 4096 -> 4096, M = 8, 48 tokens: 32-token tiles in 4 splits (fewer than 8): not widened
-    ((8, 4096, 48, 32), (32, 4)),
 ]
 
 # (rows_padded, tokens, k-tiles, SMs) -> (tile tokens, splits) of the few-token tiles (sm90_small_plan): splits of at
 # least 16 k-tiles for the 64-token tile (4 for the 16-token one), with 2 CTA slots per SM, ceil(tiles x splits / 264)
 # x (k-tiles per split + 4) the least; the 64-token tile in splits of at least 8 k-tiles where that gives more splits
-# and tiles x splits <= SMs (the shared sum).
+# and tiles x splits <= 2 x SMs (the shared sum).
 SMALL_PLAN_CASES = [
     # 8192 -> 1024 at 64 tokens, 8 tiles: 8 splits of 16 (1 x 20); of 8: 16 splits (1 x 12), 128 CTAs -> 16
     ((1024, 64, 128, 132), (64, 16)),
     # 4096 -> 1024 at 32 tokens: 4 splits of 16; of 8: 8 splits, 64 CTAs -> 8
     ((1024, 32, 64, 132), (64, 8)),
-    # 4096 -> 4096 at 64 tokens, 32 tiles: 4 splits of 16; of 8: 8 splits but 256 CTAs (the last split sums) -> 4
-    ((4096, 64, 64, 132), (64, 4)),
+    # 4096 -> 4096 at 64 tokens, 32 tiles: 4 splits of 16; of 8: 8 splits, 256 CTAs, within the 264 resident -> 8
+    ((4096, 64, 64, 132), (64, 8)),
+    # 12288 rows at 64 tokens, 96 tiles of 64 k-tiles: 2 splits of 32 (1 round of 36 against 3 splits' 2 of 26); of 8:
+    # 5 splits (2 rounds of 13 + 4), but 480 CTAs, past the 264 resident -> 2
+    ((12288, 64, 64, 132), (64, 2)),
     # 11008 -> 4096 at 64 tokens: 8 splits of 22 either way (9 or more take two rounds) -> 8
     ((4096, 64, 172, 132), (64, 8)),
     # the 16-token tile: splits of at least 4, 8 tiles x 16 in one round -> 16
     ((1024, 16, 128, 132), (16, 16)),
 ]
 
-# (tiles, splits, SMs) -> whether a split launch of non-persistent CTAs sums with the chunked shared sum
-# (sm90_split_sum_shared): split, and tiles x splits at most the SMs (every split of a tile resident at once).
+# (tiles, splits, slots: SMs x CTAs per SM resident) -> whether a split launch of non-persistent CTAs sums with the
+# chunked shared sum (sm90_split_sum_shared): split, and tiles x splits at most the slots (every split of a tile
+# resident at once).
 SHARED_SUM_CASES = [
-    ((8, 16, 132), 1),  # 8192 -> 1024, V:2:M 128-token tile in 16 splits: 128 CTAs
+    ((8, 16, 132), 1),  # 8192 -> 1024, V:2:M 128-token tile in 16 splits: 128 CTAs, one per SM
     ((8, 8, 132), 1),  # 8192 -> 1024, 2:4 64-token tile in 8 splits
     ((33, 4, 132), 1),  # exactly one CTA per SM
-    ((32, 8, 132), 0),  # 4096 rows, 16-token tile in 8 splits: 256 CTAs, two per SM (the last split sums)
+    ((32, 8, 264), 1),  # 4096 rows, 2:4 16-token tile in 8 splits: 256 CTAs, two per SM resident
+    ((32, 11, 396), 1),  # 4096 rows, V:2:M 16-token tile in 11 splits: 352 CTAs, three per SM resident
+    ((32, 8, 132), 0),  # the same 256 CTAs where one per SM is resident: the last split sums
+    ((96, 5, 264), 0),  # 12288 rows in 5 splits: 480 CTAs, past the 264 resident
     ((34, 4, 132), 0),  # one CTA over
     ((100, 1, 132), 0),  # unsplit: no sum
     ((0, 4, 132), 0),
@@ -376,7 +382,7 @@ int main(int argc, char** argv) {
     if (fn == 'X') std::printf("%d\n", hf_sparse::sm90_vnm_xt((int)a, b, (int)c, d, (int)e) ? 1 : 0);
     if (fn == 'G') std::printf("%d\n", hf_sparse::sm90_vnm_gemv((int)a, b, c, d, (int)e) ? 1 : 0);
     if (fn == 'Y') std::printf("%d\n", hf_sparse::sm90_vnm_xt_split_k(a, b, (int)c));
-    if (fn == 'H') std::printf("%d\n", hf_sparse::sm90_split_sum_shared(a, (int)b, (int)c) ? 1 : 0);
+    if (fn == 'H') std::printf("%d\n", hf_sparse::sm90_split_sum_shared(a, (int)b, c) ? 1 : 0);
     if (fn == 'D') std::printf("%d\n", hf_sparse::sm90_vnm_xt_deep_ring((int)a, (int)b, c, (int)d) ? 1 : 0);
     if (fn == 'Z') {
       const hf_sparse::Sm90SplitPlan p = hf_sparse::sm90_vnm_xt_plan(a, b, c, (int)d);
