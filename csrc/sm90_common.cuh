@@ -192,11 +192,14 @@ struct SplitK {
   // The chunks of the N accumulators at `offset` that this split owns, added up from every split's partial sums in
   // split order from zero (as sum(): the same bits either way) into acc; bit q of the result: chunk q is this
   // split's. The splits' partial sums of a chunk are loaded eight at a time, so that one round trip to the L2 serves
-  // eight of them.
+  // eight of them. The warp comes from this SplitK's thread, made after the main loop: a warp index the kernel keeps
+  // from its start would stay live through the loop, and at the register cap of the few-token tiles the loop then
+  // recomputes addresses instead (its SASS 6-10% longer).
   template <int N>
-  __device__ __forceinline__ uint32_t sum_owned(float (&acc)[N], int offset, int warp) const {
+  __device__ __forceinline__ uint32_t sum_owned(float (&acc)[N], int offset) const {
     static_assert(N % 4 == 0 && N / 4 <= 32, "one bit per chunk of four accumulators");
     constexpr int kBatch = 8;
+    const int warp = thread / 32;
     uint32_t owned = 0;
     int q = (split - (offset / 4 + warp) % splits + splits) % splits;  // the first chunk this split owns
     for (; q < N / 4; q += splits) {

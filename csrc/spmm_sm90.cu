@@ -342,7 +342,7 @@ spmm_sm90_kernel(const T* __restrict__ x, const uint4* __restrict__ values, cons
     }
     if (shared) {
 #pragma unroll
-      for (int i = 0; i < WGM; ++i) mine[i] = split.sum_owned(acc[i], i * ND, warp);
+      for (int i = 0; i < WGM; ++i) mine[i] = split.sum_owned(acc[i], i * ND);
       split.leave();
     } else {
 #pragma unroll

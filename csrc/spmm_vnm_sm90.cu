@@ -283,7 +283,7 @@ spmm_vnm_sm90_kernel(const T* __restrict__ x, const uint4* __restrict__ values, 
     split.store(acc, 0);
     if (!split.arrive(shared_sum, [] { __syncthreads(); })) return;
     if (shared_sum) {
-      mine = split.sum_owned(acc, 0, warp);
+      mine = split.sum_owned(acc, 0);
       split.leave();
     } else {
       split.sum(acc, 0);
