@@ -1080,9 +1080,9 @@ cudaError_t launch_sm90_tma_a(const SpmmArgs& a, cudaStream_t stream, int splits
     const int grid = PERSIST ? (int)std::min<long long>(units, sms) : (int)units;
     // The shared split-K sum waits for every split of a tile: only where each CTA runs one unit and the grid is at
     // most the SM count (which MPS and green contexts report as their share), one CTA per SM (shared memory), so the
-    // whole grid is resident once the GPU's other work leaves room; the split-K spin of CUTLASS's persistent kernels
-    // assumes the same.
-    const int shared_sum = has_shared_split_sum<BN, PERSIST, CLUSTER>() && splits > 1 && units <= sms;
+    // whole grid is resident once the GPU's other work leaves room (tile_config.h sm90_split_sum_shared with one slot
+    // per SM); the split-K spin of CUTLASS's persistent kernels assumes the same.
+    const int shared_sum = has_shared_split_sum<BN, PERSIST, CLUSTER>() && sm90_split_sum_shared(tiles, splits, sms);
     kernel<<<grid, kTmaThreads, smem, stream>>>(x_map, x_tail_map, a_map, e_map, y_map,
                                                 static_cast<const T*>(a.bias), static_cast<T*>(a.y), a.n_tokens,
                                                 tail_tokens, a.rows, a.rows_padded, a.steps, a.act, splits,
