@@ -3,7 +3,6 @@
     python benchmarks/timeline_xt.py [--shapes 768x3072 ...] [--patterns 128:2:8 ...] [--tokens 8192] [--json out]
     HF_SPARSE_BUILD_LAB=1 python benchmarks/timeline_xt.py ... --splits 0 1 2 4   # each split count forced
 
-
 The script sets ``HF_SPARSE_NVCC_FLAGS=-DHF_SPARSE_TIMELINE`` before the extension loads (a build of its own, cached
 beside the product's). Each persistent CTA of ``csrc/spmm_vnm_xt_sm90.cuh`` then sums SM cycles (``clock64``) over its
 work units (``XtCounter``): the producer's thread 0 in each unit's set-up before its first copy and waiting for free

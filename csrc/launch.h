@@ -1,8 +1,8 @@
 // Host helpers every kernel launcher shares: the group sizes kernels are instantiated for, the opt-in to more than
 // 48 KB of dynamic shared memory, the SM count that grid and split choices are made for, and the CTAs per SM a split
-// launch keeps resident (which its split-K sum depends on). The last three are CUDA runtime calls of a few microseconds of host time whose answer does not change, so each is made
-// once per kernel instantiation or device, not on every launch (the training step and few-token inference are
-// host-bound on slow hosts).
+// launch keeps resident (which its split-K sum depends on). The last three are CUDA runtime calls of a few
+// microseconds of host time whose answer does not change, so each is made once per kernel instantiation or device,
+// not on every launch (the training step and few-token inference are host-bound on slow hosts).
 #pragma once
 
 #include <cuda_runtime.h>

@@ -213,7 +213,7 @@ inline int sm90_split_k(long long tiles, long long k_tiles, int sms, int ctas_pe
   return (int)best;
 }
 // Whether a split launch of non-persistent CTAs (the 2:4 few-token tiles, the V:2:M register pipeline) sums its
-// partial tiles with the chunked shared sum (sm90_common.cuh SplitK::add_owned: every split adds up and stores the
+// partial tiles with the chunked shared sum (sm90_common.cuh SplitK::sum_owned: every split adds up and stores the
 // chunks of the tile it owns) instead of the last split to arrive reading every split's partial tile alone: where its
 // CTAs, tiles x splits, fit `slots`, the SMs x the CTAs per SM the kernel keeps resident, so that every split of a tile
 // is resident at once and may wait for the others. The last-split sum is one CTA reading splits x its partial tile (16

@@ -505,8 +505,8 @@ def test_spmm_wgmma_split_k_is_deterministic_across_calls_shapes_and_streams(v, 
 @pytest.mark.parametrize(
     ("v", "m", "rows", "cols", "tokens"),
     [
-        # 8 row blocks (the grouped-query key / value projections' 1024 rows, here ragged): every split launch is at
-        # most one CTA per SM, so each split sums the chunks of the tile it owns (sm90_split_sum_shared)
+        # 8 row blocks (the grouped-query key / value projections' 1024 rows, here ragged): every split launch fits
+        # the CTAs the SMs keep resident, so each split sums the chunks of the tile it owns (sm90_split_sum_shared)
         (64, 4, 1000, 8200, 16),  # 2:4 16-token tiles, ~15 splits
         (64, 4, 1000, 8200, 40),  # 2:4 64-token tiles, ~15 splits (sm90_small_plan), a ragged token tile
         (64, 4, 1024, 8192, 64),
@@ -514,7 +514,7 @@ def test_spmm_wgmma_split_k_is_deterministic_across_calls_shapes_and_streams(v, 
         (64, 8, 1024, 8192, 128),
         (64, 16, 960, 8208, 50),
         (128, 8, 1024, 8192, 20),
-        (64, 8, 960, 4096, 40),  # V:2:M 64-token tiles at 40 tokens (sm90_vnm_plan's widened tile), 16 splits
+        (64, 8, 960, 4096, 40),  # V:2:M 32-token tiles at 40 tokens in 16 splits, 256 CTAs at two per SM
         (64, 4, 1000, 4104, 96),  # 2:4 128-token few-token tiles above 64 tokens (sm90_sparse24_plan), ~8 splits
         (64, 4, 1000, 4104, 150),  # ... two token tiles, the second partial
         (64, 4, 768, 3080, 100),  # ... 6 row blocks, ~6 splits
