@@ -163,7 +163,10 @@ constexpr bool sm90_vnm_gemv(int m, long long n_tokens, long long k, long long r
 // transpose saves; the register gather was 1.03-1.18x faster at 64:2:8 and 1.14-1.39x at 64:2:16 at 65-255 tokens
 // (0.92-0.98x at 64:2:16 on 8192 -> 1024 at 192-255), while at 128:2:8 it was level (0.96-1.06x, chain 0.92-1.01x:
 // one gathered tile feeds both slabs there); benchmarks/RESULTS.md, "issue 17 item 2 on every Llama-2 projection
-// shape". At 33-64 tokens, with its 64-token tile
+// shape". At M = 8 the register gather keeps 1024 rows up to kVnmXtFewRowsMinTokensM8 tokens: at 256-511 tokens it
+// was 1.07-1.27x faster at 64:2:8 on 4096 -> 1024 and 8192 -> 1024 (chain 1.02-1.34x) but at 511 tokens on 8192 ->
+// 1024 (1.00x, chain 0.95x), while at 64:2:16 it lost from 320 tokens (0.67-0.92x; "the register pipeline on
+// 1024-row weights at 256-511 tokens"). At 33-64 tokens, with its 64-token tile
 // (kVnmXtFewBN), it is taken at M >= 16 from kVnmXtFewMinRows rows and for weights of kVnmXtFewMinWeights and more
 // (the Llama-70B 8192 <-> 28672 projections). Against the register gather's 32-token tiles at 33, 48 and 64 tokens
 // (benchmarks/RESULTS.md, "the X^T path's 64-token tile at 33-64 tokens"): 128:2:16 1.29-1.48x on the 7B/13B shapes it
@@ -174,14 +177,15 @@ constexpr bool sm90_vnm_gemv(int m, long long n_tokens, long long k, long long r
 // 1.00-1.06x at 11008 -> 4096 (45M weights each; chain 1.06-1.16x), 0.83-0.89x at 4096 -> 4096 (16.8M, not taken)
 // ("two producer warpgroups"), 1.02-1.19x on the 13B and 70B shapes ("V in the V:2:M plan"). At V = 64 the register
 // pipeline's tile is 0.99-1.09x faster than it ("two producer warpgroups").
-constexpr long long kVnmXtMinTokens = 65, kVnmXtFewMinTokens = 33, kVnmXtFewRowsMinTokens = 256;
+constexpr long long kVnmXtMinTokens = 65, kVnmXtFewMinTokens = 33, kVnmXtFewRowsMinTokens = 256,
+                    kVnmXtFewRowsMinTokensM8 = 512;
 constexpr long long kVnmXtFewMinWeights = 1LL << 27, kVnmXtFewMinWeightsV128 = 1LL << 25;
 constexpr int kVnmXtBN = 256;    // the X^T path's widest tile: 128 weight rows x 256 tokens (sm90_vnm_xt_plan)
 constexpr int kVnmXtFewBN = 64;  // its tile at 64 tokens or fewer
 constexpr int kVnmXtMinRows = 1024, kVnmXtFewMinRows = 4097;
 inline bool sm90_vnm_xt(int m, long long n_tokens, int rows, long long k, int v) {
   if (m < 8 || rows < kVnmXtMinRows) return false;
-  if (n_tokens >= kVnmXtFewRowsMinTokens) return true;
+  if (n_tokens >= (m == 8 ? kVnmXtFewRowsMinTokensM8 : kVnmXtFewRowsMinTokens)) return true;
   if (n_tokens >= kVnmXtMinTokens) return rows > kVnmXtMinRows || v >= 128;
   if (n_tokens < kVnmXtFewMinTokens) return false;
   const long long weights = (long long)rows * k;

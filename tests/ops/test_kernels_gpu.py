@@ -515,6 +515,7 @@ def test_spmm_wgmma_split_k_is_deterministic_across_calls_shapes_and_streams(v, 
         (64, 16, 960, 8208, 50),
         (128, 8, 1024, 8192, 20),
         (64, 8, 960, 4096, 40),  # V:2:M 32-token tiles at 40 tokens in 16 splits, 256 CTAs at two per SM
+        (64, 8, 1024, 8200, 300),  # M = 8 keeps 1024 rows off the X^T path below 512 tokens: 3 token tiles, 5 splits
         (64, 4, 1000, 4104, 96),  # 2:4 128-token few-token tiles above 64 tokens (sm90_sparse24_plan), ~8 splits
         (64, 4, 1000, 4104, 150),  # ... two token tiles, the second partial
         (64, 4, 768, 3080, 100),  # ... 6 row blocks, ~6 splits
@@ -548,6 +549,64 @@ def test_spmm_wgmma_split_k_shared_sum_at_few_row_blocks(v, m, rows, cols, token
     torch.cuda.synchronize()
     for y in again:
         assert torch.equal(y, first)
+
+
+_CONCURRENT_SHARED_SUMS = """
+import torch
+from hf_sparse.masks import nm_mask, vnm_mask
+from hf_sparse.ops import force_kernel, pack, spmm
+gen = torch.Generator().manual_seed(ROWS + TOKENS + M)
+w = torch.randn(ROWS, COLS, generator=gen)
+mask = nm_mask(w.abs(), 2, 4) if M == 4 else vnm_mask(w.abs(), V, 2, M)
+w, mask = torch.where(mask, w, 0.0).cuda().bfloat16(), mask.cuda()
+p = pack(w, mask, V, M)
+xs = [torch.randn(TOKENS, COLS, generator=gen).cuda().bfloat16() for _ in range(4)]
+streams = [torch.cuda.Stream(priority=0), torch.cuda.Stream(priority=-1)]
+with force_kernel(spmm="wgmma"):
+    serial = [spmm(x, p) for x in xs]
+    for s in streams:
+        s.wait_stream(torch.cuda.current_stream())
+    outs = []
+    for s in streams:  # hold both queues while the host fills them, so that their calls then run at once
+        with torch.cuda.stream(s):
+            torch.cuda._sleep(40_000_000)
+    for _ in range(50):
+        for i, x in enumerate(xs):
+            with torch.cuda.stream(streams[i % 2]):
+                outs.append((i, spmm(x, p)))
+    torch.cuda.synchronize()
+print("calls", len(outs), "differ", sum(not torch.equal(y, serial[i]) for i, y in outs))
+"""
+
+
+@pytest.mark.parametrize(
+    ("v", "m", "rows", "cols", "tokens"),
+    [
+        (64, 4, 4096, 8192, 16),  # 2:4 few-token tiles in 8 splits: 256 CTAs of the 264 two per SM keep resident
+        (64, 8, 4096, 8192, 16),  # V:2:M 16-token tiles in 11 splits: 352 CTAs of 396 at three per SM
+        (64, 4, 1024, 8192, 192),  # 2:4 persistent 128-token tiles in 8 splits: 128 CTAs, one per SM
+    ],
+)
+def test_spmm_wgmma_shared_split_sum_on_concurrent_streams(v, m, rows, cols, tokens):
+    """Launches with the shared split-K sum, whose splits wait for one another, issued on two streams of different
+    priorities at once, each grid too large for two to be resident together: part of each resident and waiting for
+    CTAs that cannot start until the other's leave would hang both, so each launch starts whole (cooperative). Every
+    call finishes and gives the bits the same calls gave one at a time. Run in a child process with a time limit, so
+    a hang fails this test instead of the test session."""
+    if not _wgmma_runs_here():
+        pytest.skip("sparse wgmma needs a cc 9.0 GPU and an sm_90a build")
+    import os
+    import subprocess
+    import sys
+
+    code = f"V, M, ROWS, COLS, TOKENS = {v}, {m}, {rows}, {cols}, {tokens}\n" + _CONCURRENT_SHARED_SUMS
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    try:
+        result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180, env=env)
+    except subprocess.TimeoutExpired:
+        pytest.fail("concurrent split-K launches did not finish in 180 s")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "calls 200 differ 0" in result.stdout, result.stdout[-2000:]
 
 
 @pytest.mark.parametrize(("v", "m"), [(64, 4), (64, 8)])
