@@ -589,8 +589,8 @@ print("calls", len(outs), "differ", sum(not torch.equal(y, serial[i]) for i, y i
 )
 def test_spmm_wgmma_shared_split_sum_on_concurrent_streams(v, m, rows, cols, tokens):
     """Launches with the shared split-K sum, whose splits wait for one another, issued on two streams of different
-    priorities at once, each grid too large for two to be resident together: part of each resident and waiting for
-    CTAs that cannot start until the other's leave would hang both, so each launch starts whole (cooperative). Every
+    priorities at once, each grid too large for two to be resident together: were the GPU to start part of each, both
+    would wait for ever for CTAs that cannot start until the other's leave (tile_config.h sm90_split_sum_shared). Every
     call finishes and gives the bits the same calls gave one at a time. Run in a child process with a time limit, so
     a hang fails this test instead of the test session."""
     if not _wgmma_runs_here():
