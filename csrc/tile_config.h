@@ -230,8 +230,8 @@ inline int sm90_split_k(long long tiles, long long k_tiles, int sms, int ctas_pe
 // 11008 -> 4096 at 32-64 tokens, 1.05-1.15x (1.05-1.09x). Where other streams share the GPU, the launch relies on
 // the GPU giving a started grid's remaining CTAs room before another grid's: such launches on two streams of
 // different priorities at once finished in every run (tests/ops/test_kernels_gpu.py, concurrent streams). A
-// cooperative launch would guarantee it, for ~4.5 us more host time per V:2:M call (benchmarks/RESULTS.md,
-// "cooperative split-K launches").
+// cooperative launch would guarantee it; it measured level in GPU time and up to ~4.5 us slower in host time per
+// V:2:M call, within this host's spread (benchmarks/RESULTS.md, "cooperative split-K launches").
 inline bool sm90_split_sum_shared(long long tiles, int splits, long long slots) {
   return splits > 1 && tiles > 0 && tiles * splits <= slots;
 }
