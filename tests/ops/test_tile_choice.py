@@ -163,15 +163,15 @@ VNM_CASES = [
 ]
 
 # (M, tokens, rows, K, V) -> whether the V:2:M sparse-wgmma SpMM takes its X^T path (X transposed): M >= 8, from 65
-# tokens and 1024 weight rows (exactly 1024 at V = 64: from 256 tokens, at M = 8 from 512); from 33 tokens at M >= 16 from 4097 rows or where rows x K >= 2^27 (134M), and at M = 8
-# where V = 128 and rows x K >= 2^25 (33.5M)
+# tokens and 1024 weight rows (exactly 1024 at V = 64: from 256 tokens, at M = 8 from 512); from 33 tokens at M >= 16
+# from 4097 rows or where rows x K >= 2^27 (134M), and at M = 8 where V = 128 and rows x K >= 2^25 (33.5M)
 VNM_XT_CASES = [
     ((8, 1024, 1024, 4096, 64), 1),
     ((16, 256, 1024, 8192, 64), 1),  # 1024 rows at V = 64 (8192 -> 1024): from 256 tokens at M >= 16
     ((16, 255, 1024, 8192, 64), 0),
     ((8, 511, 1024, 8192, 64), 0),  # ... and from 512 at M = 8
     ((8, 512, 1024, 4096, 64), 1),
-    ((8, 256, 1024, 8192, 128), 1),  # at V = 128 from 65 tokens
+    ((8, 256, 1024, 8192, 128), 1),  # M = 8's 512-token rule for 1024 rows is V = 64's only
     ((8, 65, 1024, 8192, 128), 1),  # at V = 128 from 65 tokens
     ((8, 65, 1088, 8192, 64), 1),  # 1088 rows: from 65 tokens
     ((16, 8192, 11008, 4096, 64), 1),
